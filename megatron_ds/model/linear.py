@@ -1,0 +1,71 @@
+"""A linear layer whose weight-gradient GEMM can be deferred (zero-bubble B/W split).
+
+In a B op the runtime opens a `WeightGradStore`; every linear layer then returns
+the input gradient (and its bias gradient) at once and queues the weight GEMM.
+The runtime drains the queue in the matching W op. Outside a B op the layer is
+an ordinary linear layer, computing the very same GEMMs, so a split backward is
+bit-identical to a fused one.
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+
+class WeightGradStore:
+    """The queue the current B op writes deferred weight GEMMs into (None: compute at once)."""
+    _queue = None
+
+    @classmethod
+    @contextmanager
+    def deferring(cls, queue: list):
+        previous, cls._queue = cls._queue, queue
+        try:
+            yield queue
+        finally:
+            cls._queue = previous
+
+    @staticmethod
+    def drain(queue: list):
+        for compute in queue:
+            compute()
+        queue.clear()
+
+
+def _accumulate(param, grad):
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+class _LinearFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            x_2d = x.reshape(-1, x.shape[-1])
+            queue = WeightGradStore._queue
+            if queue is None:
+                grad_weight = grad_2d.t().matmul(x_2d)
+            else:
+                queue.append(lambda: _accumulate(weight, grad_2d.t().matmul(x_2d)))
+        return grad_x, grad_weight, grad_bias
+
+
+class Linear(torch.nn.Linear):
+    """nn.Linear (same parameters, same layout) with a deferrable weight gradient."""
+
+    def forward(self, x):
+        return _LinearFunction.apply(x, self.weight, self.bias)
