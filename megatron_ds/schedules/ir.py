@@ -1,0 +1,153 @@
+"""The schedule IR of DESIGN.md: per-rank ordered lists of compute ops, and its JSON form.
+
+The JSON layout is a contract read by tools outside this package, so the field names
+and their order here follow DESIGN.md exactly.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+KINDS = ("F", "B", "W", "BW")
+
+
+class ScheduleError(ValueError):
+    """A schedule setting or op list breaks a rule; the message names the setting, value and rule."""
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    replica: int
+    stage: int
+    mb: int
+    seq: int = 0
+
+    def to_dict(self) -> dict:
+        return {"op": self.kind, "replica": self.replica, "stage": self.stage,
+                "mb": self.mb, "seq": self.seq}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Op":
+        try:
+            op = cls(str(d["op"]), int(d["replica"]), int(d["stage"]), int(d["mb"]),
+                     int(d.get("seq", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ScheduleError(f"bad op entry {d!r}: needs op, replica, stage, mb (and seq)") from exc
+        if op.kind not in KINDS:
+            raise ScheduleError(f"bad op kind {op.kind!r} in {d!r}: must be one of {', '.join(KINDS)}")
+        return op
+
+    @property
+    def unit(self) -> tuple[int, int, int, int]:
+        """The (replica, stage, mb, seq) work unit this op belongs to."""
+        return (self.replica, self.stage, self.mb, self.seq)
+
+    def label(self, seq_splits: int = 1) -> str:
+        # Short form for logs: kind, micro-batch, and the segment only when there are several.
+        text = f"{self.kind}{self.mb}"
+        return f"{text}.{self.seq}" if seq_splits > 1 else text
+
+    def __str__(self) -> str:
+        return f"{self.kind}(r{self.replica},s{self.stage},mb{self.mb},q{self.seq})"
+
+
+@dataclass
+class Schedule:
+    name: str
+    pp: int
+    micro_batches: int
+    replicas: int
+    stages: int
+    seq_splits: int
+    placement: list[list[int]]
+    ranks: list[list[Op]] = field(default_factory=list)
+
+    @property
+    def loss_stage(self) -> int:
+        return self.stages - 1
+
+    def rank_of(self, replica: int, stage: int) -> int:
+        return self.placement[replica][stage]
+
+    def chunks_on(self, rank: int) -> list[tuple[int, int]]:
+        return sorted((rep, st) for rep, row in enumerate(self.placement)
+                      for st, r in enumerate(row) if r == rank)
+
+    def local_chunk(self, rank: int, replica: int, stage: int) -> int:
+        """Index of (replica, stage) among the chunks held by `rank` (for buffers and colours)."""
+        return self.chunks_on(rank).index((replica, stage))
+
+    def ops(self) -> Iterator[tuple[int, int, Op]]:
+        """(rank, position, op) for every op of every rank."""
+        for r, lst in enumerate(self.ranks):
+            for i, op in enumerate(lst):
+                yield r, i, op
+
+    def num_ops(self) -> int:
+        return sum(len(lst) for lst in self.ranks)
+
+    def mb_replica(self) -> dict[int, int]:
+        """Which replica each micro-batch runs on (taken from its ops)."""
+        return {op.mb: op.replica for _, _, op in self.ops()}
+
+    def to_dict(self) -> dict:
+        return {
+            "schedule": self.name, "pp": self.pp, "micro_batches": self.micro_batches,
+            "replicas": self.replicas, "stages": self.stages, "seq_splits": self.seq_splits,
+            "placement": [list(row) for row in self.placement],
+            "ranks": [[op.to_dict() for op in lst] for lst in self.ranks],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        if indent is None:
+            return json.dumps(self.to_dict())
+        # One op per line keeps exported files diffable without exploding into 7 lines per op.
+        head = {k: v for k, v in self.to_dict().items() if k not in ("placement", "ranks")}
+        lines = ["{"]
+        for k, v in head.items():
+            lines.append(f'  {json.dumps(k)}: {json.dumps(v)},')
+        lines.append(f'  "placement": {json.dumps(self.placement)},')
+        lines.append('  "ranks": [')
+        for r, lst in enumerate(self.ranks):
+            ops = ",\n".join("      " + json.dumps(op.to_dict()) for op in lst)
+            tail = "," if r < len(self.ranks) - 1 else ""
+            lines.append("    [\n" + ops + "\n    ]" + tail if lst else "    []" + tail)
+        lines.append("  ]")
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        missing = [k for k in ("schedule", "pp", "micro_batches", "replicas", "stages",
+                               "seq_splits", "placement", "ranks") if k not in d]
+        if missing:
+            raise ScheduleError(f"schedule JSON lacks key(s) {', '.join(missing)}")
+        return cls(name=str(d["schedule"]), pp=int(d["pp"]), micro_batches=int(d["micro_batches"]),
+                   replicas=int(d["replicas"]), stages=int(d["stages"]),
+                   seq_splits=int(d["seq_splits"]),
+                   placement=[[int(r) for r in row] for row in d["placement"]],
+                   ranks=[[Op.from_dict(o) for o in lst] for lst in d["ranks"]])
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ScheduleError(f"schedule JSON does not parse: {exc}") from exc
+        if not isinstance(d, dict):
+            raise ScheduleError("schedule JSON must be an object")
+        return cls.from_dict(d)
+
+
+def order_text(schedule: Schedule, ranks: Iterable[int] | None = None) -> str:
+    """Per-rank op order, one line per rank ("rank0: F0 F1 B0 ..."), chunks marked with primes."""
+    k = schedule.seq_splits
+    lines = []
+    for r in (range(schedule.pp) if ranks is None else ranks):
+        chunks = schedule.chunks_on(r)
+        labels = [op.label(k) + "'" * chunks.index((op.replica, op.stage))
+                  for op in schedule.ranks[r]]
+        lines.append(f"rank{r}: " + " ".join(labels))
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""Proves an op list is runnable: complete, placed, ordered by the IR's dependencies, deadlock free."""
+from __future__ import annotations
+
+from collections import Counter
+
+from .deps import UnitIndex
+from .ir import KINDS, Schedule, ScheduleError
+
+
+def validate(schedule: Schedule) -> None:
+    """Raises ScheduleError naming the first broken rule (and the op that breaks it)."""
+    _check_shape(schedule)
+    _check_ops(schedule)
+    _check_complete(schedule)
+    index = UnitIndex(schedule)
+    _check_local_order(schedule, index)
+    _check_no_deadlock(schedule, index)
+
+
+def _check_shape(s: Schedule) -> None:
+    for key in ("pp", "micro_batches", "replicas", "stages", "seq_splits"):
+        if getattr(s, key) < 1:
+            raise ScheduleError(f"{key} must be >= 1 ({key}={getattr(s, key)})")
+    if len(s.ranks) != s.pp:
+        raise ScheduleError(f"schedule has {len(s.ranks)} rank lists for pp={s.pp}")
+    if len(s.placement) != s.replicas:
+        raise ScheduleError(f"placement has {len(s.placement)} rows for replicas={s.replicas}")
+    for rep, row in enumerate(s.placement):
+        if len(row) != s.stages:
+            raise ScheduleError(f"placement[{rep}] has {len(row)} entries for stages={s.stages}")
+        bad = [r for r in row if not 0 <= r < s.pp]
+        if bad:
+            raise ScheduleError(f"placement[{rep}] names rank {bad[0]} outside 0..{s.pp - 1}")
+
+
+def _check_ops(s: Schedule) -> None:
+    for r, i, op in s.ops():
+        where = f"rank {r} op #{i} {op}"
+        if op.kind not in KINDS:
+            raise ScheduleError(f"{where}: kind must be one of {', '.join(KINDS)}")
+        if not 0 <= op.replica < s.replicas:
+            raise ScheduleError(f"{where}: replica outside 0..{s.replicas - 1}")
+        if not 0 <= op.stage < s.stages:
+            raise ScheduleError(f"{where}: stage outside 0..{s.stages - 1}")
+        if not 0 <= op.mb < s.micro_batches:
+            raise ScheduleError(f"{where}: mb outside 0..{s.micro_batches - 1}")
+        if not 0 <= op.seq < s.seq_splits:
+            raise ScheduleError(f"{where}: seq outside 0..{s.seq_splits - 1}")
+        placed = s.rank_of(op.replica, op.stage)
+        if placed != r:
+            raise ScheduleError(f"{where}: stage {op.stage} of replica {op.replica} is placed on rank {placed}")
+
+
+def _check_complete(s: Schedule) -> None:
+    counts = Counter(op for _, _, op in s.ops())
+    for op, n in counts.items():
+        if n > 1:
+            raise ScheduleError(f"{op} appears {n} times (each op must appear once)")
+    replica_of: dict[int, int] = {}
+    for op in counts:
+        prev = replica_of.setdefault(op.mb, op.replica)
+        if prev != op.replica:
+            raise ScheduleError(f"micro-batch {op.mb} runs on replicas {prev} and {op.replica} "
+                                "(each micro-batch belongs to one replica)")
+    for mb in range(s.micro_batches):
+        if mb not in replica_of:
+            raise ScheduleError(f"micro-batch {mb} has no ops (every micro-batch 0..{s.micro_batches - 1} must run)")
+    kinds: dict[tuple, set] = {}
+    for op in counts:
+        kinds.setdefault(op.unit, set()).add(op.kind)
+    for mb, rep in sorted(replica_of.items()):
+        for stage in range(s.stages):
+            for q in range(s.seq_splits):
+                unit = (rep, stage, mb, q)
+                have = kinds.get(unit, set())
+                name = f"(replica {rep}, stage {stage}, mb {mb}, seq {q})"
+                if "F" not in have:
+                    raise ScheduleError(f"{name} has no F (every unit needs one F)")
+                if "BW" in have and have & {"B", "W"}:
+                    raise ScheduleError(f"{name} has both BW and B/W (one BW or one B plus one W)")
+                if "BW" not in have:
+                    if "B" not in have:
+                        raise ScheduleError(f"{name} has no backward (needs one BW or one B plus one W)")
+                    if "W" not in have:
+                        raise ScheduleError(f"{name} has a B but no W (a split backward needs both)")
+
+
+def _check_local_order(s: Schedule, index: UnitIndex) -> None:
+    # A dependency on the same rank listed later can never be met: say so plainly
+    # rather than reporting it as a deadlock.
+    for r, i, op in s.ops():
+        for dep in index.deps(op):
+            dr, di = index.where[dep]
+            if dr == r and di > i:
+                raise ScheduleError(f"rank {r} runs {op} (op #{i}) before its dependency {dep} (op #{di})")
+
+
+def _check_no_deadlock(s: Schedule, index: UnitIndex) -> None:
+    pos = [0] * s.pp
+    done: set = set()
+    remaining = s.num_ops()
+    while remaining:
+        progressed = False
+        for r in range(s.pp):
+            lst = s.ranks[r]
+            while pos[r] < len(lst) and all(d in done for d in index.deps(lst[pos[r]])):
+                done.add(lst[pos[r]])
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("deadlock: " + _describe_cycle(s, index, pos, done))
+
+
+def _describe_cycle(s: Schedule, index: UnitIndex, pos: list[int], done: set) -> str:
+    def waits(r: int):
+        op = s.ranks[r][pos[r]]
+        dep = next(d for d in index.deps(op) if d not in done)
+        return op, dep, index.where[dep][0]
+
+    start = next(r for r in range(s.pp) if pos[r] < len(s.ranks[r]))
+    seen: list[int] = []
+    r = start
+    while r not in seen:
+        seen.append(r)
+        r = waits(r)[2]
+    cycle = seen[seen.index(r):]
+    parts = []
+    for rr in cycle:
+        op, dep, owner = waits(rr)
+        parts.append(f"rank {rr} waits at {op} for {dep} on rank {owner}")
+    return "; ".join(parts)
