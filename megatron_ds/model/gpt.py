@@ -8,7 +8,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from .config import GPTConfig
-from .layers import Embedding, FinalNorm, TransformerLayer, lm_head
+from .layers import Embedding, FinalNorm, TiedLMHead, TransformerLayer, lm_head
 
 TIED_KEY = "embed"
 TIED_ATTR = "wte.weight"
@@ -19,7 +19,7 @@ def gpt_layer_specs(config: GPTConfig):
     return ([TiedLayerSpec(TIED_KEY, Embedding, config, 0, tied_weight_attr=TIED_ATTR)]
             + [LayerSpec(TransformerLayer, config, i) for i in range(1, L + 1)]
             + [LayerSpec(FinalNorm, config, L + 1),
-               TiedLayerSpec(TIED_KEY, Embedding, config, 0, forward_fn=lm_head, tied_weight_attr=TIED_ATTR)])
+               TiedLayerSpec(TIED_KEY, TiedLMHead, config, 0, forward_fn=lm_head, tied_weight_attr=TIED_ATTR)])
 
 
 def position_ids_like(tokens, offset: int = 0):

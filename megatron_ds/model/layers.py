@@ -45,7 +45,21 @@ class Embedding(nn.Module):
         return self.drop(self.wte(tokens) + self.wpe(position_ids))
 
 
-def lm_head(embedding: Embedding, hidden):
+class TiedLMHead(nn.Module):
+    """The LM head's copy of the word embedding, on a rank that lacks the Embedding.
+
+    It holds only `wte` (a stage without the embedding has no use for positions),
+    initialised exactly like Embedding.wte; DeepSpeed keeps the two copies tied.
+    """
+
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        with torch.no_grad():
+            self.wte.weight.normal_(0.0, config.init_method_std, generator=_generator(config, layer_idx))
+
+
+def lm_head(embedding, hidden):
     """The LM head is the word embedding, transposed (tied weights)."""
     return F.linear(hidden, embedding.wte.weight)
 

@@ -82,3 +82,9 @@ def test_segment_loss_sums_to_full_loss():
     full = gpt_loss(logits, labels)
     parts = gpt_loss(logits[:, :3], (labels[:, :3], labels.numel())) + gpt_loss(logits[:, 3:], (labels[:, 3:], labels.numel()))
     assert torch.allclose(full, parts, atol=1e-6)
+
+
+def test_tied_head_copy_starts_equal_to_the_embedding():
+    from megatron_ds.model import Embedding, TiedLMHead
+    cfg = tiny_config()
+    assert torch.equal(Embedding(cfg, 0).wte.weight, TiedLMHead(cfg, 0).wte.weight)

@@ -1,0 +1,77 @@
+"""The ds_config `pipeline` section: DeepSpeed's keys plus the schedule's, checked at start-up."""
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_ds.schedules import SCHEDULE_NAMES
+
+# Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
+DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
+                  "pipe_partitioned", "grad_partitioned", "use_reentrant"}
+STOCK = "deepspeed"
+
+
+class ConfigError(ValueError):
+    """A ds_config setting that cannot work; the message names the key, the value and the rule."""
+
+
+@dataclass
+class PipelineSettings:
+    schedule: str = STOCK
+    virtual_stages: int = 1
+    seq_splits: int = 1
+    seq_split_method: str = "balanced"
+    split_backward: bool = False
+    post_validation: bool = False
+    partition_method: str = "type:transformer"
+    trace_dir: Optional[str] = None
+
+    @property
+    def stock(self):
+        return self.schedule == STOCK
+
+
+def _int_at_least(section, key, minimum):
+    value = section.get(key, minimum)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f'ds_config "pipeline.{key}" = {value!r}: must be an integer >= {minimum}')
+    return value
+
+
+def pipeline_settings(ds_config: dict) -> PipelineSettings:
+    section = ds_config.get("pipeline", {}) or {}
+    if not isinstance(section, dict):
+        raise ConfigError(f'ds_config "pipeline" must be an object, got {section!r}')
+    ours = set(PipelineSettings.__dataclass_fields__)
+    unknown = sorted(set(section) - ours - DEEPSPEED_KEYS)
+    if unknown:
+        raise ConfigError(f'ds_config "pipeline" has unknown key(s) {unknown}; known: {sorted(ours | DEEPSPEED_KEYS)}')
+    schedule = section.get("schedule", STOCK)
+    if schedule not in (STOCK, *SCHEDULE_NAMES):
+        raise ConfigError(f'ds_config "pipeline.schedule" = {schedule!r}: unknown schedule; '
+                          f'choose one of {[STOCK, *SCHEDULE_NAMES]}')
+    method = section.get("seq_split_method", "balanced")
+    if method not in ("balanced", "even"):
+        raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
+    for key in ("split_backward", "post_validation"):
+        if not isinstance(section.get(key, False), bool):
+            raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
+    settings = PipelineSettings(
+        schedule=schedule,
+        virtual_stages=_int_at_least(section, "virtual_stages", 1),
+        seq_splits=_int_at_least(section, "seq_splits", 1),
+        seq_split_method=method,
+        split_backward=section.get("split_backward", False),
+        post_validation=section.get("post_validation", False),
+        partition_method=section.get("partition_method", "type:transformer"),
+        trace_dir=section.get("trace_dir"),
+    )
+    if settings.virtual_stages > 1 and schedule not in ("interleaved", "seq1f1b"):
+        raise ConfigError(f'ds_config "pipeline.virtual_stages" = {settings.virtual_stages}: only "interleaved" '
+                          f'and "seq1f1b" take virtual stages (schedule is {schedule!r})')
+    if settings.seq_splits > 1 and schedule != "seq1f1b":
+        raise ConfigError(f'ds_config "pipeline.seq_splits" = {settings.seq_splits}: only "seq1f1b" splits '
+                          f'the sequence (schedule is {schedule!r})')
+    if settings.partition_method not in ("uniform", "parameters") and not settings.partition_method.startswith("type:"):
+        raise ConfigError(f'ds_config "pipeline.partition_method" = {settings.partition_method!r}: '
+                          'use "uniform", "parameters" or "type:REGEX"')
+    return settings

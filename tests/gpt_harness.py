@@ -1,0 +1,141 @@
+"""Shared by the pipeline tests: a tiny GPT, deterministic micro-batches, the
+single-process reference, and the per-rank side that trains the same steps on a
+DeepSpeed pipeline engine and reports losses, gradients and weights keyed by
+(global layer index, local parameter name)."""
+import copy
+
+import torch
+
+from megatron_ds.model import GPTConfig, GPTModel, gpt_loss, position_ids_like
+
+SEQ, MBS = 16, 2
+
+
+def tiny_config(num_layers=4, **kw):
+    return GPTConfig(vocab_size=64, hidden_size=32, num_layers=num_layers, num_attention_heads=4,
+                     max_position_embeddings=SEQ, seed=11, **kw)
+
+
+def micro_batch(step, index, vocab=64):
+    """Micro-batch `index` of the global batch of optimizer step `step` (same on every rank)."""
+    g = torch.Generator().manual_seed(1000 * step + index)
+    tokens = torch.randint(0, vocab, (MBS, SEQ + 1), generator=g)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return (x, position_ids_like(x)), y
+
+
+def ds_config(pp, dp, gas, *, zero=1, clip=0.0, bf16=False, pipeline=None, lr=1e-2):
+    cfg = {"train_batch_size": MBS * gas * dp, "train_micro_batch_size_per_gpu": MBS,
+           "gradient_accumulation_steps": gas, "gradient_clipping": clip,
+           "zero_optimization": {"stage": zero}, "steps_per_print": 10 ** 9,
+           "wall_clock_breakdown": False}
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if pipeline:
+        cfg["pipeline"] = dict(pipeline)
+    return cfg
+
+
+def optimizer_for(params_by_name, lr=1e-2):
+    """AdamW with Megatron's groups: no weight decay on biases and norms."""
+    decay, no_decay = [], []
+    for name, p in params_by_name:
+        (no_decay if p.dim() == 1 else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
+    """Losses of every step, the first step's gradients, and weights after `steps` steps."""
+    model = GPTModel(config)
+    opt = optimizer_for(model.named_parameters(), lr)
+    losses, first_grads = [], None
+    n = dp * gas
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for i in range(n):
+            (x, pos), y = micro_batch(step, i, config.vocab_size)
+            loss = gpt_loss(model(x, pos), y) / n
+            loss.backward()
+            total += loss.item()
+        losses.append(total)
+        if first_grads is None:
+            first_grads = {k: p.grad.clone() for k, p in model.named_parameters_by_layer().items()}
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    weights = {k: p.detach().clone() for k, p in model.named_parameters_by_layer().items()}
+    return losses, first_grads, weights
+
+
+def layer_key(module, name):
+    """PipelineModule parameter name -> (global layer index, local name); None for the unused copy."""
+    head, rest = name.split(".", 1)
+    if head == "tied_modules":
+        key, local = rest.split(".", 1)
+        return (0, local)
+    return (int(head), rest)
+
+
+def capture_grads_before_reduce(engine, store: list):
+    """Record each local gradient (after tied-weight reduction, before the DP reduction)."""
+    from deepspeed.runtime.pipe.schedule import ReduceGrads
+    cls = type(engine)
+    original = cls._INSTRUCTION_MAP[ReduceGrads]
+
+    def capturing(self, *args, **kwargs):
+        store.append({layer_key(self.module, n): p.grad.detach().float().clone()
+                      for n, p in self.module.named_parameters() if p.grad is not None})
+        return original(self, *args, **kwargs)
+
+    cls._INSTRUCTION_MAP = {**cls._INSTRUCTION_MAP, ReduceGrads: capturing}
+
+
+def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2):
+    """Per-rank side: train `steps` steps, return losses, first-step grads and final weights."""
+    import deepspeed
+    import torch.distributed as dist
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    config = tiny_config(num_layers)
+    dp = dist.get_world_size() // pp
+    cfg = ds_config(pp, dp, gas, zero=zero, clip=clip, bf16=bf16, pipeline=pipeline, lr=lr)
+    module = build_pipeline_module(config, cfg, pp)
+    engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), lr))
+    grads = []
+    capture_grads_before_reduce(engine, grads)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    losses = []
+    for step in range(steps):
+        batches = iter([micro_batch(step, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
+        losses.append(float(engine.train_batch(batches)))
+    weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
+    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank)
+
+
+def assert_matches_reference(results, ref, *, atol=1e-5, check_weights=True):
+    ref_losses, ref_grads, ref_weights = ref
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= atol, (r["losses"], ref_losses)
+    dp = 1 + max(r["dp_rank"] for r in results)
+    seen = set()
+    for key, ref_grad in ref_grads.items():
+        by_dp = {}
+        for r in results:
+            if key in r["grads"]:
+                by_dp.setdefault(r["dp_rank"], []).append(r["grads"][key])
+        assert len(by_dp) == dp, f"no rank of some DP replica holds a gradient for {key}"
+        copies = list(zip(*by_dp.values()))  # every stage's copy of this parameter, across DP
+        for per_dp in copies:
+            mean = sum(per_dp) / dp
+            diff = (mean - ref_grad).abs().max().item()
+            assert diff <= atol, f"gradient of {key}: max abs diff {diff:.3g}"
+        seen.add(key)
+    assert seen == set(ref_grads)
+    if check_weights:
+        for key, w in ref_weights.items():
+            for r in results:
+                if key in r["weights"]:
+                    diff = (r["weights"][key] - w).abs().max().item()
+                    assert diff <= atol, f"weight {key} after {len(ref_losses)} steps: max abs diff {diff:.3g}"
