@@ -6,6 +6,7 @@ runtime in megatron_ds.pipe executes exactly these lists.
 from .ir import KINDS, Op, Schedule, ScheduleError, order_text
 from .validate import validate
 from .build import SCHEDULE_NAMES, build_schedule
+from .simulate import SimResult, simulate
 
 __all__ = ["KINDS", "Op", "Schedule", "ScheduleError", "SCHEDULE_NAMES", "build_schedule",
-           "validate", "order_text"]
+           "validate", "order_text", "simulate", "SimResult"]

@@ -54,9 +54,23 @@ def _check_common(name, pp, m, v, k, split, seq_costs) -> None:
 
 
 def _generate(name, pp, m, v, k, split, seq_costs) -> Schedule:
-    from .generators import basic
+    # seq_costs is accepted for every seq1f1b variant: the current orders do not depend on
+    # segment costs (the balanced split makes them equal), the simulator uses them.
+    from .generators import basic, bitpipe, interleaved, seq1f1b, zbv, zero_bubble
     if name == "gpipe":
         return basic.gpipe(pp, m)
     if name == "1f1b":
         return basic.one_f_one_b_schedule(pp, m)
-    raise ScheduleError(f"schedule {name!r} is not implemented yet")
+    if name == "interleaved":
+        if v > 1:
+            interleaved.check(pp, m, v, name)
+        return interleaved.interleaved(pp, m, v)
+    if name == "zb-h1":
+        return zero_bubble.zb_h1(pp, m)
+    if name == "zb-h2":
+        return zero_bubble.zb_h2(pp, m)
+    if name == "zbv":
+        return zbv.zbv(pp, m)
+    if name == "bitpipe":
+        return bitpipe.bitpipe(pp, m)
+    return seq1f1b.seq1f1b(pp, m, k, v=v, split_backward=split)

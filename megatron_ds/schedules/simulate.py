@@ -1,0 +1,154 @@
+"""Timing and memory model of a schedule: every rank runs its list in order, each op as soon as
+its dependencies are done (plus a p2p latency when they ran on another rank).
+
+Costs follow DESIGN.md: tf, tb, tw are the times of one op on one 1F1B stage (1/p of the
+model, whole sequence). An op of a schedule with S stages per replica costs p/S of that, and a
+sequence segment its share of the micro-batch (1/k, or seq_costs normalized). A cost given as
+a list is per stage of the replica and used as is (to model e.g. a heavier loss stage).
+
+Activation memory, in units of one micro-batch's activations on one 1F1B stage: F holds M_B
+until the input-gradient backward, which keeps M_W of it for W; BW frees all of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence, Union
+
+from .deps import UnitIndex
+from .ir import Op, Schedule, ScheduleError
+from .validate import validate
+
+Cost = Union[float, Sequence[float]]
+ActSize = Union[None, float, tuple, Callable[[Op], tuple]]
+
+DEFAULT_ACT = (1.0, 0.5)  # (M_B, M_W): W keeps the layer inputs, about half of M_B
+
+
+@dataclass
+class SimResult:
+    schedule: Schedule
+    start: dict[Op, float]
+    end: dict[Op, float]
+    makespan: float
+    busy: list[float]            # compute time per rank
+    bubble: list[float]          # (makespan - busy) / makespan per rank
+    bubble_ratio: float          # max over ranks
+    own_bubble: list[float]      # idle / span from the rank's own first op to its last (ZB paper's view)
+    peak_memory: list[float]     # peak activation memory per rank
+    p2p_messages: int            # cross-rank edges (activations down + gradients up)
+    p2p_sent: list[int]          # messages sent per rank
+
+    def timeline(self, rank: int) -> list[tuple[Op, float, float]]:
+        return [(op, self.start[op], self.end[op]) for op in self.schedule.ranks[rank]]
+
+    @property
+    def peak_memory_max(self) -> float:
+        return max(self.peak_memory)
+
+
+def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0, *,
+             p2p_latency: float = 0.0, seq_costs: Sequence[float] | None = None,
+             act_size: ActSize = None, check: bool = True) -> SimResult:
+    if check:
+        validate(schedule)
+    duration = _duration_fn(schedule, tf, tb, tw, seq_costs)
+    index = UnitIndex(schedule)
+    start: dict[Op, float] = {}
+    end: dict[Op, float] = {}
+    sent = [0] * schedule.pp
+    pos = [0] * schedule.pp
+    clock = [0.0] * schedule.pp
+    remaining = schedule.num_ops()
+    # Start times depend only on dependencies and the previous op of the same rank, so any
+    # order of visiting the ranks gives the same result.
+    while remaining:
+        progressed = False
+        for r, lst in enumerate(schedule.ranks):
+            while pos[r] < len(lst):
+                op = lst[pos[r]]
+                deps = index.deps(op)
+                if any(d not in end for d in deps):
+                    break
+                t = clock[r]
+                for d in deps:
+                    if index.is_message(d, op):
+                        t = max(t, end[d] + p2p_latency)
+                        sent[index.where[d][0]] += 1
+                    else:
+                        t = max(t, end[d])
+                start[op] = t
+                end[op] = clock[r] = t + duration(op)
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("simulation stalled: the op lists deadlock (run validate for details)")
+    return _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size))
+
+
+def _per_stage(value: Cost, schedule: Schedule, what: str) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value) * schedule.pp / schedule.stages] * schedule.stages
+    vals = [float(v) for v in value]
+    if len(vals) != schedule.stages:
+        raise ScheduleError(f"{what} lists {len(vals)} costs for a schedule with "
+                            f"{schedule.stages} stages per replica (give one number or one per stage)")
+    return vals
+
+
+def _seq_shares(schedule: Schedule, seq_costs: Sequence[float] | None) -> list[float]:
+    k = schedule.seq_splits
+    if seq_costs is None:
+        return [1.0 / k] * k
+    if len(seq_costs) != k or any(c <= 0 for c in seq_costs):
+        raise ScheduleError(f"seq_costs must be {k} positive numbers (seq_costs={list(seq_costs)})")
+    total = float(sum(seq_costs))
+    return [c / total for c in seq_costs]
+
+
+def _duration_fn(schedule, tf, tb, tw, seq_costs) -> Callable[[Op], float]:
+    f = _per_stage(tf, schedule, "tf")
+    b = _per_stage(tb, schedule, "tb")
+    w = _per_stage(tw, schedule, "tw")
+    share = _seq_shares(schedule, seq_costs)
+    base = {"F": f, "B": b, "W": w, "BW": [x + y for x, y in zip(b, w)]}
+    return lambda op: base[op.kind][op.stage] * share[op.seq]
+
+
+def _memory_fn(schedule: Schedule, act_size: ActSize) -> Callable[[Op], float]:
+    """Memory change of one op (positive: allocates)."""
+    if callable(act_size):
+        sizes = act_size
+    else:
+        if act_size is None:
+            m_b, m_w = DEFAULT_ACT
+        elif isinstance(act_size, (int, float)):
+            m_b, m_w = float(act_size), float(act_size) * DEFAULT_ACT[1] / DEFAULT_ACT[0]
+        else:
+            m_b, m_w = (float(x) for x in act_size)
+        scale = schedule.pp / schedule.stages / schedule.seq_splits
+        sizes = lambda _op: (m_b * scale, m_w * scale)  # noqa: E731
+    def delta(op: Op) -> float:
+        m_b, m_w = sizes(op)
+        return {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b}[op.kind]
+    return delta
+
+
+def _summarize(schedule, start, end, sent, delta) -> SimResult:
+    t0 = min(start.values())
+    makespan = max(end.values()) - t0
+    busy, bubble, own, peak = [], [], [], []
+    for lst in schedule.ranks:
+        work = sum(end[op] - start[op] for op in lst)
+        busy.append(work)
+        bubble.append((makespan - work) / makespan if makespan > 0 else 0.0)
+        span = (end[lst[-1]] - start[lst[0]]) if lst else 0.0
+        own.append((span - work) / span if span > 0 else 0.0)
+        level = top = 0.0
+        for op in lst:
+            level += delta(op)
+            top = max(top, level)
+        peak.append(top)
+    return SimResult(schedule=schedule, start=start, end=end, makespan=makespan, busy=busy,
+                     bubble=bubble, bubble_ratio=max(bubble), own_bubble=own, peak_memory=peak,
+                     p2p_messages=sum(sent), p2p_sent=sent)
