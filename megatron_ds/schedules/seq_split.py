@@ -1,0 +1,90 @@
+"""Sequence segment lengths for Seq1F1B.
+
+Under causal attention a token attends to every earlier token, so equal-length segments do
+unequal work: the last one is the most expensive. The balanced split gives every segment
+the same FLOPs, which makes the first segment the longest.
+
+FLOPs of the tokens [a, b) of one layer (per sequence, forward; backward scales alike):
+linear layers 2(4h^2 + 2h*ffn) per token (QKV, output projection and the two MLP
+matrices), attention 4h*t for the token at position t (scores and weighted sum over t
+keys), which integrates to 2h(b^2 - a^2).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .ir import ScheduleError
+
+
+def _linear_flops_per_token(hidden: int, ffn: int | None) -> float:
+    ffn = 4 * hidden if ffn is None else ffn
+    return 2.0 * (4 * hidden * hidden + 2 * hidden * ffn)
+
+
+def _span_flops(a: float, b: float, hidden: int, ffn: int | None) -> float:
+    return _linear_flops_per_token(hidden, ffn) * (b - a) + 2.0 * hidden * (b * b - a * a)
+
+
+def _check(seq_length: int, k: int, multiple: int) -> None:
+    if not isinstance(k, int) or k < 1:
+        raise ScheduleError(f"seq_splits must be a positive integer (seq_splits={k!r})")
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ScheduleError(f"segment multiple must be a positive integer (multiple={multiple!r})")
+    if k > seq_length:
+        raise ScheduleError(f"seq_splits={k} exceeds seq_length={seq_length}: "
+                            "every segment needs at least one token")
+    if k * multiple > seq_length:
+        raise ScheduleError(f"seq_length={seq_length} is too short for seq_splits={k} segments "
+                            f"in multiples of {multiple}")
+
+
+def even_segment_lengths(seq_length: int, k: int, multiple: int = 1) -> list[int]:
+    """k lengths as equal as multiples of `multiple` allow; the first absorbs any rest."""
+    _check(seq_length, k, multiple)
+    units, rest = divmod(seq_length, multiple)
+    q, extra = divmod(units, k)
+    lengths = [(q + (1 if i < extra else 0)) * multiple for i in range(k)]
+    lengths[0] += rest
+    return lengths
+
+
+def balanced_segment_lengths(seq_length: int, k: int, hidden_size: int,
+                             ffn_hidden_size: int | None = None, multiple: int = 8) -> list[int]:
+    """k lengths summing to seq_length whose segments cost the same FLOPs.
+
+    Walking from the start, each segment is the longest multiple of `multiple` whose cost
+    does not exceed 1/k of the whole sequence's; the last segment takes the rest.
+    """
+    _check(seq_length, k, multiple)
+    if hidden_size < 1:
+        raise ScheduleError(f"hidden_size must be positive (hidden_size={hidden_size})")
+    lin = _linear_flops_per_token(hidden_size, ffn_hidden_size)
+    share = _span_flops(0, seq_length, hidden_size, ffn_hidden_size) / k
+    lengths: list[int] = []
+    start = 0
+    for _ in range(k - 1):
+        # Solve 2h*b^2 + lin*b = lin*start + 2h*start^2 + share for the segment end b.
+        c = lin * start + 2.0 * hidden_size * start * start + share
+        end = (-lin + math.sqrt(lin * lin + 8.0 * hidden_size * c)) / (4.0 * hidden_size)
+        length = max(multiple, int((end - start) // multiple) * multiple)
+        lengths.append(length)
+        start += length
+    lengths.append(seq_length - start)
+    if lengths[-1] < 1:
+        raise ScheduleError(f"seq_length={seq_length} is too short for seq_splits={k} balanced "
+                            f"segments in multiples of {multiple}")
+    return lengths
+
+
+def segment_costs(lengths: Sequence[int], hidden_size: int,
+                  ffn_hidden_size: int | None = None) -> list[float]:
+    """Relative FLOPs of consecutive segments (mean 1), e.g. for simulate(seq_costs=...)."""
+    if not lengths or any(n < 1 for n in lengths):
+        raise ScheduleError(f"segment lengths must be positive (lengths={list(lengths)})")
+    costs, start = [], 0
+    for n in lengths:
+        costs.append(_span_flops(start, start + n, hidden_size, ffn_hidden_size))
+        start += n
+    mean = sum(costs) / len(costs)
+    return [c / mean for c in costs]

@@ -1,0 +1,72 @@
+import pytest
+
+from megatron_ds.schedules import Op, ScheduleError, build_schedule, simulate
+
+
+def test_op_times_1f1b():
+    res = simulate(build_schedule("1f1b", 2, 2), tf=1, tb=2, tw=1)
+    assert [(op.kind, op.mb, start, end) for op, start, end in res.timeline(1)] == [
+        ("F", 0, 1, 2), ("BW", 0, 2, 5), ("F", 1, 5, 6), ("BW", 1, 6, 9)]
+    assert res.start[Op("BW", 0, 0, 0)] == 5
+    assert res.makespan == 12
+    assert res.busy == [8, 8]
+    assert res.bubble == [pytest.approx(1 / 3)] * 2
+    # Rank 1 idles 1 unit before its first op and 3 between F1 and F0's BW on rank 0.
+    assert res.own_bubble[1] == pytest.approx(0.0)
+
+
+def test_p2p_latency_delays_cross_rank_edges_only():
+    s = build_schedule("zbv", 2, 4)
+    base = simulate(s).makespan
+    slow = simulate(s, p2p_latency=0.5)
+    # A micro-batch crosses ranks twice each way; the local V-turn on rank 1 is free.
+    assert slow.p2p_messages == 4 * 4
+    assert slow.makespan > base
+    f = simulate(build_schedule("1f1b", 3, 1), p2p_latency=0.25)
+    assert f.start[Op("F", 0, 2, 0)] == pytest.approx(2 * (1 + 0.25))
+    assert f.p2p_sent == [1, 2, 1]
+
+
+def test_per_stage_costs():
+    s = build_schedule("1f1b", 2, 4)
+    res = simulate(s, tf=[1, 2], tb=[1, 2], tw=0)
+    # The heavier last stage sets the pace: m*(2+2) plus the first stage's forward and backward.
+    assert res.makespan == 4 * 4 + 1 + 1
+    with pytest.raises(ScheduleError, match="tf lists 3 costs for a schedule with 2 stages"):
+        simulate(s, tf=[1, 1, 1])
+
+
+def test_chunked_schedules_scale_costs():
+    # Interleaved v=2: an op costs p/S = 1/2 of a 1F1B stage's.
+    res = simulate(build_schedule("interleaved", 2, 2, virtual_stages=2), tf=1, tb=1, tw=0)
+    durations = {end - start for _, start, end in res.timeline(0)}
+    assert durations == {0.5}
+
+
+def test_segment_costs_normalized():
+    s = build_schedule("seq1f1b", 1, 1, seq_splits=2)
+    res = simulate(s, tf=3, tb=3, tw=0, seq_costs=[1, 2])
+    assert [end - start for _, start, end in res.timeline(0)] == [1, 2, 2, 1]
+
+
+def test_memory_models():
+    s = build_schedule("zb-h1", 2, 2)
+    assert simulate(s, act_size=(1.0, 0.0)).peak_memory == [2.0, 1.0]
+    # Rank 1 holds W0 back: F0 (2) B0 (keeps 1) F1 (3).
+    assert simulate(s, act_size=2.0).peak_memory == [4.0, 3.0]
+    # A callable gives each op's own (M_B, M_W): here the last stage keeps logits too.
+    heavy = simulate(s, act_size=lambda op: (3.0, 0.0) if op.stage == 1 else (1.0, 0.0))
+    assert heavy.peak_memory == [2.0, 3.0]
+
+
+def test_gpipe_memory_and_bubble():
+    res = simulate(build_schedule("gpipe", 4, 8))
+    assert res.peak_memory == [8.0] * 4
+    assert res.bubble_ratio == pytest.approx(3 / 11)
+
+
+def test_rejects_invalid_schedule():
+    s = build_schedule("1f1b", 2, 2)
+    s.ranks[0].reverse()
+    with pytest.raises(ScheduleError, match="before its dependency"):
+        simulate(s)
