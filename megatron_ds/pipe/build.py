@@ -1,16 +1,24 @@
 """Build the pipelined GPT and its DeepSpeed engine from a GPTConfig and a ds_config.
 
 No schedule in the ds_config (or "deepspeed"): DeepSpeed's PipelineModule and
-stock PipelineEngine (TrainSchedule, 1F1B), unchanged - the baseline.
+stock PipelineEngine (TrainSchedule, 1F1B), unchanged - the baseline. A named
+schedule: the layers cut into its virtual stages (ChunkedPipelineModule) and run
+by ScheduleEngine.
 """
+import functools
+from contextlib import contextmanager
+
 import deepspeed
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
+from megatron_ds.schedules import ScheduleError, build_schedule
 
 from .config import ConfigError, pipeline_settings
+from .engine import ScheduleEngine
+from .module import ChunkedPipelineModule
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
 
@@ -22,17 +30,68 @@ def topology(pp: int):
     return PipeDataParallelTopology(num_pp=pp, num_dp=world // pp)
 
 
-def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0):
+def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
+    """(micro-batch size, gradient accumulation steps) from the ds_config's batch keys."""
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    tbs = ds_config.get("train_batch_size")
+    if mbs is None and tbs and gas:
+        mbs = tbs // (gas * dp)
+    if gas is None and tbs and mbs:
+        gas = tbs // (mbs * dp)
+    if not mbs or not gas:
+        raise ConfigError("ds_config needs two of train_batch_size, train_micro_batch_size_per_gpu and "
+                          "gradient_accumulation_steps to run a pipeline schedule")
+    return mbs, gas
+
+
+def check_layers(schedule, num_layers: int):
+    stages = schedule.stages
+    if stages > schedule.pp and num_layers % stages:
+        raise ConfigError(f"schedule {schedule.name!r} cuts the model into {stages} virtual stages: "
+                          f"--num-layers {num_layers} must be a multiple of {stages}")
+    if num_layers < stages:
+        raise ConfigError(f"schedule {schedule.name!r} needs at least one transformer layer per virtual stage: "
+                          f"--num-layers {num_layers} < {stages} stages")
+
+
+def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
+                          seq_length: int = None):
     settings = pipeline_settings(ds_config)
-    if not settings.stock:
-        raise ConfigError(f'schedule {settings.schedule!r} needs the megatron_ds engine, which this build lacks')
-    return PipelineModule(layers=gpt_layer_specs(config), loss_fn=gpt_loss, topology=topology(pp),
-                          partition_method=settings.partition_method,
-                          activation_checkpoint_interval=activation_checkpoint_interval,
-                          checkpointable_layers=CHECKPOINTABLE_LAYERS)
+    common = dict(layers=gpt_layer_specs(config), loss_fn=gpt_loss, topology=topology(pp),
+                  partition_method=settings.partition_method,
+                  activation_checkpoint_interval=activation_checkpoint_interval,
+                  checkpointable_layers=CHECKPOINTABLE_LAYERS)
+    if settings.stock:
+        return PipelineModule(**common)
+    mbs, gas = micro_batches_per_step(ds_config, dist.get_world_size() // pp)
+    try:
+        schedule = build_schedule(settings.schedule, pp, gas, virtual_stages=settings.virtual_stages,
+                                  seq_splits=settings.seq_splits, split_backward=settings.split_backward)
+    except ScheduleError as exc:
+        raise ConfigError(f'ds_config "pipeline": {exc}') from None
+    check_layers(schedule, config.num_layers)
+    activation_shape = (mbs, seq_length or config.max_position_embeddings, config.hidden_size)
+    return ChunkedPipelineModule(placement=schedule.placement, activation_shape=activation_shape, **common)
+
+
+@contextmanager
+def _engine_class(factory):
+    # deepspeed.initialize() picks PipelineEngine by name from its module globals.
+    original = deepspeed.PipelineEngine
+    deepspeed.PipelineEngine = factory
+    try:
+        yield
+    finally:
+        deepspeed.PipelineEngine = original
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None):
-    engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, optimizer=optimizer,
-                                           lr_scheduler=lr_scheduler, model_parameters=model_parameters)
+    kwargs = dict(model=module, config=ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                  model_parameters=model_parameters)
+    if isinstance(module, ChunkedPipelineModule):
+        with _engine_class(functools.partial(ScheduleEngine, settings=pipeline_settings(ds_config))):
+            engine, _, _, _ = deepspeed.initialize(**kwargs)
+    else:
+        engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine

@@ -1,0 +1,214 @@
+"""ScheduleEngine: a DeepSpeed PipelineEngine that runs any megatron_ds schedule.
+
+The schedule (pure data from megatron_ds.schedules) gives each rank its ordered
+ops; this engine interprets them. Activations and gradients live in per-(replica,
+stage, mb, seq) buffers; edges between ranks become isend/irecv pairs planned by
+p2p.MessagePlan, edges inside a rank are local hand-overs. Each chunk's forward
+starts from a detached leaf, so every (stage, mb, seq) has its own autograd graph
+and B, W and BW can run in any order the schedule picks. Gradient reduction,
+ZeRO-1, clipping, the optimizer step and checkpoints are DeepSpeed's own.
+"""
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from megatron_ds.model.linear import WeightGradStore
+from megatron_ds.schedules import Op, build_schedule
+
+from . import instructions as ins
+from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, outgoing
+
+
+class ScheduleEngine(PipelineEngine):
+
+    def __init__(self, *args, settings, **kwargs):
+        self.settings = settings
+        super().__init__(*args, **kwargs)
+        if self.zero_optimization_stage() != 1:
+            raise ValueError(f"schedule {settings.schedule!r} runs with ZeRO stage 1 "
+                             f"(zero_optimization.stage is {self.zero_optimization_stage()})")
+        self._plans = {}
+        self._batches = None
+        self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
+        self._local = {}  # message key -> tensor handed over between chunks of this rank
+        self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
+        self._dtype = next(self.module.parameters()).dtype
+
+    # -- schedule ------------------------------------------------------------------------------
+    def schedule_for(self, micro_batches):
+        s = self.settings
+        return build_schedule(s.schedule, self.num_stages, micro_batches, virtual_stages=s.virtual_stages,
+                              seq_splits=s.seq_splits, split_backward=s.split_backward)
+
+    def _plan(self, micro_batches, train):
+        key = (micro_batches, train)
+        if key not in self._plans:
+            sched = self.schedule_for(micro_batches)
+            op_lists = sched.ranks if train else [[op for op in ops if op.kind == "F"] for ops in sched.ranks]
+            self._plans[key] = (sched, op_lists[self.stage_id], MessagePlan(sched, op_lists))
+        return self._plans[key]
+
+    def _start(self, micro_batches, train):
+        self.sched, ops, plan = self._plan(micro_batches, train)
+        self.p2p = P2P(plan, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r), self._message_shape,
+                       self._dtype, self.device)
+        self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train)
+
+    def _train_schedule(self):
+        return self._start(self.micro_batches, train=True)
+
+    def _inference_schedule(self, micro_batches):
+        return self._start(micro_batches, train=False)
+
+    # -- data ----------------------------------------------------------------------------------
+    def set_dataiterator(self, iterator):
+        self.training_dataloader = None
+        self.data_iterator = iterator
+
+    def _needs_data(self):
+        return any(st in (0, self.sched.loss_stage) for _, st in self.module.chunks)
+
+    def _exec_load_micro_batches(self):
+        self._batches = None
+        if self._needs_data():
+            self._batches = [next(self.data_iterator) for _ in range(self.sched.micro_batches)]
+
+    def _segment(self, mb, seq):
+        if self.sched.seq_splits == 1:
+            return slice(None)
+        raise NotImplementedError("sequence segments need the segment K/V cache")
+
+    def _inputs(self, mb, seq):
+        inputs, _ = self._batches[mb]
+        cut = self._segment(mb, seq)
+        return tuple(t[:, cut].to(self.device) for t in inputs)
+
+    def _labels(self, mb, seq):
+        _, labels = self._batches[mb]
+        return labels[:, self._segment(mb, seq)].to(self.device)
+
+    def _message_shape(self, key):
+        mbs, seq, hidden = self.module.activation_shape
+        return (mbs, seq, hidden)
+
+    # -- p2p and hand-over -----------------------------------------------------------------------
+    def _emit(self, op, tensor):
+        out = outgoing(self.sched, self.stage_id, op)
+        if out is None:
+            kind = ACT if op.kind == "F" else GRAD
+            self._local[(kind, op.replica, op.stage, op.mb, op.seq)] = tensor.detach()
+        else:
+            key, dst = out
+            self.p2p.send(key, dst, tensor)
+
+    def _take(self, op):
+        key = incoming_key(op)
+        if key in self._local:
+            return self._local.pop(key)
+        return self.p2p.recv(key)
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _exec_forward_op(self, replica, stage, mb, seq):
+        op = Op("F", replica, stage, mb, seq)
+        if stage == 0:
+            x = self._inputs(mb, seq)
+        else:
+            x = self._take(op).detach().requires_grad_(self.module.training)
+        out = self.module.chunk_forward((replica, stage), x)
+        unit = (replica, stage, mb, seq)
+        if stage == self.sched.loss_stage:
+            loss = self.module.loss_fn(out, self._labels(mb, seq))
+            self._loss_sum += loss.detach().float()
+            out = loss
+        else:
+            self._emit(op, out)
+        if self.module.training:
+            self._stash[unit] = (x, out)
+
+    def _backward(self, replica, stage, mb, seq, kind):
+        unit, op = (replica, stage, mb, seq), Op(kind, replica, stage, mb, seq)
+        x, out = self._stash.pop(unit)
+        if stage == self.sched.loss_stage:
+            root, grad = self._scale_loss(out), None
+        else:
+            root, grad = out, self._take(op)
+        self._running_engine_backward = True  # DeepSpeed's post-backward hook checks this
+        try:
+            if kind == "B":
+                queue = self._wgrad.setdefault(unit, [])
+                with WeightGradStore.deferring(queue):
+                    torch.autograd.backward(root, grad)
+            else:
+                torch.autograd.backward(root, grad)
+        finally:
+            self._running_engine_backward = False
+        if stage > 0:
+            self._emit(op, x.grad)
+
+    def _scale_loss(self, loss):
+        loss = loss / self.micro_batches  # the per-micro-batch mean, as DeepSpeed's GAS scaling
+        scale = getattr(self.optimizer, "scale_if_loss", None)
+        return scale(loss) if scale else loss
+
+    def _exec_backward_op(self, replica, stage, mb, seq):
+        self._backward(replica, stage, mb, seq, "BW")
+
+    def _exec_backward_input_op(self, replica, stage, mb, seq):
+        self._backward(replica, stage, mb, seq, "B")
+
+    def _exec_backward_weight_op(self, replica, stage, mb, seq):
+        self._running_engine_backward = True
+        try:
+            WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
+        finally:
+            self._running_engine_backward = False
+
+    def _exec_finish_p2p(self):
+        self.p2p.finish()
+        leftovers = [k for k in (*self._stash, *self._wgrad)] if self.module.training else []
+        if leftovers or self._local:
+            raise RuntimeError(f"rank {self.stage_id}: schedule left work undone: {leftovers or list(self._local)}")
+        self._stash.clear()
+        self._batches = None
+
+    # -- loss ------------------------------------------------------------------------------------
+    def _aggregate_total_loss(self):
+        """Mean loss over micro-batches and DP ranks, on every rank (any rank may hold a loss stage)."""
+        loss = self._loss_sum.clone()
+        if self.is_pipe_parallel:
+            dist.all_reduce(loss, group=self.grid.get_pipe_parallel_group())
+        loss /= self.sched.micro_batches
+        self.dp_group_loss = loss.clone()
+        if self.is_data_parallel:
+            dist.all_reduce(loss, group=self.mpu.get_data_parallel_group())
+            loss /= self.dp_world_size
+        self.agg_additional_losses = None
+        return loss
+
+    def eval_batch(self, data_iter, return_logits=False, compute_loss=True, reduce_output="avg", bcast_loss=True,
+                   num_micro_batches=None):
+        if return_logits or not compute_loss or reduce_output != "avg":
+            raise ValueError("the megatron_ds engine's eval_batch returns the mean loss only")
+        self.module.eval()
+        train_iterator = self.data_iterator
+        self.set_dataiterator(data_iter)
+        try:
+            with torch.no_grad():
+                self._exec_schedule(self._inference_schedule(num_micro_batches or self.micro_batches))
+                loss = self._aggregate_total_loss()
+        finally:
+            self.set_dataiterator(train_iterator)
+            self.module.train()
+        return loss
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ins.LoadMicroBatches: _exec_load_micro_batches,
+        ins.ForwardOp: _exec_forward_op,
+        ins.BackwardOp: _exec_backward_op,
+        ins.BackwardInputOp: _exec_backward_input_op,
+        ins.BackwardWeightOp: _exec_backward_weight_op,
+        ins.FinishP2P: _exec_finish_p2p,
+    }
+

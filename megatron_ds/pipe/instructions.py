@@ -1,0 +1,57 @@
+"""A schedule's op lists as a DeepSpeed PipeSchedule: one instruction per IR op.
+
+The op kinds become instructions the engine maps to handlers, the way DeepSpeed's
+TrainSchedule yields ForwardPass/BackwardPass; the usual ReduceTiedGrads,
+ReduceGrads and OptimizerStep close a training step.
+"""
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+
+class OpInstruction(ds_schedule.PipeInstruction):
+    """Runs one IR op; kwargs replica, stage, mb, seq."""
+
+
+class LoadMicroBatches(ds_schedule.PipeInstruction):
+    """Pull this step's micro-batches from the data iterator (ranks that need data)."""
+
+
+class ForwardOp(OpInstruction):
+    pass
+
+
+class BackwardOp(OpInstruction):
+    """Full backward (BW): input and weight gradients."""
+
+
+class BackwardInputOp(OpInstruction):
+    """B: input gradients now; linear-layer weight GEMMs queued for the matching W."""
+
+
+class BackwardWeightOp(OpInstruction):
+    """W: the queued weight GEMMs."""
+
+
+class FinishP2P(ds_schedule.PipeInstruction):
+    """Wait for outstanding sends and check that every message was consumed."""
+
+
+KIND_TO_INSTRUCTION = {"F": ForwardOp, "BW": BackwardOp, "B": BackwardInputOp, "W": BackwardWeightOp}
+
+
+class OpListSchedule(ds_schedule.PipeSchedule):
+    """One rank's op list; `train` appends the gradient reduction and the optimizer step."""
+
+    def __init__(self, ops, micro_batches, stages, stage_id, train=True):
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.ops, self.train = ops, train
+
+    def steps(self):
+        yield [LoadMicroBatches()]
+        for op in self.ops:
+            yield [KIND_TO_INSTRUCTION[op.kind](replica=op.replica, stage=op.stage, mb=op.mb, seq=op.seq)]
+        yield [FinishP2P()]
+        if self.train:
+            yield [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
+
+    def num_pipe_buffers(self):
+        return 1  # the engine keeps its own per-(replica, stage, mb, seq) buffers

@@ -1,0 +1,92 @@
+"""A PipelineModule cut into a schedule's virtual stages ("chunks").
+
+DeepSpeed's PipelineModule gives each rank one contiguous slice of layers. Here
+the layers are partitioned into the schedule's S virtual stages and each rank
+builds the chunks the schedule places on it (several for interleaved and V
+schedules). One chunk at a time is exposed to PipelineModule.forward, so
+activation checkpointing, tied layers and layer checkpoint files (named by
+global layer index) work per chunk exactly as DeepSpeed does them.
+"""
+from deepspeed.pipe import PipelineModule
+
+from .config import ConfigError
+
+
+class ChunkedPipelineModule(PipelineModule):
+
+    def __init__(self, layers, placement, *, activation_shape, **kwargs):
+        """placement[replica][stage] -> pipeline rank; activation_shape: (micro batch, seq, hidden)."""
+        self.placement = [list(row) for row in placement]
+        self.activation_shape = tuple(activation_shape)
+        super().__init__(layers, **kwargs)
+
+    @property
+    def num_virtual_stages(self):
+        return len(self.placement[0])
+
+    def _partition_layers(self, method="uniform"):
+        pp, self.num_stages = self.num_stages, self.num_virtual_stages
+        try:
+            super()._partition_layers(method)
+        finally:
+            self.num_stages = pp
+        self.parts = [int(b) for b in self.parts]  # DeepSpeed returns numpy ints
+        empty = [s for s in range(self.num_virtual_stages) if self.parts[s] == self.parts[s + 1]]
+        if empty:
+            raise ConfigError(f"partition_method {method!r} leaves virtual stage(s) {empty} without layers "
+                              f"(bounds {self.parts}); use more layers or fewer stages")
+        self.chunks = sorted((rep, st) for rep, row in enumerate(self.placement)
+                             for st, rank in enumerate(row) if rank == self.stage_id)
+        self.chunk_bounds = {c: (self.parts[c[1]], self.parts[c[1] + 1]) for c in self.chunks}
+
+    def stage_owner(self, layer_idx):
+        """The pipeline rank holding layer_idx (replica 0), for DeepSpeed's tied-weight groups."""
+        for stage in range(self.num_virtual_stages):
+            if self.parts[stage] <= layer_idx < self.parts[stage + 1]:
+                return self.placement[0][stage]
+        raise ValueError(f"layer {layer_idx} is outside the partition {self.parts}")
+
+    def _build(self):
+        self.chunk_funcs, self.chunk_checkpointable = {}, {}
+        for chunk in self.chunks:
+            self._set_bounds(*self.chunk_bounds[chunk])
+            self.forward_funcs = []
+            super()._build()
+            self.chunk_funcs[chunk] = self.forward_funcs
+        self.activate(self.chunks[0])
+
+    def activate(self, chunk):
+        """Expose `chunk`'s layers as this module's forward pass."""
+        self.active_chunk = chunk
+        self.forward_funcs = self.chunk_funcs[chunk]
+        self._local_start, self._local_stop = self.chunk_bounds[chunk]
+        self.is_checkpointable_results = self.chunk_checkpointable.get(chunk, [])
+
+    def _precompute_checkpointable_values(self):
+        for chunk in self.chunks:
+            self.activate(chunk)
+            self.is_checkpointable_results_interval = None  # the parent's cache is per chunk here
+            super()._precompute_checkpointable_values()
+            self.chunk_checkpointable[chunk] = self.is_checkpointable_results
+
+    def chunk_forward(self, chunk, inputs):
+        self.activate(chunk)
+        return super().forward(inputs)
+
+    def save_state_dict(self, *args, **kwargs):
+        for chunk in self.chunks:
+            if chunk[0] == 0:  # a checkpoint holds one copy of each layer
+                self.activate(chunk)
+                super().save_state_dict(*args, **kwargs)
+
+    def load_state_dir(self, *args, **kwargs):
+        # The parent re-broadcasts tied weights after loading: a collective, so do it
+        # once here rather than once per chunk.
+        self._synchronize_tied_weights = lambda: None
+        try:
+            for chunk in self.chunks:
+                self.activate(chunk)
+                super().load_state_dir(*args, **kwargs)
+        finally:
+            del self._synchronize_tied_weights
+        self._synchronize_tied_weights()

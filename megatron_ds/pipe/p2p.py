@@ -1,0 +1,87 @@
+"""Point-to-point traffic derived from a schedule: who sends what to whom, in which order.
+
+An edge between two stages on different ranks is a message: F(s) sends its
+activation to the rank of stage s+1, B/BW(s) sends its input gradient to the
+rank of stage s-1. Sends are non-blocking (isend), so a rank only ever waits on
+a receive; the validated op order then guarantees progress. A receiver posts its
+irecvs in the order the sender issues the sends (it knows the sender's op list),
+so messages between a pair match in FIFO order on every backend - gloo's
+blocking rendezvous and NCCL's ordered streams alike - and a receive is posted
+no earlier than needed: only the messages the sender sends before it.
+"""
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+ACT, GRAD = "act", "grad"
+
+
+def outgoing(schedule, rank, op):
+    """(message key, destination rank) that `op` on `rank` sends, or None."""
+    if op.kind == "F" and op.stage < schedule.loss_stage:
+        dst = schedule.rank_of(op.replica, op.stage + 1)
+        return ((ACT, op.replica, op.stage, op.mb, op.seq), dst) if dst != rank else None
+    if op.kind in ("B", "BW") and op.stage > 0:
+        dst = schedule.rank_of(op.replica, op.stage - 1)
+        return ((GRAD, op.replica, op.stage, op.mb, op.seq), dst) if dst != rank else None
+    return None
+
+
+def incoming_key(op):
+    """The message key `op` consumes: F(s) the activation of F(s-1), B(s) the gradient of B(s+1)."""
+    if op.kind == "F":
+        return (ACT, op.replica, op.stage - 1, op.mb, op.seq)
+    return (GRAD, op.replica, op.stage + 1, op.mb, op.seq)
+
+
+class MessagePlan:
+    """For each (src, dst) pair, the messages src sends to dst, in src's op order."""
+
+    def __init__(self, schedule, op_lists):
+        self.schedule = schedule
+        self.sends = defaultdict(list)  # (src, dst) -> [key, ...]
+        self.source = {}  # key -> src rank
+        for src, ops in enumerate(op_lists):
+            for op in ops:
+                out = outgoing(schedule, src, op)
+                if out:
+                    key, dst = out
+                    self.sends[(src, dst)].append(key)
+                    self.source[key] = src
+
+
+class P2P:
+    """One rank's side of a MessagePlan for one iteration."""
+
+    def __init__(self, plan, rank, group_rank_of, shape_of, dtype, device):
+        self.plan, self.rank = plan, rank
+        self.group_rank_of = group_rank_of  # pipeline rank -> global rank
+        self.shape_of, self.dtype, self.device = shape_of, dtype, device
+        self.posted_upto = defaultdict(int)  # src -> how many of its messages to us are posted
+        self.pending_recv = {}  # key -> (work, tensor)
+        self.pending_send = []
+
+    def send(self, key, dst, tensor):
+        tensor = tensor.detach().contiguous()
+        self.pending_send.append((dist.isend(tensor, self.group_rank_of(dst)), tensor))
+
+    def recv(self, key):
+        src = self.plan.source[key]
+        expected = self.plan.sends[(src, self.rank)]
+        while key not in self.pending_recv:
+            nxt = expected[self.posted_upto[src]]
+            buf = torch.empty(self.shape_of(nxt), dtype=self.dtype, device=self.device)
+            self.pending_recv[nxt] = (dist.irecv(buf, self.group_rank_of(src)), buf)
+            self.posted_upto[src] += 1
+        work, buf = self.pending_recv.pop(key)
+        work.wait()
+        return buf
+
+    def finish(self):
+        """Wait for every send; every posted receive must have been consumed."""
+        for work, _ in self.pending_send:
+            work.wait()
+        self.pending_send.clear()
+        if self.pending_recv:
+            raise RuntimeError(f"rank {self.rank}: messages received but never used: {sorted(self.pending_recv)}")
