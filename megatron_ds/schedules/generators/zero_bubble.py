@@ -32,4 +32,14 @@ def zb_h2(pp: int, m: int) -> Schedule:
     nominal = lambda op: 0.5 if op.kind == "W" else 1.0  # noqa: E731
     skeleton.ranks = merge_queues(skeleton, fwd, bwd, nominal, caps, weights=wgt,
                                   w_caps=[2 * r for r in range(pp)])
+    # With few micro-batches (m < 2p or so) the long warm-up has nothing to overlap and
+    # ZB-H1's order is shorter; never hand out a ZB-H2 that loses to it.
+    h1 = zb_h1(pp, m)
+    if _nominal_makespan(h1) < _nominal_makespan(skeleton):
+        skeleton.ranks = h1.ranks
     return skeleton
+
+
+def _nominal_makespan(schedule: Schedule) -> float:
+    from ..simulate import simulate
+    return sum(simulate(schedule, 1.0, 1.0, tw, check=False).makespan for tw in (1.0, 0.5))

@@ -42,3 +42,12 @@ def test_twice_the_messages_of_1f1b():
 def test_few_micro_batches_still_valid(m):
     s = build_schedule("zbv", 4, m)
     assert sum(len(ops) for ops in s.ranks) == 3 * 8 * m
+
+
+@pytest.mark.parametrize("p", [4, 8])
+def test_m_equal_p_reaches_the_bound_too(p):
+    # The hand rule alone leaves (p-1)/2 chunk-forwards idle here; the greedy variant wins.
+    for costs in [(1, 1, 1), (1, 1, 0.5)]:
+        res = simulate(build_schedule("zbv", p, p), *costs)
+        assert res.makespan == p * sum(costs) + (p - 1) * costs[0] / 2
+        assert max(res.peak_memory) <= p

@@ -1,0 +1,92 @@
+"""python -m megatron_ds.schedules {export,show,compare}: a bad setting exits with code 2
+and one line naming the setting and the rule, never a traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .build import SCHEDULE_NAMES, build_schedule
+from .compare import compare_rows, format_table
+from .ir import ScheduleError
+from .render import ascii_timeline, summary_table
+from .simulate import simulate
+
+
+def _schedule_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
+    p.add_argument("--micro-batches", type=int, required=True)
+    p.add_argument("--virtual-stages", type=int, default=1, help="interleaved / seq1f1b-I chunks per rank")
+    p.add_argument("--seq-splits", type=int, default=1, help="seq1f1b sequence segments")
+    p.add_argument("--split-backward", action="store_true", help="seq1f1b with B/W split")
+
+
+def _cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tf", type=float, default=1.0, help="forward time of one 1F1B stage")
+    p.add_argument("--tb", type=float, default=1.0, help="input-grad backward time")
+    p.add_argument("--tw", type=float, default=1.0, help="weight-grad backward time")
+    p.add_argument("--p2p-latency", type=float, default=0.0)
+
+
+def _build(args) -> object:
+    return build_schedule(args.schedule, args.pp, args.micro_batches,
+                          virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
+                          split_backward=args.split_backward)
+
+
+def _export(args) -> None:
+    text = _build(args).to_json(indent=2)
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+    else:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
+
+def _show(args) -> None:
+    res = simulate(_build(args), args.tf, args.tb, args.tw, p2p_latency=args.p2p_latency)
+    print(ascii_timeline(res, width=args.width))
+    print()
+    print(summary_table(res))
+
+
+def _compare(args) -> None:
+    rows = compare_rows(args.pp, args.micro_batches, args.tf, args.tb, args.tw,
+                        p2p_latency=args.p2p_latency, virtual_stages=args.virtual_stages,
+                        seq_splits=args.seq_splits)
+    title = (f"p={args.pp} m={args.micro_batches} TF={args.tf:g} TB={args.tb:g} TW={args.tw:g} "
+             f"p2p={args.p2p_latency:g}")
+    print(format_table(rows, title))
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m megatron_ds.schedules",
+                                  description="Pipeline schedules as data.")
+    sub = top.add_subparsers(dest="command", required=True)
+    exp = sub.add_parser("export", help="write a schedule's per-rank op lists as JSON")
+    _schedule_args(exp)
+    exp.add_argument("--out", help="output file (default: stdout)")
+    exp.set_defaults(run=_export)
+    show = sub.add_parser("show", help="ASCII timeline, bubble and peak memory per rank")
+    _schedule_args(show)
+    _cost_args(show)
+    show.add_argument("--width", type=int, default=None, help="columns of the timeline")
+    show.set_defaults(run=_show)
+    cmp_ = sub.add_parser("compare", help="every schedule's makespan, bubble and memory")
+    cmp_.add_argument("--pp", type=int, required=True)
+    cmp_.add_argument("--micro-batches", type=int, required=True)
+    cmp_.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
+    cmp_.add_argument("--seq-splits", type=int, default=2, help="for seq1f1b")
+    _cost_args(cmp_)
+    cmp_.set_defaults(run=_compare)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.run(args)
+    except ScheduleError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,56 @@
+"""One table of every schedule's makespan, bubble and memory for the same p, m and costs."""
+from __future__ import annotations
+
+from .build import SCHEDULE_NAMES, build_schedule
+from .ir import ScheduleError
+from .simulate import simulate
+
+
+def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 1.0, *,
+                 p2p_latency: float = 0.0, virtual_stages: int = 2, seq_splits: int = 2,
+                 act_size=None) -> list[dict]:
+    """Simulate each schedule; a refused setting gives a row with its reason."""
+    variants = []
+    for name in SCHEDULE_NAMES:
+        if name == "interleaved":
+            variants.append((name, dict(virtual_stages=virtual_stages), f"v={virtual_stages}"))
+        elif name == "seq1f1b":
+            variants.append((name, dict(seq_splits=seq_splits), f"k={seq_splits}"))
+            variants.append((name, dict(seq_splits=seq_splits, split_backward=True),
+                             f"k={seq_splits} B/W"))
+        else:
+            variants.append((name, {}, ""))
+    rows, base = [], None
+    for name, kwargs, note in variants:
+        row = {"schedule": name, "setting": note}
+        try:
+            res = simulate(build_schedule(name, pp, m, **kwargs), tf, tb, tw,
+                           p2p_latency=p2p_latency, act_size=act_size)
+        except ScheduleError as exc:
+            row["error"] = str(exc)
+            rows.append(row)
+            continue
+        row.update(makespan=res.makespan, bubble=res.bubble_ratio, peak_memory=res.peak_memory_max,
+                   p2p=res.p2p_messages)
+        if name == "1f1b":
+            base = res.makespan
+        rows.append(row)
+    for row in rows:
+        if "makespan" in row and base:
+            row["speedup"] = base / row["makespan"]
+    return rows
+
+
+def format_table(rows: list[dict], title: str = "") -> str:
+    head = (f"{'schedule':<12} {'setting':<9} {'makespan':>9} {'bubble':>7} {'peak_mem':>9} "
+            f"{'p2p':>5} {'vs 1f1b':>8}")
+    lines = [title] if title else []
+    lines += [head, "-" * len(head)]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row['schedule']:<12} {row['setting']:<9} n/a: {row['error']}")
+            continue
+        speed = f"{row['speedup']:.3f}x" if "speedup" in row else ""
+        lines.append(f"{row['schedule']:<12} {row['setting']:<9} {row['makespan']:>9.2f} "
+                     f"{row['bubble']:>7.3f} {row['peak_memory']:>9.2f} {row['p2p']:>5} {speed:>8}")
+    return "\n".join(lines)
