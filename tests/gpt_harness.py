@@ -92,11 +92,17 @@ def capture_grads_before_reduce(engine, store: list):
     cls._INSTRUCTION_MAP = {**cls._INSTRUCTION_MAP, ReduceGrads: capturing}
 
 
+def engine_rank_runs(pp, gas, steps, pipelines, **kw):
+    """engine_rank_run for several pipeline sections in one launch (saves the start-up cost)."""
+    return [engine_rank_run(pp, gas, steps, pipeline, **kw) for pipeline in pipelines]
+
+
 def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2):
     """Per-rank side: train `steps` steps, return losses, first-step grads and final weights."""
     import deepspeed
     import torch.distributed as dist
-    deepspeed.init_distributed(dist_backend="gloo")
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     config = tiny_config(num_layers)
     dp = dist.get_world_size() // pp

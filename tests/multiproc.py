@@ -18,7 +18,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, fn, args, queue, env):
+def _entry(rank, world_size, port, fn, args, kwargs, queue, env):
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
@@ -26,17 +26,17 @@ def _entry(rank, world_size, port, fn, args, queue, env):
     torch.set_num_threads(1)
     try:
         buf = io.BytesIO()
-        torch.save(fn(*args), buf)  # bytes, not shared-memory tensors that die with this process
+        torch.save(fn(*args, **kwargs), buf)  # bytes, not shared-memory tensors that die with this process
         queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - the parent reports it
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world_size, fn, *args, timeout=300, env=None):
+def run_ranks(world_size, fn, *args, timeout=300, env=None, **kwargs):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, env or {}), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, kwargs, queue, env or {}), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
