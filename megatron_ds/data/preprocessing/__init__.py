@@ -1,0 +1,8 @@
+"""Corpus preprocessing: JSON lines (or a Hugging Face dataset) -> Megatron .bin/.idx.
+
+The tools in tools/ are thin wrappers over these modules.
+"""
+
+
+class PreprocessError(ValueError):
+    """Bad input or flags for preprocessing; the message names what and why."""

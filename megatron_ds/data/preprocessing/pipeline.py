@@ -1,0 +1,93 @@
+"""tools/preprocess_data.py: one reader, a pool of tokenizing workers, one writer per key.
+
+Records are handed to the workers in order and their results come back in
+order (Pool.imap), so the output does not depend on --workers.
+"""
+import multiprocessing
+import sys
+
+from ..indexed_dataset import IndexedDatasetError, best_fitting_dtype, make_builder
+from ..tokenizer import TokenizerError, build_tokenizer
+from . import PreprocessError
+from .args import check_args, output_prefix_for
+from .encoder import Encoder, encode_in_worker, set_worker_encoder
+from .progress import Progress
+from .reader import open_source
+
+EXPECTED_ERRORS = (PreprocessError, TokenizerError, IndexedDatasetError, OSError)
+
+
+def prepare(args):
+    """Validated args -> (source, encoder, tokenizer); no output touched yet."""
+    check_args(args)
+    source = open_source(args.input, args.json_keys, args.input_reader, args.split)
+    tokenizer = build_tokenizer(args)
+    # The unpadded vocabulary decides the dtype, as Megatron's preprocess_data does.
+    encoder = Encoder(tokenizer, args.json_keys, args.append_eod, best_fitting_dtype(tokenizer.vocab_size))
+    return source, encoder, tokenizer
+
+
+def fork_pool(workers, encoder):
+    set_worker_encoder(encoder)
+    # fork: workers inherit the tokenizer instead of rebuilding or unpickling it.
+    return multiprocessing.get_context("fork").Pool(workers)
+
+
+def write_records(records, encoder, prefixes, progress, workers=1, chunk_size=25):
+    """Tokenize `records` and write one dataset per key at `prefixes[key]` (atomically)."""
+    builders = {key: make_builder(prefix + ".bin", "mmap", dtype=encoder.dtype)
+                for key, prefix in prefixes.items()}
+    pool = None
+    try:
+        if workers > 1:
+            pool = fork_pool(workers, encoder)
+            results = pool.imap(encode_in_worker, records, chunk_size)
+        else:
+            results = map(encoder.encode, records)
+        for nbytes, docs in results:
+            for key, ids in docs.items():
+                if ids is not None:
+                    builders[key].add_item(ids)
+                    builders[key].end_document()
+            progress.update(1, nbytes)
+        for key, prefix in prefixes.items():
+            builders[key].finalize(prefix + ".idx")
+    except BaseException:
+        for builder in builders.values():
+            builder.abort()
+        raise
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+
+def run(args):
+    source, encoder, _ = prepare(args)
+    prefixes = {key: output_prefix_for(args, key) for key in args.json_keys}
+    print(f"Tokenizing {args.input} with {args.workers} worker(s) into "
+          f"{', '.join(p + '.{bin,idx}' for p in prefixes.values())}", file=sys.stderr, flush=True)
+    progress = Progress(source.total_bytes, source.total_docs, args.log_interval)
+    try:
+        write_records(source.records(), encoder, prefixes, progress, args.workers, args.chunk_size)
+    except BaseException:
+        progress.close(summary=False)
+        raise
+    return progress.close()
+
+
+def main(argv=None, parser_factory=None, runner=None):
+    """CLI wrapper: expected errors become one line on stderr and exit status 1."""
+    from .args import build_parser
+    parser = (parser_factory or (lambda: build_parser("Tokenize a corpus into Megatron .bin/.idx.")))()
+    args = parser.parse_args(argv)
+    try:
+        (runner or run)(args)
+    except EXPECTED_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; no output was written", file=sys.stderr)
+        return 130
+    return 0
+
