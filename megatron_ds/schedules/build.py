@@ -62,8 +62,9 @@ def _generate(name, pp, m, v, k, split, seq_costs) -> Schedule:
     if name == "1f1b":
         return basic.one_f_one_b_schedule(pp, m)
     if name == "interleaved":
-        if v > 1:
-            interleaved.check(pp, m, v, name)
+        if v == 1:  # one chunk per rank is plain 1F1B, as in Megatron
+            return basic.one_f_one_b_schedule(pp, m, name="interleaved")
+        interleaved.check(pp, m, v, name)
         return interleaved.interleaved(pp, m, v)
     if name == "zb-h1":
         return zero_bubble.zb_h1(pp, m)

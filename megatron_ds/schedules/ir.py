@@ -44,11 +44,6 @@ class Op:
         """The (replica, stage, mb, seq) work unit this op belongs to."""
         return (self.replica, self.stage, self.mb, self.seq)
 
-    def label(self, seq_splits: int = 1) -> str:
-        # Short form for logs: kind, micro-batch, and the segment only when there are several.
-        text = f"{self.kind}{self.mb}"
-        return f"{text}.{self.seq}" if seq_splits > 1 else text
-
     def __str__(self) -> str:
         return f"{self.kind}(r{self.replica},s{self.stage},mb{self.mb},q{self.seq})"
 
@@ -78,6 +73,16 @@ class Schedule:
     def local_chunk(self, rank: int, replica: int, stage: int) -> int:
         """Index of (replica, stage) among the chunks held by `rank` (for buffers and colours)."""
         return self.chunks_on(rank).index((replica, stage))
+
+    def op_label(self, rank: int, op: Op) -> str:
+        """Short label for logs and pictures: kind and micro-batch (".q" when the sequence is
+        split), one prime per earlier chunk of the same replica on the rank (a V's second
+        leg: F3'), lower case for replica 1 of a bidirectional schedule."""
+        mine = sorted(st for rep, st in self.chunks_on(rank) if rep == op.replica)
+        text = (op.kind if op.replica == 0 else op.kind.lower()) + str(op.mb)
+        if self.seq_splits > 1:
+            text += f".{op.seq}"
+        return text + "'" * mine.index(op.stage)
 
     def ops(self) -> Iterator[tuple[int, int, Op]]:
         """(rank, position, op) for every op of every rank."""
@@ -142,12 +147,8 @@ class Schedule:
 
 
 def order_text(schedule: Schedule, ranks: Iterable[int] | None = None) -> str:
-    """Per-rank op order, one line per rank ("rank0: F0 F1 B0 ..."), chunks marked with primes."""
-    k = schedule.seq_splits
+    """Per-rank op order, one line per rank ("rank0: F0 F1 BW0 ..."), labels as op_label."""
     lines = []
     for r in (range(schedule.pp) if ranks is None else ranks):
-        chunks = schedule.chunks_on(r)
-        labels = [op.label(k) + "'" * chunks.index((op.replica, op.stage))
-                  for op in schedule.ranks[r]]
-        lines.append(f"rank{r}: " + " ".join(labels))
+        lines.append(f"rank{r}: " + " ".join(schedule.op_label(r, op) for op in schedule.ranks[r]))
     return "\n".join(lines)

@@ -1,8 +1,8 @@
 """Pictures of a simulated schedule: ASCII for logs, PNG/SVG timelines via matplotlib.
 
-Labels: kind and micro-batch (".q" segment when the sequence is split), one prime per
-later chunk of the same replica on the rank (ZB-V's and BitPipe's second leg: F3'), and
-lower-case letters for replica 1 of a bidirectional schedule.
+Labels are Schedule.op_label's: kind and micro-batch (".q" segment when the sequence is
+split), one prime per earlier chunk of the same replica on the rank (ZB-V's and BitPipe's
+second leg: F3'), lower-case letters for replica 1 of a bidirectional schedule.
 """
 from __future__ import annotations
 
@@ -11,12 +11,7 @@ from .simulate import SimResult
 
 
 def op_label(schedule: Schedule, rank: int, op: Op) -> str:
-    mine = sorted(st for rep, st in schedule.chunks_on(rank) if rep == op.replica)
-    text = op.kind if op.replica == 0 else op.kind.lower()
-    text += str(op.mb)
-    if schedule.seq_splits > 1:
-        text += f".{op.seq}"
-    return text + "'" * mine.index(op.stage)
+    return schedule.op_label(rank, op)
 
 
 def ascii_timeline(result: SimResult, width: int | None = None, max_width: int = 400) -> str:

@@ -73,3 +73,30 @@ def test_rejects_wrong_shape():
     s.ranks.append([])
     with pytest.raises(ScheduleError, match="3 rank lists for pp=2"):
         validate(s)
+
+
+def test_rejects_split_backward_before_its_forward():
+    s = build_schedule("zb-h1", 2, 2)
+    ops = s.ranks[0]
+    b = ops.index(Op("B", 0, 0, 1))
+    s.ranks[0] = [ops[b]] + ops[:b] + ops[b + 1:]
+    with pytest.raises(ScheduleError, match=r"rank 0 runs B\(r0,s0,mb1,q0\) \(op #0\) before its dependency F\(r0,s0,mb1,q0\)"):
+        validate(s)
+
+
+def test_accepts_waits_but_rejects_a_cycle_with_split_backward():
+    # Rank 0 wants mb 1's input gradient before mb 0's, rank 1 sends them in the other
+    # order and holds mb 1's forward until mb 0's backward: a cycle through three ops.
+    s = build_schedule("zb-h1", 2, 2)
+    s.ranks[0] = [Op("F", 0, 0, 0), Op("F", 0, 0, 1), Op("B", 0, 0, 1), Op("B", 0, 0, 0),
+                  Op("W", 0, 0, 0), Op("W", 0, 0, 1)]
+    s.ranks[1] = [Op("F", 0, 1, 0), Op("B", 0, 1, 0), Op("F", 0, 1, 1), Op("B", 0, 1, 1),
+                  Op("W", 0, 1, 0), Op("W", 0, 1, 1)]
+    validate(s)   # legal: rank 0 just waits for mb 1's gradient
+    s.ranks[1] = [Op("F", 0, 1, 1), Op("B", 0, 1, 1), Op("W", 0, 1, 1),
+                  Op("F", 0, 1, 0), Op("B", 0, 1, 0), Op("W", 0, 1, 0)]
+    validate(s)   # also legal: rank 1 simply serves mb 1 first
+    s.ranks[0] = [Op("F", 0, 0, 0), Op("B", 0, 0, 0), Op("F", 0, 0, 1), Op("B", 0, 0, 1),
+                  Op("W", 0, 0, 0), Op("W", 0, 0, 1)]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(s)
