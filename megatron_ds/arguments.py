@@ -1,0 +1,405 @@
+"""Command-line flags (Megatron-DeepSpeed names), their validation, and the ds_config.
+
+parse_args() needs neither torch nor a process group: a bad flag or a ds_config
+that contradicts the flags fails in a fraction of a second with one message
+(ArgumentsError) that names both values, before any rank starts talking.
+
+The world size comes from the launcher's environment (WORLD_SIZE, or SLURM_NTASKS
+under a bare srun); data-parallel size = world / pipeline-parallel size.
+
+Batch sizes: global batch = micro-batch x gradient-accumulation steps x data
+parallel size. The flags and the ds_config keys "train_micro_batch_size_per_gpu",
+"gradient_accumulation_steps" and "train_batch_size" may each be given or left
+out; what is missing is derived, what is given must agree.
+"""
+import argparse
+import json
+import os
+
+
+class ArgumentsError(ValueError):
+    """A flag, or a flag/ds_config pair, that cannot work. The message says which and why."""
+
+
+DS_DEFAULT_STEPS_PER_PRINT = 10 ** 9  # Megatron prints its own iteration lines
+
+
+def _int_list(text):
+    return [int(x.replace("_", "")) for x in text]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False,
+                                description="Pretrain a GPT with DeepSpeed pipeline parallelism and ZeRO-1.")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--pad-vocab-size-to", type=int, default=None)
+
+    g = p.add_argument_group("batch and training length")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples (Megatron)")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None, help="save and exit when iteration %% N == 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None)
+    g.add_argument("--kill-switch-path", default=None, help="save and exit as soon as this file exists")
+
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["linear", "cosine", "constant"], default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--override-lr-scheduler", action="store_true",
+                   help="on --load, take the lr schedule from the flags, not the checkpoint")
+    g.add_argument("--use-checkpoint-lr-scheduler", action="store_true",
+                   help="on --load, take the lr schedule from the checkpoint (the default when they agree)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=None, help="default 1.0 (ds_config gradient_clipping)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+    g = p.add_argument_group("precision and memory")
+    g.add_argument("--bf16", action="store_true", default=None)
+    g.add_argument("--fp16", action="store_true", default=None)
+    g.add_argument("--checkpoint-activations", action="store_true")
+    g.add_argument("--checkpoint-num-layers", type=int, default=1)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None, help="PREFIX, or W1 PREFIX1 W2 PREFIX2 ...")
+    g.add_argument("--split", default="969, 30, 1")
+    g.add_argument("--data-impl", default="mmap", choices=["mmap", "infer"])
+    g.add_argument("--mmap-warmup", action="store_true")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank (Megatron: 2)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "PretrainedFromHF"])
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-name-or-path", default=None)
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only; iteration, optimizer, lr schedule and data position start afresh")
+
+    g = p.add_argument_group("evaluation and logging")
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--codecarbon-dir", default=None)
+    g.add_argument("--codecarbon-country-iso-code", default="FRA",
+                   help="codecarbon's offline tracker needs the country of the machine (BigScience: FRA)")
+    g.add_argument("--metrics-file", default=None,
+                   help="append one JSON line per iteration (exact loss, lr, grad norm) from the last rank")
+    g.add_argument("--loss-curve", default=None,
+                   help="PNG of the loss curve written at the end (default: TENSORBOARD_DIR/loss_curve.png)")
+
+    g = p.add_argument_group("parallelism and DeepSpeed")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl when CUDA is available, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that waits longer than this fails (a dead peer never hangs a rank forever)")
+    g.add_argument("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed compatibility; always on")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
+    g.add_argument("--zero-stage", type=int, default=None)
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="set by the deepspeed launcher")
+    return p
+
+
+def parse_args(argv=None, env=None):
+    """Parse and validate; returns the Namespace with args.ds_config (a dict DeepSpeed can take)."""
+    env = os.environ if env is None else env
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed its usage line and message
+        raise SystemExit(2 if e.code else 0) from None
+    args.rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+    args.world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+    validate_args(args)
+    return args
+
+
+def _err(msg):
+    raise ArgumentsError(msg)
+
+
+def validate_args(args):
+    _validate_model(args)
+    _validate_parallel(args)
+    ds_config = read_ds_config(args.deepspeed_config)
+    merge_ds_config(args, ds_config)
+    _validate_training_length(args)
+    _validate_lr(args)
+    _validate_data_and_io(args)
+
+
+def _positive(args, *names):
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            _err(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def _validate_model(args):
+    _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
+              "max_position_embeddings", "micro_batch_size", "global_batch_size", "train_iters",
+              "train_samples", "log_interval", "eval_interval", "save_interval", "exit_interval",
+              "checkpoint_num_layers", "make_vocab_size_divisible_by")
+    if args.hidden_size % args.num_attention_heads:
+        _err(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
+             f"{args.num_attention_heads}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        _err(f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length {args.seq_length}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            _err(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
+    if args.eval_iters < 0:
+        _err(f"--eval-iters must be >= 0, got {args.eval_iters}")
+
+
+def _validate_parallel(args):
+    if args.tensor_model_parallel_size != 1:
+        _err(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: only 1 is supported "
+             "(pipeline and data parallelism only)")
+    pp = args.pipeline_model_parallel_size
+    if pp < 1 or args.world_size % pp:
+        _err(f"--pipeline-model-parallel-size {pp} must divide the world size {args.world_size} "
+             "(the number of processes the launcher started)")
+    if args.num_layers < pp:
+        _err(f"--num-layers {args.num_layers} is smaller than --pipeline-model-parallel-size {pp}: "
+             "every pipeline stage needs at least one transformer layer")
+    args.data_parallel_size = args.world_size // pp
+
+
+def read_ds_config(path):
+    if path is None:
+        return {}
+    if not os.path.isfile(path):
+        _err(f"--deepspeed_config {path}: file not found")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        _err(f"--deepspeed_config {path}: not valid JSON: {e}")
+    if not isinstance(config, dict):
+        _err(f"--deepspeed_config {path}: must hold a JSON object")
+    return config
+
+
+def _pick(args, flag, flag_value, key, config_value, default):
+    """One setting given as a flag and/or a ds_config key: they must agree."""
+    src = args.deepspeed_config
+    if flag_value is not None and config_value is not None and flag_value != config_value:
+        _err(f"{flag} {flag_value} disagrees with ds_config \"{key}\" = {config_value} in {src}; "
+             f"give one of them, or make them equal")
+    if flag_value is not None:
+        return flag_value
+    return config_value if config_value is not None else default
+
+
+def merge_ds_config(args, ds_config):
+    """Reconcile the flags with the ds_config; fill what is missing. Sets args.ds_config."""
+    src = args.deepspeed_config or "(no --deepspeed_config)"
+    for key in ("optimizer", "scheduler"):
+        if key in ds_config:
+            _err(f"ds_config \"{key}\" in {src}: remove it; pretrain_gpt.py builds the optimizer and the "
+                 "lr schedule from --optimizer/--lr/--adam-*/--lr-decay-* (Megatron-DeepSpeed convention)")
+    dp = args.data_parallel_size
+    cfg = dict(ds_config)
+
+    mbs = _pick(args, "--micro-batch-size", args.micro_batch_size, "train_micro_batch_size_per_gpu",
+                cfg.get("train_micro_batch_size_per_gpu"), None)
+    if mbs is None:
+        _err("--micro-batch-size is required (or ds_config \"train_micro_batch_size_per_gpu\")")
+    cfg_gbs, cfg_gas = cfg.get("train_batch_size"), cfg.get("gradient_accumulation_steps")
+    if cfg_gbs is None and cfg_gas is not None:
+        cfg_gbs = cfg_gas * mbs * dp
+    gbs = args.global_batch_size
+    if gbs is not None and cfg_gbs is not None and gbs != cfg_gbs:
+        via = ("train_batch_size" if "train_batch_size" in cfg
+               else f"gradient_accumulation_steps x micro-batch x data-parallel = {cfg_gas} x {mbs} x {dp}")
+        _err(f"--global-batch-size {gbs} disagrees with ds_config \"{via}\" = {cfg_gbs} in {src}")
+    gbs = gbs if gbs is not None else (cfg_gbs if cfg_gbs is not None else mbs * dp)
+    if gbs % (mbs * dp):
+        _err(f"global batch size {gbs} is not divisible by micro-batch size {mbs} x data-parallel size {dp} "
+             f"(world {args.world_size} / pipeline {args.pipeline_model_parallel_size})")
+    gas = gbs // (mbs * dp)
+    if cfg_gas is not None and cfg_gas != gas:
+        _err(f"ds_config \"gradient_accumulation_steps\" = {cfg_gas} in {src} disagrees with global batch "
+             f"{gbs} / (micro-batch {mbs} x data-parallel {dp}) = {gas}")
+    args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = mbs, gbs, gas
+    cfg.update(train_micro_batch_size_per_gpu=mbs, train_batch_size=gbs, gradient_accumulation_steps=gas)
+
+    clip = _pick(args, "--clip-grad", args.clip_grad, "gradient_clipping", cfg.get("gradient_clipping"), 1.0)
+    args.clip_grad = cfg["gradient_clipping"] = float(clip)
+
+    zero = dict(cfg.get("zero_optimization") or {})
+    stage = _pick(args, "--zero-stage", args.zero_stage, "zero_optimization.stage", zero.get("stage"), 1)
+    if stage not in (0, 1):
+        _err(f"ZeRO stage {stage} (--zero-stage / ds_config \"zero_optimization.stage\"): DeepSpeed's pipeline "
+             "engine supports stages 0 and 1 only")
+    zero["stage"] = args.zero_stage = stage
+    cfg["zero_optimization"] = zero
+
+    for name in ("bf16", "fp16"):
+        section = dict(cfg.get(name) or {})
+        enabled = section.get("enabled")
+        if getattr(args, name) and enabled is False:
+            _err(f"--{name} disagrees with ds_config \"{name}.enabled\" = false in {src}")
+        on = bool(getattr(args, name) or enabled)
+        setattr(args, name, on)
+        if on or name in cfg:
+            section["enabled"] = on
+            cfg[name] = section
+    if args.bf16 and args.fp16:
+        _err("--bf16 and --fp16 (or ds_config bf16/fp16 both enabled): choose one")
+    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+    cfg.setdefault("steps_per_print", DS_DEFAULT_STEPS_PER_PRINT)
+    cfg.setdefault("wall_clock_breakdown", False)
+    try:  # the "pipeline" section (schedule and its keys) is checked by the engine's own rules
+        from megatron_ds.pipe.config import ConfigError, pipeline_settings
+    except ImportError:  # pragma: no cover - the pipe package imports deepspeed lazily only via build
+        pipeline_settings = None
+    if pipeline_settings is not None:
+        try:
+            args.pipeline_settings = pipeline_settings(cfg)
+        except ConfigError as e:
+            _err(f"{src}: {e}")
+    args.activation_checkpoint_interval = args.checkpoint_num_layers if args.checkpoint_activations else 0
+    args.ds_config = cfg
+
+
+def _validate_training_length(args):
+    if (args.train_iters is None) == (args.train_samples is None):
+        _err("give exactly one of --train-iters and --train-samples")
+    if args.rampup_batch_size is not None:
+        try:
+            start, inc, samples = _int_list(args.rampup_batch_size)
+        except ValueError:
+            _err(f"--rampup-batch-size {' '.join(args.rampup_batch_size)}: three integers START INCREMENT SAMPLES")
+        if args.train_iters is not None:
+            _err("--rampup-batch-size needs sample-based training (--train-samples), as in Megatron")
+        step = args.micro_batch_size * args.data_parallel_size
+        if start <= 0 or inc <= 0 or samples <= 0:
+            _err(f"--rampup-batch-size {start} {inc} {samples}: all three must be positive")
+        if start > args.global_batch_size:
+            _err(f"--rampup-batch-size start {start} exceeds the global batch size {args.global_batch_size}")
+        if (args.global_batch_size - start) % inc:
+            _err(f"--rampup-batch-size: global batch {args.global_batch_size} - start {start} must be a "
+                 f"multiple of the increment {inc}")
+        if start % step or inc % step:
+            _err(f"--rampup-batch-size start {start} and increment {inc} must be multiples of micro-batch "
+                 f"{args.micro_batch_size} x data-parallel {args.data_parallel_size} = {step}")
+        settings = getattr(args, "pipeline_settings", None)
+        if settings is not None and not settings.stock:
+            _err(f"--rampup-batch-size needs DeepSpeed's stock schedule: schedule {settings.schedule!r} is "
+                 "planned for a fixed number of micro-batches per step")
+        args.rampup_batch_size = [start, inc, samples]
+    from megatron_ds.batch_schedule import BatchSizeSchedule
+    args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)
+    if args.train_samples is not None:
+        args.train_iters = args.batch_schedule.iterations_for(args.train_samples)
+        if args.train_iters < 1:
+            _err(f"--train-samples {args.train_samples} is less than one global batch ({args.global_batch_size})")
+    else:
+        args.train_samples = args.batch_schedule.samples_after(args.train_iters)
+
+
+def _validate_lr(args):
+    if args.lr is None:
+        _err("--lr is required")
+    if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
+        _err(f"need 0 <= --min-lr ({args.min_lr}) <= --lr ({args.lr})")
+    if args.override_lr_scheduler and args.use_checkpoint_lr_scheduler:
+        _err("--override-lr-scheduler and --use-checkpoint-lr-scheduler are mutually exclusive")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        _err("--lr-warmup-fraction excludes --lr-warmup-iters and --lr-warmup-samples")
+    if args.lr_warmup_fraction is not None and not 0.0 <= args.lr_warmup_fraction < 1.0:
+        _err(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+    if args.lr_decay_iters is not None and args.lr_decay_samples is not None:
+        _err("--lr-decay-iters and --lr-decay-samples are mutually exclusive")
+    if args.lr_warmup_iters and args.lr_warmup_samples:
+        _err("--lr-warmup-iters and --lr-warmup-samples are mutually exclusive")
+    if args.rampup_batch_size is not None and (args.lr_decay_iters is not None or args.lr_warmup_iters):
+        _err("with --rampup-batch-size the lr schedule is counted in samples: use --lr-decay-samples / "
+             "--lr-warmup-samples (or --lr-warmup-fraction)")
+    # The schedule counts samples (Megatron's AnnealingLR); iteration flags are converted with the global batch.
+    gbs = args.global_batch_size
+    if args.lr_decay_samples is not None:
+        decay = args.lr_decay_samples
+    elif args.lr_decay_iters is not None:
+        decay = args.lr_decay_iters * gbs
+    else:
+        decay = args.train_samples
+    if args.lr_warmup_fraction is not None:
+        warmup = args.lr_warmup_fraction * decay
+    else:
+        warmup = args.lr_warmup_samples or args.lr_warmup_iters * gbs
+    if args.lr_decay_style != "constant" and warmup >= decay:
+        _err(f"lr warm-up ({warmup:g} samples) must end before the decay does ({decay:g} samples)")
+    args.lr_decay_steps, args.lr_warmup_steps = int(decay), int(warmup)
+
+
+def _validate_data_and_io(args):
+    if not args.data_path:
+        _err("--data-path is required (a preprocessed PREFIX, without .bin/.idx)")
+    if len(args.data_path) > 1 and len(args.data_path) % 2:
+        _err(f"--data-path {' '.join(args.data_path)}: a blend is WEIGHT PREFIX pairs")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        if not args.vocab_file or not args.merge_file:
+            _err("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+    elif not args.tokenizer_name_or_path:
+        _err("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path")
+    for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
+        if path and not os.path.isfile(path):
+            _err(f"{flag} {path}: file not found")
+    if args.save and args.save_interval is None:
+        args.save_interval = args.train_iters  # Megatron requires it; saving at the end is what users expect
+    if args.loss_curve is None and args.tensorboard_dir:
+        args.loss_curve = os.path.join(args.tensorboard_dir, "loss_curve.png")
+
+
+def print_args(args, write=print):
+    """Megatron's argument dump: sorted, dotted."""
+    write("------------------------ arguments ------------------------")
+    for name in sorted(vars(args)):
+        if name in ("ds_config", "batch_schedule", "pipeline_settings"):
+            continue
+        write(f"  {name} {'.' * (48 - len(name))} {getattr(args, name)}")
+    write(f"  ds_config {'.' * 39} {json.dumps(args.ds_config, sort_keys=True)}")
+    write("-------------------- end of arguments ---------------------")

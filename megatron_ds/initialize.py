@@ -1,0 +1,119 @@
+"""Process-group start-up for every launcher, and the random seeds.
+
+- torchrun / deepspeed launcher: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT
+  are in the environment (the deepspeed launcher also passes --local_rank).
+- srun without a wrapper: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID give the
+  rank, world size and local rank; MASTER_ADDR comes from the environment (the
+  slurm/ script exports the first host of the job) or `scontrol show hostnames`.
+- a plain `python pretrain_gpt.py`: one process on a free local port.
+
+The backend is --distributed-backend, else nccl with CUDA and gloo without; the
+timeout (--distributed-timeout-minutes) makes a rank whose peer died fail
+instead of waiting forever.
+"""
+import datetime
+import os
+import random
+import socket
+import subprocess
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _first_slurm_host():
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if "[" not in nodelist and "," not in nodelist:
+        return nodelist
+    raise RuntimeError(f"cannot find the first host of SLURM_JOB_NODELIST={nodelist!r} without scontrol; "
+                       "export MASTER_ADDR")
+
+
+def set_launcher_env(local_rank_flag=None, env=None):
+    """Fill RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT for whichever launcher started us."""
+    env = os.environ if env is None else env
+    if "RANK" not in env and "SLURM_PROCID" in env:
+        env["RANK"] = env["SLURM_PROCID"]
+        env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+        env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        if "MASTER_ADDR" not in env:
+            env["MASTER_ADDR"] = _first_slurm_host()
+        env.setdefault("MASTER_PORT", "6000")
+    if "RANK" not in env:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        env.setdefault("MASTER_PORT", str(_free_port()))
+    if "LOCAL_RANK" not in env:
+        env["LOCAL_RANK"] = str(local_rank_flag if local_rank_flag is not None else 0)
+    env.setdefault("MASTER_ADDR", "127.0.0.1")
+    env.setdefault("MASTER_PORT", "29500")
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def initialize_distributed(args):
+    """Start the process group; returns (rank, world_size, local_rank). Sets args.device."""
+    import torch
+    rank, world, local_rank = set_launcher_env(args.local_rank)
+    if world != args.world_size:  # parse_args read the environment before the SLURM mapping
+        args.world_size = world
+    args.rank, args.local_rank = rank, local_rank
+    cuda = torch.cuda.is_available()
+    backend = args.distributed_backend or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise RuntimeError("--distributed-backend nccl needs CUDA, and no GPU is visible; use gloo on CPU")
+    args.distributed_backend = backend
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+    import deepspeed
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                               verbose=rank == 0)
+    return rank, world, local_rank
+
+
+def set_random_seed(seed, pipeline_rank=0):
+    """Megatron: seed + 100 x pipeline rank; data-parallel replicas share the stream."""
+    import numpy as np
+    import torch
+    seed = seed + 100 * pipeline_rank
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    return seed
+
+
+def get_rng_state():
+    import numpy as np
+    import torch
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state):
+    import numpy as np
+    import torch
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])

@@ -1,0 +1,261 @@
+"""What a run tells the user: Megatron's log lines, TensorBoard, codecarbon, a loss-curve PNG.
+
+Log lines keep Megatron's field names and number formats so that existing log
+parsers work (`lm loss: 1.234567E+00`). Like Megatron, iteration lines and the
+TensorBoard writer live on the last rank (last pipeline stage, which computes
+the loss); messages about setup come from rank 0.
+"""
+import json
+import math
+import os
+import sys
+import time
+
+
+def rank_and_world():
+    try:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except ImportError:  # pragma: no cover
+        pass
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_last_rank():
+    rank, world = rank_and_world()
+    return rank == world - 1
+
+
+def print_rank_0(message):
+    if rank_and_world()[0] == 0:
+        print(message, flush=True)
+
+
+def print_rank_last(message):
+    if is_last_rank():
+        print(message, flush=True)
+
+
+class Timers:
+    """Named wall-clock timers; elapsed() returns seconds since the last reset."""
+
+    def __init__(self):
+        self._elapsed, self._started = {}, {}
+
+    def start(self, name):
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name):
+        begun = self._started.pop(name, None)
+        if begun is not None:
+            self._elapsed[name] = self._elapsed.get(name, 0.0) + time.perf_counter() - begun
+
+    def elapsed(self, name, reset=True):
+        value = self._elapsed.get(name, 0.0)
+        if reset:
+            self._elapsed[name] = 0.0
+        return value
+
+    def names(self):
+        return sorted(self._elapsed)
+
+
+def tflops(args, batch_size, seconds_per_iteration):
+    """Model TFLOPs per GPU/process, BigScience's formula (3 passes, 4 with activation recompute)."""
+    if seconds_per_iteration <= 0:
+        return 0.0
+    s, h, L, V = args.seq_length, args.hidden_size, args.num_layers, args.padded_vocab_size
+    factor = 4 if args.checkpoint_activations else 3
+    flops = 24 * factor * batch_size * s * L * h * h * (1.0 + s / (6.0 * h) + V / (16.0 * L * h))
+    return flops / (seconds_per_iteration * args.world_size * 1e12)
+
+
+def iteration_line(*, iteration, train_iters, consumed_samples, consumed_tokens, ms_per_iteration, learning_rate,
+                   global_batch_size, losses, loss_scale, grad_norm, skipped, nan, samples_per_second, tflops_value):
+    """One Megatron iteration line; `losses` maps a name ('lm loss') to its interval mean."""
+    line = f" iteration {iteration:8d}/{train_iters:8d} |"
+    line += f" consumed samples: {consumed_samples:12d} |"
+    line += f" consumed tokens: {consumed_tokens:12d} |"
+    line += f" elapsed time per iteration (ms): {ms_per_iteration:.1f} |"
+    line += f" learning rate: {learning_rate:.3E} |"
+    line += f" global batch size: {global_batch_size:5d} |"
+    for name, value in losses.items():
+        line += f" {name}: {value:.6E} |"
+    if loss_scale is not None:
+        line += f" loss scale: {loss_scale:.1f} |"
+    if grad_norm is not None:
+        line += f" grad norm: {grad_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} |"
+    line += f" number of nan iterations: {nan:3d} |"
+    line += f" samples per second: {samples_per_second:.3f} |"
+    line += f" TFLOPs: {tflops_value:.2f} |"
+    return line
+
+
+def perplexity(loss):
+    return math.exp(min(20.0, loss))
+
+
+def validation_block(prefix, loss):
+    """Megatron's framed validation result."""
+    text = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {perplexity(loss):.6E} | "
+    bar = "-" * (len(text) + 1)
+    return f"{bar}\n{text}\n{bar}"
+
+
+class TensorBoard:
+    """SummaryWriter on the last rank only (None elsewhere, or without --tensorboard-dir)."""
+
+    def __init__(self, args):
+        self.writer = None
+        self.args = args
+        if args.tensorboard_dir and is_last_rank():
+            from torch.utils.tensorboard import SummaryWriter
+            os.makedirs(args.tensorboard_dir, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+            self.writer.add_text("arguments", "\n".join(f"    {k}: {v}" for k, v in sorted(vars(args).items())
+                                                        if k not in ("ds_config", "batch_schedule")), 0)
+            self.writer.add_text("ds_config", "    " + json.dumps(args.ds_config, indent=2).replace("\n", "\n    "), 0)
+
+    def training(self, iteration, consumed_samples, consumed_tokens, loss, lr, batch_size, grad_norm,
+                 samples_per_second, tokens_per_second, ms_per_iteration, loss_scale=None):
+        w = self.writer
+        if w is None:
+            return
+        w.add_scalar("lm-loss-training/lm loss", loss, iteration)
+        w.add_scalar("lm-loss-training/lm loss vs samples", loss, consumed_samples)
+        w.add_scalar("lm-loss-training/lm loss vs tokens", loss, consumed_tokens)
+        w.add_scalar("learning-rate/learning-rate", lr, iteration)
+        w.add_scalar("learning-rate/learning-rate vs samples", lr, consumed_samples)
+        if self.args.log_batch_size_to_tensorboard:
+            w.add_scalar("batch-size/batch-size", batch_size, iteration)
+            w.add_scalar("batch-size/batch-size vs samples", batch_size, consumed_samples)
+        if grad_norm is not None:
+            w.add_scalar("grad-norm/grad-norm", grad_norm, iteration)
+            w.add_scalar("grad-norm/grad-norm vs samples", grad_norm, consumed_samples)
+        if loss_scale is not None:
+            w.add_scalar("loss-scale/loss-scale", loss_scale, iteration)
+        w.add_scalar("iteration-time/iteration-time", ms_per_iteration / 1000.0, iteration)
+        w.add_scalar("iteration-time/samples per second", samples_per_second, iteration)
+        w.add_scalar("iteration-time/tokens per second", tokens_per_second, iteration)
+
+    def timers(self, timers, iteration, normalizer=1.0):
+        if self.writer is None or not self.args.log_timers_to_tensorboard:
+            return
+        for name in timers.names():
+            self.writer.add_scalar(f"timers/{name}-time", timers.elapsed(name, reset=False) / normalizer, iteration)
+
+    def validation(self, iteration, consumed_samples, loss, prefix="lm-loss-validation"):
+        w = self.writer
+        if w is None:
+            return
+        w.add_scalar(f"{prefix}/lm loss validation", loss, iteration)
+        w.add_scalar(f"{prefix}/lm loss validation vs samples", loss, consumed_samples)
+        if self.args.log_validation_ppl_to_tensorboard:
+            w.add_scalar(f"{prefix}/lm loss validation ppl", perplexity(loss), iteration)
+            w.add_scalar(f"{prefix}/lm loss validation ppl vs samples", perplexity(loss), consumed_samples)
+
+    def flush(self):
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class MetricsFile:
+    """One JSON object per iteration, exact floats (repr), from the last rank: for scripts and tests."""
+
+    def __init__(self, path):
+        self.file = None
+        if path and is_last_rank():
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a")
+
+    def write(self, **record):
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class CodeCarbon:
+    """codecarbon's offline emissions tracker, one CSV per rank (emissions-RRR.csv), as BigScience intended."""
+
+    def __init__(self, directory, country_iso_code):
+        self.tracker = None
+        if not directory:
+            return
+        rank, _ = rank_and_world()
+        try:
+            from codecarbon import OfflineEmissionsTracker
+        except ImportError:
+            print_rank_0("WARNING: --codecarbon-dir given but codecarbon is not installed; no emissions tracking")
+            return
+        os.makedirs(directory, exist_ok=True)
+        try:
+            self.tracker = OfflineEmissionsTracker(
+                output_dir=directory, output_file=f"emissions-{rank:03d}.csv", country_iso_code=country_iso_code,
+                log_level="error", measure_power_secs=60, save_to_file=True, project_name=f"megatron_ds-r{rank:03d}")
+            self.tracker.start()
+        except Exception as e:  # noqa: BLE001 - tracking must never stop training
+            print(f"WARNING: rank {rank}: codecarbon could not start ({e}); no emissions tracking", flush=True)
+            self.tracker = None
+
+    def flush(self):
+        if self.tracker is not None:
+            try:
+                self.tracker.flush()
+            except Exception as e:  # noqa: BLE001
+                print(f"WARNING: codecarbon flush failed: {e}", flush=True)
+
+    def stop(self):
+        if self.tracker is not None:
+            try:
+                self.tracker.stop()
+            except Exception as e:  # noqa: BLE001
+                print(f"WARNING: codecarbon stop failed: {e}", flush=True)
+            self.tracker = None
+
+
+def write_loss_curve(path, train_points, valid_points, title="GPT pretraining"):
+    """PNG of training loss (per iteration) and validation loss, with matplotlib's Agg backend."""
+    if not path or not train_points:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    its, losses = zip(*train_points)
+    ax.plot(its, losses, lw=1.2, label="train lm loss")
+    if valid_points:
+        v_its, v_losses = zip(*valid_points)
+        ax.plot(v_its, v_losses, "o-", ms=4, lw=1.2, label="validation lm loss")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def progress_bar(total, initial):
+    """A tqdm bar on the last rank when stderr is a terminal (log files stay clean)."""
+    if not (is_last_rank() and sys.stderr.isatty()):
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=False)

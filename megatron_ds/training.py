@@ -1,0 +1,407 @@
+"""The pretraining loop (Megatron-DeepSpeed's `pretrain`), over the pipeline engine.
+
+Order of one iteration, as in Megatron: apply the batch size of the ramp-up,
+engine.train_batch() (forward, backward, ZeRO-1 reduction, optimizer step, lr
+step), log, evaluate every --eval-interval, save every --save-interval, exit on
+--exit-interval / --exit-duration-in-mins / --kill-switch-path (saving first).
+
+Everything that decides the next iteration's numbers is restored on --load: the
+weights, optimizer and lr schedule (DeepSpeed), the iteration and the consumed
+samples (so the data samplers resume at the next sample), and the RNG states
+(restored last, after everything that could draw from them is built).
+"""
+import math
+import os
+import sys
+import time
+import warnings
+
+from .arguments import ArgumentsError, parse_args, print_args
+from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, iteration_line, print_rank_0,
+                            print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
+
+
+# --------------------------------------------------------------------------- data
+
+class PretrainingSampler:
+    """Megatron's MegatronPretrainingSampler: from `consumed_samples` on, consecutive global
+    micro-steps of micro_batch x dp samples; this data-parallel rank takes its slice."""
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size):
+        if consumed_samples >= total_samples:
+            raise RuntimeError(f"no samples left: consumed {consumed_samples} of {total_samples}")
+        self.total, self.consumed = total_samples, consumed_samples
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __len__(self):
+        return (self.total - self.consumed) // (self.mbs * self.dp_size)
+
+    def __iter__(self):
+        step = self.mbs * self.dp_size
+        for first in range(self.consumed, self.total - step + 1, step):
+            begin = first + self.dp_rank * self.mbs
+            yield list(range(begin, begin + self.mbs))
+
+
+def _collate(samples):
+    import numpy as np
+    import torch
+    from megatron_ds.model import position_ids_like
+    text = torch.from_numpy(np.stack([s["text"] for s in samples]).astype(np.int64))
+    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    return (tokens, position_ids_like(tokens)), labels
+
+
+class MicroBatchIterator:
+    """This rank's micro-batches ((tokens, position_ids), labels), opened lazily on the first
+    next() so that ranks that never read (middle pipeline stages) pay nothing."""
+
+    def __init__(self, dataset, consumed_samples, args, dp_rank):
+        self.dataset, self.consumed, self.args, self.dp_rank = dataset, consumed_samples, args, dp_rank
+        self._it = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._it is None:
+            import torch
+            from torch.utils.data import DataLoader
+            sampler = PretrainingSampler(len(self.dataset), self.consumed, self.args.micro_batch_size,
+                                         self.dp_rank, self.args.data_parallel_size)
+            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
+                                collate_fn=_collate, persistent_workers=False,
+                                generator=torch.Generator().manual_seed(self.args.seed))  # not the global RNG
+            self._it = iter(loader)
+        return next(self._it)
+
+
+def build_datasets(args):
+    from megatron_ds.data.gpt_dataset import build_train_valid_test_datasets
+    gbs = args.global_batch_size
+    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    sizes = [args.train_samples, eval_iters * gbs, args.eval_iters * gbs]
+    print_rank_0(f"> building train, validation, and test datasets ...\n"
+                 f"    datasets target sizes (minimum size):\n    train:      {sizes[0]}\n"
+                 f"    validation: {sizes[1]}\n    test:       {sizes[2]}")
+    return build_train_valid_test_datasets(
+        data_prefix=args.data_path, data_impl=args.data_impl, splits_string=args.split,
+        train_valid_test_num_samples=sizes, seq_length=args.seq_length, seed=args.seed,
+        skip_warmup=not args.mmap_warmup, data_cache_path=args.data_cache_path)
+
+
+# --------------------------------------------------------------------------- model, optimizer
+
+def build_optimizer(module, args):
+    """AdamW (apex FusedAdam when importable and on GPU) with Megatron's groups: no decay on biases/norms."""
+    import torch
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    if torch.cuda.is_available():
+        try:
+            from apex.optimizers import FusedAdam  # NVIDIA apex only; PyPI's "apex" is another project
+            return FusedAdam(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        except Exception:  # noqa: BLE001 - any import problem means: no apex
+            pass
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+
+
+def model_config(args):
+    from megatron_ds.model import GPTConfig
+    return GPTConfig(vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                     num_attention_heads=args.num_attention_heads,
+                     max_position_embeddings=args.max_position_embeddings,
+                     ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
+                     attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
+                     init_method_std=args.init_method_std, seed=args.seed)
+
+
+def setup_model_and_optimizer(args):
+    from megatron_ds.learning_rates import AnnealingLR
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    print_rank_0("> building GPT model ...")
+    config = model_config(args)
+    args.ffn_hidden_size = config.ffn_hidden_size
+    module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
+                                   activation_checkpoint_interval=args.activation_checkpoint_interval,
+                                   seq_length=args.seq_length)
+    optimizer = build_optimizer(module, args)
+    lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
+                               decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
+                               global_batch_size=args.batch_schedule.global_batch_size(0),
+                               use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
+                               override_lr_scheduler=args.override_lr_scheduler)
+    engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    return engine, lr_scheduler
+
+
+# --------------------------------------------------------------------------- loop
+
+def _agree_to_exit(flag):
+    """Every rank exits together: the flag of any rank counts (an all-reduce MAX)."""
+    import torch
+    import torch.distributed as dist
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def evaluate(engine, data_iterator, eval_iters):
+    total = 0.0
+    for _ in range(eval_iters):
+        total += float(engine.eval_batch(data_iterator))
+    return total / max(1, eval_iters)
+
+
+class Trainer:
+
+    def __init__(self, args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds):
+        self.args, self.engine, self.lr_scheduler = args, engine, lr_scheduler
+        self.iteration = state["iteration"]
+        self.consumed_train = state["consumed_train_samples"]
+        self.consumed_valid = state["consumed_valid_samples"]
+        self.dp_rank = engine.grid.get_data_parallel_rank()
+        self.train_iter = MicroBatchIterator(train_ds, self.consumed_train, args, self.dp_rank)
+        self.valid_ds, self.test_ds = valid_ds, test_ds
+        self.valid_iter = (MicroBatchIterator(valid_ds, self.consumed_valid, args, self.dp_rank)
+                           if valid_ds is not None and args.eval_iters > 0 else None)
+        self.timers = Timers()
+        self.tb = TensorBoard(args)
+        self.metrics = MetricsFile(args.metrics_file)
+        self.codecarbon = CodeCarbon(args.codecarbon_dir, args.codecarbon_country_iso_code)
+        self.train_points, self.valid_points = [], []
+        self.current_gbs = None
+        self.last_saved = None
+        self.start_time = time.time()
+
+    # ---- pieces
+
+    def _apply_batch_size(self):
+        gbs = self.args.batch_schedule.global_batch_size(self.consumed_train)
+        if gbs != self.current_gbs:
+            if gbs != self.engine.train_batch_size():
+                self.engine.set_train_batch_size(gbs)
+            self.lr_scheduler.global_batch_size = gbs
+            self.current_gbs = gbs
+        return gbs
+
+    def save(self):
+        from .checkpointing import save_checkpoint
+        if not self.args.save or self.last_saved == self.iteration:
+            return
+        self.timers.start("save-checkpoint")
+        save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid)
+        self.timers.stop("save-checkpoint")
+        self.last_saved = self.iteration
+        self.codecarbon.flush()
+
+    def evaluate_and_print(self, prefix, data_iterator, eval_iters, tb_prefix="lm-loss-validation"):
+        self.timers.start("evaluate")
+        gbs = self.current_gbs or self.args.batch_schedule.global_batch_size(self.consumed_train)
+        loss = evaluate(self.engine, data_iterator, eval_iters)
+        self.timers.stop("evaluate")
+        print_rank_last(validation_block(prefix, loss))
+        self.tb.validation(self.iteration, self.consumed_train, loss, prefix=tb_prefix)
+        return loss, gbs * eval_iters
+
+    def _should_exit(self):
+        args = self.args
+        reason = None
+        if args.exit_interval and self.iteration % args.exit_interval == 0:
+            reason = f"exiting program at iteration {self.iteration} (--exit-interval {args.exit_interval})"
+        local = False
+        if args.exit_duration_in_mins is not None:
+            local = (time.time() - self.start_time) / 60.0 > args.exit_duration_in_mins
+        if args.kill_switch_path:
+            local = local or os.path.exists(args.kill_switch_path)
+        if (args.exit_duration_in_mins is not None or args.kill_switch_path) and _agree_to_exit(local):
+            reason = reason or f"exiting program at iteration {self.iteration} (time limit or kill switch)"
+        return reason
+
+    # ---- the loop
+
+    def train(self):
+        args, engine = self.args, self.engine
+        interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0}
+        bar = progress_bar(args.train_iters, self.iteration)
+        skipped_before = engine.skipped_steps
+        print_rank_0(f"training ... from iteration {self.iteration} to {args.train_iters}")
+        exit_reason = None
+        while self.iteration < args.train_iters:
+            gbs = self._apply_batch_size()
+            start = time.perf_counter()
+            loss = float(engine.train_batch(self.train_iter))
+            elapsed = time.perf_counter() - start
+            self.iteration += 1
+            self.consumed_train += gbs
+            skipped = engine.skipped_steps - skipped_before
+            skipped_before = engine.skipped_steps
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
+            lr = self.lr_scheduler.get_last_lr()[0]
+            loss_scale = getattr(engine.optimizer, "cur_scale", None) if args.fp16 else None
+            is_nan = not math.isfinite(loss)
+            interval["time"] += elapsed
+            interval["skipped"] += skipped
+            interval["nan"] += int(is_nan)
+            if not is_nan and not skipped:
+                interval["loss"] += loss
+                interval["count"] += 1
+            tokens_per_s = gbs * args.seq_length / elapsed if elapsed > 0 else 0.0
+            self.tb.training(self.iteration, self.consumed_train, self.consumed_train * args.seq_length, loss, lr,
+                             gbs, grad_norm, gbs / elapsed if elapsed > 0 else 0.0, tokens_per_s,
+                             elapsed * 1000.0, loss_scale)
+            self.metrics.write(iteration=self.iteration, consumed_samples=self.consumed_train, loss=loss, lr=lr,
+                               grad_norm=grad_norm, global_batch_size=gbs, skipped=skipped, time_s=elapsed)
+            self.train_points.append((self.iteration, loss))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            if self.iteration % args.log_interval == 0:
+                self._log(interval, gbs, lr, grad_norm, loss_scale, bar)
+                interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0}
+            if (self.valid_iter is not None and args.eval_interval
+                    and self.iteration % args.eval_interval == 0):
+                loss_v, used = self.evaluate_and_print(f"iteration {self.iteration}", self.valid_iter,
+                                                       args.eval_iters)
+                self.consumed_valid += used
+                self.valid_points.append((self.iteration, loss_v))
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                self.save()
+            exit_reason = self._should_exit()
+            if exit_reason:
+                break
+        if bar is not None:
+            bar.close()
+        return exit_reason
+
+    def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
+        args = self.args
+        n = args.log_interval
+        seconds = interval["time"] / n
+        losses = {"lm loss": interval["loss"] / max(1, interval["count"])}
+        line = iteration_line(
+            iteration=self.iteration, train_iters=args.train_iters, consumed_samples=self.consumed_train,
+            consumed_tokens=self.consumed_train * args.seq_length, ms_per_iteration=seconds * 1000.0,
+            learning_rate=lr, global_batch_size=gbs, losses=losses, loss_scale=loss_scale, grad_norm=grad_norm,
+            skipped=interval["skipped"], nan=interval["nan"],
+            samples_per_second=gbs / seconds if seconds > 0 else 0.0, tflops_value=tflops(args, gbs, seconds))
+        if bar is not None:
+            bar.write(line)
+        else:
+            print_rank_last(line)
+        self.tb.timers(self.timers, self.iteration)
+        self.tb.flush()
+
+    def finish(self):
+        args = self.args
+        if self.valid_iter is not None:
+            loss_v, used = self.evaluate_and_print("the end of training for val data", self.valid_iter,
+                                                   args.eval_iters)
+            self.consumed_valid += used
+            self.valid_points.append((self.iteration, loss_v))
+        if self.test_ds is not None and args.eval_iters > 0:
+            test_iter = MicroBatchIterator(self.test_ds, 0, args, self.dp_rank)
+            self.evaluate_and_print("the end of training for test data", test_iter, args.eval_iters,
+                                    tb_prefix="lm-loss-test")
+
+    def close(self):
+        from .logging_utils import is_last_rank
+        if is_last_rank() and self.args.loss_curve and self.train_points:
+            path = write_loss_curve(self.args.loss_curve, self.train_points, self.valid_points,
+                                    title=f"GPT {self.args.num_layers}L/{self.args.hidden_size}H, "
+                                          f"PP={self.args.pipeline_model_parallel_size} "
+                                          f"DP={self.args.data_parallel_size}")
+            print(f"loss curve written to {path}", flush=True)
+        self.tb.close()
+        self.metrics.close()
+        self.codecarbon.stop()
+
+
+def pretrain(args):
+    import torch.distributed as dist
+    from megatron_ds.data.tokenizer import build_tokenizer
+    from .checkpointing import load_checkpoint
+    from .initialize import initialize_distributed, set_random_seed, set_rng_state
+
+    start = time.time()
+    # DeepSpeed broadcasts tied weights inside autograd; torch warns once per rank that c10d has no autograd
+    # kernel. The gradients are right (tests/pipe compares every one with the single-process reference).
+    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
+    rank, _, _ = initialize_distributed(args)
+    pipeline_rank = rank // args.data_parallel_size  # DeepSpeed's ['pipe', 'data'] topology, data fastest
+    set_random_seed(args.seed, pipeline_rank)
+    build_tokenizer(args)  # sets args.padded_vocab_size
+    if rank == 0:
+        print_args(args)
+    engine, lr_scheduler = setup_model_and_optimizer(args)
+    params = sum(p.numel() for p in engine.module.parameters())
+    if engine.grid.get_data_parallel_rank() == 0:
+        print(f" > number of parameters on (pipeline stage, rank) ({engine.stage_id}, {rank}): {params}", flush=True)
+    timers = Timers()
+    timers.start("load-checkpoint")
+    state = load_checkpoint(engine, args)
+    timers.stop("load-checkpoint")
+    train_ds, valid_ds, test_ds = build_datasets(args)
+    if train_ds is None:
+        raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
+    trainer = Trainer(args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds)
+    if state["rng_state"] is not None:
+        set_rng_state(state["rng_state"])  # last: nothing built after this draws from the global RNGs
+    dist.barrier()
+    print_rank_0(f"[after model, optimizer, data and checkpoint are ready] {time.time() - start:.1f} s")
+    try:
+        exit_reason = trainer.train()
+        if args.save:
+            trainer.save()
+        if exit_reason:
+            print_rank_0(exit_reason)
+        else:
+            trainer.finish()
+    finally:
+        trainer.close()
+    dist.barrier()
+    print_rank_0(f"done: {trainer.iteration} iterations, {trainer.consumed_train} samples, "
+                 f"{time.time() - start:.1f} s")
+    return trainer
+
+
+def _user_error_types():
+    types = [ArgumentsError]
+    for module, name in (("megatron_ds.pipe.config", "ConfigError"), ("megatron_ds.data.tokenizer", "TokenizerError"),
+                         ("megatron_ds.data.dataset_utils", "DataConfigError"),
+                         ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),
+                         ("megatron_ds.checkpointing", "CheckpointError")):
+        try:
+            types.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(types)
+
+
+def main(argv=None):
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    try:
+        args = parse_args(argv)
+    except ArgumentsError as e:
+        if rank == 0:
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        pretrain(args)
+    except _user_error_types() as e:
+        if args.rank == 0:
+            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,96 @@
+"""Flag validation and ds_config merging: one clear message per mistake, no torch, no processes."""
+import json
+
+import pytest
+
+from megatron_ds.arguments import ArgumentsError, parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
+        "--merge-file", __file__]
+
+
+def parse(*extra, world=4, ds=None, tmp_path=None):
+    argv = BASE + list(extra)
+    if ds is not None:
+        path = tmp_path / "ds.json"
+        path.write_text(json.dumps(ds))
+        argv += ["--deepspeed_config", str(path)]
+    return parse_args(argv, env={"WORLD_SIZE": str(world), "RANK": "0"})
+
+
+def test_batch_sizes_derived_and_filled_into_ds_config():
+    args = parse("--micro-batch-size", "2", "--global-batch-size", "16", "--pipeline-model-parallel-size", "2")
+    assert (args.data_parallel_size, args.gradient_accumulation_steps) == (2, 4)
+    cfg = args.ds_config
+    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (2, 4, 16)
+    assert cfg["gradient_clipping"] == 1.0 and cfg["zero_optimization"]["stage"] == 1
+
+
+def test_ds_config_supplies_missing_flags(tmp_path):
+    args = parse("--pipeline-model-parallel-size", "2", tmp_path=tmp_path,
+                 ds={"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+                     "zero_optimization": {"stage": 1}, "bf16": {"enabled": True}})
+    assert (args.micro_batch_size, args.global_batch_size, args.clip_grad, args.bf16) == (4, 16, 0.5, True)
+
+
+@pytest.mark.parametrize("extra,ds,needle", [
+    (["--micro-batch-size", "2", "--global-batch-size", "16"], {"train_batch_size": 32},
+     '--global-batch-size 16 disagrees with ds_config "train_batch_size" = 32'),
+    (["--micro-batch-size", "2"], {"train_micro_batch_size_per_gpu": 4},
+     '--micro-batch-size 2 disagrees with ds_config "train_micro_batch_size_per_gpu" = 4'),
+    (["--micro-batch-size", "2", "--global-batch-size", "16"], {"gradient_accumulation_steps": 3},
+     "--global-batch-size 16 disagrees with ds_config \"gradient_accumulation_steps x micro-batch x data-parallel"),
+    (["--micro-batch-size", "2", "--global-batch-size", "16"], {"train_batch_size": 16, "gradient_accumulation_steps": 3},
+     'ds_config "gradient_accumulation_steps" = 3'),
+    (["--micro-batch-size", "2", "--clip-grad", "1.0"], {"gradient_clipping": 0.0},
+     '--clip-grad 1.0 disagrees with ds_config "gradient_clipping" = 0.0'),
+    (["--micro-batch-size", "2", "--zero-stage", "1"], {"zero_optimization": {"stage": 0}},
+     '--zero-stage 1 disagrees with ds_config "zero_optimization.stage" = 0'),
+    (["--micro-batch-size", "2", "--bf16"], {"bf16": {"enabled": False}}, '--bf16 disagrees with ds_config'),
+    (["--micro-batch-size", "2"], {"zero_optimization": {"stage": 2}}, "supports stages 0 and 1 only"),
+    (["--micro-batch-size", "2"], {"optimizer": {"type": "Adam"}}, 'ds_config "optimizer"'),
+    (["--micro-batch-size", "2"], {"pipeline": {"schedule": "nope"}}, 'pipeline.schedule'),
+])
+def test_disagreement_names_both_values(tmp_path, extra, ds, needle):
+    with pytest.raises(ArgumentsError) as e:
+        parse(*extra, "--pipeline-model-parallel-size", "2", ds=ds, tmp_path=tmp_path)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--micro-batch-size", "2", "--global-batch-size", "6"], "not divisible by micro-batch size 2 x data-parallel size 4"),
+    (["--micro-batch-size", "2", "--pipeline-model-parallel-size", "3"], "must divide the world size 4"),
+    (["--micro-batch-size", "2", "--pipeline-model-parallel-size", "4", "--num-layers", "2"], "at least one transformer layer"),
+    (["--micro-batch-size", "2", "--train-samples", "100"], "exactly one of --train-iters and --train-samples"),
+    (["--micro-batch-size", "2", "--rampup-batch-size", "8", "8", "100"], "needs sample-based training"),
+    (["--micro-batch-size", "2", "--lr-decay-iters", "5", "--lr-decay-samples", "10"], "mutually exclusive"),
+    (["--micro-batch-size", "2", "--lr-warmup-iters", "20"], "must end before the decay"),
+    (["--micro-batch-size", "2", "--max-position-embeddings", "8"], "must be >= --seq-length"),
+])
+def test_bad_flags(extra, needle):
+    with pytest.raises(ArgumentsError) as e:
+        parse(*extra)
+    assert needle in str(e.value)
+
+
+def test_rampup_in_samples():
+    argv = [a for a in BASE if a not in ("--train-iters", "10")]
+    args = parse_args(argv + ["--micro-batch-size", "2", "--global-batch-size", "16", "--train-samples", "200",
+                              "--rampup-batch-size", "4", "4", "40"], env={"WORLD_SIZE": "1", "RANK": "0"})
+    sched = args.batch_schedule
+    sizes, consumed = [], 0
+    for _ in range(args.train_iters):
+        sizes.append(sched.global_batch_size(consumed))
+        consumed += sizes[-1]
+    assert sizes[:8] == [4, 4, 4, 4, 8, 8, 12, 16] and set(sizes[7:]) == {16}
+    assert args.train_iters == 7 + (200 - 44) // 16  # Megatron's update_train_iters
+    assert args.lr_decay_steps == 200
+
+
+def test_rampup_multiples_checked():
+    argv = [a for a in BASE if a not in ("--train-iters", "10")]
+    with pytest.raises(ArgumentsError) as e:
+        parse_args(argv + ["--micro-batch-size", "2", "--global-batch-size", "16", "--train-samples", "200",
+                           "--rampup-batch-size", "8", "4", "40"], env={"WORLD_SIZE": "4", "RANK": "0"})
+    assert "multiples of micro-batch 2 x data-parallel 4 = 8" in str(e.value)
