@@ -44,13 +44,15 @@ def _stdlib_sources():
 
 
 def _package_sources(package, directory):
+    found = []
     for root, dirs, files in os.walk(directory):
-        dirs[:] = sorted(d for d in dirs if d not in ("test", "tests", "idle_test", "__pycache__"))
+        dirs[:] = [d for d in dirs if d not in ("test", "tests", "idle_test", "__pycache__")]
         rel = os.path.relpath(root, directory)
         prefix = package if rel == "." else package + "." + rel.replace(os.sep, ".")
-        for f in sorted(files):
+        for f in files:
             if f.endswith(".py") and f != "__init__.py" and not f.startswith("_"):
-                yield f"{prefix}.{f[:-3]}", os.path.join(root, f)
+                found.append((f"{prefix}.{f[:-3]}", os.path.join(root, f)))
+    return sorted(found)  # by dotted name, whatever order the file system lists
 
 
 def _module_document(name, path):
@@ -87,6 +89,14 @@ def _clean(text):
 
 
 def iter_documents():
+    seen = set()  # some pydoc topics share one text; a corpus should not repeat documents
+    for text in _all_documents():
+        if text not in seen:
+            seen.add(text)
+            yield text
+
+
+def _all_documents():
     yield from pydoc_topic_documents()
     for name, path in _stdlib_sources():
         text = _module_document(name, path)

