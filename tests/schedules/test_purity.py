@@ -21,10 +21,8 @@ def test_no_torch_or_deepspeed_imports():
 
 
 def test_importing_schedules_loads_no_torch():
-    code = ("import importlib.util, sys; "
-            "spec = importlib.util.spec_from_file_location('s', '');"
-            "sys.path.insert(0, '.'); "
-            "import megatron_ds.schedules as s; s.build_schedule('zbv', 4, 8); "
+    code = ("import sys; sys.path.insert(0, '.'); "
+            "import megatron_ds.schedules as s; s.simulate(s.build_schedule('zbv', 4, 8)); "
             "print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=PKG.parents[1], capture_output=True, text=True)
     # megatron_ds/__init__ belongs to other modules; only check when it stays torch-free.
