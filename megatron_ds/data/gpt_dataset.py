@@ -56,18 +56,22 @@ def build_train_valid_test_datasets(data_prefix, data_impl, splits_string, train
         for kept, ds in zip(splits, built):
             if ds is not None:
                 kept.append(ds)
-    # Megatron blends a split over the datasets that have one, with all weights;
-    # a dataset whose split is empty would shift the weights, so refuse that.
     result = []
     for name, kept in zip(("train", "valid", "test"), splits):
         if not kept:
             result.append(None)
             continue
-        if len(kept) != len(prefixes):
-            missing = [p for p in prefixes if p not in {d.data_prefix for d in kept}]
-            raise DataConfigError(f"--split {splits_string!r} leaves the {name} split of {missing} "
-                                  f"empty while other datasets have one; the blend weights would not apply")
-        result.append(BlendableDataset(kept, weights))
+        have = {d.data_prefix for d in kept}
+        missing = [p for p in prefixes if p not in have]
+        if missing and name == "train":
+            # Megatron crashes here; training on a blend without some of its parts is never intended.
+            raise DataConfigError(f"--split {splits_string!r} leaves no training documents in {missing}; "
+                                  f"the blend weights could not apply")
+        if missing:
+            # Small corpora round a 1 % split to zero documents; evaluate on the others.
+            print_rank_0(f" > WARNING: no {name} documents in {missing}; blending the {name} split "
+                         f"of the other datasets with their weights renormalised")
+        result.append(BlendableDataset(kept, [w for w, p in zip(weights, prefixes) if p in have]))
     return tuple(result)
 
 
@@ -174,8 +178,25 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
     if missing:
         raise DataConfigError(f"index cache {missing[0]} was not built (see rank 0's error)")
     doc_idx, sample_idx, shuffle_idx = (np.load(p, allow_pickle=True, mmap_mode="r") for p in paths)
+    _check_not_stale(paths[0], doc_idx, sample_idx, shuffle_idx, documents, num_epochs, tokens_per_epoch,
+                     seq_length)
     print_rank_0(f"    {name}: {sample_idx.shape[0] - 1} samples over {num_epochs} epoch(s)")
     return doc_idx, sample_idx, shuffle_idx
+
+
+def _check_not_stale(path, doc_idx, sample_idx, shuffle_idx, documents, num_epochs, tokens_per_epoch,
+                     seq_length):
+    # Megatron's cache names see neither the data nor the document range, so a corpus
+    # re-preprocessed under the same prefix, or a changed --split, would silently reuse
+    # indices built for other documents. Shapes and the document id range give that away.
+    expected = (num_epochs * len(documents), (num_epochs * tokens_per_epoch - 1) // seq_length + 1)
+    stale = (len(doc_idx), sample_idx.shape[0]) != expected or len(shuffle_idx) != expected[1] - 1
+    if not stale and len(doc_idx):
+        stale = (int(doc_idx.min()), int(doc_idx.max())) != (int(np.min(documents)), int(np.max(documents)))
+    if stale:
+        raise DataConfigError(f"stale index cache {path} (and its _sample_/_shuffle_idx.npy): built for "
+                              f"other documents (another corpus or --split under this prefix); delete the "
+                              f"three files or use another data_cache_path")
 
 
 def _build_and_save(paths, documents, sizes, num_samples, seq_length, seed, num_epochs, tokens_per_epoch):

@@ -138,3 +138,27 @@ def test_bad_data_paths_are_reported(tmp_path, two_corpora):
     tiny = write_docs(str(tmp_path / "tiny"), [[7]])
     with pytest.raises(DataConfigError, match="1 token"):
         build_train_valid_test_datasets([tiny], "mmap", "1,0,0", [1, 0, 0], 8, 1, True)
+
+
+def test_a_stale_cache_from_other_data_is_refused(tmp_path):
+    prefix = write_docs(str(tmp_path / "stale"), random_docs(4, 30))
+    build_train_valid_test_datasets([prefix], "mmap", "1,0,0", [50, 0, 0], 8, 1, True)
+    write_docs(prefix, random_docs(5, 45))  # re-preprocessed under the same prefix
+    with pytest.raises(DataConfigError, match="stale index cache .*stale_train_indexmap_50ns_8sl_1s_doc_idx.npy"):
+        build_train_valid_test_datasets([prefix], "mmap", "1,0,0", [50, 0, 0], 8, 1, True)
+
+
+def test_blend_skips_a_dataset_without_valid_documents_but_not_without_train(tmp_path):
+    small = write_docs(str(tmp_path / "small"), random_docs(6, 10))  # 949,50,1 -> no valid docs
+    big = write_docs(str(tmp_path / "big"), random_docs(7, 400, base=1000))
+    train, valid, _ = build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "949,50,1",
+                                                      [100, 20, 0], 8, 1, True)
+    assert len(train.datasets) == 2 and len(valid.datasets) == 1
+    assert all(_source(valid[i]) == 1 for i in range(20))
+    # The other split reuses the valid cache name over other documents: refused, not reused.
+    with pytest.raises(DataConfigError, match="stale index cache .*big_valid_indexmap"):
+        build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "0,1,0", [100, 20, 0], 8, 1, True)
+    (tmp_path / "cache").mkdir()
+    with pytest.raises(DataConfigError, match="no training documents"):  # 1 % of 10 docs is none
+        build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "1,99,0", [100, 20, 0], 8, 1, True,
+                                        data_cache_path=str(tmp_path / "cache"))
