@@ -45,8 +45,11 @@ def optimizer_for(params_by_name, lr=1e-2):
                              lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+EVAL_STEP = 99  # eval micro-batches are those of this (never trained) step
+
+
 def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
-    """Losses of every step, the first step's gradients, and weights after `steps` steps."""
+    """Losses of every step, the first step's gradients, weights after `steps` steps, then the eval loss."""
     model = GPTModel(config)
     opt = optimizer_for(model.named_parameters(), lr)
     losses, first_grads = [], None
@@ -66,7 +69,10 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     weights = {k: p.detach().clone() for k, p in model.named_parameters_by_layer().items()}
-    return losses, first_grads, weights
+    with torch.no_grad():
+        eval_loss = sum(gpt_loss(model(x, pos), y).item()
+                        for (x, pos), y in (micro_batch(EVAL_STEP, i, config.vocab_size) for i in range(n))) / n
+    return dict(losses=losses, grads=first_grads, weights=weights, eval_loss=eval_loss)
 
 
 def layer_key(module, name):
@@ -117,13 +123,16 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
         batches = iter([micro_batch(step, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
         losses.append(float(engine.train_batch(batches)))
     weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
-    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank)
+    eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
+    eval_loss = float(engine.eval_batch(eval_batches))
+    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss)
 
 
 def assert_matches_reference(results, ref, *, atol=1e-5, check_weights=True):
-    ref_losses, ref_grads, ref_weights = ref
+    ref_losses, ref_grads, ref_weights = ref["losses"], ref["grads"], ref["weights"]
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["losses"], ref_losses)) <= atol, (r["losses"], ref_losses)
+        assert abs(r["eval_loss"] - ref["eval_loss"]) <= atol, ("eval loss", r["eval_loss"], ref["eval_loss"])
     dp = 1 + max(r["dp_rank"] for r in results)
     seen = set()
     for key, ref_grad in ref_grads.items():

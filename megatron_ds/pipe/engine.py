@@ -8,15 +8,21 @@ starts from a detached leaf, so every (stage, mb, seq) has its own autograd grap
 and B, W and BW can run in any order the schedule picks. Gradient reduction,
 ZeRO-1, clipping, the optimizer step and checkpoints are DeepSpeed's own.
 """
+import os
+
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.utils import logger
 
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op, build_schedule
 
 from . import instructions as ins
 from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, outgoing
+
+
+LAYOUT_KEY = "megatron_ds_pipeline_layout"
 
 
 class ScheduleEngine(PipelineEngine):
@@ -202,6 +208,27 @@ class ScheduleEngine(PipelineEngine):
             self.module.train()
         return loss
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def _layout(self):
+        """What the optimizer state's partitioning depends on: pipeline and DP sizes, chunk placement."""
+        return {"pp": self.num_stages, "dp": self.dp_world_size, "placement": self.module.placement}
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        state = dict(client_state or {})
+        state[LAYOUT_KEY] = self._layout()
+        return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        """Layer files are named by global layer index, so weights load under any schedule and
+        pipeline size; optimizer state only under the same layout (else weights only)."""
+        saved = saved_layout(load_dir, tag)
+        if saved is not None and saved != self._layout() and not kwargs.get("load_module_only"):
+            if self.global_rank == 0:
+                logger.warning(f"checkpoint layout {saved} differs from this run's {self._layout()}: "
+                               "loading weights only (optimizer and lr scheduler start fresh)")
+            kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
+        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ins.LoadMicroBatches: _exec_load_micro_batches,
@@ -212,3 +239,21 @@ class ScheduleEngine(PipelineEngine):
         ins.FinishP2P: _exec_finish_p2p,
     }
 
+
+
+def saved_layout(load_dir, tag=None):
+    """The pipeline layout a checkpoint was saved with (DeepSpeed's stock engine: one stage per rank)."""
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return None
+        with open(latest) as f:
+            tag = f.read().strip()
+    path = os.path.join(load_dir, str(tag), "mp_rank_00_model_states.pt")
+    if not os.path.isfile(path):
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if LAYOUT_KEY in state:
+        return state[LAYOUT_KEY]
+    pp, dp = state.get("mp_world_size"), state.get("dp_world_size")
+    return {"pp": pp, "dp": dp, "placement": [list(range(pp))]} if pp else None

@@ -1,0 +1,56 @@
+"""The ds_config "pipeline" section: every wrong key or impossible setting is one clear error."""
+import pytest
+
+from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from tests.multiproc import run_ranks
+
+
+def test_defaults_mean_the_stock_engine():
+    s = pipeline_settings({})
+    assert s.stock and s.schedule == "deepspeed" and s.partition_method == "type:transformer"
+
+
+def test_schedule_keys_are_read():
+    s = pipeline_settings({"pipeline": {"schedule": "interleaved", "virtual_stages": 2, "activation_checkpoint_interval": 1}})
+    assert (s.schedule, s.virtual_stages, s.stock) == ("interleaved", 2, False)
+
+
+@pytest.mark.parametrize("section,words", [
+    ({"schedule": "zb-h3"}, ["pipeline.schedule", "zb-h3", "zbv"]),
+    ({"schedule": "1f1b", "virtual_stage": 2}, ["unknown key", "virtual_stage"]),
+    ({"schedule": "interleaved", "virtual_stages": 0}, ["pipeline.virtual_stages", ">= 1"]),
+    ({"schedule": "zbv", "virtual_stages": 2}, ["virtual_stages", "interleaved"]),
+    ({"schedule": "1f1b", "seq_splits": 4}, ["seq_splits", "seq1f1b"]),
+    ({"schedule": "seq1f1b", "seq_split_method": "random"}, ["seq_split_method", "random"]),
+    ({"schedule": "zbv", "post_validation": "yes"}, ["post_validation", "true or false"]),
+    ({"schedule": "zbv", "partition_method": "by-magic"}, ["partition_method", "by-magic"]),
+])
+def test_bad_settings_name_key_value_and_rule(section, words):
+    with pytest.raises(ConfigError) as err:
+        pipeline_settings({"pipeline": section})
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def _build_error(pipeline, num_layers, gas):
+    import deepspeed
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megatron_ds.pipe.build import build_pipeline_module
+    from tests.gpt_harness import ds_config, tiny_config
+    try:
+        build_pipeline_module(tiny_config(num_layers), ds_config(1, 1, gas, pipeline=pipeline), 1)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("pipeline,layers,gas,words", [
+    ({"schedule": "bitpipe"}, 4, 4, ["bitpipe", "even"]),
+    ({"schedule": "zbv"}, 3, 4, ["--num-layers 3", "multiple of 2"]),
+    ({"schedule": "interleaved", "virtual_stages": 4}, 2, 4, ["--num-layers 2", "multiple of 4"]),
+])
+def test_impossible_schedule_settings_are_refused_at_build(pipeline, layers, gas, words):
+    message = run_ranks(1, _build_error, pipeline, layers, gas)[0]
+    assert message is not None, f"{pipeline} with {layers} layers was accepted"
+    for word in words:
+        assert word in message, (word, message)
