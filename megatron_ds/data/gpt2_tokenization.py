@@ -7,6 +7,7 @@ lowest-ranked merge is applied until none is left. `<|endoftext|>` in the text i
 """
 import functools
 import json
+from itertools import chain
 
 import regex
 
@@ -47,6 +48,21 @@ def read_merges(merges_file):
     return merges
 
 
+class _PieceCache(dict):
+    """piece -> token ids; a miss runs BPE. Cleared when full, which keeps memory bounded."""
+
+    def __init__(self, compute, capacity):
+        super().__init__()
+        self._compute, self._capacity = compute, capacity
+
+    def __missing__(self, piece):
+        ids = self._compute(piece)
+        if len(self) >= self._capacity:
+            self.clear()
+        self[piece] = ids
+        return ids
+
+
 class GPT2BPE:
     def __init__(self, vocab_file, merges_file, errors="replace"):
         with open(vocab_file, encoding="utf-8") as f:
@@ -58,7 +74,7 @@ class GPT2BPE:
         # Bytes -> byte characters in one C call: decode as latin-1, then translate.
         self._byte_table = {b: ch for b, ch in self.byte_encoder.items()}
         self.bpe_ranks = {pair: i for i, pair in enumerate(read_merges(merges_file))}
-        self._bpe = functools.lru_cache(maxsize=BPE_CACHE_SIZE)(self._bpe_uncached)
+        self._cache = _PieceCache(self._piece_ids, BPE_CACHE_SIZE)
 
     def _bpe_uncached(self, token):
         word = list(token)
@@ -88,11 +104,11 @@ class GPT2BPE:
                              f"and merges files do not belong together") from None
 
     def encode(self, text):
-        table, bpe = self._byte_table, self._bpe
-        ids = []
-        for piece in _SPLIT.findall(text):
-            ids.extend(bpe(piece.encode("utf-8").decode("latin-1").translate(table)))
-        return ids
+        # Cache hits (most pieces of real text) never leave C: dict lookups chained into one list.
+        return list(chain.from_iterable(map(self._cache.__getitem__, _SPLIT.findall(text))))
+
+    def _piece_ids(self, piece):
+        return self._bpe_uncached(piece.encode("utf-8").decode("latin-1").translate(self._byte_table))
 
     def decode(self, ids):
         text = "".join(self.decoder[int(i)] for i in ids)
