@@ -103,16 +103,16 @@ class MMapIndex:
             file_size = os.path.getsize(path)
         except OSError:
             raise IndexedDatasetError(f"{path}: index file not found") from None
+        with open(path, "rb") as f:
+            head = f.read(HEADER_SIZE)
+        if head[:8] == _LEGACY_MAGIC:
+            raise IndexedDatasetError(f"{path}: legacy 'lazy'/'cached' (TNTIDX) index; only 'mmap' is supported")
+        if head and not MAGIC.startswith(head[:len(MAGIC)]):  # a cut-off magic is a truncation
+            raise IndexedDatasetError(f"{path}: wrong magic {head[:len(MAGIC)]!r}, expected {MAGIC!r}")
         if file_size < HEADER_SIZE:
             raise IndexedDatasetError(f"{path}: truncated index ({file_size} bytes, the header "
                                       f"alone is {HEADER_SIZE})")
-        with open(path, "rb") as f:
-            magic, version, dcode, n, d = HEADER.unpack(f.read(HEADER_SIZE))
-        if magic != MAGIC:
-            if magic[:8] == _LEGACY_MAGIC:
-                raise IndexedDatasetError(f"{path}: legacy 'lazy'/'cached' (TNTIDX) index; only "
-                                          f"'mmap' is supported")
-            raise IndexedDatasetError(f"{path}: wrong magic {magic!r}, expected {MAGIC!r}")
+        magic, version, dcode, n, d = HEADER.unpack(head)
         if version != VERSION:
             raise IndexedDatasetError(f"{path}: unsupported index version {version} (expected {VERSION})")
         if dcode not in DTYPES:

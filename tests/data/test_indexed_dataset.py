@@ -144,6 +144,8 @@ def _truncate(path, size):
     (lambda p: _patch(p + ".idx", 17, b"\x09"), "unknown dtype code 9"),
     (lambda p: _truncate(p + ".idx", 80), "index truncated"),
     (lambda p: _truncate(p + ".idx", 20), "truncated index"),
+    (lambda p: _truncate(p + ".idx", 0), "truncated index (0 bytes"),
+    (lambda p: open(p + ".idx", "wb").write(b"{}"), "wrong magic b'{}'"),
     (lambda p: open(p + ".idx", "ab").write(b"\0" * 8), "trailing bytes"),
     (lambda p: _truncate(p + ".bin", 7), "data file truncated"),
     (lambda p: open(p + ".bin", "ab").write(b"\0\0"), "longer than its index says"),
