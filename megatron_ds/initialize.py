@@ -24,8 +24,8 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _first_slurm_host():
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+def _first_slurm_host(env):
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
         return "127.0.0.1"
     try:
@@ -50,7 +50,7 @@ def set_launcher_env(local_rank_flag=None, env=None):
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
         env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
         if "MASTER_ADDR" not in env:
-            env["MASTER_ADDR"] = _first_slurm_host()
+            env["MASTER_ADDR"] = _first_slurm_host(env)
         env.setdefault("MASTER_PORT", "6000")
     if "RANK" not in env:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

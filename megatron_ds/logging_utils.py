@@ -235,10 +235,16 @@ def write_loss_curve(path, train_points, valid_points, title="GPT pretraining"):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     its, losses = zip(*train_points)
-    ax.plot(its, losses, lw=1.2, label="train lm loss")
+    window = max(1, len(losses) // 30)
+    ax.plot(its, losses, lw=0.8, alpha=0.35 if window > 1 else 1.0, color="C0",
+            label="train lm loss" if window == 1 else "train lm loss (per iteration)")
+    if window > 1:
+        smooth = [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1))
+                  for i in range(len(losses))]
+        ax.plot(its, smooth, lw=1.8, color="C0", label=f"train lm loss (mean of {window})")
     if valid_points:
         v_its, v_losses = zip(*valid_points)
-        ax.plot(v_its, v_losses, "o-", ms=4, lw=1.2, label="validation lm loss")
+        ax.plot(v_its, v_losses, "o-", ms=4, lw=1.2, color="C1", label="validation lm loss")
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss (nats/token)")
     ax.set_title(title)

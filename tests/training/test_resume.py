@@ -1,9 +1,11 @@
 """Save at iteration 4, resume in a fresh launch: iterations 5..8 equal an uninterrupted run bit for bit.
 
-Real processes through torchrun (2 ranks, PP=2, gloo), with what makes resuming
-hard switched on: dropout (RNG states), batch-size ramp-up across the save point,
-a samples-based cosine lr with warm-up, and evaluation between steps (the
-validation iterator's position).
+Real processes (2 ranks, PP=2, gloo), with what makes resuming hard switched on:
+dropout (RNG states), batch-size ramp-up across the save point, a samples-based
+cosine lr with warm-up, and evaluation between steps (the validation iterator's
+position). Each of the three runs uses another launcher, so the launchers are
+also shown to give the same numbers: srun (emulated: only SLURM_* variables, as
+srun sets them), the deepspeed launcher (--local_rank) and torchrun.
 """
 import json
 import os
@@ -24,25 +26,50 @@ def _gpt2_files():
     return default_gpt2_files()
 
 
-def launch(tmp_path, name, *extra, nproc=2, timeout=420):
+def _srun_like(nproc, cmd, env, cwd, timeout):
+    """What `srun --ntasks N python pretrain_gpt.py ...` gives each task: SLURM_* variables only."""
+    env = {k: v for k, v in env.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(SLURM_NTASKS=str(nproc), SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(_free_port()))
+    procs = [subprocess.Popen(cmd, cwd=cwd, env=dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
+    outs, rc = [], 0
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+            rc = rc or p.returncode
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return rc, "".join(outs)
+
+
+def launch(tmp_path, name, *extra, launcher="torchrun", nproc=2, timeout=420):
     vocab, merges = _gpt2_files()
     metrics = tmp_path / f"{name}.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"),
-           "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
-           "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-           "--rampup-batch-size", "2", "2", "16", "--train-samples", "36",
-           "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "4",
-           "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
-           "--pipeline-model-parallel-size", "2", "--data-path", str(tmp_path / "corpus"), "--split", "90,10,0",
-           "--vocab-file", vocab, "--merge-file", merges, "--make-vocab-size-divisible-by", "128",
-           "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
-           "--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "ds_config_1f1b_stock.json"),
-           "--metrics-file", str(metrics), *extra]
+    script = [os.path.join(ROOT, "pretrain_gpt.py"),
+              "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+              "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+              "--rampup-batch-size", "2", "2", "16", "--train-samples", "36",
+              "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "4",
+              "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+              "--pipeline-model-parallel-size", "2", "--data-path", str(tmp_path / "corpus"), "--split", "90,10,0",
+              "--vocab-file", vocab, "--merge-file", merges, "--make-vocab-size-divisible-by", "128",
+              "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+              "--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", "ds_config_1f1b_stock.json"),
+              "--metrics-file", str(metrics), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{out[-6000:]}"
+    port = str(_free_port())
+    if launcher == "srun":
+        rc, out = _srun_like(nproc, [sys.executable] + script, env, tmp_path, timeout)
+    else:
+        prefix = {"torchrun": ["torch.distributed.run", "--nproc_per_node"],
+                  "deepspeed": ["deepspeed.launcher.runner", "--num_gpus"]}[launcher]
+        cmd = [sys.executable, "-m", *prefix, str(nproc), "--master_port", port, *script]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    assert rc == 0, f"{name} ({launcher}) failed (rc {rc}):\n{out[-6000:]}"
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return records, out
 
@@ -61,11 +88,12 @@ def test_resume_is_bit_exact(tmp_path):
     write_corpus(str(tmp_path / "corpus"))
     ckpt = tmp_path / "ckpt"
 
-    full, full_out = launch(tmp_path, "uninterrupted")
+    full, full_out = launch(tmp_path, "uninterrupted", launcher="srun")
     assert [r["iteration"] for r in full] == list(range(1, 9))
     assert [r["global_batch_size"] for r in full] == [2, 2, 2, 4, 4, 6, 8, 8]  # the ramp crosses the save
 
-    first, first_out = launch(tmp_path, "first_half", "--save", str(ckpt), "--exit-interval", "4")
+    first, first_out = launch(tmp_path, "first_half", "--save", str(ckpt), "--exit-interval", "4",
+                              launcher="deepspeed")
     assert [r["iteration"] for r in first] == [1, 2, 3, 4]
     assert (ckpt / "latest").read_text() == "global_step4"
     assert "successfully saved checkpoint at iteration       4" in first_out
