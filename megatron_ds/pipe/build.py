@@ -64,6 +64,10 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
     if settings.stock:
         return PipelineModule(**common)
+    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if zero_stage != 1:
+        raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
+                          f'{{"stage": 1}} (it is {zero_stage})')
     mbs, gas = micro_batches_per_step(ds_config, dist.get_world_size() // pp)
     try:
         schedule = build_schedule(settings.schedule, pp, gas, virtual_stages=settings.virtual_stages,

@@ -30,9 +30,6 @@ class ScheduleEngine(PipelineEngine):
     def __init__(self, *args, settings, **kwargs):
         self.settings = settings
         super().__init__(*args, **kwargs)
-        if self.zero_optimization_stage() != 1:
-            raise ValueError(f"schedule {settings.schedule!r} runs with ZeRO stage 1 "
-                             f"(zero_optimization.stage is {self.zero_optimization_stage()})")
         self._plans = {}
         self._batches = None
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)

@@ -32,13 +32,13 @@ def test_bad_settings_name_key_value_and_rule(section, words):
         assert word in str(err.value), (word, str(err.value))
 
 
-def _build_error(pipeline, num_layers, gas):
+def _build_error(pipeline, num_layers, gas, zero=1):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.build import build_pipeline_module
     from tests.gpt_harness import ds_config, tiny_config
     try:
-        build_pipeline_module(tiny_config(num_layers), ds_config(1, 1, gas, pipeline=pipeline), 1)
+        build_pipeline_module(tiny_config(num_layers), ds_config(1, 1, gas, pipeline=pipeline, zero=zero), 1)
     except ConfigError as exc:
         return str(exc)
     return None
@@ -48,9 +48,12 @@ def _build_error(pipeline, num_layers, gas):
     ({"schedule": "bitpipe"}, 4, 4, ["bitpipe", "even"]),
     ({"schedule": "zbv"}, 3, 4, ["--num-layers 3", "multiple of 2"]),
     ({"schedule": "interleaved", "virtual_stages": 4}, 2, 4, ["--num-layers 2", "multiple of 4"]),
+    ({"schedule": "zbv", "zero": 0}, 4, 4, ["ZeRO stage 1", "is 0"]),
 ])
 def test_impossible_schedule_settings_are_refused_at_build(pipeline, layers, gas, words):
-    message = run_ranks(1, _build_error, pipeline, layers, gas)[0]
+    pipeline = dict(pipeline)
+    zero = pipeline.pop("zero", 1)
+    message = run_ranks(1, _build_error, pipeline, layers, gas, zero)[0]
     assert message is not None, f"{pipeline} with {layers} layers was accepted"
     for word in words:
         assert word in message, (word, message)
