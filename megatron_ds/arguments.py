@@ -380,6 +380,18 @@ def _validate_data_and_io(args):
         _err("--data-path is required (a preprocessed PREFIX, without .bin/.idx)")
     if len(args.data_path) > 1 and len(args.data_path) % 2:
         _err(f"--data-path {' '.join(args.data_path)}: a blend is WEIGHT PREFIX pairs")
+    prefixes = args.data_path if len(args.data_path) == 1 else args.data_path[1::2]
+    if len(args.data_path) > 1:
+        for weight in args.data_path[0::2]:
+            try:
+                float(weight)
+            except ValueError:
+                _err(f"--data-path {' '.join(args.data_path)}: {weight!r} is not a weight (WEIGHT PREFIX pairs)")
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".idx", ".bin") if not os.path.isfile(prefix + ext)]
+        if missing:
+            _err(f"--data-path {prefix}: {missing[0]} not found (give the prefix of a preprocessed dataset, "
+                 "e.g. from tools/preprocess_data.py, without .bin/.idx)")
     if args.tokenizer_type == "GPT2BPETokenizer":
         if not args.vocab_file or not args.merge_file:
             _err("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")

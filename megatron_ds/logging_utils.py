@@ -141,10 +141,11 @@ class TensorBoard:
         w.add_scalar("iteration-time/tokens per second", tokens_per_second, iteration)
 
     def timers(self, timers, iteration, normalizer=1.0):
-        if self.writer is None or not self.args.log_timers_to_tensorboard:
-            return
+        """Seconds per iteration spent in each timer since the last call (Megatron's normalizer)."""
         for name in timers.names():
-            self.writer.add_scalar(f"timers/{name}-time", timers.elapsed(name, reset=False) / normalizer, iteration)
+            value = timers.elapsed(name, reset=True) / normalizer
+            if self.writer is not None and self.args.log_timers_to_tensorboard:
+                self.writer.add_scalar(f"timers/{name}-time", value, iteration)
 
     def validation(self, iteration, consumed_samples, loss, prefix="lm-loss-validation"):
         w = self.writer

@@ -179,7 +179,9 @@ class Trainer:
         self.codecarbon = CodeCarbon(args.codecarbon_dir, args.codecarbon_country_iso_code)
         self.train_points, self.valid_points = [], []
         self.current_gbs = None
-        self.last_saved = None
+        # a run resumed from its own --save directory already has this iteration on disk
+        same_dir = args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
+        self.last_saved = self.iteration if same_dir and self.iteration > 0 else None
         self.start_time = time.time()
 
     # ---- pieces
@@ -237,9 +239,11 @@ class Trainer:
         exit_reason = None
         while self.iteration < args.train_iters:
             gbs = self._apply_batch_size()
+            self.timers.start("train-step")
             start = time.perf_counter()
             loss = float(engine.train_batch(self.train_iter))
             elapsed = time.perf_counter() - start
+            self.timers.stop("train-step")
             self.iteration += 1
             self.consumed_train += gbs
             skipped = engine.skipped_steps - skipped_before
@@ -298,7 +302,7 @@ class Trainer:
             bar.write(line)
         else:
             print_rank_last(line)
-        self.tb.timers(self.timers, self.iteration)
+        self.tb.timers(self.timers, self.iteration, normalizer=n)
         self.tb.flush()
 
     def finish(self):

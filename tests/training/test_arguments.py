@@ -10,6 +10,19 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
         "--merge-file", __file__]
 
 
+@pytest.fixture(autouse=True)
+def _corpus_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+
+
+def test_missing_data_files(tmp_path):
+    (tmp_path / "corpus.idx").unlink()
+    with pytest.raises(ArgumentsError, match="--data-path corpus: corpus.idx not found"):
+        parse("--micro-batch-size", "2")
+
+
 def parse(*extra, world=4, ds=None, tmp_path=None):
     argv = BASE + list(extra)
     if ds is not None:

@@ -98,7 +98,10 @@ def test_resume_is_bit_exact(tmp_path):
     assert (ckpt / "latest").read_text() == "global_step4"
     assert "successfully saved checkpoint at iteration       4" in first_out
 
-    second, second_out = launch(tmp_path, "resumed", "--load", str(ckpt), "--save", str(ckpt))
+    tb = tmp_path / "tb"
+    second, second_out = launch(tmp_path, "resumed", "--load", str(ckpt), "--save", str(ckpt),
+                                "--tensorboard-dir", str(tb), "--log-timers-to-tensorboard",
+                                "--log-batch-size-to-tensorboard", "--log-validation-ppl-to-tensorboard")
     assert "successfully loaded checkpoint from" in second_out and "at iteration 4" in second_out
     assert [r["iteration"] for r in second] == [5, 6, 7, 8]
 
@@ -109,5 +112,17 @@ def test_resume_is_bit_exact(tmp_path):
     assert {**printed_losses(first_out), **printed_losses(second_out)} == printed_losses(full_out)
     assert [r["lr"] for r in first + second] == [r["lr"] for r in full]
     assert (ckpt / "latest").read_text() == "global_step8"
-    # the loss falls, a TensorBoard-free run still writes its metrics
     assert full[-1]["loss"] < full[0]["loss"]
+    # TensorBoard (last rank) has Megatron's scalar families, starting where the resumed run starts
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = list(tb.glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    acc = EventAccumulator(str(events[0]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("lm-loss-training/lm loss", "learning-rate/learning-rate", "grad-norm/grad-norm",
+                "batch-size/batch-size", "iteration-time/samples per second", "iteration-time/tokens per second",
+                "lm-loss-validation/lm loss validation ppl", "timers/train-step-time"):
+        assert tag in tags, (tag, sorted(tags))
+    assert [e.step for e in acc.Scalars("lm-loss-training/lm loss")] == [5, 6, 7, 8]
+    assert (tb / "loss_curve.png").stat().st_size > 1000

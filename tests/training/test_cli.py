@@ -1,0 +1,49 @@
+"""pretrain_gpt.py on bad input: one clear message, exit code 2, at once (no process group, no hang)."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+         "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--data-path", "corpus",
+         "--vocab-file", __file__, "--merge-file", __file__]
+
+
+def run(*extra, env=None):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *extra],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
+    return proc.returncode, proc.stderr
+
+
+def test_batch_size_disagreement(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 32, "gradient_clipping": 1.0}))
+    rc, err = run("--global-batch-size", "16", "--deepspeed_config", str(cfg),
+                  "--pipeline-model-parallel-size", "2", env={"WORLD_SIZE": "4", "RANK": "0"})
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        f'pretrain_gpt.py: error: --global-batch-size 16 disagrees with ds_config "train_batch_size" = 32 in {cfg}']
+
+
+def test_unknown_schedule_and_missing_config(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"pipeline": {"schedule": "2f2b"}}))
+    rc, err = run("--deepspeed_config", str(cfg))
+    assert rc == 2 and "pipeline.schedule" in err and "2f2b" in err and "Traceback" not in err
+    rc, err = run("--deepspeed_config", str(tmp_path / "missing.json"))
+    assert rc == 2 and "missing.json: file not found" in err
+
+
+def test_bad_data_fails_cleanly_after_start(tmp_path):
+    # one process, a real (gloo) start-up: a corrupt dataset is reported once, with no traceback
+    from megatron_ds.data.tokenizer import default_gpt2_files
+    vocab, merges = default_gpt2_files()
+    (tmp_path / "bad.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "bad.idx").write_bytes(b"NOTANIDX" * 8)
+    rc, err = run("--data-path", str(tmp_path / "bad"), "--vocab-file", vocab, "--merge-file", merges,
+                  env={"OMP_NUM_THREADS": "1"})
+    assert rc == 2 and "bad.idx" in err and "Traceback" not in err, err[-3000:]
+    rc, err = run("--data-path", str(tmp_path / "nothing"), "--vocab-file", vocab, "--merge-file", merges)
+    assert rc == 2 and "nothing.idx not found" in err
