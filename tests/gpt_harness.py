@@ -52,7 +52,7 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
     """Losses of every step, the first step's gradients, weights after `steps` steps, then the eval loss."""
     model = GPTModel(config)
     opt = optimizer_for(model.named_parameters(), lr)
-    losses, first_grads = [], None
+    losses, norms, first_grads = [], [], None
     n = dp * gas
     for step in range(steps):
         opt.zero_grad()
@@ -65,6 +65,7 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
         losses.append(total)
         if first_grads is None:
             first_grads = {k: p.grad.clone() for k, p in model.named_parameters_by_layer().items()}
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
@@ -72,7 +73,7 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
     with torch.no_grad():
         eval_loss = sum(gpt_loss(model(x, pos), y).item()
                         for (x, pos), y in (micro_batch(EVAL_STEP, i, config.vocab_size) for i in range(n))) / n
-    return dict(losses=losses, grads=first_grads, weights=weights, eval_loss=eval_loss)
+    return dict(losses=losses, grads=first_grads, weights=weights, eval_loss=eval_loss, grad_norms=norms)
 
 
 def layer_key(module, name):
@@ -118,14 +119,24 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
     grads = []
     capture_grads_before_reduce(engine, grads)
     dp_rank = engine.grid.get_data_parallel_rank()
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         batches = iter([micro_batch(step, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
         losses.append(float(engine.train_batch(batches)))
+        norms.append(float(engine.get_global_grad_norm()))
     weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
     eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
     eval_loss = float(engine.eval_batch(eval_batches))
-    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss)
+    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
+                grad_norms=norms, engine=engine_facts(engine))
+
+
+def engine_facts(engine):
+    """What a test may want to know about the engine after the run (plain data)."""
+    sync = getattr(engine.module, "replica_sync", None)
+    return {"stage": engine.stage_id, "chunks": list(getattr(engine.module, "chunks", [])),
+            "replica_syncs": list(sync.launched) if sync else [],
+            "last_backward_end": sync.last_backward_end if sync else None}
 
 
 def assert_matches_reference(results, ref, *, atol=1e-5, check_weights=True):

@@ -75,9 +75,6 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     except ScheduleError as exc:
         raise ConfigError(f'ds_config "pipeline": {exc}') from None
     check_layers(schedule, config.num_layers)
-    if schedule.replicas > 1:
-        raise ConfigError(f"schedule {schedule.name!r} runs two model replicas; this engine does not sync "
-                          "replica gradients yet")
     if schedule.seq_splits > 1:
         raise ConfigError(f'"pipeline.seq_splits" = {schedule.seq_splits}: this engine has no segment K/V cache '
                           "yet; use seq_splits 1")

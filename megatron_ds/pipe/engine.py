@@ -53,6 +53,9 @@ class ScheduleEngine(PipelineEngine):
 
     def _start(self, micro_batches, train):
         self.sched, ops, plan = self._plan(micro_batches, train)
+        self._sync_after = last_backward_ops(ops) if train and self.module.replica_sync else {}
+        if self._sync_after:
+            self.module.replica_sync.launched.clear()
         self.p2p = P2P(plan, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r), self._message_shape,
                        self._dtype, self.device)
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -148,6 +151,11 @@ class ScheduleEngine(PipelineEngine):
             self._running_engine_backward = False
         if stage > 0:
             self._emit(op, x.grad)
+        self._backward_done(op)
+
+    def _backward_done(self, op):
+        if self._sync_after:
+            self.module.replica_sync.after_backward(self._sync_after.get(op))
 
     def _scale_loss(self, loss):
         loss = loss / self.micro_batches  # the per-micro-batch mean, as DeepSpeed's GAS scaling
@@ -166,6 +174,11 @@ class ScheduleEngine(PipelineEngine):
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
         finally:
             self._running_engine_backward = False
+        self._backward_done(Op("W", replica, stage, mb, seq))
+
+    def _exec_reduce_replica_grads(self):
+        if self.module.replica_sync:
+            self.module.replica_sync.wait()
 
     def _exec_finish_p2p(self):
         self.p2p.finish()
@@ -234,8 +247,18 @@ class ScheduleEngine(PipelineEngine):
         ins.BackwardInputOp: _exec_backward_input_op,
         ins.BackwardWeightOp: _exec_backward_weight_op,
         ins.FinishP2P: _exec_finish_p2p,
+        ins.ReduceReplicaGrads: _exec_reduce_replica_grads,
     }
 
+
+
+def last_backward_ops(ops):
+    """{op: chunk} for the op after which each chunk's gradients are complete on this rank."""
+    last = {}
+    for op in ops:
+        if op.kind != "F":
+            last[(op.replica, op.stage)] = op
+    return {op: chunk for chunk, op in last.items()}
 
 
 def saved_layout(load_dir, tag=None):

@@ -31,6 +31,10 @@ class BackwardWeightOp(OpInstruction):
     """W: the queued weight GEMMs."""
 
 
+class ReduceReplicaGrads(ds_schedule.PipeInstruction):
+    """Finish the twin-chunk gradient all-reduces of a two-replica schedule."""
+
+
 class FinishP2P(ds_schedule.PipeInstruction):
     """Wait for outstanding sends and check that every message was consumed."""
 
@@ -51,7 +55,8 @@ class OpListSchedule(ds_schedule.PipeSchedule):
             yield [KIND_TO_INSTRUCTION[op.kind](replica=op.replica, stage=op.stage, mb=op.mb, seq=op.seq)]
         yield [FinishP2P()]
         if self.train:
-            yield [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
+            yield [ReduceReplicaGrads(), ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(),
+                   ds_schedule.OptimizerStep()]
 
     def num_pipe_buffers(self):
         return 1  # the engine keeps its own per-(replica, stage, mb, seq) buffers

@@ -10,6 +10,7 @@ global layer index) work per chunk exactly as DeepSpeed does them.
 from deepspeed.pipe import PipelineModule
 
 from .config import ConfigError
+from .replicas import ReplicaSync
 
 
 class ChunkedPipelineModule(PipelineModule):
@@ -19,6 +20,10 @@ class ChunkedPipelineModule(PipelineModule):
         self.placement = [list(row) for row in placement]
         self.activation_shape = tuple(activation_shape)
         super().__init__(layers, **kwargs)
+        self.replica_sync = None
+        if len(self.placement) > 1:
+            self.replica_sync = ReplicaSync(self, self._grid)
+            self.replica_sync.broadcast_weights()
 
     @property
     def num_virtual_stages(self):
@@ -90,3 +95,5 @@ class ChunkedPipelineModule(PipelineModule):
         finally:
             del self._synchronize_tied_weights
         self._synchronize_tied_weights()
+        if self.replica_sync:
+            self.replica_sync.broadcast_weights()

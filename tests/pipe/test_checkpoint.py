@@ -1,4 +1,7 @@
-"""A checkpoint saved under zbv at PP=2 loads under 1f1b at PP=4 with the same eval loss."""
+"""A checkpoint saved under zbv (or bitpipe, which holds two replicas) at PP=2 loads under
+1f1b at PP=4 with the same eval loss: layer files are named by global layer index."""
+import pytest
+
 from tests.gpt_harness import EVAL_STEP, ds_config, micro_batch, optimizer_for, tiny_config
 from tests.multiproc import run_ranks
 
@@ -20,8 +23,8 @@ def _eval(engine, config):
     return float(engine.eval_batch(iter([micro_batch(EVAL_STEP, j, config.vocab_size) for j in range(GAS)])))
 
 
-def train_and_save(save_dir):
-    engine, config = _engine(2, {"schedule": "zbv"})
+def train_and_save(save_dir, schedule):
+    engine, config = _engine(2, {"schedule": schedule})
     for step in range(2):
         engine.train_batch(iter([micro_batch(step, j, config.vocab_size) for j in range(GAS)]))
     engine.save_checkpoint(save_dir, tag="step2")
@@ -35,8 +38,9 @@ def load_and_eval(save_dir):
     return before, _eval(engine, config)
 
 
-def test_zbv_pp2_checkpoint_loads_under_1f1b_pp4(tmp_path):
-    saved = run_ranks(2, train_and_save, str(tmp_path))
+@pytest.mark.parametrize("schedule", ["zbv", "bitpipe"])
+def test_pp2_checkpoint_loads_under_1f1b_pp4(tmp_path, schedule):
+    saved = run_ranks(2, train_and_save, str(tmp_path), schedule)
     assert len(set(saved)) == 1
     files = sorted(p.name for p in (tmp_path / "step2").iterdir())
     assert [f for f in files if f.startswith("layer_")] == [f"layer_{i:02d}-model_states.pt" for i in range(LAYERS + 2)]

@@ -1,0 +1,88 @@
+"""Two model replicas on one pipeline (BitPipe): keep the twin chunks identical.
+
+Replica 1's stage s is the same layers as replica 0's stage s, held by the mirror
+rank. Twins start from identical weights (broadcast from replica 0's copy) and
+stay identical: after backward each chunk's gradients are summed with its twin's
+(every loss is already divided by the whole step's micro-batch count, so the sum
+is the full-batch gradient). One process group per stage keeps the two ranks'
+collectives matched whatever order their chunks finish in, so a chunk's
+all-reduce is launched asynchronously the moment its last backward op is done
+("eager" sync, overlapping the remaining backward work) and waited for only
+before the data-parallel reduction.
+"""
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+def chunk_parameters(module):
+    """{chunk: [params]} with each parameter listed once, under its lowest stage (a tied
+    embedding shared by the first and last chunk belongs to the first)."""
+    seen, out = set(), {}
+    for chunk in sorted(module.chunks, key=lambda c: (c[1], c[0])):
+        params = []
+        for f in module.chunk_funcs[chunk]:
+            owner = f.args[0] if isinstance(f, functools.partial) else f
+            if isinstance(owner, torch.nn.Module):
+                for p in owner.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+        out[chunk] = params
+    return out
+
+
+class ReplicaSync:
+    """Gradient and weight sync between twin chunks on mirror ranks (one DP replica's pipeline)."""
+
+    def __init__(self, module, grid):
+        self.module = module
+        placement = module.placement
+        self.params = chunk_parameters(module)
+        self.groups = {}  # stage -> process group of its two holders (this DP index)
+        for stage in range(len(placement[0])):
+            for dp in range(grid.data_parallel_size):
+                ranks = sorted(grid.stage_to_global(stage_id=placement[rep][stage], data=dp) for rep in (0, 1))
+                group = dist.new_group(ranks=ranks)  # every rank takes part in every new_group
+                if dist.get_rank() in ranks:
+                    self.groups[stage] = (group, grid.stage_to_global(stage_id=placement[0][stage], data=dp))
+        for (rep, _), params in self.params.items():
+            if rep == 1:  # count each replicated parameter once in grad norms and overflow checks
+                for p in params:
+                    p.ds_pipe_replicated = True
+        self.pending = []
+        self.launched = []  # (chunk, perf_counter time) of this step's gradient all-reduces
+        self.last_backward_end = None  # perf_counter time the rank's latest backward op ended
+
+    def broadcast_weights(self):
+        """Copy replica 0's weights onto its twins (at start and after loading a checkpoint)."""
+        for chunk in sorted(self.params, key=lambda c: c[1]):
+            group, src = self.groups[chunk[1]]
+            with torch.no_grad():
+                for p in self.params[chunk]:
+                    dist.broadcast(p.data, src=src, group=group)
+
+    def after_backward(self, chunk=None):
+        """Called as each backward op ends; `chunk` when that op completed the chunk's gradients."""
+        self.last_backward_end = time.perf_counter()
+        if chunk is not None:
+            self.launch(chunk)
+
+    def launch(self, chunk):
+        grads = [p.grad for p in self.params[chunk] if p.grad is not None]
+        if len(grads) != len(self.params[chunk]):
+            raise RuntimeError(f"chunk {chunk} finished backward with parameters lacking gradients")
+        flat = _flatten_dense_tensors(grads)
+        work = dist.all_reduce(flat, group=self.groups[chunk[1]][0], async_op=True)
+        self.pending.append((work, flat, grads))
+        self.launched.append((chunk, time.perf_counter()))
+
+    def wait(self):
+        for work, flat, grads in self.pending:
+            work.wait()
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+        self.pending.clear()
