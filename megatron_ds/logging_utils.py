@@ -201,6 +201,8 @@ class CodeCarbon:
             print_rank_0("WARNING: --codecarbon-dir given but codecarbon is not installed; no emissions tracking")
             return
         os.makedirs(directory, exist_ok=True)
+        import logging
+        logging.getLogger("codecarbon").setLevel(logging.ERROR)  # its start-up chatter, once per rank
         try:
             self.tracker = OfflineEmissionsTracker(
                 output_dir=directory, output_file=f"emissions-{rank:03d}.csv", country_iso_code=country_iso_code,
