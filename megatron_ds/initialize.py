@@ -72,8 +72,12 @@ def initialize_distributed(args):
     args.rank, args.local_rank = rank, local_rank
     cuda = torch.cuda.is_available()
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
+    from .arguments import ArgumentsError
     if backend == "nccl" and not cuda:
-        raise RuntimeError("--distributed-backend nccl needs CUDA, and no GPU is visible; use gloo on CPU")
+        raise ArgumentsError("--distributed-backend nccl needs CUDA, and no GPU is visible; use gloo on CPU")
+    if args.fp16 and not cuda:
+        raise ArgumentsError("fp16 (--fp16 / ds_config fp16.enabled) needs a GPU: DeepSpeed's CPU accelerator "
+                             "has no fp16; use --bf16 or fp32 on CPU")
     args.distributed_backend = backend
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())

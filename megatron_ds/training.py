@@ -350,10 +350,10 @@ def pretrain(args):
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (pipeline stage, rank) ({engine.stage_id}, {rank}): {params}", flush=True)
-    timers = Timers()
-    timers.start("load-checkpoint")
+    loading = time.time()
     state = load_checkpoint(engine, args)
-    timers.stop("load-checkpoint")
+    if args.load:
+        print_rank_0(f"    load-checkpoint time: {time.time() - loading:.2f} s")
     train_ds, valid_ds, test_ds = build_datasets(args)
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
