@@ -267,4 +267,6 @@ def progress_bar(total, initial):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return None
-    return tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True, leave=False)
+    import shutil
+    width = shutil.get_terminal_size((100, 20)).columns or 100  # a pty may report 0 columns
+    return tqdm(total=total, initial=initial, unit="it", ncols=min(width, 120), leave=False)
