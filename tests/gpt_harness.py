@@ -11,15 +11,15 @@ from megatron_ds.model import GPTConfig, GPTModel, gpt_loss, position_ids_like
 SEQ, MBS = 16, 2
 
 
-def tiny_config(num_layers=4, **kw):
+def tiny_config(num_layers=4, seq=SEQ, **kw):
     return GPTConfig(vocab_size=64, hidden_size=32, num_layers=num_layers, num_attention_heads=4,
-                     max_position_embeddings=SEQ, seed=11, **kw)
+                     max_position_embeddings=seq, seed=11, **kw)
 
 
-def micro_batch(step, index, vocab=64):
+def micro_batch(step, index, vocab=64, seq=SEQ):
     """Micro-batch `index` of the global batch of optimizer step `step` (same on every rank)."""
     g = torch.Generator().manual_seed(1000 * step + index)
-    tokens = torch.randint(0, vocab, (MBS, SEQ + 1), generator=g)
+    tokens = torch.randint(0, vocab, (MBS, seq + 1), generator=g)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     return (x, position_ids_like(x)), y
 
@@ -58,7 +58,7 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
         opt.zero_grad()
         total = 0.0
         for i in range(n):
-            (x, pos), y = micro_batch(step, i, config.vocab_size)
+            (x, pos), y = micro_batch(step, i, config.vocab_size, config.max_position_embeddings)
             loss = gpt_loss(model(x, pos), y) / n
             loss.backward()
             total += loss.item()
@@ -72,7 +72,8 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
     weights = {k: p.detach().clone() for k, p in model.named_parameters_by_layer().items()}
     with torch.no_grad():
         eval_loss = sum(gpt_loss(model(x, pos), y).item()
-                        for (x, pos), y in (micro_batch(EVAL_STEP, i, config.vocab_size) for i in range(n))) / n
+                        for (x, pos), y in (micro_batch(EVAL_STEP, i, config.vocab_size, config.max_position_embeddings)
+                                            for i in range(n))) / n
     return dict(losses=losses, grads=first_grads, weights=weights, eval_loss=eval_loss, grad_norms=norms)
 
 
@@ -104,28 +105,29 @@ def engine_rank_runs(pp, gas, steps, pipelines, **kw):
     return [engine_rank_run(pp, gas, steps, pipeline, **kw) for pipeline in pipelines]
 
 
-def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2):
-    """Per-rank side: train `steps` steps, return losses, first-step grads and final weights."""
+def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2, seq=SEQ):
+    """Per-rank side: train `steps` steps, return losses, first-step grads and final weights.
+    The pipeline section's "activation_checkpoint_interval" (a DeepSpeed key) checkpoints layers."""
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    config = tiny_config(num_layers)
+    config = tiny_config(num_layers, seq)
     dp = dist.get_world_size() // pp
     cfg = ds_config(pp, dp, gas, zero=zero, clip=clip, bf16=bf16, pipeline=pipeline, lr=lr)
-    module = build_pipeline_module(config, cfg, pp)
+    module = build_pipeline_module(config, cfg, pp, (pipeline or {}).get("activation_checkpoint_interval", 0))
     engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), lr))
     grads = []
     capture_grads_before_reduce(engine, grads)
     dp_rank = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
     for step in range(steps):
-        batches = iter([micro_batch(step, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
+        batches = iter([micro_batch(step, dp_rank * gas + j, config.vocab_size, seq) for j in range(gas)])
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
     weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
-    eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size) for j in range(gas)])
+    eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size, seq) for j in range(gas)])
     eval_loss = float(engine.eval_batch(eval_batches))
     return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
                 grad_norms=norms, engine=engine_facts(engine))

@@ -15,12 +15,14 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
 from megatron_ds.schedules import ScheduleError, build_schedule
+from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
 
 from .config import ConfigError, pipeline_settings
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
+SEGMENT_MULTIPLE = 8  # balanced Seq1F1B segment lengths are multiples of this (kernel-friendly)
 
 
 def topology(pp: int):
@@ -55,6 +57,25 @@ def check_layers(schedule, num_layers: int):
                           f"--num-layers {num_layers} < {stages} stages")
 
 
+def segment_lengths(settings, config: GPTConfig, seq_length: int) -> list:
+    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B)."""
+    k, method = settings.seq_splits, settings.seq_split_method
+    where = f'ds_config "pipeline.seq_splits" = {k} with "seq_split_method": "{method}"'
+    if k > seq_length:
+        raise ConfigError(f"{where}: more segments than the {seq_length} tokens of a sequence (--seq-length); "
+                          "every segment needs at least one token")
+    if method == "even":
+        if seq_length % k:
+            raise ConfigError(f"{where}: --seq-length {seq_length} must be a multiple of seq_splits "
+                              '(or use "balanced")')
+        return even_segment_lengths(seq_length, k)
+    try:
+        return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
+                                        SEGMENT_MULTIPLE)
+    except ScheduleError as exc:
+        raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
+
+
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
                           seq_length: int = None):
     settings = pipeline_settings(ds_config)
@@ -75,11 +96,11 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     except ScheduleError as exc:
         raise ConfigError(f'ds_config "pipeline": {exc}') from None
     check_layers(schedule, config.num_layers)
-    if schedule.seq_splits > 1:
-        raise ConfigError(f'"pipeline.seq_splits" = {schedule.seq_splits}: this engine has no segment K/V cache '
-                          "yet; use seq_splits 1")
     activation_shape = (mbs, seq_length or config.max_position_embeddings, config.hidden_size)
-    return ChunkedPipelineModule(placement=schedule.placement, activation_shape=activation_shape, **common)
+    lengths = segment_lengths(settings, config, activation_shape[1]) if schedule.seq_splits > 1 else None
+    module = ChunkedPipelineModule(placement=schedule.placement, activation_shape=activation_shape, **common)
+    module.segment_lengths = lengths  # read by ScheduleEngine to cut micro-batches into segments
+    return module
 
 
 @contextmanager

@@ -8,6 +8,7 @@ starts from a detached leaf, so every (stage, mb, seq) has its own autograd grap
 and B, W and BW can run in any order the schedule picks. Gradient reduction,
 ZeRO-1, clipping, the optimizer step and checkpoints are DeepSpeed's own.
 """
+import contextlib
 import os
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.utils import logger
 
+from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op, build_schedule
 
@@ -35,6 +37,7 @@ class ScheduleEngine(PipelineEngine):
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
+        self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per (replica, stage, mb)
         self._dtype = next(self.module.parameters()).dtype
 
     # -- schedule ------------------------------------------------------------------------------
@@ -79,11 +82,17 @@ class ScheduleEngine(PipelineEngine):
         self._batches = None
         if self._needs_data():
             self._batches = [next(self.data_iterator) for _ in range(self.sched.micro_batches)]
+            total = sum(self.module.segment_lengths) if self.sched.seq_splits > 1 else None
+            if total and any(labels.shape[1] != total for _, labels in self._batches):
+                raise RuntimeError(f"seq_splits={self.sched.seq_splits} cuts {total}-token sequences into "
+                                   f"{self.module.segment_lengths}; a micro-batch has another length")
 
     def _segment(self, mb, seq):
         if self.sched.seq_splits == 1:
             return slice(None)
-        raise NotImplementedError("sequence segments need the segment K/V cache")
+        lengths = self.module.segment_lengths
+        start = sum(lengths[:seq])
+        return slice(start, start + lengths[seq])
 
     def _inputs(self, mb, seq):
         inputs, _ = self._batches[mb]
@@ -92,11 +101,22 @@ class ScheduleEngine(PipelineEngine):
 
     def _labels(self, mb, seq):
         _, labels = self._batches[mb]
-        return labels[:, self._segment(mb, seq)].to(self.device)
+        if self.sched.seq_splits == 1:
+            return labels.to(self.device)
+        # A segment's loss is divided by the whole micro-batch's token count: they sum to its loss.
+        return labels[:, self._segment(mb, seq)].to(self.device), labels.numel()
 
     def _message_shape(self, key):
         mbs, seq, hidden = self.module.activation_shape
+        if self.sched.seq_splits > 1:
+            seq = self.module.segment_lengths[key[-1]]
         return (mbs, seq, hidden)
+
+    def _open_segment(self, replica, stage, mb, seq):
+        """Attention sees the K/V cache of (replica, stage, mb) while an op on segment `seq` runs."""
+        if self.sched.seq_splits == 1:
+            return contextlib.nullcontext()
+        return self._kv.segment((replica, stage, mb), self._segment(mb, seq).start, sum(self.module.segment_lengths))
 
     # -- p2p and hand-over -----------------------------------------------------------------------
     def _emit(self, op, tensor):
@@ -121,7 +141,10 @@ class ScheduleEngine(PipelineEngine):
             x = self._inputs(mb, seq)
         else:
             x = self._take(op).detach().requires_grad_(self.module.training)
-        out = self.module.chunk_forward((replica, stage), x)
+        with self._open_segment(replica, stage, mb, seq):
+            out = self.module.chunk_forward((replica, stage), x)
+        if not self.module.training and seq == self.sched.seq_splits - 1:
+            self._kv.free((replica, stage, mb))
         unit = (replica, stage, mb, seq)
         if stage == self.sched.loss_stage:
             loss = self.module.loss_fn(out, self._labels(mb, seq))
@@ -149,6 +172,8 @@ class ScheduleEngine(PipelineEngine):
                 torch.autograd.backward(root, grad)
         finally:
             self._running_engine_backward = False
+        if seq == 0:
+            self._kv.free((replica, stage, mb))  # segment 0 runs the micro-batch's last backward here
         if stage > 0:
             self._emit(op, x.grad)
         self._backward_done(op)
@@ -163,10 +188,12 @@ class ScheduleEngine(PipelineEngine):
         return scale(loss) if scale else loss
 
     def _exec_backward_op(self, replica, stage, mb, seq):
-        self._backward(replica, stage, mb, seq, "BW")
+        with self._open_segment(replica, stage, mb, seq):  # for recomputation (activation checkpointing)
+            self._backward(replica, stage, mb, seq, "BW")
 
     def _exec_backward_input_op(self, replica, stage, mb, seq):
-        self._backward(replica, stage, mb, seq, "B")
+        with self._open_segment(replica, stage, mb, seq):
+            self._backward(replica, stage, mb, seq, "B")
 
     def _exec_backward_weight_op(self, replica, stage, mb, seq):
         self._running_engine_backward = True
@@ -183,6 +210,7 @@ class ScheduleEngine(PipelineEngine):
     def _exec_finish_p2p(self):
         self.p2p.finish()
         leftovers = [k for k in (*self._stash, *self._wgrad)] if self.module.training else []
+        leftovers += self._kv.keys()  # segment K/V caches never freed
         if leftovers or self._local:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone: {leftovers or list(self._local)}")
         self._stash.clear()

@@ -12,7 +12,7 @@ CONFIGS = sorted((pathlib.Path(__file__).parents[2] / "ds_configs").glob("*.json
 
 def test_a_config_per_engine_schedule():
     names = {pipeline_settings(json.loads(p.read_text())).schedule for p in CONFIGS}
-    assert {"deepspeed", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "bitpipe"} <= names
+    assert {"deepspeed", "gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "bitpipe", "seq1f1b"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])

@@ -1,0 +1,148 @@
+"""Segment-wise causal attention through the K/V cache equals full causal attention (fp32):
+forward outputs, input gradients and weight gradients, for k in {1, 2, 4} segments split
+evenly or FLOP-balanced, with activation-checkpoint recomputation and with deferred W."""
+import contextlib
+
+import pytest
+import torch
+import torch.utils.checkpoint as tc
+
+from megatron_ds.model import GPTConfig, TransformerLayer, WeightGradStore
+from megatron_ds.model.attention import CausalSelfAttention
+from megatron_ds.model.kv_cache import SegmentKVCache
+from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
+
+B, S, H = 2, 64, 32
+ATOL = 1e-5
+
+
+def config():
+    return GPTConfig(vocab_size=64, hidden_size=H, num_layers=2, num_attention_heads=4,
+                     max_position_embeddings=S, seed=3)
+
+
+def lengths_for(k, method):
+    cfg = config()
+    if method == "even":
+        return even_segment_lengths(S, k)
+    return balanced_segment_lengths(S, k, cfg.hidden_size, cfg.ffn_hidden_size)
+
+
+def two_layers():
+    cfg = config()  # each layer draws its weights from its own seed
+    return torch.nn.Sequential(TransformerLayer(cfg, 1), TransformerLayer(cfg, 2))
+
+
+def inputs():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, S, H, generator=g), torch.randn(B, S, H, generator=g)
+
+
+def full_run(module, x, grad_out):
+    x = x.clone().requires_grad_()
+    y = module(x)
+    y.backward(grad_out)
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def segmented_run(module, x, grad_out, lengths, checkpoint=None, defer=False):
+    """Forward segments 0..k-1, then backward k-1..0, each segment its own graph (as the runtime does)."""
+    cache, key, units, start = SegmentKVCache(), ("mb", 0), [], 0
+    for n in lengths:
+        xs = x[:, start:start + n].clone().requires_grad_()
+        with cache.segment(key, start, S):
+            ys = tc.checkpoint(module, xs, use_reentrant=checkpoint == "reentrant") if checkpoint else module(xs)
+        units.append((start, n, xs, ys))
+        start += n
+    queues = []
+    for start, n, xs, ys in reversed(units):
+        with cache.segment(key, start, S):  # open for recomputation
+            queue = []
+            with WeightGradStore.deferring(queue) if defer else contextlib.nullcontext():
+                ys.backward(grad_out[:, start:start + n])
+            queues.append(queue)
+    if defer:
+        # every K/V gradient reached its segment in B: input gradients are final before any W
+        x_grad = torch.cat([xs.grad for _, _, xs, _ in units], dim=1)
+        for queue in queues:
+            WeightGradStore.drain(queue)
+    cache.free(key)
+    assert cache.keys() == []
+    y = torch.cat([ys.detach() for *_, ys in units], dim=1)
+    x_grad_final = torch.cat([xs.grad for _, _, xs, _ in units], dim=1)
+    if defer:
+        assert torch.equal(x_grad, x_grad_final)
+    return y, x_grad_final, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def assert_close(a, b, what):
+    diff = (a - b).abs().max().item()
+    assert diff <= ATOL, f"{what}: max abs diff {diff:.3g}"
+
+
+def compare(module_factory, lengths, **kw):
+    x, g = inputs()
+    ref = full_run(module_factory(), x, g)
+    got = segmented_run(module_factory(), x, g, lengths, **kw)
+    assert_close(got[0], ref[0], "output")
+    assert_close(got[1], ref[1], "input gradient")
+    assert got[2].keys() == ref[2].keys()
+    for name in ref[2]:
+        assert_close(got[2][name], ref[2][name], f"gradient of {name}")
+
+
+@pytest.mark.parametrize("method", ["even", "balanced"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_segment_attention_equals_full_causal_attention(k, method):
+    lengths = lengths_for(k, method)
+    assert sum(lengths) == S and len(lengths) == k
+
+    def attention():
+        torch.manual_seed(0)
+        return CausalSelfAttention(config())
+    compare(attention, lengths)
+
+
+def test_balanced_split_is_uneven_here():
+    assert len(set(lengths_for(4, "balanced"))) > 1  # the tests above then cover unequal segments
+
+
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+def test_transformer_layers_with_recompute(checkpoint):
+    compare(two_layers, lengths_for(4, "balanced"), checkpoint=checkpoint)
+
+
+def test_deferred_weight_gradients_keep_kv_gradients_in_b():
+    compare(two_layers, [24, 8, 32], defer=True)
+
+
+def test_without_an_open_segment_attention_is_plain_causal_sdpa():
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config())
+    x, _ = inputs()
+    q, k, v = attn.c_attn(x).split(H, dim=2)
+    q, k, v = (t.view(B, S, 4, H // 4).transpose(1, 2) for t in (q, k, v))
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, S, H)
+    assert torch.equal(attn(x), attn.c_proj(y))
+
+
+def test_backward_out_of_order_is_refused():
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config())
+    cache, outs, start = SegmentKVCache(), [], 0
+    x, g = inputs()
+    for n in (32, 32):
+        with cache.segment("mb", start, S):
+            outs.append(attn(x[:, start:start + n].clone().requires_grad_()))
+        start += n
+    with pytest.raises(RuntimeError, match="last segment first"):
+        outs[0].backward(g[:, :32])
+
+
+def test_forward_out_of_order_is_refused():
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config())
+    cache = SegmentKVCache()
+    x, _ = inputs()
+    with cache.segment("mb", 32, S), pytest.raises(RuntimeError, match="in order"):
+        attn(x[:, 32:])
