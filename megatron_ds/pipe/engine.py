@@ -22,6 +22,7 @@ from megatron_ds.schedules import Op, build_schedule
 
 from . import instructions as ins
 from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, outgoing
+from .post_validation import PostValidation
 
 
 LAYOUT_KEY = "megatron_ds_pipeline_layout"
@@ -39,6 +40,7 @@ class ScheduleEngine(PipelineEngine):
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
         self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per (replica, stage, mb)
         self._dtype = next(self.module.parameters()).dtype
+        self._post_validation = PostValidation(self) if settings.post_validation else None
 
     # -- schedule ------------------------------------------------------------------------------
     def schedule_for(self, micro_batches):
@@ -220,7 +222,10 @@ class ScheduleEngine(PipelineEngine):
     def _aggregate_total_loss(self):
         """Mean loss over micro-batches and DP ranks, on every rank (any rank may hold a loss stage)."""
         loss = self._loss_sum.clone()
-        if self.is_pipe_parallel:
+        folded = self._post_validation.take_pipe_loss() if self._post_validation else None
+        if folded is not None:  # reduced with the step's post-validation message
+            loss = folded
+        elif self.is_pipe_parallel:
             dist.all_reduce(loss, group=self.grid.get_pipe_parallel_group())
         loss /= self.sched.micro_batches
         self.dp_group_loss = loss.clone()
