@@ -346,6 +346,10 @@ def pretrain(args):
     build_tokenizer(args)  # sets args.padded_vocab_size
     if rank == 0:
         print_args(args)
+    # data first: it is cheap, and a bad corpus should fail before minutes of model building
+    train_ds, valid_ds, test_ds = build_datasets(args)
+    if train_ds is None:
+        raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
     engine, lr_scheduler = setup_model_and_optimizer(args)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
@@ -354,9 +358,6 @@ def pretrain(args):
     state = load_checkpoint(engine, args)
     if args.load:
         print_rank_0(f"    load-checkpoint time: {time.time() - loading:.2f} s")
-    train_ds, valid_ds, test_ds = build_datasets(args)
-    if train_ds is None:
-        raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
     trainer = Trainer(args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds)
     if state["rng_state"] is not None:
         set_rng_state(state["rng_state"])  # last: nothing built after this draws from the global RNGs

@@ -12,7 +12,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
 
 def run(*extra, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *extra],
-                          capture_output=True, text=True, timeout=120,
+                          capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
     return proc.returncode, proc.stderr
 
