@@ -232,7 +232,7 @@ class Trainer:
 
     def train(self):
         args, engine = self.args, self.engine
-        interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0}
+        interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0, "iters": 0}
         bar = progress_bar(args.train_iters, self.iteration)
         skipped_before = engine.skipped_steps
         print_rank_0(f"training ... from iteration {self.iteration} to {args.train_iters}")
@@ -254,6 +254,7 @@ class Trainer:
             loss_scale = getattr(engine.optimizer, "cur_scale", None) if args.fp16 else None
             is_nan = not math.isfinite(loss)
             interval["time"] += elapsed
+            interval["iters"] += 1
             interval["skipped"] += skipped
             interval["nan"] += int(is_nan)
             if not is_nan and not skipped:
@@ -271,7 +272,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}")
             if self.iteration % args.log_interval == 0:
                 self._log(interval, gbs, lr, grad_norm, loss_scale, bar)
-                interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0}
+                interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0, "iters": 0}
             if (self.valid_iter is not None and args.eval_interval
                     and self.iteration % args.eval_interval == 0):
                 loss_v, used = self.evaluate_and_print(f"iteration {self.iteration}", self.valid_iter,
@@ -289,7 +290,7 @@ class Trainer:
 
     def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
         args = self.args
-        n = args.log_interval
+        n = max(1, interval["iters"])  # fewer than --log-interval right after a resume
         seconds = interval["time"] / n
         losses = {"lm loss": interval["loss"] / max(1, interval["count"])}
         line = iteration_line(
