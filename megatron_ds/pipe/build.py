@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import deepspeed
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
@@ -20,6 +21,7 @@ from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segme
 from .config import ConfigError, pipeline_settings
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule
+from .trace import traced_engine
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
 SEGMENT_MULTIPLE = 8  # balanced Seq1F1B segment lengths are multiples of this (kernel-friendly)
@@ -77,9 +79,12 @@ def segment_lengths(settings, config: GPTConfig, seq_length: int) -> list:
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
-                          seq_length: int = None):
+                          seq_length: int = None, *, layers=None, loss_fn=None):
+    """`layers`/`loss_fn` replace the GPT's layer specs and loss (e.g. benchmarking layers);
+    config.num_layers and hidden_size still give their count and the activation shape."""
     settings = pipeline_settings(ds_config)
-    common = dict(layers=gpt_layer_specs(config), loss_fn=gpt_loss, topology=topology(pp),
+    common = dict(layers=gpt_layer_specs(config) if layers is None else layers, loss_fn=loss_fn or gpt_loss,
+                  topology=topology(pp),
                   partition_method=settings.partition_method,
                   activation_checkpoint_interval=activation_checkpoint_interval,
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
@@ -119,6 +124,9 @@ def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None
                   model_parameters=model_parameters)
     if isinstance(module, ChunkedPipelineModule):
         with _engine_class(functools.partial(ScheduleEngine, settings=pipeline_settings(ds_config))):
+            engine, _, _, _ = deepspeed.initialize(**kwargs)
+    elif pipeline_settings(ds_config).trace_dir:  # the stock engine, traced
+        with _engine_class(traced_engine(PipelineEngine)):
             engine, _, _, _ = deepspeed.initialize(**kwargs)
     else:
         engine, _, _, _ = deepspeed.initialize(**kwargs)

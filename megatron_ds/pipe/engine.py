@@ -23,12 +23,13 @@ from megatron_ds.schedules import Op, build_schedule
 from . import instructions as ins
 from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, outgoing
 from .post_validation import PostValidation
+from .trace import TraceMixin
 
 
 LAYOUT_KEY = "megatron_ds_pipeline_layout"
 
 
-class ScheduleEngine(PipelineEngine):
+class ScheduleEngine(TraceMixin, PipelineEngine):
 
     def __init__(self, *args, settings, **kwargs):
         self.settings = settings
@@ -134,7 +135,7 @@ class ScheduleEngine(PipelineEngine):
         key = incoming_key(op)
         if key in self._local:
             return self._local.pop(key)
-        return self.p2p.recv(key)
+        return self._trace_wait(self.p2p.recv, key)
 
     # -- compute ---------------------------------------------------------------------------------
     def _exec_forward_op(self, replica, stage, mb, seq):

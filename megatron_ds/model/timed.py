@@ -1,0 +1,97 @@
+"""A benchmarking layer that takes set times, so CPU ranks behave like GPU pipeline stages.
+
+TimedLayer computes y = x * w (w: one real parameter of `hidden` elements, so activations,
+gradients, ZeRO and the optimizer all see real tensors) and sleeps instead of computing:
+TF in forward, TB in backward for the input gradient, TW for the weight gradient. Inside a B
+op (WeightGradStore.deferring, see linear.py) the weight part - its sleep and its gradient -
+is queued for the matching W op; anywhere else (BW, DeepSpeed's own engines) backward sleeps
+TB + TW. Sleeping frees the CPU, so p ranks on a 2-core machine run side by side like p
+devices with chosen costs.
+
+Costs are seconds per layer and micro-batch, read from a shared TimedCosts at every call,
+so a benchmark can change them between iterations. With `seq_length` set, an input of s
+tokens costs s / seq_length of that (a sequence segment's share).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .linear import WeightGradStore, _accumulate
+
+
+@dataclass
+class TimedCosts:
+    tf: float = 0.0
+    tb: float = 0.0
+    tw: float = 0.0
+    seq_length: int = 0  # full sequence length; 0: every call costs the whole micro-batch
+    seq_dim: int = 1
+
+    def share(self, x) -> float:
+        return x.shape[self.seq_dim] / self.seq_length if self.seq_length else 1.0
+
+
+def _sleep(seconds):
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class _TimedFunction(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, weight, costs):
+        share = costs.share(x)
+        _sleep(costs.tf * share)
+        ctx.save_for_backward(x, weight)
+        ctx.costs, ctx.share = costs, share
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        costs, share = ctx.costs, ctx.share
+        _sleep(costs.tb * share)
+        grad_x = grad_out * weight
+
+        def weight_grad():
+            _sleep(costs.tw * share)
+            return (grad_out * x).reshape(-1, x.shape[-1]).sum(0)
+
+        queue = WeightGradStore._queue
+        if queue is None:
+            return grad_x, weight_grad(), None
+        queue.append(lambda: _accumulate(weight, weight_grad()))
+        return grad_x, None, None
+
+
+class TimedLayer(torch.nn.Module):
+    """y = x * w, taking costs.tf / tb / tw seconds (see the module docstring)."""
+
+    def __init__(self, hidden: int, costs: TimedCosts):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        self.costs = costs
+
+    def forward(self, x):
+        if isinstance(x, (tuple, list)):  # the first stage gets the batch's input tuple
+            (x,) = x
+        return _TimedFunction.apply(x, self.weight, self.costs)
+
+
+def timed_loss(output, target):
+    """Mean squared error: cheap, and gives every layer a real gradient. A sequence segment's
+    target comes as (its targets, the whole micro-batch's element count): segment losses then
+    sum to the micro-batch's."""
+    if isinstance(target, tuple):
+        target, count = target
+        return ((output - target) ** 2).sum() / count
+    return ((output - target) ** 2).mean()
+
+
+def timed_layer_specs(num_layers: int, hidden: int, costs: TimedCosts):
+    """LayerSpecs of `num_layers` TimedLayers sharing `costs`, for a PipelineModule."""
+    from deepspeed.pipe import LayerSpec
+    return [LayerSpec(TimedLayer, hidden, costs) for _ in range(num_layers)]
