@@ -11,9 +11,11 @@ and then train_batch reduces the loss over the pipeline once more. Here each ran
    data-parallel peers (the same stage of the other replicas, which finish together) and launches the
    pipeline-wide sum asynchronously, with its loss sum in the same message (so train_batch's loss needs no
    second pipeline collective: `take_pipe_loss`);
-2. steps optimistically, unclipped, after keeping a copy of its fp32 master partition, optimizer state
-   and loss scaler (skipped when its own gradients already show that the step must be clipped or skipped,
-   or when the pipeline-wide sum has already arrived: then it steps once, as DeepSpeed);
+2. steps optimistically, unclipped, after copying its fp32 master partition, optimizer state and loss
+   scaler into buffers kept from step to step (and its gradients, unless the step only reads them).
+   It steps once, after the check, in DeepSpeed's order when that cannot pay: when its own gradients
+   already show a clip or an overflow, when the check has already arrived, or when the check has lately
+   arrived sooner than the copy takes (a rank that usually finishes last learns that; see `_early`);
 3. waits for the sum (the end of the optimizer step: the only wait) and validates with DeepSpeed's own
    formulas: if DeepSpeed would have clipped, it restores the copy and redoes the step with DeepSpeed's clip
    coefficient; if it would have found inf/nan, it restores and skips (loss scale update included). Then
@@ -33,9 +35,14 @@ one-number collectives (a difference in the last bit of the norm).
 fp16: the dynamic loss scale goes through the ZeRO optimizer's own `_update_scale`, in DeepSpeed's order
 (the scale is updated before the unscale, and the reported norm is divided by the scale before the
 update). The optimistic step assumes no overflow; the scaler's state is kept with the copy and restored
-before `_update_scale(True)` when the check finds one. fp16 cannot run on CPU here, so that path is
-covered by review and by the bf16/fp32 tests of the same code, not by an fp16 run.
+before `_update_scale(True)` when the check finds one. DeepSpeed refuses fp16 on a CPU only because the
+accelerator says so; the tests patch that answer and run ZeRO-1 fp16 with a moving scale.
+
+The timing rule of `_early` reads host clocks: right for CPU ranks; on a GPU, host time does not see the
+queued copies and optimizer kernels, so it leans towards stepping early.
 """
+import time
+
 import torch
 import torch.distributed as dist
 from deepspeed.comm import pg_utils
@@ -48,6 +55,8 @@ from deepspeed.runtime.zero.utils import get_norm_dtype
 from .config import ConfigError
 
 NORM_TYPE = 2.0
+# Optimizers whose step (single-tensor and foreach forms) reads the gradients and never writes them.
+GRAD_READ_ONLY = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
 class PostValidation:
@@ -64,9 +73,10 @@ class PostValidation:
         self.fold_loss = (self.mp_group is not None and pipe is not None
                           and dist.get_process_group_ranks(self.mp_group) == dist.get_process_group_ranks(pipe))
         self._pipe_loss = None
-        # Step early only when it can pay: not when this rank's gradients already show a clip or an
-        # overflow, nor when the check has already arrived. False: always early (tests of the rollback).
+        # Step early only when it can pay (see _early). False: always early (tests of the rollback).
         self.shortcuts = True
+        self._arrival = self._copy = None  # seconds: launch to check, keeping the copy (running averages)
+        self._spare = None  # the kept copy's buffers, reused every step
         self.counts = {"steps": 0, "optimistic": 0, "redone": 0, "rolled_back_skipped": 0, "skipped": 0}
         opt.step = self.step
 
@@ -84,22 +94,26 @@ class PostValidation:
             dist.all_reduce(sums, group=self.dp_group)
         # A new tensor: the collective writes into it while this rank goes on reading `sums`.
         message = torch.cat([sums, self.engine._loss_sum.reshape(1).float()] if self.fold_loss else [sums])
+        launched = time.perf_counter()
         work = dist.all_reduce(message, group=self.mp_group, async_op=True) if self.mp_group is not None else None
 
         grads = [self._take_grads(i) for i in range(self.groups)]
         prev_scale = opt.loss_scale
-        early = work is not None and not 0.0 < opt.clip_grad < 1e-6  # see _unclipped_norm
-        if early and self.shortcuts:
-            early = not work.is_completed() and self._locally_valid(sums, prev_scale)
         kept = None
-        if early:
+        if self._early(work, sums, prev_scale, time.perf_counter() - launched):
             kept = self._keep(grads)
+            kept_at = time.perf_counter()
+            arrived_during_copy = work.is_completed()
             opt._update_scale(False)
             for i, g in enumerate(grads):
                 self._apply(i, g, None)
             self.counts["optimistic"] += 1
-        if work is not None:
             work.wait()
+            # When the check arrived, as far as this rank can tell (an upper bound if it came early).
+            self._learn(kept_at - launched if arrived_during_copy else time.perf_counter() - launched)
+        elif work is not None:
+            work.wait()
+            self._learn(time.perf_counter() - launched)
         if self.fold_loss:
             self._pipe_loss = message[-1].clone()
         overflow, norm = self._verdict(message)
@@ -133,6 +147,25 @@ class PostValidation:
                                   allgather_bucket_size=opt.allgather_bucket_size)
         for i in range(self.groups):
             opt._update_model_bit16_weights(i)
+
+    def _early(self, work, sums, scale, ready):
+        """Step before the check arrives? `ready`: seconds from the launch to now (gradients flattened).
+
+        Stepping early pays when the check arrives later than this rank can have its copy kept: it
+        then finishes at max(ready + copy + step, arrival) instead of arrival + step. A rank that is
+        usually the last to finish (its check arrives at once) learns that and steps once, after the
+        check, paying no copy. It still measures the arrival then, so it goes back to stepping early
+        when that changes."""
+        if work is None or 0.0 < self.opt.clip_grad < 1e-6:  # see _unclipped_norm
+            return False
+        if not self.shortcuts:
+            return True
+        if work.is_completed() or not self._locally_valid(sums, scale):
+            return False
+        return self._arrival is None or self._copy is None or self._arrival > ready + self._copy
+
+    def _learn(self, arrival):
+        self._arrival = arrival if self._arrival is None else 0.5 * (self._arrival + arrival)
 
     def take_pipe_loss(self):
         """The pipeline-wide loss sum that came with this step's check (once), else None."""
@@ -250,14 +283,40 @@ class PostValidation:
 
     # -- the kept copy -------------------------------------------------------------------------------
     def _keep(self, grads):
+        """Copy the masters, optimizer state and loss scaler (into buffers kept from step to step), and
+        the gradients where the step could change them and a clipped redo may need them."""
         opt = self.opt
+        start = time.perf_counter()
+        masters = opt.single_partition_of_fp32_groups
+        if self._spare is None:
+            self._spare = {"master": [torch.empty_like(p) for p in masters], "state": [{} for _ in masters]}
         states = []
-        for p in opt.single_partition_of_fp32_groups:
+        for i, p in enumerate(masters):
+            self._spare["master"][i].copy_(p.detach())
             state = opt.optimizer.state.get(p)
-            states.append({k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()} if state else None)
-        return {"master": [p.detach().clone() for p in opt.single_partition_of_fp32_groups],
-                "state": states,
-                "grads": [g.clone() for g in grads] if opt.clip_grad > 0.0 else None,
+            if not state:
+                states.append(None)
+                continue
+            spare = self._spare["state"][i]
+            kept = {}
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    buf = spare.get(key)
+                    if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                        buf = spare[key] = torch.empty_like(value)
+                    value = buf.copy_(value)
+                kept[key] = value
+            states.append(kept)
+        if opt.clip_grad <= 0.0:
+            kept_grads = None
+        elif (not opt.loss_scaler.dynamic and opt.loss_scale == 1.0 and type(opt.optimizer) in GRAD_READ_ONLY
+              and not any(g.get("fused") for g in opt.optimizer.param_groups)):
+            kept_grads = grads  # the unclipped step multiplies them by exactly 1 and the optimizer only reads
+        else:
+            kept_grads = [g.clone() for g in grads]
+        seconds = time.perf_counter() - start
+        self._copy = seconds if self._copy is None else 0.5 * (self._copy + seconds)
+        return {"master": self._spare["master"], "state": states, "grads": kept_grads,
                 "scaler": dict(vars(opt.loss_scaler))}
 
     def _restore(self, kept, scaler=True):
@@ -277,9 +336,11 @@ class PostValidation:
                     current = state.get(key)
                     if torch.is_tensor(value) and torch.is_tensor(current) and current.shape == value.shape:
                         current.copy_(value)  # in place: DeepSpeed's hp mappings view these tensors
+                    elif torch.is_tensor(value):
+                        state[key] = value.clone()  # not the spare buffer itself
+                        relink = True
                     else:
                         state[key] = value
-                        relink = relink or torch.is_tensor(value)
             # The model's partition is always the master's copy (DeepSpeed copies it after every step).
             opt.parallel_partitioned_bit16_groups[i][self._partition_id(i)].data.copy_(p.data)
         if relink:  # the next _optimizer_step links DeepSpeed's hp mappings to the new state, as on a first step

@@ -1,0 +1,204 @@
+"""Optimizer post-validation: time per iteration with "pipeline.post_validation" off and on.
+
+A pipeline of timed layers (they sleep set times in forward, input-gradient and weight-gradient
+backward, so p ranks on a small CPU behave like p devices) plus a "ballast" parameter per layer that
+only the optimizer works on: the optimizer step is real work (ZeRO-1 flatten, AdamW, copies) of a chosen
+size. Under ZB-V and ZB-H2 the ranks finish their last op at different times (rank 0 first); without
+post-validation every rank waits for the last one before it may step, with it each rank steps while the
+others finish and only then waits. Both engines of a schedule are built in one launch and run in
+alternating blocks of back-to-back iterations (no barrier inside a block, so an early rank may start
+its next iteration early); the table gives the median block of each and the median of the blocks'
+on/off ratios (each "on" block paired with the "off" block next to it).
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/post_validation.py
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 bench/post_validation.py --schedules zbv
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.pipe import LayerSpec  # noqa: E402
+
+from megatron_ds.model.linear import WeightGradStore, _accumulate  # noqa: E402
+from megatron_ds.pipe.build import initialize_engine, topology  # noqa: E402
+from megatron_ds.pipe.config import pipeline_settings  # noqa: E402
+from megatron_ds.pipe.module import ChunkedPipelineModule  # noqa: E402
+from megatron_ds.schedules import build_schedule  # noqa: E402
+
+
+class Costs:
+    def __init__(self, tf, tb, tw):
+        self.tf, self.tb, self.tw = tf, tb, tw
+
+
+def _sleep(seconds):
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class _Timed(torch.autograd.Function):
+    """y = x * w in `tf` seconds; backward `tb` for the input gradient, `tw` for the weight gradient
+    (queued for the W op inside a B op, as megatron_ds.model.linear does for its GEMMs)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, ballast, costs):
+        _sleep(costs.tf)
+        ctx.save_for_backward(x, weight)
+        ctx.costs, ctx.ballast = costs, ballast
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        costs, ballast = ctx.costs, ctx.ballast
+        _sleep(costs.tb)
+
+        def weight_grad():
+            _sleep(costs.tw)
+            _accumulate(weight, (grad_out * x).reshape(-1, x.shape[-1]).sum(0))
+            if ballast.grad is None:  # a real (zero) gradient, once per iteration: ZeRO and AdamW see it
+                ballast.grad = torch.zeros_like(ballast)
+
+        queue = WeightGradStore._queue
+        if queue is None:
+            weight_grad()
+        else:
+            queue.append(weight_grad)
+        return grad_out * weight, None, None, None
+
+
+class TimedLayer(torch.nn.Module):
+
+    def __init__(self, hidden, ballast, costs):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        self.ballast = torch.nn.Parameter(torch.zeros(ballast))
+        self.costs = costs
+
+    def forward(self, x):
+        if isinstance(x, (tuple, list)):  # the first stage gets the batch's input tuple
+            (x,) = x
+        return _Timed.apply(x, self.weight, self.ballast, self.costs)
+
+
+def mse(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def make_engine(schedule, post_validation, args, pp):
+    ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch_size,
+                 "gradient_accumulation_steps": args.gas, "gradient_clipping": args.clip,
+                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+                 "pipeline": {"schedule": schedule, "post_validation": post_validation}}
+    settings = pipeline_settings(ds_config)
+    sched = build_schedule(schedule, pp, args.gas, virtual_stages=settings.virtual_stages,
+                           split_backward=settings.split_backward)
+    layers_per_rank = args.layers_per_rank
+    costs = Costs(args.tf, args.tb, args.tw)
+    specs = [LayerSpec(TimedLayer, args.hidden, args.ballast // layers_per_rank, costs)
+             for _ in range(layers_per_rank * pp)]
+    module = ChunkedPipelineModule(layers=specs, placement=sched.placement, loss_fn=mse, topology=topology(pp),
+                                   partition_method="uniform",
+                                   activation_shape=(args.micro_batch_size, args.seq_length, args.hidden))
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    engine = initialize_engine(module, ds_config, optimizer=optimizer)
+    engine.optimizer_seconds = []
+    original = engine.optimizer._optimizer_step
+
+    def timed_step(group_no):  # the optimizer's own math, for the table
+        start = time.perf_counter()
+        original(group_no)
+        engine.optimizer_seconds.append(time.perf_counter() - start)
+
+    engine.optimizer._optimizer_step = timed_step
+    engine.step_reached = []
+    take = engine._take_model_step
+
+    def reached(*a, **kw):  # when this rank has finished its last op and starts the step
+        engine.step_reached.append(time.perf_counter())
+        return take(*a, **kw)
+
+    engine._take_model_step = reached
+    return engine
+
+
+def batches(args):
+    g = torch.Generator().manual_seed(0)
+    shape = (args.micro_batch_size, args.seq_length, args.hidden)
+    for _ in range(args.gas):
+        yield (torch.randn(shape, generator=g),), torch.randn(shape, generator=g)
+
+
+def gather(value):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedules", default="zbv,zb-h2,1f1b")
+    parser.add_argument("--gas", type=int, default=8)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--seq-length", type=int, default=16)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers-per-rank", type=int, default=2)
+    parser.add_argument("--tf", type=float, default=0.006, help="seconds per layer and micro-batch")
+    parser.add_argument("--tb", type=float, default=0.006)
+    parser.add_argument("--tw", type=float, default=0.006)
+    parser.add_argument("--ballast", type=int, default=3_000_000, help="optimizer-only parameters per rank")
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--block-iterations", type=int, default=4)
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    pp = dist.get_world_size()
+    rows = []
+    for schedule in args.schedules.split(","):
+        engines = {pv: make_engine(schedule, pv, args, pp) for pv in (False, True)}
+        times = {pv: [] for pv in engines}
+        for block in range(args.blocks + 1):  # block 0 warms up (shape exchange, optimizer state)
+            for pv in ((False, True) if block % 2 else (True, False)):  # alternate which goes first
+                engine = engines[pv]
+                dist.barrier()
+                engine.step_reached.clear()
+                start = time.perf_counter()
+                for _ in range(args.block_iterations):
+                    engine.train_batch(batches(args))
+                dist.barrier()  # the block ends when every rank is done
+                if block:
+                    times[pv].append((time.perf_counter() - start) / args.block_iterations)
+        reached = gather(engines[False].step_reached)  # every rank's step start, off engine, last block
+        gaps = [max(r[i] for r in reached) - min(r[i] for r in reached) for i in range(len(reached[0]))]
+        opt_seconds = gather(statistics.median(engines[False].optimizer_seconds[2:]))
+        counts = gather(engines[True]._post_validation.counts)
+        norm = float(engines[False].get_global_grad_norm())
+        off, on = (statistics.median(times[pv]) for pv in (False, True))
+        ratio = statistics.median(b / a for a, b in zip(times[False], times[True]))  # paired blocks
+        rows.append((schedule, off, on, ratio, statistics.median(gaps), max(opt_seconds), norm, counts))
+        for engine in engines.values():
+            engine.destroy()
+    if dist.get_rank() == 0:
+        print(f"\npp={pp} m={args.gas} layers/rank={args.layers_per_rank} TF=TB=TW per layer "
+              f"{args.tf * 1e3:.0f}/{args.tb * 1e3:.0f}/{args.tw * 1e3:.0f} ms, optimizer-only parameters "
+              f"per rank {args.ballast:,}, clip {args.clip}; median of {args.blocks} blocks of "
+              f"{args.block_iterations} iterations")
+        print(f"{'schedule':<10}{'off ms/it':>11}{'on ms/it':>10}{'on/off':>8}{'finish gap ms':>15}"
+              f"{'optimizer ms':>14}{'grad norm':>11}  steps early/redone/all (per rank)")
+        for schedule, off, on, ratio, gap, opt, norm, counts in rows:
+            paths = " ".join(f"{c['optimistic']}/{c['redone']}/{c['steps']}" for c in counts)
+            print(f"{schedule:<10}{off * 1e3:>11.1f}{on * 1e3:>10.1f}{ratio:>8.3f}{gap * 1e3:>15.1f}"
+                  f"{opt * 1e3:>14.1f}{norm:>11.3g}  {paths}")
+
+
+if __name__ == "__main__":
+    main()
