@@ -1,0 +1,196 @@
+"""A small real GPT under every schedule on CPU: tokens/s and memory per rank, against DeepSpeed's 1F1B.
+
+Each schedule runs in its own launch (fresh processes, so the memory figures are its own):
+p ranks, ZeRO-1, AdamW, fp32, random tokens. iteration = median wall time of train_batch
+on rank 0 (after a barrier); tokens/s = m * micro-batch * sequence * dp / iteration;
+peak RSS = the process's high-water mark (ru_maxrss) per rank; train = the highest RSS
+sampled every 5 ms during the timed iterations minus the RSS before the first one (what
+training holds on top of the model, optimizer and runtime: mostly activations).
+
+On a 2-core machine p=4 ranks are oversubscribed: ranks compete for cores, so a rank's
+bubble is partly filled by another rank's work and schedules differ less than on p
+devices. The timed-layer bench (bench/schedules.py) measures the schedules themselves.
+
+    python bench/gpt_cpu.py                          # p=4, all schedules, about 10 minutes
+    python bench/gpt_cpu.py --engines zbv 1f1b --iterations 3
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+import warnings
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from launch import launch  # noqa: E402
+
+STOCK, DUALPIPEV = "DS 1F1B (stock)", "DS DualPipeV"
+ENGINES = {
+    STOCK: None,
+    DUALPIPEV: None,
+    "gpipe": {"schedule": "gpipe"},
+    "1f1b": {"schedule": "1f1b"},
+    "interleaved v=2": {"schedule": "interleaved", "virtual_stages": 2},
+    "zb-h1": {"schedule": "zb-h1"},
+    "zb-h2": {"schedule": "zb-h2"},
+    "zbv": {"schedule": "zbv"},
+    "bitpipe": {"schedule": "bitpipe"},
+    "seq1f1b k=2": {"schedule": "seq1f1b", "seq_splits": 2},
+}
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * PAGE
+
+
+class RssSampler:
+    """Highest RSS seen every `interval` seconds while running."""
+
+    def __init__(self, interval=0.005):
+        self.interval, self.peak, self._stop = interval, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def build(name, opts):
+    import deepspeed
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+    from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine, topology
+    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.schedules import ScheduleError
+
+    config = GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
+                       num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"])
+    ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
+                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    if ENGINES[name]:
+        ds_config["pipeline"] = dict(ENGINES[name])
+    if name == DUALPIPEV:
+        module = DualPipeVModule(layers=gpt_layer_specs(config), loss_fn=gpt_loss, topology=topology(opts["pp"]),
+                                 partition_method="type:transformer")
+        engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, model_parameters=module.parameters())
+        return config, engine
+    try:
+        module = build_pipeline_module(config, ds_config, opts["pp"], seq_length=opts["seq"])
+    except (ConfigError, ScheduleError, NotImplementedError) as exc:
+        return config, str(exc).splitlines()[0]
+    return config, initialize_engine(module, ds_config, model_parameters=list(module.parameters()))
+
+
+def worker(name, opts):
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from megatron_ds.model import position_ids_like
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*c10d::broadcast_")  # DeepSpeed's tied-weight broadcast
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    config, engine = build(name, opts)
+    if isinstance(engine, str):
+        return {"na": engine}
+    init_s = time.perf_counter() - start
+
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        for _ in range(opts["gas"]):
+            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
+            x = tokens[:, :-1].contiguous()
+            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
+
+    for step in range(opts["warmup"]):
+        engine.train_batch(batches(step))
+    before = rss_bytes()
+    times, losses = [], []
+    with RssSampler() as sampler:
+        for step in range(opts["warmup"], opts["warmup"] + opts["iterations"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            losses.append(float(engine.train_batch(batches(step))))
+            times.append(time.perf_counter() - t0)
+    mine = {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "train": sampler.peak - before}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"times": times, "losses": losses, "init_s": init_s, "memory": every, "dp": engine.dp_world_size}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--gas", type=int, default=8, help="micro-batches per iteration (m)")
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="NAME",
+                    help=f"subset of: {', '.join(ENGINES)}")
+    args = ap.parse_args(argv)
+    if STOCK not in args.engines:
+        args.engines.insert(0, STOCK)
+    opts = {k: getattr(args, k) for k in ("pp", "gas", "mbs", "seq", "hidden", "layers", "heads", "vocab",
+                                         "iterations", "warmup")}
+    load = os.getloadavg()
+    cores = os.cpu_count()
+    print(f"# bench/gpt_cpu.py: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
+          f"vocab {args.vocab}; p={args.pp}, m={args.gas}, micro-batch {args.mbs}; ZeRO-1 AdamW fp32; "
+          f"median of {args.iterations} iterations after {args.warmup} warm-up")
+    print(f"# {args.pp} processes on {cores} CPU cores" + (" (oversubscribed: ranks compete for cores)"
+                                                           if args.pp > cores else "")
+          + f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
+    rows = {}
+    for name in args.engines:
+        print(f"{name} ...", file=sys.stderr, flush=True)
+        rows[name] = launch(args.pp, worker, name, opts, timeout=1800)
+    base = statistics.median(rows[STOCK]["times"])
+    mb = 1024 * 1024
+    print("\n| schedule | iteration (s) | tokens/s | tokens/s vs DS 1F1B | peak RSS per rank (MB) | "
+          "train RSS per rank (MB) | loss |")
+    print("|---|---:|---:|---:|---|---|---:|")
+    for name, r in rows.items():
+        if "na" in r:
+            print(f"| {name} | n/a: {r['na']} | | | | | |")
+            continue
+        it = statistics.median(r["times"])
+        tokens = args.gas * args.mbs * args.seq * r["dp"]
+        peak = " ".join(f"{m['peak'] / mb:.0f}" for m in r["memory"])
+        train = " ".join(f"{m['train'] / mb:.0f}" for m in r["memory"])
+        print(f"| {name} | {it:.3f} | {tokens / it:.0f} | {base / it:.3f} | {peak} | {train} | "
+              f"{r['losses'][-1]:.4f} |")
+    load = os.getloadavg()
+    print(f"\n# tokens/s vs DS 1F1B = this tokens/s / DS 1F1B tokens/s; load average "
+          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Every pipeline schedule side by side with DeepSpeed's stock 1F1B and DualPipeV, on timed layers.
+
+The model is 2p TimedLayers (megatron_ds/model/timed.py): each sleeps its share of TF, TB
+and TW per 1F1B stage while real tensors flow and real gloo messages travel, so p ranks on
+a 2-core machine behave like p devices with the chosen costs. For each p, one launch builds
+every engine (ours through megatron_ds.pipe.build, DeepSpeed's stock PipelineEngine and its
+DualPipeVEngine) and, for every setting, cycles through them iteration by iteration so
+machine noise hits all alike. Every timed iteration is traced ("pipeline.trace_dir").
+
+Columns: iteration = median wall time of train_batch on rank 0 (after a barrier);
+bubble = measured bubble ratio from the traces (max over ranks of idle / compute makespan,
+median over iterations); sim = makespan the simulator predicts for the same costs
+(megatron_ds.schedules.simulate; DeepSpeed's engines by replaying their instruction
+streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / DeepSpeed
+1F1B's. A schedule the engine refuses shows "n/a" and the reason.
+
+    python bench/schedules.py                        # p=4 and p=8, about 30 minutes
+    python bench/schedules.py --pp 4 --iterations 3 --tf-ms 40 --pictures docs/perf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from launch import launch  # noqa: E402
+
+HIDDEN, MBS, SEQ = 64, 2, 16
+RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1:0.5": (1.0, 1.0, 0.5)}
+STOCK, DUALPIPEV = "DS 1F1B (stock)", "DS DualPipeV"
+# name -> "pipeline" section of the ds_config (None: one of DeepSpeed's own engines)
+ENGINES = {
+    STOCK: None,
+    DUALPIPEV: None,
+    "gpipe": {"schedule": "gpipe"},
+    "1f1b": {"schedule": "1f1b"},
+    "interleaved v=2": {"schedule": "interleaved", "virtual_stages": 2},
+    "zb-h1": {"schedule": "zb-h1"},
+    "zb-h2": {"schedule": "zb-h2"},
+    "zbv": {"schedule": "zbv"},
+    "bitpipe": {"schedule": "bitpipe"},
+    "seq1f1b k=2": {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"},
+    "seq1f1b k=4": {"schedule": "seq1f1b", "seq_splits": 4, "seq_split_method": "even"},
+}
+
+
+def settings(p):
+    return [(m, ratio) for m in (p, 2 * p) for ratio in RATIOS]
+
+
+def slug(name):
+    return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
+
+
+def setting_key(p, m, ratio):
+    return f"p{p}_m{m}_{ratio.replace(':', '-')}"
+
+
+# -- worker side (one process per pipeline rank) -------------------------------------------------
+
+def ds_config(p, pipeline, trace_dir):
+    section = dict(pipeline or {}, partition_method="uniform", trace_dir=trace_dir)
+    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 2 * p,
+            "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10 ** 9, "pipeline": section}
+
+
+def build_engine(name, p, costs, trace_dir):
+    """(engine, None) or (None, reason it cannot run)."""
+    import deepspeed
+    import torch
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
+    from megatron_ds.model import GPTConfig
+    from megatron_ds.model.timed import timed_layer_specs, timed_loss
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine, topology
+    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.trace import traced_engine
+    from megatron_ds.schedules import ScheduleError
+
+    layers = 2 * p
+    specs = timed_layer_specs(layers, HIDDEN, costs)
+    cfg = ds_config(p, ENGINES[name], trace_dir)
+    if name == DUALPIPEV:
+        module = DualPipeVModule(layers=specs, loss_fn=timed_loss, topology=topology(p), partition_method="uniform")
+        original = deepspeed.DualPipeVEngine
+        deepspeed.DualPipeVEngine = traced_engine(DualPipeVEngine)  # initialize() picks it by name
+        try:
+            engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,
+                                                   optimizer=torch.optim.SGD(module.parameters(), lr=1e-3))
+        finally:
+            deepspeed.DualPipeVEngine = original
+        return engine, None
+    shape = GPTConfig(vocab_size=1, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=1,
+                      max_position_embeddings=SEQ)
+    try:
+        module = build_pipeline_module(shape, cfg, p, layers=specs, loss_fn=timed_loss)
+    except (ConfigError, ScheduleError, NotImplementedError) as exc:
+        return None, str(exc).splitlines()[0]
+    return initialize_engine(module, cfg, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3)), None
+
+
+def supports(name, p, m):
+    if name == DUALPIPEV and m < 2 * p:
+        return "DeepSpeed's DualPipeV needs m >= 2p"
+    return None
+
+
+def worker(p, opts, out_root):
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from megatron_ds.model.timed import TimedCosts
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    costs = TimedCosts(seq_length=SEQ)  # a sequence segment costs its share
+    engines, results = {}, {"na": {}, "settings": {}, "init_s": {}}
+    for name in opts["engines"]:
+        start = time.perf_counter()
+        engine, reason = build_engine(name, p, costs, os.path.join(out_root, "unused"))
+        results["init_s"][name] = time.perf_counter() - start
+        if engine is None:
+            results["na"][name] = reason
+        else:
+            engine.set_trace_dir(None)
+            engines[name] = engine
+    g = torch.Generator().manual_seed(0)
+    data = [((torch.randn(MBS, SEQ, HIDDEN, generator=g),), torch.randn(MBS, SEQ, HIDDEN, generator=g))
+            for _ in range(2 * p)]
+    per_layer = p / (2 * p) * opts["tf_ms"] / 1e3  # a 1F1B stage holds 2 of the 2p layers
+    for m, ratio in settings(p):
+        key = setting_key(p, m, ratio)
+        costs.tf, costs.tb, costs.tw = (x * per_layer for x in RATIOS[ratio])
+        live = {n: e for n, e in engines.items() if not supports(n, p, m)}
+        for e in live.values():
+            e.set_train_batch_size(MBS * m * e.dp_world_size)
+            e.set_trace_dir(None)
+        t0 = time.perf_counter()
+        for _ in range(opts["warmup"]):
+            for e in live.values():
+                e.train_batch(iter(data[:m]))
+        rows = {n: {"times": [], "steps": [], "trace_dir": os.path.join(out_root, key, slug(n))} for n in live}
+        for _ in range(opts["iterations"]):
+            for n, e in live.items():
+                e.set_trace_dir(rows[n]["trace_dir"])
+                rows[n]["steps"].append(e.global_steps)
+                dist.barrier()
+                start = time.perf_counter()
+                e.train_batch(iter(data[:m]))
+                rows[n]["times"].append(time.perf_counter() - start)
+                e.set_trace_dir(None)
+        results["settings"][key] = {"p": p, "m": m, "ratio": ratio, "rows": rows}
+        if rank == 0:
+            print(f"  {key}: {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr,
+                  flush=True)
+    dist.barrier()
+    return results if rank == 0 else None
+
+
+# -- analysis (parent) ----------------------------------------------------------------------------
+
+def simulated(name, p, m, tf, tb, tw):
+    """(makespan, bubble ratio) the simulator predicts for `name` with these stage costs."""
+    from ds_replay import replay
+    from megatron_ds.schedules import build_schedule, simulate
+    if name in (STOCK, DUALPIPEV):
+        makespan = replay("1f1b" if name == STOCK else "dualpipev", p, m, tf, tb, tw)
+        return makespan, 1.0 - m * (tf + tb + tw) / makespan  # every rank does m stages of work
+    pipe = ENGINES[name]
+    sched = build_schedule(pipe["schedule"], p, m, virtual_stages=pipe.get("virtual_stages", 1),
+                           seq_splits=pipe.get("seq_splits", 1), split_backward=pipe.get("split_backward", False))
+    result = simulate(sched, tf, tb, tw)
+    return result.makespan, result.bubble_ratio
+
+
+def analyse(results, opts):
+    from megatron_ds.pipe.trace import load_iteration, measure
+    tables = {}
+    for key, st in results["settings"].items():
+        p, m, ratio = st["p"], st["m"], st["ratio"]
+        tf, tb, tw = (x * opts["tf_ms"] / 1e3 for x in RATIOS[ratio])
+        rows = {}
+        for name in opts["engines"]:
+            if name in results["na"]:
+                rows[name] = {"na": results["na"][name]}
+                continue
+            if supports(name, p, m):
+                rows[name] = {"na": supports(name, p, m)}
+                continue
+            r = st["rows"][name]
+            bubbles, computes, spans = [], [], []
+            for step in r["steps"]:
+                measured = measure(load_iteration(r["trace_dir"], step))
+                bubbles.append(measured.bubble_ratio)
+                computes.append(measured.makespan)
+                spans.append(measured.span)
+            sim, sim_bubble = simulated(name, p, m, tf, tb, tw)
+            it = statistics.median(r["times"])
+            median_step = r["steps"][sorted(range(len(r["times"])), key=r["times"].__getitem__)[len(r["times"]) // 2]]
+            rows[name] = {"iteration": it, "bubble": statistics.median(bubbles), "compute": statistics.median(computes),
+                          "traced": statistics.median(spans),
+                          "sim": sim, "sim_bubble": sim_bubble, "meas_sim": it / sim, "times": r["times"],
+                          "trace_dir": r["trace_dir"], "median_step": median_step}
+        base = rows.get(STOCK, {}).get("iteration")
+        for row in rows.values():
+            if "iteration" in row and base:
+                row["vs_stock"] = row["iteration"] / base
+        tables[key] = {"p": p, "m": m, "ratio": ratio, "rows": rows}
+    return tables
+
+
+def markdown(table, tf_ms):
+    t = table
+    tf, tb, tw = (x * tf_ms for x in RATIOS[t["ratio"]])
+    lines = [f"**p={t['p']}, m={t['m']}, TF:TB:TW = {t['ratio']}** (TF={tf:g} ms, TB={tb:g} ms, TW={tw:g} ms "
+             "per 1F1B stage)", "",
+             "| schedule | iteration (s) | bubble | sim. makespan (s) | sim. bubble | measured/sim. | vs DS 1F1B |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in t["rows"].items():
+        if "na" in r:
+            lines.append(f"| {name} | n/a: {r['na']} | | | | | |")
+            continue
+        vs = f"{r['vs_stock']:.3f}" if "vs_stock" in r else "-"
+        lines.append(f"| {name} | {r['iteration']:.3f} | {r['bubble']:.3f} | {r['sim']:.3f} | "
+                     f"{r['sim_bubble']:.3f} | {r['meas_sim']:.3f} | {vs} |")
+    return "\n".join(lines)
+
+
+def pictures(tables, key, out_dir, tf_ms):
+    """Measured-over-simulated timeline of every engine at one setting."""
+    from tools.trace_to_png import draw
+    from megatron_ds.pipe.trace import load_iteration, to_schedule
+    from megatron_ds.schedules import simulate
+    t = tables[key]
+    tf, tb, tw = (x * tf_ms / 1e3 for x in RATIOS[t["ratio"]])
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, r in t["rows"].items():
+        if "na" in r:
+            continue
+        traces = load_iteration(r["trace_dir"], r["median_step"])
+        sim = simulate(to_schedule(traces), tf, tb, tw)
+        path = os.path.join(out_dir, f"{key}_{slug(name)}.png")
+        draw(traces, sim, path, title=f"{name}, p={t['p']} m={t['m']} TF:TB:TW={t['ratio']}: measured "
+                                      f"iteration {r['iteration'] * 1e3:.0f} ms, bubble {r['bubble']:.3f}")
+        written.append(path)
+    return written
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--tf-ms", type=float, default=80.0, help="TF of one 1F1B stage, milliseconds")
+    ap.add_argument("--iterations", type=int, default=3, help="timed iterations per engine and setting")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations per engine and setting")
+    ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="NAME",
+                    help=f"subset of: {', '.join(ENGINES)}")
+    ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_schedules"),
+                    help="traces and results.json go here")
+    ap.add_argument("--pictures", help="draw measured vs simulated timelines of --picture-setting into this folder")
+    ap.add_argument("--picture-setting", default="p4_m8_1-1-1")
+    ap.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per pipeline size")
+    args = ap.parse_args(argv)
+    if STOCK not in args.engines:
+        args.engines.insert(0, STOCK)
+    opts = {"tf_ms": args.tf_ms, "iterations": args.iterations, "warmup": args.warmup, "engines": args.engines}
+    started = time.time()
+    load_before = os.getloadavg()
+    print(f"# bench/schedules.py on {os.cpu_count()} CPU cores, load average {load_before[0]:.2f} "
+          f"{load_before[1]:.2f} {load_before[2]:.2f} at start; TF={args.tf_ms:g} ms per 1F1B stage, "
+          f"{args.iterations} timed iterations (+{args.warmup} warm-up) per engine and setting", flush=True)
+    tables = {}
+    for p in args.pp:
+        print(f"p={p}: launching {p} ranks", file=sys.stderr, flush=True)
+        results = launch(p, worker, p, opts, os.path.join(args.out, f"p{p}"), timeout=args.timeout)
+        tables.update(analyse(results, opts))
+        for key, table in tables.items():
+            if table["p"] == p:
+                print("\n" + markdown(table, args.tf_ms), flush=True)
+    load_after = os.getloadavg()
+    print(f"\n# done in {time.time() - started:.0f} s; load average {load_after[0]:.2f} {load_after[1]:.2f} "
+          f"{load_after[2]:.2f} at end")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as fh:
+        json.dump({"tf_ms": args.tf_ms, "load_start": load_before, "load_end": load_after, "tables": tables}, fh,
+                  indent=1)
+    if args.pictures and args.picture_setting in tables:
+        for path in pictures(tables, args.picture_setting, args.pictures, args.tf_ms):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
