@@ -133,13 +133,16 @@ class SegmentKVCache:
         """The micro-batch keys that still hold cached keys/values."""
         return list(self._entries)
 
-    def tensors(self):
-        """Every buffer the cache holds (keys, values, masks), e.g. to account for memory."""
+    def kv_tensors(self):
+        """The keys/values buffers the cache holds (e.g. to account for memory)."""
         for layers in self._entries.values():
             for entry in layers.values():
                 if entry.keys is not None:
                     yield from (entry.keys, entry.values)
-        yield from self._masks.values()
+
+    def mask_tensors(self):
+        """The materialised causal masks (CPU), one per segment shape, shared by all layers."""
+        return list(self._masks.values())
 
     def _additive_mask(self, lq, lk, dtype, device):
         name = (lq, lk, dtype, device)

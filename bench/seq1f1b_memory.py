@@ -1,0 +1,202 @@
+"""Peak activation memory per pipeline rank: 1F1B against Seq1F1B (k segments), on CPU.
+
+Each configuration runs in its own p fresh processes (gloo), one training iteration on a
+long sequence. Per rank it reports
+- saved: the peak of the bytes held by autograd's saved tensors (torch's saved_tensors_hooks,
+  each storage counted once, parameters excluded), including the segment K/V cache buffers
+  ("K/V") and the bottom-right causal masks ("masks"); on CPU the masks are materialised,
+  one per segment shape, shared by all layers and micro-batches (on CUDA the flash kernels
+  align the causal mask bottom-right themselves), so "w/o masks" is the ratio without them;
+- RSS: the process's peak RSS (ru_maxrss), and the iteration's peak above the RSS it
+  started from (VmHWM reset through /proc/self/clear_refs);
+with the ratio to 1F1B's on the same rank. Theory: rank r holds p-r micro-batches under
+1F1B and p-r-1+k segments under Seq1F1B, (p-r-1+k)/(k(p-r)) of 1F1B's activations
+(rank 0, p=4, k=4: 7/16 = 0.44); "tokens" is that ratio for the actual segment lengths
+(a balanced split makes the first segments longer), read off the schedule's op order.
+
+    python bench/seq1f1b_memory.py --pp 4 --seq-length 2048
+"""
+import argparse
+import os
+import re
+import resource
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+MB = 2 ** 20
+
+
+class SavedTensorMeter:
+    """Live bytes of the storages autograd saves for backward, and their peak."""
+
+    def __init__(self, exclude=(), cache=None):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.cache = cache
+        self.live = {}  # storage pointer -> [references, bytes, kind]
+        self.now = self.peak = 0
+        self.by_kind = {"kv": 0, "mask": 0, "other": 0}
+        self.at_peak = dict(self.by_kind)
+
+    def _kind(self, ptr):
+        if self.cache is not None:
+            if ptr in {t.untyped_storage().data_ptr() for t in self.cache.kv_tensors()}:
+                return "kv"
+            if ptr in {t.untyped_storage().data_ptr() for t in self.cache.mask_tensors()}:
+                return "mask"
+        return "other"
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.exclude or t.device.type == "meta":
+            return t
+        if ptr not in self.live:
+            self.live[ptr] = [0, t.untyped_storage().nbytes(), self._kind(ptr)]
+            self.now += self.live[ptr][1]
+            self.by_kind[self.live[ptr][2]] += self.live[ptr][1]
+            if self.now > self.peak:
+                self.peak, self.at_peak = self.now, dict(self.by_kind)
+        self.live[ptr][0] += 1
+        return _Held(self, ptr, t)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    def release(self, ptr):
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.live[ptr]
+            self.now -= entry[1]
+            self.by_kind[entry[2]] -= entry[1]
+
+
+class _Held:
+    """A saved tensor; autograd drops it when the graph is freed, which releases its bytes."""
+
+    def __init__(self, meter, ptr, tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter.release(self.ptr)
+
+
+def _status_kb(field):
+    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+
+def rank_main(rank, args, pipeline, port, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(args.pp), LOCAL_WORLD_SIZE=str(args.pp), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import deepspeed
+    from megatron_ds.model import GPTConfig, position_ids_like
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                       num_attention_heads=args.heads, max_position_embeddings=args.seq_length)
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.gas,
+                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9, "pipeline": pipeline,
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    module = build_pipeline_module(config, ds_config, args.pp, seq_length=args.seq_length)
+    engine = initialize_engine(module, ds_config, model_parameters=list(module.parameters()))
+    g = torch.Generator().manual_seed(0)
+
+    def batches():
+        for _ in range(args.gas):
+            tokens = torch.randint(0, config.vocab_size, (1, args.seq_length + 1), generator=g)
+            x = tokens[:, :-1].contiguous()
+            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
+
+    engine.train_batch(batches())  # warm-up: optimizer state, p2p buffers, allocator
+    meter = SavedTensorMeter(exclude=list(module.parameters()), cache=getattr(engine, "_kv", None))
+    rss_before = _status_kb("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        engine.train_batch(batches())
+    queue.put((rank, dict(saved=meter.peak, kv=meter.at_peak["kv"], mask=meter.at_peak["mask"], left=meter.now,
+                          rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                          rss_growth=(_status_kb("VmHWM") - rss_before) * 1024,
+                          lengths=getattr(module, "segment_lengths", None))))
+
+
+def run(args, pipeline):
+    # Tensors of 64 KiB and more get their own mappings, returned to the system when freed, so
+    # the RSS follows the live tensors instead of glibc's heap high-water mark.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=rank_main, args=(r, args, pipeline, port, queue)) for r in range(args.pp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"{pipeline}: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    results = dict(queue.get() for _ in procs)
+    return [results[r] for r in range(args.pp)]
+
+
+def tokens_in_flight_ratio(pp, m, k, lengths, rank):
+    """Peak tokens whose activations rank `rank` holds, Seq1F1B over 1F1B, from the op orders."""
+    from megatron_ds.schedules import build_schedule
+
+    def peak(schedule, size):
+        held = top = 0
+        for op in schedule.ranks[rank]:
+            held += size(op.seq) if op.kind == "F" else -size(op.seq) if op.kind in ("B", "BW") else 0
+            top = max(top, held)
+        return top
+    seq = sum(lengths)
+    return (peak(build_schedule("seq1f1b", pp, m, seq_splits=k), lambda q: lengths[q])
+            / peak(build_schedule("1f1b", pp, m), lambda q: seq))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--gas", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--splits", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--method", choices=["balanced", "even"], default="balanced")
+    args = parser.parse_args()
+    p = args.pp
+    configs = [("1f1b", {"schedule": "1f1b"}, 1)] + [
+        (f"seq1f1b k={k}", {"schedule": "seq1f1b", "seq_splits": k, "seq_split_method": args.method}, k)
+        for k in args.splits]
+    results = {name: run(args, pipeline) for name, pipeline, _ in configs}
+    print(f"\npp={p} m={args.gas} mbs=1 seq={args.seq_length} hidden={args.hidden_size} heads={args.heads} "
+          f"layers={args.num_layers} vocab={args.vocab_size}, fp32 on CPU, second iteration measured")
+    for name, _, k in configs[1:]:
+        print(f"  {name} {args.method} segments: {results[name][0]['lengths']}")
+    print(f"\n{'schedule':<14}{'rank':>4}{'saved MB':>10}{'K/V':>6}{'masks':>7}{'ratio':>7}{'w/o masks':>10}"
+          f"{'theory':>8}{'tokens':>8}{'peak RSS MB':>13}{'ratio':>7}{'iter RSS MB':>13}{'ratio':>7}")
+    base = results["1f1b"]
+    for name, _, k in configs:
+        for r, res in enumerate(results[name]):
+            b = base[r]
+            theory = (p - r - 1 + k) / (k * (p - r))
+            tokens = tokens_in_flight_ratio(p, args.gas, k, res["lengths"], r) if k > 1 else 1.0
+            print(f"{name:<14}{r:>4}{res['saved'] / MB:>10.1f}{res['kv'] / MB:>6.1f}{res['mask'] / MB:>7.1f}"
+                  f"{res['saved'] / b['saved']:>7.2f}{(res['saved'] - res['mask']) / b['saved']:>10.2f}"
+                  f"{theory:>8.2f}{tokens:>8.2f}"
+                  f"{res['rss_peak'] / MB:>13.1f}{res['rss_peak'] / b['rss_peak']:>7.2f}"
+                  f"{res['rss_growth'] / MB:>13.1f}{res['rss_growth'] / max(b['rss_growth'], 1):>7.2f}")
+            if res["left"]:
+                print(f"  (rank {r}: {res['left'] / MB:.1f} MB of saved tensors outlived the iteration)")
+
+
+if __name__ == "__main__":
+    main()
