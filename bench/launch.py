@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -26,6 +27,10 @@ def _entry(rank, world, port, fn, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
+def _exit(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def launch(world: int, fn, *args, timeout: float = 3600.0):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,29 +38,35 @@ def launch(world: int, fn, *args, timeout: float = 3600.0):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
     deadline, got, result, errors = time.monotonic() + timeout, 0, None, []
-    while got < world and time.monotonic() < deadline:
-        if queue.empty():
-            if any(proc.exitcode not in (None, 0) for proc in procs):
-                time.sleep(1.0)
-                if queue.empty():
-                    errors.append(f"a rank died without a report (exit codes {[p.exitcode for p in procs]})")
-                    break
-            time.sleep(0.2)
-            continue
-        rank, ok, value = queue.get()
-        got += 1
-        if not ok:
-            errors.append(f"rank {rank}:\n{value}")
-            deadline = min(deadline, time.monotonic() + 20)  # its peers may wait forever
-        elif rank == 0:
-            result = value
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
+    previous = signal.signal(signal.SIGTERM, _exit)  # so that the ranks die with us
+    try:
+        for proc in procs:
+            proc.start()
+        while got < world and time.monotonic() < deadline:
+            if queue.empty():
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    time.sleep(1.0)
+                    if queue.empty():
+                        errors.append(f"a rank died without a report (exit codes {[p.exitcode for p in procs]})")
+                        break
+                time.sleep(0.2)
+                continue
+            rank, ok, value = queue.get()
+            got += 1
+            if not ok:
+                errors.append(f"rank {rank}:\n{value}")
+                deadline = min(deadline, time.monotonic() + 20)  # its peers may wait forever
+            elif rank == 0:
+                result = value
+    finally:
+        for proc in procs:
+            if proc.pid is None:  # never started
+                continue
+            proc.join(timeout=5 if got == world else 0)
+            if proc.is_alive():
+                proc.kill()
+        signal.signal(signal.SIGTERM, previous)
     if errors or got < world:
         raise RuntimeError("\n".join(errors) or f"{world} ranks: no result within {timeout:.0f} s")
     return result

@@ -14,7 +14,7 @@ median over iterations); sim = makespan the simulator predicts for the same cost
 streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / DeepSpeed
 1F1B's. A schedule the engine refuses shows "n/a" and the reason.
 
-    python bench/schedules.py                        # p=4 and p=8, about 30 minutes
+    python bench/schedules.py                        # p=4 and p=8, about 40 minutes
     python bench/schedules.py --pp 4 --iterations 3 --tf-ms 40 --pictures docs/perf
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def worker(p, opts, out_root):
     deepspeed.utils.logger.setLevel(logging.ERROR)
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    costs = TimedCosts(seq_length=SEQ)  # a sequence segment costs its share
+    costs = TimedCosts(seq_length=SEQ, carry_overshoot=True)  # a segment costs its share
     engines, results = {}, {"na": {}, "settings": {}, "init_s": {}}
     for name in opts["engines"]:
         start = time.perf_counter()
@@ -260,7 +260,7 @@ def pictures(tables, key, out_dir, tf_ms):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
-    ap.add_argument("--tf-ms", type=float, default=80.0, help="TF of one 1F1B stage, milliseconds")
+    ap.add_argument("--tf-ms", type=float, default=100.0, help="TF of one 1F1B stage, milliseconds")
     ap.add_argument("--iterations", type=int, default=3, help="timed iterations per engine and setting")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations per engine and setting")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="NAME",

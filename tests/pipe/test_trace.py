@@ -158,3 +158,14 @@ def test_timed_layer_fused_backward_pays_tb_plus_tw_and_scales_with_segments():
     start = time.perf_counter()
     layer(x[:, :4])  # half the sequence: half the forward time
     assert time.perf_counter() - start >= 0.02
+
+
+def test_timed_costs_carry_sleep_overshoot_to_the_next_sleep():
+    costs = TimedCosts(carry_overshoot=True)
+    costs.late = 0.003
+    costs.sleep(0.002)  # already 3 ms late: this sleep is skipped, 1 ms of lateness remains
+    assert abs(costs.late - 0.001) < 1e-12
+    start = time.perf_counter()
+    for _ in range(10):
+        costs.sleep(0.005)
+    assert time.perf_counter() - start >= 0.05 - 0.001  # the sleeps add up to their costs
