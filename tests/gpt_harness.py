@@ -37,12 +37,17 @@ def ds_config(pp, dp, gas, *, zero=1, clip=0.0, bf16=False, pipeline=None, lr=1e
 
 
 def optimizer_for(params_by_name, lr=1e-2):
-    """AdamW with Megatron's groups: no weight decay on biases and norms."""
+    """AdamW with Megatron's groups: no weight decay on biases and norms.
+
+    eps is 1e-6, not 1e-8: the attention key bias has an exactly-zero true gradient
+    (softmax ignores a per-query constant), so its computed gradient is fp32 rounding
+    noise of ~1e-11 whose bits depend on summation order; Adam's update lr*g/(|g|+eps)
+    would turn that noise into 1e-5 weight differences with eps=1e-8."""
     decay, no_decay = [], []
     for name, p in params_by_name:
         (no_decay if p.dim() == 1 else decay).append(p)
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+                             lr=lr, betas=(0.9, 0.95), eps=1e-6)
 
 
 EVAL_STEP = 99  # eval micro-batches are those of this (never trained) step
