@@ -1,17 +1,24 @@
 """Optimizer post-validation: time per iteration with "pipeline.post_validation" off and on.
 
-A pipeline of timed layers (they sleep set times in forward, input-gradient and weight-gradient
-backward, so p ranks on a small CPU behave like p devices) plus a "ballast" parameter per layer that
-only the optimizer works on: the optimizer step is real work (ZeRO-1 flatten, AdamW, copies) of a chosen
+A pipeline of timed layers (megatron_ds.model.timed: they sleep set times in forward, input-gradient
+and weight-gradient backward, so p ranks on a small CPU behave like p devices) with a "ballast"
+parameter per layer that only the optimizer works on: the optimizer step is real work (ZeRO-1 flatten, AdamW, copies) of a chosen
 size. Under ZB-V and ZB-H2 the ranks finish their last op at different times (rank 0 first); without
 post-validation every rank waits for the last one before it may step, with it each rank steps while the
-others finish and only then waits. Both engines of a schedule are built in one launch and run in
+others finish and only then waits. Rank 0 then starts the next iteration sooner by up to
+min(optimizer step, finish gap - copy time); under 1F1B rank 0 finishes last and nothing is gained (the
+contrast row). "finish gap": last minus first rank to reach the optimizer step (post-validation off).
+Both engines of a schedule are built in one launch and run in
 alternating blocks of back-to-back iterations (no barrier inside a block, so an early rank may start
 its next iteration early); the table gives the median block of each and the median of the blocks'
 on/off ratios (each "on" block paired with the "off" block next to it).
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/post_validation.py
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 bench/post_validation.py --schedules zbv
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/post_validation.py --ballast 30000 --optimizer-ms 40
+
+The last form models the optimizer step's time by a sleep as the layers do (steadier on a busy CPU; the
+kept copy then costs next to nothing, as the copies of a small partition do).
 """
 import argparse
 import os
@@ -26,70 +33,26 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from deepspeed.pipe import LayerSpec  # noqa: E402
 
-from megatron_ds.model.linear import WeightGradStore, _accumulate  # noqa: E402
+from megatron_ds.model.timed import TimedCosts, TimedLayer, timed_loss  # noqa: E402
 from megatron_ds.pipe.build import initialize_engine, topology  # noqa: E402
 from megatron_ds.pipe.config import pipeline_settings  # noqa: E402
 from megatron_ds.pipe.module import ChunkedPipelineModule  # noqa: E402
 from megatron_ds.schedules import build_schedule  # noqa: E402
 
 
-class Costs:
-    def __init__(self, tf, tb, tw):
-        self.tf, self.tb, self.tw = tf, tb, tw
-
-
-def _sleep(seconds):
-    if seconds > 0:
-        time.sleep(seconds)
-
-
-class _Timed(torch.autograd.Function):
-    """y = x * w in `tf` seconds; backward `tb` for the input gradient, `tw` for the weight gradient
-    (queued for the W op inside a B op, as megatron_ds.model.linear does for its GEMMs)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, ballast, costs):
-        _sleep(costs.tf)
-        ctx.save_for_backward(x, weight)
-        ctx.costs, ctx.ballast = costs, ballast
-        return x * weight
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        costs, ballast = ctx.costs, ctx.ballast
-        _sleep(costs.tb)
-
-        def weight_grad():
-            _sleep(costs.tw)
-            _accumulate(weight, (grad_out * x).reshape(-1, x.shape[-1]).sum(0))
-            if ballast.grad is None:  # a real (zero) gradient, once per iteration: ZeRO and AdamW see it
-                ballast.grad = torch.zeros_like(ballast)
-
-        queue = WeightGradStore._queue
-        if queue is None:
-            weight_grad()
-        else:
-            queue.append(weight_grad)
-        return grad_out * weight, None, None, None
-
-
-class TimedLayer(torch.nn.Module):
+class BallastLayer(TimedLayer):
+    """megatron_ds.model.timed's TimedLayer plus `ballast` parameters that only the optimizer works on:
+    they get a zero gradient in the first forward of each iteration, so ZeRO reduces and flattens them
+    and AdamW steps them (real work of a chosen size) while forward and backward stay timed sleeps."""
 
     def __init__(self, hidden, ballast, costs):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        super().__init__(hidden, costs)
         self.ballast = torch.nn.Parameter(torch.zeros(ballast))
-        self.costs = costs
 
     def forward(self, x):
-        if isinstance(x, (tuple, list)):  # the first stage gets the batch's input tuple
-            (x,) = x
-        return _Timed.apply(x, self.weight, self.ballast, self.costs)
-
-
-def mse(output, target):
-    return ((output - target) ** 2).mean()
+        if self.training and self.ballast.grad is None:
+            self.ballast.grad = torch.zeros_like(self.ballast)
+        return super().forward(x)
 
 
 def make_engine(schedule, post_validation, args, pp):
@@ -101,13 +64,21 @@ def make_engine(schedule, post_validation, args, pp):
     sched = build_schedule(schedule, pp, args.gas, virtual_stages=settings.virtual_stages,
                            split_backward=settings.split_backward)
     layers_per_rank = args.layers_per_rank
-    costs = Costs(args.tf, args.tb, args.tw)
-    specs = [LayerSpec(TimedLayer, args.hidden, args.ballast // layers_per_rank, costs)
+    costs = TimedCosts(tf=args.tf, tb=args.tb, tw=args.tw, carry_overshoot=True)
+    specs = [LayerSpec(BallastLayer, args.hidden, args.ballast // layers_per_rank, costs)
              for _ in range(layers_per_rank * pp)]
-    module = ChunkedPipelineModule(layers=specs, placement=sched.placement, loss_fn=mse, topology=topology(pp),
+    module = ChunkedPipelineModule(layers=specs, placement=sched.placement, loss_fn=timed_loss, topology=topology(pp),
                                    partition_method="uniform",
                                    activation_shape=(args.micro_batch_size, args.seq_length, args.hidden))
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    if args.optimizer_ms:  # an optimizer step of a chosen device time, as the layers' ops
+        adamw_step = optimizer.step
+
+        def timed_adamw_step(*a, **kw):
+            costs.sleep(args.optimizer_ms / 1e3)
+            return adamw_step(*a, **kw)
+
+        optimizer.step = timed_adamw_step
     engine = initialize_engine(module, ds_config, optimizer=optimizer)
     engine.optimizer_seconds = []
     original = engine.optimizer._optimizer_step
@@ -150,13 +121,15 @@ def main():
     parser.add_argument("--seq-length", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers-per-rank", type=int, default=2)
-    parser.add_argument("--tf", type=float, default=0.006, help="seconds per layer and micro-batch")
-    parser.add_argument("--tb", type=float, default=0.006)
-    parser.add_argument("--tw", type=float, default=0.006)
+    parser.add_argument("--tf", type=float, default=0.015, help="seconds per layer and micro-batch")
+    parser.add_argument("--tb", type=float, default=0.015)
+    parser.add_argument("--tw", type=float, default=0.015)
     parser.add_argument("--ballast", type=int, default=3_000_000, help="optimizer-only parameters per rank")
+    parser.add_argument("--optimizer-ms", type=float, default=0.0,
+                        help="the optimizer step also sleeps this long (use with a small --ballast)")
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--blocks", type=int, default=7)
-    parser.add_argument("--block-iterations", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--block-iterations", type=int, default=3)
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -179,7 +152,7 @@ def main():
                     times[pv].append((time.perf_counter() - start) / args.block_iterations)
         reached = gather(engines[False].step_reached)  # every rank's step start, off engine, last block
         gaps = [max(r[i] for r in reached) - min(r[i] for r in reached) for i in range(len(reached[0]))]
-        opt_seconds = gather(statistics.median(engines[False].optimizer_seconds[2:]))
+        opt_seconds = gather(statistics.median(engines[False].optimizer_seconds[2:] or engines[False].optimizer_seconds))
         counts = gather(engines[True]._post_validation.counts)
         norm = float(engines[False].get_global_grad_norm())
         off, on = (statistics.median(times[pv]) for pv in (False, True))
@@ -190,7 +163,8 @@ def main():
     if dist.get_rank() == 0:
         print(f"\npp={pp} m={args.gas} layers/rank={args.layers_per_rank} TF=TB=TW per layer "
               f"{args.tf * 1e3:.0f}/{args.tb * 1e3:.0f}/{args.tw * 1e3:.0f} ms, optimizer-only parameters "
-              f"per rank {args.ballast:,}, clip {args.clip}; median of {args.blocks} blocks of "
+              f"per rank {args.ballast:,}, optimizer sleep {args.optimizer_ms:g} ms, clip {args.clip}; "
+              f"median of {args.blocks} blocks of "
               f"{args.block_iterations} iterations")
         print(f"{'schedule':<10}{'off ms/it':>11}{'on ms/it':>10}{'on/off':>8}{'finish gap ms':>15}"
               f"{'optimizer ms':>14}{'grad norm':>11}  steps early/redone/all (per rank)")
