@@ -14,7 +14,7 @@ from tests.gpt_harness import ds_config, layer_key, micro_batch, optimizer_for, 
 from tests.multiproc import run_ranks
 
 STEPS, GAS, LR = 4, 4, 0.1
-# Unclipped global grad norms of the 4 steps (lr 0.1 overshoots on step 1): 1.21, 1.41, 0.94, 0.86 at
+# Unclipped global grad norms of the 4 steps (lr 0.1 overshoots on step 1): about 1.21, 1.41, 0.94, 0.86 at
 # PP=2 (one replica, 4 micro-batches), 0.83, 1.27, 1.01, 0.67 at PP2xDP2 (8 micro-batches). These clips
 # trigger on step 2 only; 10 never does.
 CLIP_STEP2 = {1: 1.3, 2: 1.15}  # by DP size
