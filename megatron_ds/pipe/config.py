@@ -71,6 +71,9 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if settings.seq_splits > 1 and schedule != "seq1f1b":
         raise ConfigError(f'ds_config "pipeline.seq_splits" = {settings.seq_splits}: only "seq1f1b" splits '
                           f'the sequence (schedule is {schedule!r})')
+    if settings.post_validation and settings.stock:
+        raise ConfigError('ds_config "pipeline.post_validation" = true needs a named "pipeline.schedule": '
+                          "DeepSpeed's own engine validates before it steps")
     if settings.partition_method not in ("uniform", "parameters") and not settings.partition_method.startswith("type:"):
         raise ConfigError(f'ds_config "pipeline.partition_method" = {settings.partition_method!r}: '
                           'use "uniform", "parameters" or "type:REGEX"')

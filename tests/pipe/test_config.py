@@ -24,6 +24,7 @@ def test_schedule_keys_are_read():
     ({"schedule": "seq1f1b", "seq_split_method": "random"}, ["seq_split_method", "random"]),
     ({"schedule": "zbv", "post_validation": "yes"}, ["post_validation", "true or false"]),
     ({"schedule": "zbv", "partition_method": "by-magic"}, ["partition_method", "by-magic"]),
+    ({"post_validation": True}, ["post_validation", "named", "schedule"]),
 ])
 def test_bad_settings_name_key_value_and_rule(section, words):
     with pytest.raises(ConfigError) as err:
