@@ -51,7 +51,7 @@ def draw(traces, sim, path, title=None):
     ms = 1e3
     right = max(measured.span, sim.makespan) * ms
     rows = len(traces)
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(min(40.0, max(10.0, right / 60)),
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(min(18.0, max(10.0, right / 150)),
                                                                    0.5 * (rows + sched.pp) + 2.4),
                                       gridspec_kw={"height_ratios": [rows + 1, sched.pp + 1]})
     min_text = right / 900
@@ -93,7 +93,7 @@ def draw(traces, sim, path, title=None):
     bottom.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), fontsize=7,
                   ncol=len(handles), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
