@@ -12,10 +12,17 @@ Costs are seconds per layer and micro-batch, read from a shared TimedCosts at ev
 so a benchmark can change them between iterations. With `seq_length` set, an input of s
 tokens costs s / seq_length of that (a sequence segment's share).
 
+Each call lasts its set cost from the moment it starts, its own CPU work included: the real
+arithmetic runs first and the sleep fills the rest, as a GPU kernel's launch overlaps the
+kernel. This matters here: code that runs after a core has idled is about ten times slower
+(cold caches; a 4 KB multiply takes 0.14 ms after a 25 ms sleep, 0.01 ms warm), so sleeping
+the full cost and then computing would charge every layer 0.3-0.4 ms that no GPU stage pays.
+The engine's own work between layers is not hidden.
+
 A sleep ends late (timer slack, and on a busy machine the wait for a free core: median
 0.3 ms, tail 10 ms at load 20 on 2 cores). With `carry_overshoot`, each sleep measures how
 late it woke and the next sleep of the process is that much shorter (at most MAX_CARRY), so
-a rank's sleeps add up to their set costs; the engine's own time is untouched.
+a rank's sleeps add up to their set costs.
 """
 from __future__ import annotations
 
@@ -43,47 +50,56 @@ class TimedCosts:
     def share(self, x) -> float:
         return x.shape[self.seq_dim] / self.seq_length if self.seq_length else 1.0
 
-    def sleep(self, seconds):
-        if seconds <= 0:
-            return
+    def sleep_until(self, deadline):
+        """Sleep until time.perf_counter() reaches `deadline`, less the lateness carried over."""
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            return  # the call's own work overran its cost: nothing to sleep, nothing paid back
         if not self.carry_overshoot:
-            time.sleep(seconds)
+            time.sleep(remaining)
             return
-        target = seconds - min(self.late, MAX_CARRY)
-        if target <= 0:
-            self.late = -target
+        owed = min(self.late, MAX_CARRY)
+        if owed >= remaining:
+            self.late = owed - remaining
             return
         start = time.perf_counter()
-        time.sleep(target)
-        self.late = time.perf_counter() - start - target
+        time.sleep(remaining - owed)
+        self.late = time.perf_counter() - start - (remaining - owed)
+
+    def sleep(self, seconds):
+        self.sleep_until(time.perf_counter() + seconds)
 
 
 class _TimedFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, costs):
+    def forward(ctx, x, weight, costs, start):
         share = costs.share(x)
-        costs.sleep(costs.tf * share)
         ctx.save_for_backward(x, weight)
         ctx.costs, ctx.share = costs, share
-        return x * weight
+        y = x * weight
+        costs.sleep_until(start + costs.tf * share)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
+        start = time.perf_counter()
         x, weight = ctx.saved_tensors
         costs, share = ctx.costs, ctx.share
-        costs.sleep(costs.tb * share)
         grad_x = grad_out * weight
 
-        def weight_grad():
-            costs.sleep(costs.tw * share)
-            return (grad_out * x).reshape(-1, x.shape[-1]).sum(0)
+        def weight_grad(start):
+            grad_w = (grad_out * x).reshape(-1, x.shape[-1]).sum(0)
+            costs.sleep_until(start + costs.tw * share)
+            return grad_w
 
         queue = WeightGradStore._queue
         if queue is None:
-            return grad_x, weight_grad(), None
-        queue.append(lambda: _accumulate(weight, weight_grad()))
-        return grad_x, None, None
+            grad_w = weight_grad(start + costs.tb * share)
+            return grad_x, grad_w, None, None
+        costs.sleep_until(start + costs.tb * share)
+        queue.append(lambda: _accumulate(weight, weight_grad(time.perf_counter())))
+        return grad_x, None, None, None
 
 
 class TimedLayer(torch.nn.Module):
@@ -97,7 +113,7 @@ class TimedLayer(torch.nn.Module):
     def forward(self, x):
         if isinstance(x, (tuple, list)):  # the first stage gets the batch's input tuple
             (x,) = x
-        return _TimedFunction.apply(x, self.weight, self.costs)
+        return _TimedFunction.apply(x, self.weight, self.costs, time.perf_counter())
 
 
 def timed_loss(output, target):
