@@ -31,21 +31,10 @@ import warnings
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from engines import DUALPIPEV, STOCK, engines  # noqa: E402
 from launch import launch  # noqa: E402
 
-STOCK, DUALPIPEV = "DS 1F1B (stock)", "DS DualPipeV"
-ENGINES = {
-    STOCK: None,
-    DUALPIPEV: None,
-    "gpipe": {"schedule": "gpipe"},
-    "1f1b": {"schedule": "1f1b"},
-    "interleaved v=2": {"schedule": "interleaved", "virtual_stages": 2},
-    "zb-h1": {"schedule": "zb-h1"},
-    "zb-h2": {"schedule": "zb-h2"},
-    "zbv": {"schedule": "zbv"},
-    "bitpipe": {"schedule": "bitpipe"},
-    "seq1f1b k=2": {"schedule": "seq1f1b", "seq_splits": 2},
-}
+ENGINES = engines()
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

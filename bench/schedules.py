@@ -31,25 +31,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from engines import DUALPIPEV, STOCK, engines, unsupported  # noqa: E402
 from launch import launch  # noqa: E402
 
 HIDDEN, MBS, SEQ = 64, 2, 16
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1:0.5": (1.0, 1.0, 0.5)}
-STOCK, DUALPIPEV = "DS 1F1B (stock)", "DS DualPipeV"
-# name -> "pipeline" section of the ds_config (None: one of DeepSpeed's own engines)
-ENGINES = {
-    STOCK: None,
-    DUALPIPEV: None,
-    "gpipe": {"schedule": "gpipe"},
-    "1f1b": {"schedule": "1f1b"},
-    "interleaved v=2": {"schedule": "interleaved", "virtual_stages": 2},
-    "zb-h1": {"schedule": "zb-h1"},
-    "zb-h2": {"schedule": "zb-h2"},
-    "zbv": {"schedule": "zbv"},
-    "bitpipe": {"schedule": "bitpipe"},
-    "seq1f1b k=2": {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"},
-    "seq1f1b k=4": {"schedule": "seq1f1b", "seq_splits": 4, "seq_split_method": "even"},
-}
+# timed layers cost a segment its share of the tokens: even splits
+ENGINES = engines(seq_splits=(2, 4), seq_split_method="even")
 
 
 def settings(p):
@@ -107,12 +95,6 @@ def build_engine(name, p, costs, trace_dir):
     return initialize_engine(module, cfg, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3)), None
 
 
-def supports(name, p, m):
-    if name == DUALPIPEV and m < 2 * p:
-        return "DeepSpeed's DualPipeV needs m >= 2p"
-    return None
-
-
 def worker(p, opts, out_root):
     import deepspeed
     import torch
@@ -124,7 +106,7 @@ def worker(p, opts, out_root):
     torch.set_num_threads(1)
     rank = dist.get_rank()
     costs = TimedCosts(seq_length=SEQ, carry_overshoot=True)  # a segment costs its share
-    engines, results = {}, {"na": {}, "settings": {}, "init_s": {}}
+    built, results = {}, {"na": {}, "settings": {}, "init_s": {}}
     for name in opts["engines"]:
         start = time.perf_counter()
         engine, reason = build_engine(name, p, costs, os.path.join(out_root, "unused"))
@@ -133,7 +115,7 @@ def worker(p, opts, out_root):
             results["na"][name] = reason
         else:
             engine.set_trace_dir(None)
-            engines[name] = engine
+            built[name] = engine
     g = torch.Generator().manual_seed(0)
     data = [((torch.randn(MBS, SEQ, HIDDEN, generator=g),), torch.randn(MBS, SEQ, HIDDEN, generator=g))
             for _ in range(2 * p)]
@@ -141,7 +123,7 @@ def worker(p, opts, out_root):
     for m, ratio in settings(p):
         key = setting_key(p, m, ratio)
         costs.tf, costs.tb, costs.tw = (x * per_layer for x in RATIOS[ratio])
-        live = {n: e for n, e in engines.items() if not supports(n, p, m)}
+        live = {n: e for n, e in built.items() if not unsupported(n, p, m)}
         for e in live.values():
             e.set_train_batch_size(MBS * m * e.dp_world_size)
             e.set_trace_dir(None)
@@ -194,8 +176,8 @@ def analyse(results, opts):
             if name in results["na"]:
                 rows[name] = {"na": results["na"][name]}
                 continue
-            if supports(name, p, m):
-                rows[name] = {"na": supports(name, p, m)}
+            if unsupported(name, p, m):
+                rows[name] = {"na": unsupported(name, p, m)}
                 continue
             r = st["rows"][name]
             bubbles, computes, spans = [], [], []

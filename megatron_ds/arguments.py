@@ -304,6 +304,20 @@ def merge_ds_config(args, ds_config):
     args.ds_config = cfg
 
 
+def _check_schedule_over_rampup(args, settings, batch_sizes, step):
+    """The engine plans its schedule anew for each micro-batch count: every count of the ramp must be one
+    the schedule can run (bitpipe and interleaved need multiples of the pipeline size)."""
+    from megatron_ds.schedules import ScheduleError, build_schedule
+    pp = args.pipeline_model_parallel_size
+    for gbs in batch_sizes:
+        try:
+            build_schedule(settings.schedule, pp, gbs // step, virtual_stages=settings.virtual_stages,
+                           seq_splits=settings.seq_splits, split_backward=settings.split_backward)
+        except ScheduleError as exc:
+            _err(f"--rampup-batch-size passes global batch {gbs} = {gbs // step} micro-batches per pipeline, "
+                 f"which schedule {settings.schedule!r} cannot run: {exc}")
+
+
 def _validate_training_length(args):
     if (args.train_iters is None) == (args.train_samples is None):
         _err("give exactly one of --train-iters and --train-samples")
@@ -327,8 +341,7 @@ def _validate_training_length(args):
                  f"{args.micro_batch_size} x data-parallel {args.data_parallel_size} = {step}")
         settings = getattr(args, "pipeline_settings", None)
         if settings is not None and not settings.stock:
-            _err(f"--rampup-batch-size needs DeepSpeed's stock schedule: schedule {settings.schedule!r} is "
-                 "planned for a fixed number of micro-batches per step")
+            _check_schedule_over_rampup(args, settings, range(start, args.global_batch_size + 1, inc), step)
         args.rampup_batch_size = [start, inc, samples]
     from megatron_ds.batch_schedule import BatchSizeSchedule
     args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)

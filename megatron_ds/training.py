@@ -138,6 +138,7 @@ def setup_model_and_optimizer(args):
                                use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
                                override_lr_scheduler=args.override_lr_scheduler)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler)
+    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
     return engine, lr_scheduler
 
 

@@ -21,7 +21,7 @@ from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op, build_schedule
 
 from . import instructions as ins
-from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, outgoing
+from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, lookahead, outgoing
 from .post_validation import PostValidation
 from .trace import TraceMixin
 
@@ -54,11 +54,12 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         if key not in self._plans:
             sched = self.schedule_for(micro_batches)
             op_lists = sched.ranks if train else [[op for op in ops if op.kind == "F"] for ops in sched.ranks]
-            self._plans[key] = (sched, op_lists[self.stage_id], MessagePlan(sched, op_lists))
+            ops, plan = op_lists[self.stage_id], MessagePlan(sched, op_lists)
+            self._plans[key] = (sched, ops, plan, lookahead(ops, plan.source))
         return self._plans[key]
 
     def _start(self, micro_batches, train):
-        self.sched, ops, plan = self._plan(micro_batches, train)
+        self.sched, ops, plan, self._ahead = self._plan(micro_batches, train)
         self._sync_after = last_backward_ops(ops) if train and self.module.replica_sync else {}
         if self._sync_after:
             self.module.replica_sync.launched.clear()
@@ -131,6 +132,12 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
             key, dst = out
             self.p2p.send(key, dst, tensor)
 
+    def _post_ahead(self, op):
+        """Post the next receiving op's irecv as `op` starts: its message moves while `op` runs."""
+        ahead = self._ahead.get(op)
+        if ahead is not None:
+            self.p2p.post(ahead)
+
     def _take(self, op):
         key = incoming_key(op)
         if key in self._local:
@@ -140,6 +147,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
     # -- compute ---------------------------------------------------------------------------------
     def _exec_forward_op(self, replica, stage, mb, seq):
         op = Op("F", replica, stage, mb, seq)
+        self._post_ahead(op)
         if stage == 0:
             x = self._inputs(mb, seq)
         else:
@@ -160,6 +168,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
 
     def _backward(self, replica, stage, mb, seq, kind):
         unit, op = (replica, stage, mb, seq), Op(kind, replica, stage, mb, seq)
+        self._post_ahead(op)
         x, out = self._stash.pop(unit)
         if stage == self.sched.loss_stage:
             root, grad = self._scale_loss(out), None
@@ -199,6 +208,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
             self._backward(replica, stage, mb, seq, "B")
 
     def _exec_backward_weight_op(self, replica, stage, mb, seq):
+        self._post_ahead(Op("W", replica, stage, mb, seq))
         self._running_engine_backward = True
         try:
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))

@@ -6,8 +6,13 @@ rank of stage s-1. Sends are non-blocking (isend), so a rank only ever waits on
 a receive; the validated op order then guarantees progress. A receiver posts its
 irecvs in the order the sender issues the sends (it knows the sender's op list),
 so messages between a pair match in FIFO order on every backend - gloo's
-blocking rendezvous and NCCL's ordered streams alike - and a receive is posted
-no earlier than needed: only the messages the sender sends before it.
+blocking rendezvous and NCCL's ordered streams alike.
+
+A send only moves once its receive is posted (gloo rendezvouses, NCCL's send
+waits for the peer), so a receive posted when its op starts puts a round trip on
+the critical path. The engine therefore posts each op's receive one op ahead, when
+the op before it starts (`lookahead`): the data flows while that op computes, at
+the cost of one posted buffer per source.
 """
 from collections import defaultdict
 
@@ -29,10 +34,25 @@ def outgoing(schedule, rank, op):
 
 
 def incoming_key(op):
-    """The message key `op` consumes: F(s) the activation of F(s-1), B(s) the gradient of B(s+1)."""
+    """The message key `op` consumes: F(s) the activation of F(s-1), B/BW(s) the gradient of B(s+1);
+    None for W, which works on what its B left behind."""
     if op.kind == "F":
         return (ACT, op.replica, op.stage - 1, op.mb, op.seq)
+    if op.kind == "W":
+        return None
     return (GRAD, op.replica, op.stage + 1, op.mb, op.seq)
+
+
+def lookahead(ops, remote_keys):
+    """{op: the message key the next receiving op after it consumes}, for the keys in `remote_keys`."""
+    ahead, following = {}, None
+    for op in reversed(ops):
+        if following is not None:
+            ahead[op] = following
+        key = incoming_key(op)
+        if key in remote_keys:
+            following = key
+    return ahead
 
 
 class MessagePlan:
@@ -66,7 +86,8 @@ class P2P:
         tensor = tensor.detach().contiguous()
         self.pending_send.append((dist.isend(tensor, self.group_rank_of(dst)), tensor))
 
-    def recv(self, key):
+    def post(self, key):
+        """Post the irecv of `key` (and, first, those of the messages its sender sends before it)."""
         src = self.plan.source[key]
         expected = self.plan.sends[(src, self.rank)]
         while key not in self.pending_recv:
@@ -74,6 +95,9 @@ class P2P:
             buf = torch.empty(self.shape_of(nxt), dtype=self.dtype, device=self.device)
             self.pending_recv[nxt] = (dist.irecv(buf, self.group_rank_of(src)), buf)
             self.posted_upto[src] += 1
+
+    def recv(self, key):
+        self.post(key)
         work, buf = self.pending_recv.pop(key)
         work.wait()
         return buf

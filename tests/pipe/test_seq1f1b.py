@@ -1,7 +1,7 @@
 """Seq1F1B on ScheduleEngine equals the single-process reference (fp32, 1e-5): loss, every
-parameter's gradient, the weights after 3 steps and the eval loss, at PP=2 and PP=4, even and
-balanced (unequal) segments, with and without the B/W split, with virtual stages (Seq1F1B-I)
-and with activation checkpointing. One launch per pipeline size runs several configurations."""
+parameter's gradient, the weights after 3 steps and the eval loss, at PP=2, PP=4 and PP2xDP2,
+even and balanced (unequal) segments, with and without the B/W split, with virtual stages
+(Seq1F1B-I) and with activation checkpointing. One launch per topology runs several configurations."""
 import pytest
 
 from megatron_ds.pipe.build import segment_lengths
@@ -21,21 +21,22 @@ def seq1f1b(k, **extra):
 
 
 TOPOLOGIES = {
-    # pp, layers, pipeline sections
-    "pp2": (2, 4, [seq1f1b(2, seq_split_method="even"),
-                   seq1f1b(4, activation_checkpoint_interval=1),  # balanced: segments of 16, 16, 8, 24
-                   seq1f1b(2, split_backward=True)]),
-    "pp4": (4, 8, [seq1f1b(2),
-                   seq1f1b(2, virtual_stages=2),
-                   seq1f1b(2, virtual_stages=2, split_backward=True, seq_split_method="even")]),
+    # pp, dp, layers, pipeline sections
+    "pp2": (2, 1, 4, [seq1f1b(2, seq_split_method="even"),
+                      seq1f1b(4, activation_checkpoint_interval=1),  # balanced: segments of 16, 16, 8, 24
+                      seq1f1b(2, split_backward=True)]),
+    "pp4": (4, 1, 8, [seq1f1b(2),
+                      seq1f1b(2, virtual_stages=2),
+                      seq1f1b(2, virtual_stages=2, split_backward=True, seq_split_method="even")]),
+    "pp2xdp2": (2, 2, 4, [seq1f1b(2, split_backward=True)]),  # ZeRO-1 partitions across the DP pair
 }
 
 
 @pytest.mark.parametrize("name", TOPOLOGIES)
 def test_seq1f1b_matches_reference(name):
-    pp, layers, pipelines = TOPOLOGIES[name]
-    ref = reference_run(tiny_config(layers, SEQ), 1, GAS, STEPS, lr=LR)
-    per_rank = run_ranks(pp, engine_rank_runs, pp, GAS, STEPS, pipelines, num_layers=layers, seq=SEQ, lr=LR,
+    pp, dp, layers, pipelines = TOPOLOGIES[name]
+    ref = reference_run(tiny_config(layers, SEQ), dp, GAS, STEPS, lr=LR)
+    per_rank = run_ranks(pp * dp, engine_rank_runs, pp, GAS, STEPS, pipelines, num_layers=layers, seq=SEQ, lr=LR,
                          timeout=600)
     for i, pipeline in enumerate(pipelines):
         try:

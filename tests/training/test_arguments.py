@@ -107,3 +107,25 @@ def test_rampup_multiples_checked():
         parse_args(argv + ["--micro-batch-size", "2", "--global-batch-size", "16", "--train-samples", "200",
                            "--rampup-batch-size", "8", "4", "40"], env={"WORLD_SIZE": "4", "RANK": "0"})
     assert "multiples of micro-batch 2 x data-parallel 4 = 8" in str(e.value)
+
+
+def _rampup(tmp_path, schedule, start, inc, **pipeline):
+    argv = [a for a in BASE if a not in ("--train-iters", "10")]
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule, **pipeline}}))
+    flags = ["--num-layers", "8", "--micro-batch-size", "1", "--global-batch-size", "16", "--train-samples", "200",
+             "--pipeline-model-parallel-size", "4", "--rampup-batch-size", str(start), str(inc), "40",
+             "--deepspeed_config", str(path)]
+    return parse_args(argv + flags, env={"WORLD_SIZE": "4", "RANK": "0"})
+
+
+def test_rampup_with_a_named_schedule(tmp_path):
+    args = _rampup(tmp_path, "zbv", 4, 2)
+    assert args.rampup_batch_size == [4, 2, 40] and args.pipeline_settings.schedule == "zbv"
+
+
+def test_rampup_refuses_a_micro_batch_count_the_schedule_cannot_run(tmp_path):
+    with pytest.raises(ArgumentsError) as e:
+        _rampup(tmp_path, "bitpipe", 4, 2)  # 6 micro-batches: not a multiple of pp=4
+    assert "global batch 6 = 6 micro-batches per pipeline" in str(e.value) and "bitpipe" in str(e.value)
+    assert _rampup(tmp_path, "bitpipe", 4, 4).rampup_batch_size == [4, 4, 40]

@@ -13,7 +13,7 @@ import time
 from ..indexed_dataset import make_builder
 from .args import build_parser, output_prefix_for
 from .encoder import set_worker_encoder
-from .pipeline import main as _main, prepare
+from .pipeline import main as _main, prepare, write_encoded
 from .progress import Progress
 
 _COUNTERS = None  # shared int64 [docs_0, bytes_0, docs_1, bytes_1, ...], inherited by fork
@@ -26,28 +26,17 @@ def _shard_prefixes(args, part, parts):
 
 
 def _work(part, rng, prefixes, report_every):
-    builders = {key: make_builder(prefix + ".bin", "mmap", dtype=_ENCODER.dtype)
-                for key, prefix in prefixes.items()}
-    docs = nbytes = 0
-    try:
-        for record in _SOURCE.range_records(rng):
-            n, out = _ENCODER.encode(record)
-            for key, ids in out.items():
-                if ids is not None:
-                    builders[key].add_item(ids)
-                    builders[key].end_document()
-            docs += 1
-            nbytes += n
-            if docs % report_every == 0:
-                _COUNTERS[2 * part], _COUNTERS[2 * part + 1] = docs, nbytes
-        for key, prefix in prefixes.items():
-            builders[key].finalize(prefix + ".idx")
-    except BaseException:
-        for builder in builders.values():
-            builder.abort()
-        raise
-    _COUNTERS[2 * part], _COUNTERS[2 * part + 1] = docs, nbytes
-    return docs
+    counts = [0, 0]  # documents, bytes
+
+    def report(nbytes):
+        counts[0] += 1
+        counts[1] += nbytes
+        if counts[0] % report_every == 0:
+            _COUNTERS[2 * part], _COUNTERS[2 * part + 1] = counts
+
+    write_encoded(map(_ENCODER.encode, _SOURCE.range_records(rng)), prefixes, _ENCODER.dtype, report)
+    _COUNTERS[2 * part], _COUNTERS[2 * part + 1] = counts
+    return counts[0]
 
 
 def _remove_dataset(prefix):

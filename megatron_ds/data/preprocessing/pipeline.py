@@ -33,29 +33,31 @@ def fork_pool(workers, encoder):
     return multiprocessing.get_context("fork").Pool(workers)
 
 
-def write_records(records, encoder, prefixes, progress, workers=1, chunk_size=25):
-    """Tokenize `records` and write one dataset per key at `prefixes[key]` (atomically)."""
-    builders = {key: make_builder(prefix + ".bin", "mmap", dtype=encoder.dtype)
-                for key, prefix in prefixes.items()}
-    pool = None
+def write_encoded(encoded, prefixes, dtype, on_document):
+    """Write (nbytes, {key: ids}) results as one dataset per key at `prefixes[key]`, atomically:
+    any error aborts every builder. `on_document(nbytes)` runs after each document."""
+    builders = {key: make_builder(prefix + ".bin", "mmap", dtype=dtype) for key, prefix in prefixes.items()}
     try:
-        if workers > 1:
-            pool = fork_pool(workers, encoder)
-            results = pool.imap(encode_in_worker, records, chunk_size)
-        else:
-            results = map(encoder.encode, records)
-        for nbytes, docs in results:
+        for nbytes, docs in encoded:
             for key, ids in docs.items():
                 if ids is not None:
                     builders[key].add_item(ids)
                     builders[key].end_document()
-            progress.update(1, nbytes)
+            on_document(nbytes)
         for key, prefix in prefixes.items():
             builders[key].finalize(prefix + ".idx")
     except BaseException:
         for builder in builders.values():
             builder.abort()
         raise
+
+
+def write_records(records, encoder, prefixes, progress, workers=1, chunk_size=25):
+    """Tokenize `records` and write one dataset per key at `prefixes[key]` (atomically)."""
+    pool = fork_pool(workers, encoder) if workers > 1 else None
+    try:
+        results = pool.imap(encode_in_worker, records, chunk_size) if pool else map(encoder.encode, records)
+        write_encoded(results, prefixes, encoder.dtype, lambda nbytes: progress.update(1, nbytes))
     finally:
         if pool is not None:
             pool.terminate()
