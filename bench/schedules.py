@@ -2,10 +2,14 @@
 
 The model is 2p TimedLayers (megatron_ds/model/timed.py): each sleeps its share of TF, TB
 and TW per 1F1B stage while real tensors flow and real gloo messages travel, so p ranks on
-a 2-core machine behave like p devices with the chosen costs. For each p, one launch builds
-every engine (ours through megatron_ds.pipe.build, DeepSpeed's stock PipelineEngine and its
-DualPipeVEngine) and, for every setting, cycles through them iteration by iteration so
-machine noise hits all alike. Every timed iteration is traced ("pipeline.trace_dir").
+a 2-core machine behave like p devices with the chosen costs. For each p, every engine (ours
+through megatron_ds.pipe.build, DeepSpeed's stock PipelineEngine and its DualPipeVEngine)
+gets its own launch and runs every setting, one engine after another: one engine per
+process, as in training. (--one-launch builds them all in one launch and cycles through them
+iteration by iteration, so machine noise hits all alike; but every engine's process groups
+bring gloo threads that poll, and with all 11 engines at p=8 - 60 groups a rank - their
+wake-ups kept 40 % of this 2-core machine busy and slowed every message.) Every timed
+iteration is traced ("pipeline.trace_dir").
 
 Columns: iteration = median wall time of train_batch on rank 0 (after a barrier);
 bubble = measured bubble ratio from the traces (max over ranks of idle / compute makespan,
@@ -14,7 +18,7 @@ median over iterations); sim = makespan the simulator predicts for the same cost
 streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / DeepSpeed
 1F1B's. A schedule the engine refuses shows "n/a" and the reason.
 
-    python bench/schedules.py                        # p=4 and p=8, about 40 minutes
+    python bench/schedules.py                        # p=4 and p=8, about 35 minutes
     python bench/schedules.py --pp 4 --iterations 3 --tf-ms 40 --pictures docs/perf
 """
 from __future__ import annotations
@@ -149,6 +153,15 @@ def worker(p, opts, out_root):
     return results if rank == 0 else None
 
 
+def merge(results, part):
+    """Fold one launch's worker results into `results`."""
+    results["na"].update(part["na"])
+    results["init_s"].update(part["init_s"])
+    for key, st in part["settings"].items():
+        into = results["settings"].setdefault(key, dict(st, rows={}))
+        into["rows"].update(st["rows"])
+
+
 # -- analysis (parent) ----------------------------------------------------------------------------
 
 def simulated(name, p, m, tf, tb, tw):
@@ -218,6 +231,18 @@ def markdown(table, tf_ms):
     return "\n".join(lines)
 
 
+def summary(tables, column="vs_stock", title="iteration / DS 1F1B's"):
+    """One row per engine, one column per setting: `column` of every table, side by side."""
+    keys = list(tables)
+    names = list(dict.fromkeys(n for t in tables.values() for n in t["rows"]))
+    head = [f"p={tables[k]['p']} m={tables[k]['m']} {tables[k]['ratio']}" for k in keys]
+    lines = [f"**{title}**", "", "| schedule | " + " | ".join(head) + " |", "|---|" + "---:|" * len(keys)]
+    for name in names:
+        cells = [tables[k]["rows"].get(name, {}).get(column) for k in keys]
+        lines.append(f"| {name} | " + " | ".join("n/a" if c is None else f"{c:.3f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def pictures(tables, key, out_dir, tf_ms):
     """Measured-over-simulated timeline of every engine at one setting."""
     from tools.trace_to_png import draw
@@ -251,7 +276,9 @@ def main(argv=None):
                     help="traces and results.json go here")
     ap.add_argument("--pictures", help="draw measured vs simulated timelines of --picture-setting into this folder")
     ap.add_argument("--picture-setting", default="p4_m8_1-1-1")
-    ap.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per pipeline size")
+    ap.add_argument("--timeout", type=float, default=3 * 3600, help="seconds per launch")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="all engines in one launch per p, alternating iteration by iteration")
     args = ap.parse_args(argv)
     if STOCK not in args.engines:
         args.engines.insert(0, STOCK)
@@ -264,11 +291,19 @@ def main(argv=None):
     tables = {}
     for p in args.pp:
         print(f"p={p}: launching {p} ranks", file=sys.stderr, flush=True)
-        results = launch(p, worker, p, opts, os.path.join(args.out, f"p{p}"), timeout=args.timeout)
+        out = os.path.join(args.out, f"p{p}")
+        if args.one_launch:
+            results = launch(p, worker, p, opts, out, timeout=args.timeout)
+        else:
+            results = {"na": {}, "settings": {}, "init_s": {}}
+            for name in args.engines:
+                print(f"  {name}", file=sys.stderr, flush=True)
+                merge(results, launch(p, worker, p, dict(opts, engines=[name]), out, timeout=args.timeout))
         tables.update(analyse(results, opts))
         for key, table in tables.items():
             if table["p"] == p:
                 print("\n" + markdown(table, args.tf_ms), flush=True)
+    print("\n" + summary(tables) + "\n\n" + summary(tables, "meas_sim", "measured / simulated makespan"))
     load_after = os.getloadavg()
     print(f"\n# done in {time.time() - started:.0f} s; load average {load_after[0]:.2f} {load_after[1]:.2f} "
           f"{load_after[2]:.2f} at end")
