@@ -18,7 +18,7 @@ median over iterations); sim = makespan the simulator predicts for the same cost
 streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / DeepSpeed
 1F1B's. A schedule the engine refuses shows "n/a" and the reason.
 
-    python bench/schedules.py                        # p=4 and p=8, about 35 minutes
+    python bench/schedules.py                        # p=4 and p=8, about 30 minutes
     python bench/schedules.py --pp 4 --iterations 3 --tf-ms 40 --pictures docs/perf
 """
 from __future__ import annotations
