@@ -3,9 +3,9 @@ and off (same ds_config otherwise), 4 steps give the same weights (1e-6; in prac
 grad norms, skipped steps, loss scales and lr schedule. fp32 under zbv and 1f1b at PP=2 in three
 situations: clipping never triggers, it triggers on step 2, an inf lands in one rank's gradient on
 step 3. Both situations in one run for zbv in bf16, in fp16 (dynamic loss scale; DeepSpeed's CPU refusal
-patched out) and at PP=2 x DP=2. zbv runs step early on every rank (`shortcuts` off), so every rank
-rolls back; 1f1b runs keep the shortcuts, so ranks whose own gradients show the clip or the inf step
-once, in DeepSpeed's order."""
+patched out) and at PP=2 x DP=2; the inf situation also at PP=4 under zbv. zbv runs step early on every
+rank (`shortcuts` off), so every rank rolls back; 1f1b runs keep the shortcuts, so ranks whose own
+gradients show the clip or the inf step once, in DeepSpeed's order."""
 import math
 
 import torch
@@ -43,14 +43,15 @@ def _inject_inf(engine_cls):
     engine_cls._INSTRUCTION_MAP = {**engine_cls._INSTRUCTION_MAP, ReduceGrads: injecting}
 
 
-def run_case(pp, schedule, post_validation, clip, inf=False, bf16=False, shortcuts=True, lr=LR, fp16=None):
+def run_case(pp, schedule, post_validation, clip, inf=False, bf16=False, shortcuts=True, lr=LR, fp16=None,
+             layers=4):
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.pipe.engine import ScheduleEngine
-    config = tiny_config(4)
+    config = tiny_config(layers)
     dp = dist.get_world_size() // pp
     cfg = ds_config(pp, dp, GAS, clip=clip, bf16=bf16, lr=lr,
                     pipeline={"schedule": schedule, "post_validation": post_validation})
@@ -169,3 +170,14 @@ def test_post_validation_pp2_dp2():
     per_rank = run_ranks(4, rank_cases, 2, cases, timeout=900)
     for name, worst in _compare(per_rank, cases, atol=1e-6):
         print(f"{name}: max abs weight difference {worst:.3g}")
+
+
+def test_post_validation_pp4_inf():
+    """Four stages (zbv: 8 chunks, two per rank): the inf on one rank is seen by all, every rank rolls back."""
+    cases = [dict(schedule="zbv", post_validation=pv, clip=CLIP_NEVER, inf=True, shortcuts=False, layers=8)
+             for pv in (False, True)]
+    per_rank = run_ranks(4, rank_cases, 4, cases, timeout=900)
+    for name, worst in _compare(per_rank, cases, atol=1e-6):
+        print(f"{name}: max abs weight difference {worst:.3g}")
+    total = _counts(per_rank, cases)
+    assert total["rolled_back_skipped"] == 4, total  # every rank stepped early on the inf step, then undid it
