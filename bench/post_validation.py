@@ -37,7 +37,6 @@ from megatron_ds.model.timed import TimedCosts, TimedLayer, timed_loss  # noqa: 
 from megatron_ds.pipe.build import initialize_engine, topology  # noqa: E402
 from megatron_ds.pipe.config import pipeline_settings  # noqa: E402
 from megatron_ds.pipe.module import ChunkedPipelineModule  # noqa: E402
-from megatron_ds.schedules import build_schedule  # noqa: E402
 
 
 class BallastLayer(TimedLayer):
@@ -61,8 +60,7 @@ def make_engine(schedule, post_validation, args, pp):
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
                  "pipeline": {"schedule": schedule, "post_validation": post_validation}}
     settings = pipeline_settings(ds_config)
-    sched = build_schedule(schedule, pp, args.gas, virtual_stages=settings.virtual_stages,
-                           split_backward=settings.split_backward)
+    sched = settings.build_schedule(pp, args.gas)
     layers_per_rank = args.layers_per_rank
     costs = TimedCosts(tf=args.tf, tb=args.tb, tw=args.tw, carry_overshoot=True)
     specs = [LayerSpec(BallastLayer, args.hidden, args.ballast // layers_per_rank, costs)

@@ -307,12 +307,10 @@ def merge_ds_config(args, ds_config):
 def _check_schedule_over_rampup(args, settings, batch_sizes, step):
     """The engine plans its schedule anew for each micro-batch count: every count of the ramp must be one
     the schedule can run (bitpipe and interleaved need multiples of the pipeline size)."""
-    from megatron_ds.schedules import ScheduleError, build_schedule
-    pp = args.pipeline_model_parallel_size
+    from megatron_ds.schedules import ScheduleError
     for gbs in batch_sizes:
         try:
-            build_schedule(settings.schedule, pp, gbs // step, virtual_stages=settings.virtual_stages,
-                           seq_splits=settings.seq_splits, split_backward=settings.split_backward)
+            settings.build_schedule(args.pipeline_model_parallel_size, gbs // step)
         except ScheduleError as exc:
             _err(f"--rampup-batch-size passes global batch {gbs} = {gbs // step} micro-batches per pipeline, "
                  f"which schedule {settings.schedule!r} cannot run: {exc}")

@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
-from megatron_ds.schedules import ScheduleError, build_schedule
+from megatron_ds.schedules import ScheduleError
 from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
 
 from .config import ConfigError, pipeline_settings
@@ -96,8 +96,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                           f'{{"stage": 1}} (it is {zero_stage})')
     mbs, gas = micro_batches_per_step(ds_config, dist.get_world_size() // pp)
     try:
-        schedule = build_schedule(settings.schedule, pp, gas, virtual_stages=settings.virtual_stages,
-                                  seq_splits=settings.seq_splits, split_backward=settings.split_backward)
+        schedule = settings.build_schedule(pp, gas)
     except ScheduleError as exc:
         raise ConfigError(f'ds_config "pipeline": {exc}') from None
     check_layers(schedule, config.num_layers)

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ds.schedules import SCHEDULE_NAMES
+from megatron_ds.schedules import SCHEDULE_NAMES, build_schedule
 
 # Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
 DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
@@ -28,6 +28,11 @@ class PipelineSettings:
     @property
     def stock(self):
         return self.schedule == STOCK
+
+    def build_schedule(self, pp, micro_batches):
+        """This section's schedule for `pp` ranks and `micro_batches` (ScheduleError when impossible)."""
+        return build_schedule(self.schedule, pp, micro_batches, virtual_stages=self.virtual_stages,
+                              seq_splits=self.seq_splits, split_backward=self.split_backward)
 
 
 def _int_at_least(section, key, minimum):

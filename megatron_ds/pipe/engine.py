@@ -18,7 +18,7 @@ from deepspeed.utils import logger
 
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
-from megatron_ds.schedules import Op, build_schedule
+from megatron_ds.schedules import Op
 
 from . import instructions as ins
 from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, lookahead, outgoing
@@ -44,15 +44,10 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         self._post_validation = PostValidation(self) if settings.post_validation else None
 
     # -- schedule ------------------------------------------------------------------------------
-    def schedule_for(self, micro_batches):
-        s = self.settings
-        return build_schedule(s.schedule, self.num_stages, micro_batches, virtual_stages=s.virtual_stages,
-                              seq_splits=s.seq_splits, split_backward=s.split_backward)
-
     def _plan(self, micro_batches, train):
         key = (micro_batches, train)
         if key not in self._plans:
-            sched = self.schedule_for(micro_batches)
+            sched = self.settings.build_schedule(self.num_stages, micro_batches)
             op_lists = sched.ranks if train else [[op for op in ops if op.kind == "F"] for ops in sched.ranks]
             ops, plan = op_lists[self.stage_id], MessagePlan(sched, op_lists)
             self._plans[key] = (sched, ops, plan, lookahead(ops, plan.source))
