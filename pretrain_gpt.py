@@ -7,7 +7,7 @@ Also runs under `deepspeed --num_gpus N` and `srun` (see slurm/). `--help` lists
 """
 import sys
 
-from megatron_ds.training import main
+from megatron_ds.training.loop import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from megatron_ds.arguments import ArgumentsError, parse_args
+from megatron_ds.training.arguments import ArgumentsError, parse_args
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,

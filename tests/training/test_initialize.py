@@ -1,5 +1,5 @@
 """Launcher environments map to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT."""
-from megatron_ds.initialize import set_launcher_env
+from megatron_ds.training.initialize import set_launcher_env
 
 
 def test_srun_variables():

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from megatron_ds.learning_rates import AnnealingLR
+from megatron_ds.training.learning_rates import AnnealingLR
 
 
 class FakeOptimizer:

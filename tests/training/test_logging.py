@@ -1,7 +1,7 @@
 """The iteration line keeps Megatron's field names and formats, so existing log parsers work."""
 import re
 
-from megatron_ds.logging_utils import iteration_line, validation_block
+from megatron_ds.training.logging_utils import iteration_line, validation_block
 
 
 def test_megatron_iteration_line():

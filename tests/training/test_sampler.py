@@ -1,6 +1,6 @@
 """Megatron's pretraining sampler: each data-parallel rank's slice, and resuming at a sample."""
-from megatron_ds.batch_schedule import BatchSizeSchedule
-from megatron_ds.training import PretrainingSampler
+from megatron_ds.training.batch_schedule import BatchSizeSchedule
+from megatron_ds.data.samplers import PretrainingSampler
 
 
 def test_dp_slices_are_disjoint_and_in_order():

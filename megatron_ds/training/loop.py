@@ -17,77 +17,9 @@ import time
 import warnings
 
 from .arguments import ArgumentsError, parse_args, print_args
+from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, iteration_line, print_rank_0,
                             print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
-
-
-# --------------------------------------------------------------------------- data
-
-class PretrainingSampler:
-    """Megatron's MegatronPretrainingSampler: from `consumed_samples` on, consecutive global
-    micro-steps of micro_batch x dp samples; this data-parallel rank takes its slice."""
-
-    def __init__(self, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size):
-        if consumed_samples >= total_samples:
-            raise RuntimeError(f"no samples left: consumed {consumed_samples} of {total_samples}")
-        self.total, self.consumed = total_samples, consumed_samples
-        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
-
-    def __len__(self):
-        return (self.total - self.consumed) // (self.mbs * self.dp_size)
-
-    def __iter__(self):
-        step = self.mbs * self.dp_size
-        for first in range(self.consumed, self.total - step + 1, step):
-            begin = first + self.dp_rank * self.mbs
-            yield list(range(begin, begin + self.mbs))
-
-
-def _collate(samples):
-    import numpy as np
-    import torch
-    from megatron_ds.model import position_ids_like
-    text = torch.from_numpy(np.stack([s["text"] for s in samples]).astype(np.int64))
-    tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-    return (tokens, position_ids_like(tokens)), labels
-
-
-class MicroBatchIterator:
-    """This rank's micro-batches ((tokens, position_ids), labels), opened lazily on the first
-    next() so that ranks that never read (middle pipeline stages) pay nothing."""
-
-    def __init__(self, dataset, consumed_samples, args, dp_rank):
-        self.dataset, self.consumed, self.args, self.dp_rank = dataset, consumed_samples, args, dp_rank
-        self._it = None
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._it is None:
-            import torch
-            from torch.utils.data import DataLoader
-            sampler = PretrainingSampler(len(self.dataset), self.consumed, self.args.micro_batch_size,
-                                         self.dp_rank, self.args.data_parallel_size)
-            loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
-                                collate_fn=_collate, persistent_workers=False,
-                                generator=torch.Generator().manual_seed(self.args.seed))  # not the global RNG
-            self._it = iter(loader)
-        return next(self._it)
-
-
-def build_datasets(args):
-    from megatron_ds.data.gpt_dataset import build_train_valid_test_datasets
-    gbs = args.global_batch_size
-    eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
-    sizes = [args.train_samples, eval_iters * gbs, args.eval_iters * gbs]
-    print_rank_0(f"> building train, validation, and test datasets ...\n"
-                 f"    datasets target sizes (minimum size):\n    train:      {sizes[0]}\n"
-                 f"    validation: {sizes[1]}\n    test:       {sizes[2]}")
-    return build_train_valid_test_datasets(
-        data_prefix=args.data_path, data_impl=args.data_impl, splits_string=args.split,
-        train_valid_test_num_samples=sizes, seq_length=args.seq_length, seed=args.seed,
-        skip_warmup=not args.mmap_warmup, data_cache_path=args.data_cache_path)
 
 
 # --------------------------------------------------------------------------- model, optimizer
@@ -123,7 +55,7 @@ def model_config(args):
 
 
 def setup_model_and_optimizer(args):
-    from megatron_ds.learning_rates import AnnealingLR
+    from .learning_rates import AnnealingLR
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     print_rank_0("> building GPT model ...")
     config = model_config(args)
@@ -386,7 +318,7 @@ def _user_error_types():
     for module, name in (("megatron_ds.pipe.config", "ConfigError"), ("megatron_ds.data.tokenizer", "TokenizerError"),
                          ("megatron_ds.data.dataset_utils", "DataConfigError"),
                          ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),
-                         ("megatron_ds.checkpointing", "CheckpointError")):
+                         ("megatron_ds.training.checkpointing", "CheckpointError")):
         try:
             types.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):

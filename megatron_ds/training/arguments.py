@@ -341,7 +341,7 @@ def _validate_training_length(args):
         if settings is not None and not settings.stock:
             _check_schedule_over_rampup(args, settings, range(start, args.global_batch_size + 1, inc), step)
         args.rampup_batch_size = [start, inc, samples]
-    from megatron_ds.batch_schedule import BatchSizeSchedule
+    from .batch_schedule import BatchSizeSchedule
     args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)
     if args.train_samples is not None:
         args.train_iters = args.batch_schedule.iterations_for(args.train_samples)
