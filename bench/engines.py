@@ -1,24 +1,19 @@
-"""The engines the side-by-side benchmarks compare: DeepSpeed's own two and every megatron_ds schedule."""
+"""The engines the side-by-side benchmarks compare: DeepSpeed's own two and every catalogued schedule."""
 from __future__ import annotations
+
+from megatron_ds.schedules import CATALOG
 
 STOCK, DUALPIPEV = "DS 1F1B (stock)", "DS DualPipeV"
 
 
-def engines(seq_splits=(2,), **seq1f1b_options) -> dict:
-    """name -> the ds_config "pipeline" section that selects it (None: one of DeepSpeed's engines)."""
-    out = {
-        STOCK: None,
-        DUALPIPEV: None,
-        "gpipe": {"schedule": "gpipe"},
-        "1f1b": {"schedule": "1f1b"},
-        "interleaved v=2": {"schedule": "interleaved", "virtual_stages": 2},
-        "zb-h1": {"schedule": "zb-h1"},
-        "zb-h2": {"schedule": "zb-h2"},
-        "zbv": {"schedule": "zbv"},
-        "bitpipe": {"schedule": "bitpipe"},
-    }
-    for k in seq_splits:
-        out[f"seq1f1b k={k}"] = {"schedule": "seq1f1b", "seq_splits": k, **seq1f1b_options}
+def engines(seq_splits=(2,), **seq_options) -> dict:
+    """name -> the ds_config "pipeline" section that selects it (None: one of DeepSpeed's engines).
+    Schedules that split the sequence get one engine per entry of `seq_splits`, with `seq_options`."""
+    out = {STOCK: None, DUALPIPEV: None}
+    for name, spec in CATALOG.items():
+        for note, knobs in spec.variants(virtual_stages=2, seq_splits=seq_splits, split=False):
+            extra = seq_options if spec.seq_splits else {}
+            out[f"{name} {note}".strip()] = {"schedule": name, **knobs, **extra}
     return out
 
 

@@ -167,13 +167,12 @@ def merge(results, part):
 def simulated(name, p, m, tf, tb, tw):
     """(makespan, bubble ratio) the simulator predicts for `name` with these stage costs."""
     from ds_replay import replay
-    from megatron_ds.schedules import build_schedule, simulate
+    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.schedules import simulate
     if name in (STOCK, DUALPIPEV):
         makespan = replay("1f1b" if name == STOCK else "dualpipev", p, m, tf, tb, tw)
         return makespan, 1.0 - m * (tf + tb + tw) / makespan  # every rank does m stages of work
-    pipe = ENGINES[name]
-    sched = build_schedule(pipe["schedule"], p, m, virtual_stages=pipe.get("virtual_stages", 1),
-                           seq_splits=pipe.get("seq_splits", 1), split_backward=pipe.get("split_backward", False))
+    sched = pipeline_settings({"pipeline": ENGINES[name]}).build_schedule(p, m)
     result = simulate(sched, tf, tb, tw)
     return result.makespan, result.bubble_ratio
 

@@ -12,14 +12,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.schedules import SCHEDULE_NAMES, Schedule, ScheduleError, build_schedule, simulate  # noqa: E402
+from megatron_ds.schedules import CATALOG, Schedule, ScheduleError, build_schedule, simulate  # noqa: E402
 from megatron_ds.schedules.render import ascii_timeline, plot_timeline, summary_table  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--schedule", choices=SCHEDULE_NAMES)
+    src.add_argument("--schedule", choices=list(CATALOG))
     src.add_argument("--from-json", help="a file written by `python -m megatron_ds.schedules export`")
     ap.add_argument("--pp", type=int)
     ap.add_argument("--micro-batches", type=int)

@@ -1,8 +1,12 @@
-"""The ds_config `pipeline` section: DeepSpeed's keys plus the schedule's, checked at start-up."""
+"""The ds_config `pipeline` section: DeepSpeed's keys plus the schedule's, checked at start-up.
+
+This module checks JSON types only; which knobs a schedule takes is the catalogue's rule
+(megatron_ds.schedules.catalog), asked here so that a wrong knob fails before any process
+group starts."""
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_ds.schedules import SCHEDULE_NAMES, build_schedule
+from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule
 
 # Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
 DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
@@ -51,9 +55,9 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if unknown:
         raise ConfigError(f'ds_config "pipeline" has unknown key(s) {unknown}; known: {sorted(ours | DEEPSPEED_KEYS)}')
     schedule = section.get("schedule", STOCK)
-    if schedule not in (STOCK, *SCHEDULE_NAMES):
+    if schedule not in (STOCK, *CATALOG):
         raise ConfigError(f'ds_config "pipeline.schedule" = {schedule!r}: unknown schedule; '
-                          f'choose one of {[STOCK, *SCHEDULE_NAMES]}')
+                          f'choose one of {[STOCK, *CATALOG]}')
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
@@ -70,12 +74,14 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         partition_method=section.get("partition_method", "type:transformer"),
         trace_dir=section.get("trace_dir"),
     )
-    if settings.virtual_stages > 1 and schedule not in ("interleaved", "seq1f1b"):
-        raise ConfigError(f'ds_config "pipeline.virtual_stages" = {settings.virtual_stages}: only "interleaved" '
-                          f'and "seq1f1b" take virtual stages (schedule is {schedule!r})')
-    if settings.seq_splits > 1 and schedule != "seq1f1b":
-        raise ConfigError(f'ds_config "pipeline.seq_splits" = {settings.seq_splits}: only "seq1f1b" splits '
-                          f'the sequence (schedule is {schedule!r})')
+    if not settings.stock:
+        try:
+            CATALOG[schedule].knobs(settings.virtual_stages, settings.seq_splits, settings.split_backward)
+        except ScheduleError as exc:
+            raise ConfigError(f'ds_config "pipeline": {exc}') from None
+    elif settings.virtual_stages > 1 or settings.seq_splits > 1 or settings.split_backward:
+        raise ConfigError('ds_config "pipeline": virtual_stages, seq_splits and split_backward need a named '
+                          '"pipeline.schedule"; DeepSpeed\'s own engine runs plain 1F1B')
     if settings.post_validation and settings.stock:
         raise ConfigError('ds_config "pipeline.post_validation" = true needs a named "pipeline.schedule": '
                           "DeepSpeed's own engine validates before it steps")

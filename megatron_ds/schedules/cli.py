@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .build import SCHEDULE_NAMES, build_schedule
+from .catalog import CATALOG, build_schedule
 from .compare import compare_rows, format_table
 from .ir import ScheduleError
 from .render import ascii_timeline, summary_table
@@ -13,12 +13,12 @@ from .simulate import simulate
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--schedule", required=True, choices=SCHEDULE_NAMES)
+    p.add_argument("--schedule", required=True, choices=list(CATALOG))
     p.add_argument("--pp", type=int, required=True, help="pipeline ranks")
     p.add_argument("--micro-batches", type=int, required=True)
-    p.add_argument("--virtual-stages", type=int, default=1, help="interleaved / seq1f1b-I chunks per rank")
-    p.add_argument("--seq-splits", type=int, default=1, help="seq1f1b sequence segments")
-    p.add_argument("--split-backward", action="store_true", help="seq1f1b with B/W split")
+    p.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (interleaved, seq1f1b-I)")
+    p.add_argument("--seq-splits", type=int, default=1, help="sequence segments (seq1f1b)")
+    p.add_argument("--split-backward", action="store_true", help="split the backward into B and W (seq1f1b)")
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
     cmp_ = sub.add_parser("compare", help="every schedule's makespan, bubble and memory")
     cmp_.add_argument("--pp", type=int, required=True)
     cmp_.add_argument("--micro-batches", type=int, required=True)
-    cmp_.add_argument("--virtual-stages", type=int, default=2, help="for interleaved")
-    cmp_.add_argument("--seq-splits", type=int, default=2, help="for seq1f1b")
+    cmp_.add_argument("--virtual-stages", type=int, default=2, help="for schedules that take virtual stages")
+    cmp_.add_argument("--seq-splits", type=int, default=2, help="for schedules that split the sequence")
     _cost_args(cmp_)
     cmp_.set_defaults(run=_compare)
     return top

@@ -1,7 +1,7 @@
 """One table of every schedule's makespan, bubble and memory for the same p, m and costs."""
 from __future__ import annotations
 
-from .build import SCHEDULE_NAMES, build_schedule
+from .catalog import BASELINE, CATALOG, build_schedule
 from .ir import ScheduleError
 from .simulate import simulate
 
@@ -10,16 +10,8 @@ def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 
                  p2p_latency: float = 0.0, virtual_stages: int = 2, seq_splits: int = 2,
                  act_size=None) -> list[dict]:
     """Simulate each schedule; a refused setting gives a row with its reason."""
-    variants = []
-    for name in SCHEDULE_NAMES:
-        if name == "interleaved":
-            variants.append((name, dict(virtual_stages=virtual_stages), f"v={virtual_stages}"))
-        elif name == "seq1f1b":
-            variants.append((name, dict(seq_splits=seq_splits), f"k={seq_splits}"))
-            variants.append((name, dict(seq_splits=seq_splits, split_backward=True),
-                             f"k={seq_splits} B/W"))
-        else:
-            variants.append((name, {}, ""))
+    variants = [(name, kwargs, note) for name, spec in CATALOG.items()
+                for note, kwargs in spec.variants(virtual_stages, (seq_splits,))]
     rows, base = [], None
     for name, kwargs, note in variants:
         row = {"schedule": name, "setting": note}
@@ -32,7 +24,7 @@ def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 
             continue
         row.update(makespan=res.makespan, bubble=res.bubble_ratio, peak_memory=res.peak_memory_max,
                    p2p=res.p2p_messages)
-        if name == "1f1b":
+        if name == BASELINE:
             base = res.makespan
         rows.append(row)
     for row in rows:

@@ -24,10 +24,6 @@ def check(pp: int, m: int) -> None:
                             f"(micro_batches={m}, pp={pp})")
 
 
-def replica_of(mb: int, pp: int) -> int:
-    return (mb % pp) // (pp // 2)
-
-
 def _unit_forwards(pp: int, rank: int, unit: int, place: list[list[int]]) -> list[Op]:
     half = pp // 2
     own = rank // half   # ranks in the lower half start with the down replica, upper with up
@@ -56,7 +52,6 @@ def _unit_forwards(pp: int, rank: int, unit: int, place: list[list[int]]) -> lis
 
 
 def bitpipe(pp: int, m: int) -> Schedule:
-    check(pp, m)
     place = placement.bitpipe(pp)
     stages = 2 * pp
     skeleton = Schedule("bitpipe", pp, m, 2, stages, 1, place, [])

@@ -12,14 +12,15 @@ from __future__ import annotations
 from ..ir import Op, Schedule
 from .. import placement
 from .common import one_f_one_b, split_weights, units
-from .interleaved import check as check_interleaved, interleaved
+from .interleaved import interleaved
 
 
-def seq1f1b(pp: int, m: int, k: int, *, v: int = 1, split_backward: bool = False) -> Schedule:
+def seq1f1b(pp: int, m: int, *, seq_splits: int = 1, virtual_stages: int = 1,
+            split_backward: bool = False) -> Schedule:
+    k, v = seq_splits, virtual_stages
     fwd_units = units(range(m), k)
     bwd_units = units(range(m), k, reverse_seq=True)
     if v > 1:
-        check_interleaved(pp, m * k, v, "seq1f1b", what="micro_batches*seq_splits")
         sched = interleaved(pp, m, v, k=k, name="seq1f1b", fwd_units=fwd_units,
                             bwd_units=bwd_units)
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from ..ir import Op, Schedule, ScheduleError
 from .. import placement
+from ..simulate import simulate
 from .greedy import merge_queues
 
 
@@ -82,7 +83,6 @@ def _greedy(rule: Schedule) -> Schedule:
 
 
 def zbv(pp: int, m: int) -> Schedule:
-    from ..simulate import simulate
     rule = _by_rule(pp, m)
     if m >= 2 * pp:
         return rule

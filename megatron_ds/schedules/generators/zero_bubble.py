@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..ir import Op, Schedule
 from .. import placement
+from ..simulate import simulate
 from .basic import one_f_one_b_schedule
 from .common import split_weights
 from .greedy import merge_queues
@@ -41,5 +42,4 @@ def zb_h2(pp: int, m: int) -> Schedule:
 
 
 def _nominal_makespan(schedule: Schedule) -> float:
-    from ..simulate import simulate
     return sum(simulate(schedule, 1.0, 1.0, tw, check=False).makespan for tw in (1.0, 0.5))

@@ -1,0 +1,139 @@
+"""The schedule catalogue: everything the package knows about each schedule, in one entry.
+
+A `ScheduleSpec` names a generator and the knobs it takes. A knob a schedule does not take,
+or whose value the schedule fixes itself (ZB-V and BitPipe always hold 2 chunks per rank,
+the zero-bubble schedules always split the backward), is refused when set, so a ds_config
+that asks for something the schedule would ignore fails at start-up. Adding a schedule is a
+generator module plus one entry in CATALOG: the ds_config check, the CLI, the comparison
+table and the benchmarks all read their lists from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+from .generators import basic, bitpipe, interleaved, seq1f1b, zbv, zero_bubble
+from .ir import Schedule, ScheduleError
+from .validate import validate
+
+ANY = "any"                        # virtual_stages: the user picks the chunk count
+NEVER, OPTIONAL, ALWAYS = "never", "optional", "always"   # split_backward policies
+BASELINE = "1f1b"                  # what the comparison table measures speed-ups against
+
+Check = Callable[[int, int, int, int], None]   # check(pp, m, v, k) raises ScheduleError
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """One schedule: its generator and the knobs it understands.
+
+    `generate(pp, m, **knobs)` receives only the knobs the spec takes (virtual_stages when it
+    is ANY, seq_splits when `seq_splits`, split_backward when OPTIONAL). `check(pp, m, v, k)`
+    refuses settings the schedule cannot run, with a message naming the key, value and rule.
+    `virtual_stages` is None (one chunk per rank), a fixed count, or ANY.
+    """
+    name: str
+    generate: Callable[..., Schedule]
+    virtual_stages: Union[None, int, str] = None
+    seq_splits: bool = False
+    split_backward: str = NEVER
+    check: Optional[Check] = None
+
+    def knobs(self, virtual_stages: int, seq_splits: int, split_backward: bool) -> dict:
+        """The generator's keyword arguments; refuses a knob this schedule does not take."""
+        out = {}
+        if self.virtual_stages == ANY:
+            out["virtual_stages"] = virtual_stages
+        elif virtual_stages != 1:
+            fixed = (f"{self.name} always places {self.virtual_stages} chunks per rank"
+                     if self.virtual_stages else f"{self.name} places one chunk per rank")
+            raise ScheduleError(f"{self.name} does not take virtual_stages={virtual_stages}: {fixed}; "
+                                f"virtual stages apply to {', '.join(takes('virtual_stages'))}")
+        if self.seq_splits:
+            out["seq_splits"] = seq_splits
+        elif seq_splits != 1:
+            raise ScheduleError(f"{self.name} does not take seq_splits={seq_splits}: sequence "
+                                f"splitting needs schedule {' or '.join(takes('seq_splits'))}")
+        if self.split_backward == OPTIONAL:
+            out["split_backward"] = split_backward
+        elif split_backward:
+            why = ("always splits the backward into B and W" if self.split_backward == ALWAYS
+                   else "runs the fused backward")
+            raise ScheduleError(f"{self.name} does not take split_backward=True: it {why}; the "
+                                f"choice applies to {', '.join(takes('split_backward'))}")
+        return out
+
+    def variants(self, virtual_stages: int = 2, seq_splits=(2,), split: bool = True) -> list[tuple[str, dict]]:
+        """(note, knobs) settings worth showing side by side: the knob the schedule is about
+        (its sequence splits, else its chunk count) and, with `split`, the B/W split too."""
+        if self.seq_splits:
+            rows = [(f"k={k}", {"seq_splits": k}) for k in seq_splits]
+        elif self.virtual_stages == ANY:
+            rows = [(f"v={virtual_stages}", {"virtual_stages": virtual_stages})]
+        else:
+            rows = [("", {})]
+        if split and self.split_backward == OPTIONAL:
+            rows += [(f"{note} B/W".strip(), {**kw, "split_backward": True}) for note, kw in rows]
+        return rows
+
+
+def _interleaved(pp: int, m: int, virtual_stages: int) -> Schedule:
+    if virtual_stages == 1:  # one chunk per rank is plain 1F1B, as in Megatron
+        return basic.one_f_one_b_schedule(pp, m, name="interleaved")
+    return interleaved.interleaved(pp, m, virtual_stages)
+
+
+def _check_interleaved(pp, m, v, k):
+    if v > 1:
+        interleaved.check(pp, m, v, "interleaved")
+
+
+def _check_seq1f1b(pp, m, v, k):
+    if v > 1:
+        interleaved.check(pp, m * k, v, "seq1f1b", what="micro_batches*seq_splits")
+
+
+CATALOG: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("gpipe", basic.gpipe),
+    ScheduleSpec("1f1b", basic.one_f_one_b_schedule),
+    ScheduleSpec("interleaved", _interleaved, virtual_stages=ANY, check=_check_interleaved),
+    ScheduleSpec("zb-h1", zero_bubble.zb_h1, split_backward=ALWAYS),
+    ScheduleSpec("zb-h2", zero_bubble.zb_h2, split_backward=ALWAYS),
+    ScheduleSpec("zbv", zbv.zbv, virtual_stages=2, split_backward=ALWAYS),
+    ScheduleSpec("bitpipe", bitpipe.bitpipe, virtual_stages=2,
+                 check=lambda pp, m, v, k: bitpipe.check(pp, m)),
+    ScheduleSpec("seq1f1b", seq1f1b.seq1f1b, virtual_stages=ANY, seq_splits=True,
+                 split_backward=OPTIONAL, check=_check_seq1f1b),
+)}
+
+
+def takes(knob: str) -> list[str]:
+    """Names of the schedules for which `knob` is a choice."""
+    if knob == "virtual_stages":
+        return [s.name for s in CATALOG.values() if s.virtual_stages == ANY]
+    if knob == "seq_splits":
+        return [s.name for s in CATALOG.values() if s.seq_splits]
+    return [s.name for s in CATALOG.values() if s.split_backward == OPTIONAL]
+
+
+def lookup(name: str) -> ScheduleSpec:
+    if name not in CATALOG:
+        raise ScheduleError(f"unknown schedule {name!r} (schedule={name}): "
+                            f"choose one of {', '.join(CATALOG)}")
+    return CATALOG[name]
+
+
+def build_schedule(name: str, pp: int, micro_batches: int, *, virtual_stages: int = 1,
+                   seq_splits: int = 1, split_backward: bool = False) -> Schedule:
+    """Look the schedule up, check the settings, generate the per-rank op lists, validate them."""
+    spec = lookup(name)
+    for key, val in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages),
+                     ("seq_splits", seq_splits)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ScheduleError(f"{name} needs a positive integer {key} ({key}={val!r})")
+    knobs = spec.knobs(virtual_stages, seq_splits, split_backward)
+    if spec.check:
+        spec.check(pp, micro_batches, virtual_stages, seq_splits)
+    schedule = spec.generate(pp, micro_batches, **knobs)
+    validate(schedule)
+    return schedule
