@@ -19,9 +19,10 @@ from deepspeed.utils import logger
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op
+from megatron_ds.schedules.kinds import Kind
 
 from . import instructions as ins
-from .p2p import ACT, GRAD, P2P, MessagePlan, incoming_key, lookahead, outgoing
+from .p2p import P2P, MessagePlan, incoming_key, lookahead, message_key, outgoing
 from .post_validation import PostValidation
 from .trace import TraceMixin
 
@@ -48,7 +49,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         key = (micro_batches, train)
         if key not in self._plans:
             sched = self.settings.build_schedule(self.num_stages, micro_batches)
-            op_lists = sched.ranks if train else [[op for op in ops if op.kind == "F"] for ops in sched.ranks]
+            op_lists = sched.ranks if train else [[op for op in ops if op.kind is Kind.F] for ops in sched.ranks]
             ops, plan = op_lists[self.stage_id], MessagePlan(sched, op_lists)
             self._plans[key] = (sched, ops, plan, lookahead(ops, plan.source))
         return self._plans[key]
@@ -121,8 +122,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
     def _emit(self, op, tensor):
         out = outgoing(self.sched, self.stage_id, op)
         if out is None:
-            kind = ACT if op.kind == "F" else GRAD
-            self._local[(kind, op.replica, op.stage, op.mb, op.seq)] = tensor.detach()
+            self._local[message_key(op)] = tensor.detach()
         else:
             key, dst = out
             self.p2p.send(key, dst, tensor)
@@ -141,7 +141,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
 
     # -- compute ---------------------------------------------------------------------------------
     def _exec_forward_op(self, replica, stage, mb, seq):
-        op = Op("F", replica, stage, mb, seq)
+        op = Op(Kind.F, replica, stage, mb, seq)
         self._post_ahead(op)
         if stage == 0:
             x = self._inputs(mb, seq)
@@ -171,7 +171,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
             root, grad = out, self._take(op)
         self._running_engine_backward = True  # DeepSpeed's post-backward hook checks this
         try:
-            if kind == "B":
+            if kind is Kind.B:
                 queue = self._wgrad.setdefault(unit, [])
                 with WeightGradStore.deferring(queue):
                     torch.autograd.backward(root, grad)
@@ -196,20 +196,21 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
 
     def _exec_backward_op(self, replica, stage, mb, seq):
         with self._open_segment(replica, stage, mb, seq):  # for recomputation (activation checkpointing)
-            self._backward(replica, stage, mb, seq, "BW")
+            self._backward(replica, stage, mb, seq, Kind.BW)
 
     def _exec_backward_input_op(self, replica, stage, mb, seq):
         with self._open_segment(replica, stage, mb, seq):
-            self._backward(replica, stage, mb, seq, "B")
+            self._backward(replica, stage, mb, seq, Kind.B)
 
     def _exec_backward_weight_op(self, replica, stage, mb, seq):
-        self._post_ahead(Op("W", replica, stage, mb, seq))
+        op = Op(Kind.W, replica, stage, mb, seq)
+        self._post_ahead(op)
         self._running_engine_backward = True
         try:
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
         finally:
             self._running_engine_backward = False
-        self._backward_done(Op("W", replica, stage, mb, seq))
+        self._backward_done(op)
 
     def _exec_reduce_replica_grads(self):
         if self.module.replica_sync:
@@ -295,7 +296,7 @@ def last_backward_ops(ops):
     """{op: chunk} for the op after which each chunk's gradients are complete on this rank."""
     last = {}
     for op in ops:
-        if op.kind != "F":
+        if op.kind is not Kind.F:
             last[(op.replica, op.stage)] = op
     return {op: chunk for chunk, op in last.items()}
 

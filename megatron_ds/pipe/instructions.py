@@ -6,6 +6,8 @@ ReduceGrads and OptimizerStep close a training step.
 """
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from megatron_ds.schedules.kinds import Kind
+
 
 class OpInstruction(ds_schedule.PipeInstruction):
     """Runs one IR op; kwargs replica, stage, mb, seq."""
@@ -39,7 +41,8 @@ class FinishP2P(ds_schedule.PipeInstruction):
     """Wait for outstanding sends and check that every message was consumed."""
 
 
-KIND_TO_INSTRUCTION = {"F": ForwardOp, "BW": BackwardOp, "B": BackwardInputOp, "W": BackwardWeightOp}
+KIND_TO_INSTRUCTION = {Kind.F: ForwardOp, Kind.BW: BackwardOp, Kind.B: BackwardInputOp, Kind.W: BackwardWeightOp}
+INSTRUCTION_TO_KIND = {cls.__name__: kind for kind, cls in KIND_TO_INSTRUCTION.items()}
 
 
 class OpListSchedule(ds_schedule.PipeSchedule):

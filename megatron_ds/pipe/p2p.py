@@ -19,28 +19,33 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-ACT, GRAD = "act", "grad"
+from megatron_ds.schedules.kinds import ACT, GRAD
+
+STEP = {ACT: 1, GRAD: -1}  # an activation goes to the next stage, a gradient to the previous one
 
 
 def outgoing(schedule, rank, op):
-    """(message key, destination rank) that `op` on `rank` sends, or None."""
-    if op.kind == "F" and op.stage < schedule.loss_stage:
-        dst = schedule.rank_of(op.replica, op.stage + 1)
-        return ((ACT, op.replica, op.stage, op.mb, op.seq), dst) if dst != rank else None
-    if op.kind in ("B", "BW") and op.stage > 0:
-        dst = schedule.rank_of(op.replica, op.stage - 1)
-        return ((GRAD, op.replica, op.stage, op.mb, op.seq), dst) if dst != rank else None
-    return None
+    """(message key, destination rank) that `op` on `rank` sends, or None (nothing to send, the
+    loss stage's activation or stage 0's gradient, or a local hand-over)."""
+    what = op.kind.traits.sends
+    if what is None or not 0 <= op.stage + STEP[what] <= schedule.loss_stage:
+        return None
+    dst = schedule.rank_of(op.replica, op.stage + STEP[what])
+    return ((what, op.replica, op.stage, op.mb, op.seq), dst) if dst != rank else None
+
+
+def message_key(op):
+    """The key of the message `op` sends (see outgoing), whether it crosses ranks or not."""
+    return (op.kind.traits.sends, op.replica, op.stage, op.mb, op.seq)
 
 
 def incoming_key(op):
     """The message key `op` consumes: F(s) the activation of F(s-1), B/BW(s) the gradient of B(s+1);
     None for W, which works on what its B left behind."""
-    if op.kind == "F":
-        return (ACT, op.replica, op.stage - 1, op.mb, op.seq)
-    if op.kind == "W":
+    what = op.kind.traits.consumes
+    if what is None:
         return None
-    return (GRAD, op.replica, op.stage + 1, op.mb, op.seq)
+    return (what, op.replica, op.stage - STEP[what], op.mb, op.seq)
 
 
 def lookahead(ops, remote_keys):

@@ -38,13 +38,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.schedules import Op, Schedule
+from megatron_ds.schedules.kinds import Kind
+
+from .instructions import INSTRUCTION_TO_KIND
 
 FORMAT = "megatron_ds-trace-1"
 COMPUTE, P2P, STEP = 0, 1, 2
 THREADS = {COMPUTE: "compute", P2P: "p2p", STEP: "step"}
 # Instruction class name -> op kind, for our instructions and DeepSpeed's.
-COMPUTE_KINDS = {"ForwardOp": "F", "BackwardOp": "BW", "BackwardInputOp": "B", "BackwardWeightOp": "W",
-                 "ForwardPass": "F", "BackwardPass": "BW"}
+COMPUTE_KINDS = {**INSTRUCTION_TO_KIND, "ForwardPass": Kind.F, "BackwardPass": Kind.BW}
 P2P_INSTRUCTIONS = {"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P", "FinishP2P"}
 FILE_RE = re.compile(r"step(\d+)_rank(\d+)\.json$")
 

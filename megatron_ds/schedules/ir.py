@@ -9,7 +9,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
-KINDS = ("F", "B", "W", "BW")
+from .kinds import Kind
+
+KINDS = tuple(Kind)
 
 
 class ScheduleError(ValueError):
@@ -18,11 +20,17 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Op:
-    kind: str
+    kind: Kind
     replica: int
     stage: int
     mb: int
     seq: int = 0
+
+    def __post_init__(self):
+        if type(self.kind) is not Kind:
+            if self.kind not in KINDS:
+                raise ScheduleError(f"bad op kind {self.kind!r}: must be one of {', '.join(KINDS)}")
+            object.__setattr__(self, "kind", Kind(self.kind))
 
     def to_dict(self) -> dict:
         return {"op": self.kind, "replica": self.replica, "stage": self.stage,
@@ -31,13 +39,12 @@ class Op:
     @classmethod
     def from_dict(cls, d: dict) -> "Op":
         try:
-            op = cls(str(d["op"]), int(d["replica"]), int(d["stage"]), int(d["mb"]),
-                     int(d.get("seq", 0)))
+            kind, ints = str(d["op"]), (int(d["replica"]), int(d["stage"]), int(d["mb"]), int(d.get("seq", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ScheduleError(f"bad op entry {d!r}: needs op, replica, stage, mb (and seq)") from exc
-        if op.kind not in KINDS:
-            raise ScheduleError(f"bad op kind {op.kind!r} in {d!r}: must be one of {', '.join(KINDS)}")
-        return op
+        if kind not in KINDS:
+            raise ScheduleError(f"bad op kind {kind!r} in {d!r}: must be one of {', '.join(KINDS)}")
+        return cls(Kind(kind), *ints)
 
     @property
     def unit(self) -> tuple[int, int, int, int]:
@@ -70,19 +77,19 @@ class Schedule:
         return sorted((rep, st) for rep, row in enumerate(self.placement)
                       for st, r in enumerate(row) if r == rank)
 
-    def local_chunk(self, rank: int, replica: int, stage: int) -> int:
-        """Index of (replica, stage) among the chunks held by `rank` (for buffers and colours)."""
-        return self.chunks_on(rank).index((replica, stage))
+    def chunk_index(self, rank: int, op: Op) -> int:
+        """How many chunks of op's replica `rank` holds before op's stage (a V's second leg: 1).
+        Labels prime it and pictures shade it darker."""
+        return sum(1 for rep, st in self.chunks_on(rank) if rep == op.replica and st < op.stage)
 
     def op_label(self, rank: int, op: Op) -> str:
         """Short label for logs and pictures: kind and micro-batch (".q" when the sequence is
         split), one prime per earlier chunk of the same replica on the rank (a V's second
         leg: F3'), lower case for replica 1 of a bidirectional schedule."""
-        mine = sorted(st for rep, st in self.chunks_on(rank) if rep == op.replica)
         text = (op.kind if op.replica == 0 else op.kind.lower()) + str(op.mb)
         if self.seq_splits > 1:
             text += f".{op.seq}"
-        return text + "'" * mine.index(op.stage)
+        return text + "'" * self.chunk_index(rank, op)
 
     def ops(self) -> Iterator[tuple[int, int, Op]]:
         """(rank, position, op) for every op of every rank."""

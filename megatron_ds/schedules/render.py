@@ -7,17 +7,14 @@ second leg: F3'), lower-case letters for replica 1 of a bidirectional schedule.
 from __future__ import annotations
 
 from .ir import Op, Schedule
+from .kinds import Kind
 from .simulate import SimResult
-
-
-def op_label(schedule: Schedule, rank: int, op: Op) -> str:
-    return schedule.op_label(rank, op)
 
 
 def ascii_timeline(result: SimResult, width: int | None = None, max_width: int = 400) -> str:
     """One row per rank; an op is '|' + label padded with '-' to its length, idle is ' '."""
     s = result.schedule
-    labels = {(r, op): op_label(s, r, op) for r, _, op in s.ops()}
+    labels = {(r, op): s.op_label(r, op) for r, _, op in s.ops()}
     durations = [result.end[op] - result.start[op] for _, _, op in s.ops()]
     shortest = min((d for d in durations if d > 0), default=1.0)
     t0 = min(result.start.values())
@@ -50,14 +47,10 @@ def summary_table(result: SimResult) -> str:
     return "\n".join(lines)
 
 
-# Forward blue, input-grad backward green, weight-grad orange, fused backward red; later
-# chunks of a rank are drawn darker.
-_COLOURS = {
-    "F": ["#9ecae1", "#4292c6", "#2171b5", "#08519c"],
-    "B": ["#a1d99b", "#41ab5d", "#238b45", "#006d2c"],
-    "W": ["#fdd0a2", "#fd8d3c", "#e6550d", "#a63603"],
-    "BW": ["#fcbba1", "#fb6a4a", "#de2d26", "#a50f15"],
-}
+def colour(schedule: Schedule, rank: int, op: Op) -> str:
+    """The op kind's colour, darker for later chunks of the replica on the rank."""
+    shades = op.kind.traits.colours
+    return shades[min(schedule.chunk_index(rank, op), len(shades) - 1)]
 
 
 def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str:
@@ -74,9 +67,7 @@ def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str
     for r, ops in enumerate(s.ranks):
         for op in ops:
             start, end = result.start[op] - t0, result.end[op] - t0
-            mine = sorted(st for rep, st in s.chunks_on(r) if rep == op.replica)
-            shade = _COLOURS[op.kind][min(mine.index(op.stage), 3)]
-            ax.barh(r, end - start, left=start, height=0.8, color=shade, edgecolor="black",
+            ax.barh(r, end - start, left=start, height=0.8, color=colour(s, r, op), edgecolor="black",
                     linewidth=0.4, hatch="//" if op.replica == 1 else None)
             text = str(op.mb) + (f".{op.seq}" if s.seq_splits > 1 else "")
             if end - start >= 0.25 * len(text) * result.makespan / (fig_w * 6):
@@ -85,8 +76,8 @@ def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str
     ax.invert_yaxis()
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time")
-    kinds = sorted({op.kind for _, _, op in s.ops()}, key=["F", "B", "W", "BW"].index)
-    handles = [Patch(color=_COLOURS[k][1], label=k) for k in kinds]
+    kinds = [k for k in Kind if any(op.kind == k for _, _, op in s.ops())]
+    handles = [Patch(color=k.traits.colours[1], label=k) for k in kinds]
     if s.replicas > 1:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="replica 1"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=7,

@@ -16,6 +16,7 @@ from typing import Callable, Sequence, Union
 
 from .deps import UnitIndex
 from .ir import Op, Schedule, ScheduleError
+from .kinds import Kind
 from .validate import validate
 
 Cost = Union[float, Sequence[float]]
@@ -37,9 +38,6 @@ class SimResult:
     peak_memory: list[float]     # peak activation memory per rank
     p2p_messages: int            # cross-rank edges (activations down + gradients up)
     p2p_sent: list[int]          # messages sent per rank
-
-    def timeline(self, rank: int) -> list[tuple[Op, float, float]]:
-        return [(op, self.start[op], self.end[op]) for op in self.schedule.ranks[rank]]
 
     @property
     def peak_memory_max(self) -> float:
@@ -111,7 +109,8 @@ def _duration_fn(schedule, tf, tb, tw, seq_costs) -> Callable[[Op], float]:
     b = _per_stage(tb, schedule, "tb")
     w = _per_stage(tw, schedule, "tw")
     share = _seq_shares(schedule, seq_costs)
-    base = {"F": f, "B": b, "W": w, "BW": [x + y for x, y in zip(b, w)]}
+    base = {kind: [cf * x + cb * y + cw * z for x, y, z in zip(f, b, w)]
+            for kind in Kind for cf, cb, cw in [kind.traits.cost]}
     return lambda op: base[op.kind][op.stage] * share[op.seq]
 
 
@@ -130,7 +129,8 @@ def _memory_fn(schedule: Schedule, act_size: ActSize) -> Callable[[Op], float]:
         sizes = lambda _op: (m_b * scale, m_w * scale)  # noqa: E731
     def delta(op: Op) -> float:
         m_b, m_w = sizes(op)
-        return {"F": m_b, "B": m_w - m_b, "W": -m_w, "BW": -m_b}[op.kind]
+        per_b, per_w = op.kind.traits.memory
+        return per_b * m_b + per_w * m_w
     return delta
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections import Counter
 
 from .deps import UnitIndex
-from .ir import KINDS, Schedule, ScheduleError
+from .ir import Schedule, ScheduleError
+from .kinds import B, BW, COMPLETE, F, W
 
 
 def validate(schedule: Schedule) -> None:
@@ -36,8 +37,6 @@ def _check_shape(s: Schedule) -> None:
 def _check_ops(s: Schedule) -> None:
     for r, i, op in s.ops():
         where = f"rank {r} op #{i} {op}"
-        if op.kind not in KINDS:
-            raise ScheduleError(f"{where}: kind must be one of {', '.join(KINDS)}")
         if not 0 <= op.replica < s.replicas:
             raise ScheduleError(f"{where}: replica outside 0..{s.replicas - 1}")
         if not 0 <= op.stage < s.stages:
@@ -74,15 +73,16 @@ def _check_complete(s: Schedule) -> None:
                 unit = (rep, stage, mb, q)
                 have = kinds.get(unit, set())
                 name = f"(replica {rep}, stage {stage}, mb {mb}, seq {q})"
-                if "F" not in have:
+                if have in COMPLETE:
+                    continue
+                if F not in have:
                     raise ScheduleError(f"{name} has no F (every unit needs one F)")
-                if "BW" in have and have & {"B", "W"}:
+                if BW in have:
                     raise ScheduleError(f"{name} has both BW and B/W (one BW or one B plus one W)")
-                if "BW" not in have:
-                    if "B" not in have:
-                        raise ScheduleError(f"{name} has no backward (needs one BW or one B plus one W)")
-                    if "W" not in have:
-                        raise ScheduleError(f"{name} has a B but no W (a split backward needs both)")
+                if B not in have:
+                    raise ScheduleError(f"{name} has no backward (needs one BW or one B plus one W)")
+                raise ScheduleError(f"{name} has a {B if W not in have else W} but no "
+                                    f"{W if W not in have else B} (a split backward needs both)")
 
 
 def _check_local_order(s: Schedule, index: UnitIndex) -> None:

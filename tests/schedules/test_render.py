@@ -3,7 +3,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from megatron_ds.schedules import build_schedule, simulate
-from megatron_ds.schedules.render import ascii_timeline, op_label, plot_timeline, summary_table
+from megatron_ds.schedules.render import ascii_timeline, plot_timeline, summary_table
 
 
 def test_ascii_1f1b_exact():
@@ -21,14 +21,14 @@ def test_ascii_labels_chunks_and_replicas():
     rows = text.splitlines()
     assert len(rows) == 4
     # Replica 1 in lower case, second leg primed; every op of rank 0 appears once.
-    assert op_label(s, 0, s.ranks[0][3]) == "f2'"
+    assert s.op_label(0, s.ranks[0][3]) == "f2'"
     for op in s.ranks[0]:
-        assert rows[0].count("|" + op_label(s, 0, op) + "-") == 1
+        assert rows[0].count("|" + s.op_label(0, op) + "-") == 1
 
 
 def test_seq_labels():
     s = build_schedule("seq1f1b", 2, 1, seq_splits=2)
-    assert [op_label(s, 0, op) for op in s.ranks[0]] == ["F0.0", "F0.1", "BW0.1", "BW0.0"]
+    assert [s.op_label(0, op) for op in s.ranks[0]] == ["F0.0", "F0.1", "BW0.1", "BW0.0"]
 
 
 def test_summary_mentions_every_rank():

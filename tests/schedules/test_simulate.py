@@ -5,7 +5,7 @@ from megatron_ds.schedules import Op, ScheduleError, build_schedule, simulate
 
 def test_op_times_1f1b():
     res = simulate(build_schedule("1f1b", 2, 2), tf=1, tb=2, tw=1)
-    assert [(op.kind, op.mb, start, end) for op, start, end in res.timeline(1)] == [
+    assert [(op.kind, op.mb, res.start[op], res.end[op]) for op in res.schedule.ranks[1]] == [
         ("F", 0, 1, 2), ("BW", 0, 2, 5), ("F", 1, 5, 6), ("BW", 1, 6, 9)]
     assert res.start[Op("BW", 0, 0, 0)] == 5
     assert res.makespan == 12
@@ -39,14 +39,14 @@ def test_per_stage_costs():
 def test_chunked_schedules_scale_costs():
     # Interleaved v=2: an op costs p/S = 1/2 of a 1F1B stage's.
     res = simulate(build_schedule("interleaved", 2, 2, virtual_stages=2), tf=1, tb=1, tw=0)
-    durations = {end - start for _, start, end in res.timeline(0)}
+    durations = {res.end[op] - res.start[op] for op in res.schedule.ranks[0]}
     assert durations == {0.5}
 
 
 def test_segment_costs_normalized():
     s = build_schedule("seq1f1b", 1, 1, seq_splits=2)
     res = simulate(s, tf=3, tb=3, tw=0, seq_costs=[1, 2])
-    assert [end - start for _, start, end in res.timeline(0)] == [1, 2, 2, 1]
+    assert [res.end[op] - res.start[op] for op in res.schedule.ranks[0]] == [1, 2, 2, 1]
 
 
 def test_memory_models():

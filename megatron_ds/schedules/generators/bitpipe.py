@@ -11,6 +11,7 @@ pipeline, at least as tightly as the paper's B1 F5 F6 B2 junction.
 """
 from __future__ import annotations
 
+from ..kinds import BW, F
 from ..ir import Op, Schedule, ScheduleError
 from .. import placement
 from .greedy import merge_queues
@@ -37,7 +38,7 @@ def _unit_forwards(pp: int, rank: int, unit: int, place: list[list[int]]) -> lis
 
     def ops(rep: int, second: bool) -> list[Op]:
         stage = legs(rep)[1 if second else 0]
-        return [Op("F", rep, stage, unit * pp + rep * half + i) for i in range(half)]
+        return [Op(F, rep, stage, unit * pp + rep * half + i) for i in range(half)]
 
     own1, own2, oth1, oth2 = ops(own, False), ops(own, True), ops(other, False), ops(other, True)
     out = own1[:lead]
@@ -59,10 +60,10 @@ def bitpipe(pp: int, m: int) -> Schedule:
     for r in range(pp):
         fwd = [op for u in range(m // pp) for op in _unit_forwards(pp, r, u, place)]
         forwards.append(fwd)
-        backwards.append([Op("BW", op.replica, stages - 1 - op.stage, op.mb) for op in fwd])
+        backwards.append([Op(BW, op.replica, stages - 1 - op.stage, op.mb) for op in fwd])
         # The reference warm-up (3p/2 forwards at the ends, up to 2p-1 in the middle) plus
         # the one forward of the first 1F1B pair: the unit's own peak, kept for all units.
         caps.append(pp + pp // 2 + min(r, pp - 1 - r) + 1)
-    nominal = lambda op: 1.0 if op.kind == "F" else 2.0  # noqa: E731
+    nominal = lambda op: 1.0 if op.kind == F else 2.0  # noqa: E731
     skeleton.ranks = merge_queues(skeleton, forwards, backwards, nominal, caps)
     return skeleton

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Sequence
 
+from ..kinds import B, BW, W
 from ..ir import Op
 
 
@@ -33,11 +34,11 @@ def split_weights(ops: Sequence[Op], keep_pending: int | Callable[[int], int]) -
     pending: deque[Op] = deque()
     n_back = 0
     for op in ops:
-        if op.kind != "BW":
+        if op.kind != BW:
             out.append(op)
             continue
-        out.append(Op("B", op.replica, op.stage, op.mb, op.seq))
-        pending.append(Op("W", op.replica, op.stage, op.mb, op.seq))
+        out.append(Op(B, op.replica, op.stage, op.mb, op.seq))
+        pending.append(Op(W, op.replica, op.stage, op.mb, op.seq))
         n_back += 1
         while len(pending) > max(0, limit(n_back)):
             out.append(pending.popleft())

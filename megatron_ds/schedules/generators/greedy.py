@@ -116,5 +116,5 @@ def merge_queues(skeleton: Schedule, forwards: Sequence[Sequence[Op]],
 
     work = [list(forwards[r]) + list(backwards[r]) + (list(weights[r]) if weights else [])
             for r in range(pp)]
-    in_flight = {"F": 1.0, "B": -1.0, "BW": -1.0, "W": 0.0}
-    return list_schedule(skeleton, work, duration, choose, memory=lambda op: in_flight[op.kind])
+    # A forward holds a micro-batch until its input-gradient backward: the M_B share of memory.
+    return list_schedule(skeleton, work, duration, choose, memory=lambda op: op.kind.traits.memory[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..kinds import BW, F, Kind
 from ..ir import Op, Schedule, ScheduleError
 from .. import placement
 from .common import one_f_one_b
@@ -21,7 +22,7 @@ def check(pp: int, n_units: int, v: int, name: str, what: str = "micro_batches")
 
 
 def chunk_orders(pp: int, v: int, rank: int, fwd_units: Sequence, bwd_units: Sequence,
-                 backward_kind: str = "BW") -> tuple[list[Op], list[Op]]:
+                 backward_kind: Kind = BW) -> tuple[list[Op], list[Op]]:
     """Forward and backward op orders of one rank over work units (mb, seq)."""
     n = len(fwd_units)
     fwd, bwd = [], []
@@ -30,7 +31,7 @@ def chunk_orders(pp: int, v: int, rank: int, fwd_units: Sequence, bwd_units: Seq
         chunk = pos // pp
         unit = group * pp + pos % pp
         mb, q = fwd_units[unit]
-        fwd.append(Op("F", 0, chunk * pp + rank, mb, q))
+        fwd.append(Op(F, 0, chunk * pp + rank, mb, q))
         mb, q = bwd_units[unit]
         bwd.append(Op(backward_kind, 0, (v - 1 - chunk) * pp + rank, mb, q))
     return fwd, bwd

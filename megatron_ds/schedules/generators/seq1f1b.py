@@ -9,6 +9,7 @@ into B and W with rank r holding back up to r W's as in ZB-H1 (no public code sh
 """
 from __future__ import annotations
 
+from ..kinds import BW, F
 from ..ir import Op, Schedule
 from .. import placement
 from .common import one_f_one_b, split_weights, units
@@ -26,8 +27,8 @@ def seq1f1b(pp: int, m: int, *, seq_splits: int = 1, virtual_stages: int = 1,
     else:
         ranks = []
         for r in range(pp):
-            fwd = [Op("F", 0, r, mb, q) for mb, q in fwd_units]
-            bwd = [Op("BW", 0, r, mb, q) for mb, q in bwd_units]
+            fwd = [Op(F, 0, r, mb, q) for mb, q in fwd_units]
+            bwd = [Op(BW, 0, r, mb, q) for mb, q in bwd_units]
             ranks.append(one_f_one_b(fwd, bwd, pp - r - 1 + k - 1))
         sched = Schedule("seq1f1b", pp, m, 1, pp, k, placement.linear(pp), ranks)
     if split_backward:

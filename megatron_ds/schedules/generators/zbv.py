@@ -16,6 +16,7 @@ for nominal costs without using more memory; for m >= 2p the rule wins.
 """
 from __future__ import annotations
 
+from ..kinds import B, F, W
 from ..ir import Op, Schedule, ScheduleError
 from .. import placement
 from ..simulate import simulate
@@ -24,7 +25,7 @@ from .greedy import merge_queues
 
 def _rank_order(pp: int, n: int, rank: int) -> list[tuple[str, int, int]]:
     """(kind, leg, index) triples; index counts that leg's ops of that kind."""
-    count = {(k, leg): 0 for k in "FBW" for leg in (0, 1)}
+    count = {(k, leg): 0 for k in (F, B, W) for leg in (0, 1)}
     out: list[tuple[str, int, int]] = []
 
     def emit(kind: str, leg: int) -> None:
@@ -32,30 +33,30 @@ def _rank_order(pp: int, n: int, rank: int) -> list[tuple[str, int, int]]:
         count[kind, leg] += 1
 
     for _ in range(2 * (pp - rank) - 1):
-        emit("F", 0)
+        emit(F, 0)
     for _ in range(rank):
-        emit("F", 1)
-        emit("F", 0)
+        emit(F, 1)
+        emit(F, 0)
     for _ in range(pp - rank):
-        for kind in "FBW":
+        for kind in (F, B, W):
             emit(kind, 1)
-    while count["F", 0] < n or count["F", 1] < count["F", 0]:
-        if count["F", 0] < n:
-            emit("F", 0)
-        emit("B", 0)
-        emit("W", 0)
-        for kind in "FBW":
+    while count[F, 0] < n or count[F, 1] < count[F, 0]:
+        if count[F, 0] < n:
+            emit(F, 0)
+        emit(B, 0)
+        emit(W, 0)
+        for kind in (F, B, W):
             emit(kind, 1)
     for _ in range(rank):
-        emit("B", 0)
-        emit("B", 1)
+        emit(B, 0)
+        emit(B, 1)
     for _ in range(pp - rank):
-        emit("B", 0)
-        emit("W", 0)
-    while count["W", 1] < count["B", 1]:
-        emit("W", 1)
-    while count["W", 0] < count["B", 0]:
-        emit("W", 0)
+        emit(B, 0)
+        emit(W, 0)
+    while count[W, 1] < count[B, 1]:
+        emit(W, 1)
+    while count[W, 0] < count[B, 0]:
+        emit(W, 0)
     return out
 
 
@@ -72,11 +73,11 @@ def _by_rule(pp: int, m: int) -> Schedule:
 
 def _greedy(rule: Schedule) -> Schedule:
     pp = rule.pp
-    fwd = [[op for op in ops if op.kind == "F"] for ops in rule.ranks]
-    bwd = [[op for op in ops if op.kind == "B"] for ops in rule.ranks]
-    wgt = [[Op("W", op.replica, op.stage, op.mb) for op in ops] for ops in bwd]
+    fwd = [[op for op in ops if op.kind == F] for ops in rule.ranks]
+    bwd = [[op for op in ops if op.kind == B] for ops in rule.ranks]
+    wgt = [[Op(W, op.replica, op.stage, op.mb) for op in ops] for ops in bwd]
     out = Schedule("zbv", pp, rule.micro_batches, 1, rule.stages, 1, rule.placement, [])
-    nominal = lambda op: 0.5 if op.kind == "W" else 1.0  # noqa: E731
+    nominal = lambda op: 0.5 if op.kind == W else 1.0  # noqa: E731
     out.ranks = merge_queues(out, fwd, bwd, nominal, [2 * pp] * pp, weights=wgt,
                              w_caps=[pp] * pp)
     return out

@@ -2,6 +2,7 @@
 split into B (input gradient, on the critical path) and W (weight gradient, deferrable)."""
 from __future__ import annotations
 
+from ..kinds import B, F, W
 from ..ir import Op, Schedule
 from .. import placement
 from ..simulate import simulate
@@ -26,11 +27,11 @@ def zb_h2(pp: int, m: int) -> Schedule:
     # reaches the start-up bound m(TF+TB+TW) + (p-1)TF for both TW = TF and TW = TF/2.
     place = placement.linear(pp)
     skeleton = Schedule("zb-h2", pp, m, 1, pp, 1, place, [])
-    fwd = [[Op("F", 0, r, mb) for mb in range(m)] for r in range(pp)]
-    bwd = [[Op("B", 0, r, mb) for mb in range(m)] for r in range(pp)]
-    wgt = [[Op("W", 0, r, mb) for mb in range(m)] for r in range(pp)]
+    fwd = [[Op(F, 0, r, mb) for mb in range(m)] for r in range(pp)]
+    bwd = [[Op(B, 0, r, mb) for mb in range(m)] for r in range(pp)]
+    wgt = [[Op(W, 0, r, mb) for mb in range(m)] for r in range(pp)]
     caps = [2 * (pp - r) - 1 for r in range(pp)]
-    nominal = lambda op: 0.5 if op.kind == "W" else 1.0  # noqa: E731
+    nominal = lambda op: 0.5 if op.kind == W else 1.0  # noqa: E731
     skeleton.ranks = merge_queues(skeleton, fwd, bwd, nominal, caps, weights=wgt,
                                   w_caps=[2 * r for r in range(pp)])
     # With few micro-batches (m < 2p or so) the long warm-up has nothing to overlap and
