@@ -110,15 +110,17 @@ def engine_rank_runs(pp, gas, steps, pipelines, **kw):
     return [engine_rank_run(pp, gas, steps, pipeline, **kw) for pipeline in pipelines]
 
 
-def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2, seq=SEQ):
+def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2, seq=SEQ,
+                    model=None):
     """Per-rank side: train `steps` steps, return losses, first-step grads and final weights.
-    The pipeline section's "activation_checkpoint_interval" (a DeepSpeed key) checkpoints layers."""
+    The pipeline section's "activation_checkpoint_interval" (a DeepSpeed key) checkpoints layers.
+    `model`: GPTConfig options (a model family) on top of tiny_config."""
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    config = tiny_config(num_layers, seq)
+    config = tiny_config(num_layers, seq, **(model or {}))
     dp = dist.get_world_size() // pp
     cfg = ds_config(pp, dp, gas, zero=zero, clip=clip, bf16=bf16, pipeline=pipeline, lr=lr)
     module = build_pipeline_module(config, cfg, pp, (pipeline or {}).get("activation_checkpoint_interval", 0))

@@ -1,5 +1,13 @@
-"""GPT hyper-parameters, named as Megatron's flags."""
+"""GPT hyper-parameters, named as Megatron's flags.
+
+The defaults are GPT-2. The other families are options on the same layers:
+LLaMA = rmsnorm + swiglu + rope + grouped-query attention + untied head + no linear biases,
+BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2).
+"""
 from dataclasses import dataclass
+
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
 
 
 @dataclass
@@ -9,21 +17,77 @@ class GPTConfig:
     num_layers: int
     num_attention_heads: int
     max_position_embeddings: int
-    ffn_hidden_size: int = 0  # 0 means 4 * hidden_size
+    ffn_hidden_size: int = 0  # 0: 4 * hidden_size (swiglu: Megatron's 2/3 of that, a multiple of 64)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     seed: int = 1234  # every layer draws its initial weights from seed + its global layer index
+    normalization: str = "layernorm"
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    rope_theta: float = 10000.0
+    num_key_value_heads: int = 0  # 0: one K/V head per query head (no grouping)
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    embed_layernorm: bool = False
 
     def __post_init__(self):
+        if not self.num_key_value_heads:
+            self.num_key_value_heads = self.num_attention_heads
         if not self.ffn_hidden_size:
             self.ffn_hidden_size = 4 * self.hidden_size
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by "
-                             f"--num-attention-heads ({self.num_attention_heads})")
+            if self.swiglu:  # Megatron: the same parameter count over three matrices instead of two
+                self.ffn_hidden_size = max(64, int(4 * self.hidden_size * 2 / 3) // 64 * 64)
+        problem = config_problem(self)
+        if problem:
+            raise ValueError(problem)
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def tied_head(self):
+        return not self.untie_embeddings_and_output_weights
 
     @property
     def num_pipeline_layers(self):
-        """Embedding, the transformer layers, the final norm and the tied LM head."""
+        """Embedding, the transformer layers, the final norm and the LM head."""
         return self.num_layers + 3
+
+    @property
+    def family(self):
+        """The Hugging Face model family these options make ("gpt2", "llama", "bloom"), None for another mix.
+        Any family may have its LM head tied or not (HF's tie_word_embeddings)."""
+        layout = (self.normalization, self.position_embedding_type, self.swiglu, self.embed_layernorm)
+        if layout == ("rmsnorm", "rope", True, False):
+            return "llama"  # HF LLaMA also has attention_bias/mlp_bias and num_key_value_heads
+        mha_with_biases = self.add_bias_linear and self.num_key_value_heads == self.num_attention_heads
+        if layout == ("layernorm", "learned_absolute", False, False) and mha_with_biases:
+            return "gpt2"
+        if layout == ("layernorm", "alibi", False, True) and mha_with_biases \
+                and self.ffn_hidden_size == 4 * self.hidden_size:
+            return "bloom"
+        return None
+
+
+def config_problem(c) -> str:
+    """What makes this set of model options impossible (named by flag), or '' when they work.
+    `c` is a GPTConfig or anything with its attribute names (the parsed flags)."""
+    heads, kv = c.num_attention_heads, c.num_key_value_heads or c.num_attention_heads
+    if c.hidden_size % heads:
+        return f"--hidden-size ({c.hidden_size}) must be divisible by --num-attention-heads ({heads})"
+    if kv < 1 or heads % kv:
+        return (f"--num-attention-heads ({heads}) must be divisible by --num-key-value-heads ({kv}): "
+                "each K/V head serves a whole group of query heads")
+    if c.normalization not in NORMALIZATIONS:
+        return f"--normalization {c.normalization!r}: choose one of {', '.join(NORMALIZATIONS)}"
+    if c.position_embedding_type not in POSITION_EMBEDDINGS:
+        return f"--position-embedding-type {c.position_embedding_type!r}: choose one of {', '.join(POSITION_EMBEDDINGS)}"
+    if c.position_embedding_type == "rope" and (c.hidden_size // heads) % 2:
+        return (f"--position-embedding-type rope rotates pairs of channels: the head size "
+                f"(--hidden-size {c.hidden_size} / --num-attention-heads {heads}) must be even")
+    if c.position_embedding_type == "rope" and not c.rope_theta > 0:
+        return f"--rope-theta must be positive, got {c.rope_theta}"
+    return ""

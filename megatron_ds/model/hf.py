@@ -1,48 +1,129 @@
-"""One-to-one names between our layers and Hugging Face's GPT2LMHeadModel.
+"""Our model <-> Hugging Face's GPT2LMHeadModel, LlamaForCausalLM and BloomForCausalLM.
 
-HF's GPT-2 uses Conv1D, which stores weights as [in, out]: our Linear's weights
-are transposed on the way.
+Our parameters are keyed (global layer index, local name): 0 embedding, 1..L transformer
+layers, L+1 final norm, L+2 the untied LM head (a tied head's weight is the embedding's,
+under 0 only). Every conversion is a rename, a transpose (GPT-2's Conv1D stores [in, out]),
+a split/concat along the output rows (our fused [q; k; v] and [gate; up] against LLaMA's
+separate projections) or a permutation of rows (BLOOM's fused projection interleaves
+q, k, v per head): bit-exact both ways. Our RoPE has HF LLaMA's rotate-half layout, so
+q_proj/k_proj need no permutation.
 """
-_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+from .config import GPTConfig
+from .hf_names import TIED_EMBEDDING, ignored_hf_key, rules
+
+SUPPORTED = ("gpt2", "llama", "bloom")
+BLOOM_DEFAULT_POSITIONS = 2048  # ALiBi has no position table: BLOOM's training length, unless overridden
 
 
-def hf_name(layer_idx: int, local_name: str, num_layers: int) -> str:
-    if layer_idx == 0:
-        return f"transformer.{local_name}"  # wte.weight, wpe.weight
-    if layer_idx <= num_layers:
-        return f"transformer.h.{layer_idx - 1}.{local_name}"
-    if layer_idx == num_layers + 1:
-        return f"transformer.ln_f.{local_name}"
-    raise ValueError(f"layer {layer_idx} is the tied LM head: it maps to transformer.wte.weight")
+def _unsupported(hf_config, why=""):
+    archs = getattr(hf_config, "architectures", None)
+    return ValueError(f"Hugging Face model_type {getattr(hf_config, 'model_type', None)!r} (architectures {archs}) "
+                      f"is not supported{': ' + why if why else ''}; supported model types: {', '.join(SUPPORTED)}")
 
 
-def is_transposed(local_name: str) -> bool:
-    return local_name in _CONV1D
+def _require(hf_config, ok, why):
+    if not ok:
+        raise _unsupported(hf_config, why)
 
 
-def to_hf_state_dict(params_by_layer: dict, num_layers: int) -> dict:
-    """{(layer index, local name): tensor} -> a GPT2LMHeadModel state dict (lm_head tied to wte)."""
-    sd = {}
-    for (idx, name), tensor in params_by_layer.items():
-        t = tensor.detach()
-        sd[hf_name(idx, name, num_layers)] = t.t().contiguous() if is_transposed(name) else t.clone()
-    sd["lm_head.weight"] = sd["transformer.wte.weight"]
+def gpt_config_from_hf(hf_config, **overrides) -> GPTConfig:
+    """The GPTConfig of a GPT2Config, LlamaConfig or BloomConfig; `overrides` set GPTConfig fields
+    (e.g. seed, dropout, max_position_embeddings for BLOOM, which has no position limit)."""
+    c, kind = hf_config, getattr(hf_config, "model_type", None)
+    common = dict(vocab_size=c.vocab_size, init_method_std=c.initializer_range,
+                  untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", True))
+    if kind == "gpt2":
+        _require(c, c.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
+                 f"activation_function {c.activation_function!r} (ours is GELU's tanh approximation, gelu_new)")
+        _require(c, c.scale_attn_weights and not c.scale_attn_by_inverse_layer_idx,
+                 "attention scaled other than by 1/sqrt(head size)")
+        fields = dict(hidden_size=c.n_embd, num_layers=c.n_layer, num_attention_heads=c.n_head,
+                      max_position_embeddings=c.n_positions, ffn_hidden_size=c.n_inner or 0,
+                      hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
+                      layernorm_epsilon=c.layer_norm_epsilon)
+    elif kind == "llama":
+        rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
+        _require(c, rope.get("rope_type", "default") == "default", f"RoPE scaling {rope}")
+        _require(c, c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} (ours is SwiGLU: silu)")
+        _require(c, getattr(c, "head_dim", None) in (None, c.hidden_size // c.num_attention_heads),
+                 f"head_dim {c.head_dim} other than hidden_size / num_attention_heads")
+        _require(c, c.attention_bias == c.mlp_bias, "attention_bias != mlp_bias (ours is one --disable-bias-linear)")
+        fields = dict(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      max_position_embeddings=c.max_position_embeddings, ffn_hidden_size=c.intermediate_size,
+                      attention_dropout=c.attention_dropout, layernorm_epsilon=c.rms_norm_eps,
+                      normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
+                      rope_theta=rope["rope_theta"], add_bias_linear=c.attention_bias)
+    elif kind == "bloom":
+        _require(c, not c.apply_residual_connection_post_layernorm, "apply_residual_connection_post_layernorm")
+        fields = dict(hidden_size=c.hidden_size, num_layers=c.n_layer, num_attention_heads=c.n_head,
+                      max_position_embeddings=BLOOM_DEFAULT_POSITIONS, hidden_dropout=c.hidden_dropout,
+                      attention_dropout=c.attention_dropout, layernorm_epsilon=c.layer_norm_epsilon,
+                      position_embedding_type="alibi", embed_layernorm=True)
+    else:
+        raise _unsupported(c)
+    return GPTConfig(**{**common, **fields, **overrides})
+
+
+def hf_config_from_gpt(config: GPTConfig, **extra):
+    """GPT2Config / LlamaConfig / BloomConfig for config.family; `extra` goes to the HF config
+    (token ids, dtype, ...)."""
+    import transformers
+    c, family = config, config.family
+    common = dict(vocab_size=c.vocab_size, initializer_range=c.init_method_std, tie_word_embeddings=c.tied_head)
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            architectures=["GPT2LMHeadModel"], n_embd=c.hidden_size, n_layer=c.num_layers,
+            n_head=c.num_attention_heads, n_positions=c.max_position_embeddings, n_inner=c.ffn_hidden_size,
+            activation_function="gelu_new", resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
+            attn_pdrop=c.attention_dropout, layer_norm_epsilon=c.layernorm_epsilon, **{**common, **extra})
+    if family == "llama":
+        return transformers.LlamaConfig(
+            architectures=["LlamaForCausalLM"], hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+            intermediate_size=c.ffn_hidden_size, max_position_embeddings=c.max_position_embeddings,
+            rms_norm_eps=c.layernorm_epsilon, rope_theta=c.rope_theta, hidden_act="silu",
+            attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear, attention_dropout=c.attention_dropout,
+            **{**common, **extra})
+    if family == "bloom":
+        return transformers.BloomConfig(
+            architectures=["BloomForCausalLM"], hidden_size=c.hidden_size, n_layer=c.num_layers,
+            n_head=c.num_attention_heads, layer_norm_epsilon=c.layernorm_epsilon, hidden_dropout=c.hidden_dropout,
+            attention_dropout=c.attention_dropout, **{**common, **extra})
+    raise ValueError(f"these model options match no Hugging Face family ({', '.join(SUPPORTED)}): {config}")
+
+
+def to_hf_state_dict(params_by_layer: dict, config: GPTConfig) -> dict:
+    """{(layer index, local name): tensor} -> the HF model's state dict (with lm_head.weight, the
+    embedding's own tensor when the head is tied, as HF's state_dict() has it)."""
+    sd, used = {}, set()
+    for rule in rules(config):
+        for key, names in rule.keys(config):
+            if key not in params_by_layer:
+                raise ValueError(f"no parameter {key} for Hugging Face's {names}")
+            used.add(key)
+            for name, t in zip(names, rule.to_hf(params_by_layer[key].detach())):
+                sd[name] = t
+    unused = set(params_by_layer) - used
+    if unused:
+        raise ValueError(f"parameters {sorted(unused)} have no place in a Hugging Face {config.family} model")
+    if config.tied_head:
+        sd["lm_head.weight"] = sd[TIED_EMBEDDING[config.family]]
     return sd
 
 
-def from_hf_state_dict(hf_sd: dict, num_layers: int) -> dict:
-    """The inverse of to_hf_state_dict, keyed by (layer index, local name)."""
-    out = {}
-    for key, t in hf_sd.items():
-        if key == "lm_head.weight" or not key.startswith("transformer.") or key.endswith(".attn.bias"):
-            continue
-        rest = key[len("transformer."):]
-        if rest.startswith("h."):
-            i, name = rest[2:].split(".", 1)
-            idx = int(i) + 1
-        elif rest.startswith("ln_f."):
-            idx, name = num_layers + 1, rest[len("ln_f."):]
-        else:
-            idx, name = 0, rest
-        out[(idx, name)] = t.t().contiguous() if is_transposed(name) else t
+def from_hf_state_dict(hf_sd: dict, config: GPTConfig) -> dict:
+    """The HF model's state dict -> {(global layer index, local name): tensor}, the inverse of
+    to_hf_state_dict. A key it does not know (other than HF's non-weight buffers) is an error."""
+    out, used = {}, set()
+    for rule in rules(config):
+        for key, names in rule.keys(config):
+            missing = [n for n in names if n not in hf_sd]
+            if missing:
+                raise ValueError(f"Hugging Face state dict lacks {missing} (for our {key})")
+            used.update(names)
+            out[key] = rule.from_hf([hf_sd[n] for n in names])
+    unknown = [k for k in hf_sd if k not in used and not ignored_hf_key(k, config)]
+    if unknown:
+        raise ValueError(f"Hugging Face state dict keys {unknown[:8]} have no place in our {config.family} model")
     return out

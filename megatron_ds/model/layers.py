@@ -1,7 +1,8 @@
-"""The GPT-2 layers, one class per pipeline layer. nanoGPT-shaped; no pipeline logic.
+"""The GPT layers, one class per pipeline layer. nanoGPT-shaped; no pipeline logic.
 
 A pipeline is the list [Embedding, TransformerLayer x L, FinalNorm, LM head (the
-Embedding again, tied)]; the single-process reference chains the same classes.
+Embedding again when tied, else LMHead)]; the single-process reference chains the
+same classes. The model families are options on these classes (see config.py).
 Each layer initialises itself from its own seed (config.seed + global layer
 index), so any partition into pipeline stages gives the same weights.
 """
@@ -27,22 +28,47 @@ def _init_linear(linear: nn.Linear, std: float, gen: torch.Generator):
             linear.bias.zero_()
 
 
+class Norm(nn.Module):
+    """LayerNorm or RMSNorm (config.normalization); parameters `weight` (and `bias` for LayerNorm)."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__()
+        self.rms = config.normalization == "rmsnorm"
+        self.eps = config.layernorm_epsilon
+        self.weight = nn.Parameter(torch.ones(config.hidden_size))
+        self.bias = None if self.rms else nn.Parameter(torch.zeros(config.hidden_size))
+
+    def forward(self, x):
+        if self.rms:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
 class Embedding(nn.Module):
-    """Word and learned absolute position embeddings. Input: (tokens, position_ids)."""
+    """Word embeddings, learned absolute position embeddings (rope and alibi act in attention
+    instead), optionally a norm after them (BLOOM). Input: (tokens, position_ids)."""
 
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
         self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        learned = config.position_embedding_type == "learned_absolute"
+        self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
+        self.ln_emb = Norm(config) if config.embed_layernorm else None
         self.drop = nn.Dropout(config.hidden_dropout)
         gen = _generator(config, layer_idx)
         with torch.no_grad():
             self.wte.weight.normal_(0.0, config.init_method_std, generator=gen)
-            self.wpe.weight.normal_(0.0, config.init_method_std, generator=gen)
+            if self.wpe is not None:
+                self.wpe.weight.normal_(0.0, config.init_method_std, generator=gen)
 
     def forward(self, inputs):
         tokens, position_ids = inputs
-        return self.drop(self.wte(tokens) + self.wpe(position_ids))
+        x = self.wte(tokens)
+        if self.wpe is not None:
+            x = x + self.wpe(position_ids)
+        if self.ln_emb is not None:
+            x = self.ln_emb(x)
+        return self.drop(x)
 
 
 class TiedLMHead(nn.Module):
@@ -60,30 +86,48 @@ class TiedLMHead(nn.Module):
 
 
 def lm_head(embedding, hidden):
-    """The LM head is the word embedding, transposed (tied weights)."""
+    """The tied LM head is the word embedding, transposed."""
     return F.linear(hidden, embedding.wte.weight)
 
 
+class LMHead(Linear):
+    """The untied LM head (--untie-embeddings-and-output-weights): a pipeline layer of its own,
+    whose weight GEMM a B/W split defers like any other linear layer's."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__(config.hidden_size, config.vocab_size, bias=False)
+        _init_linear(self, config.init_method_std, _generator(config, layer_idx))
+
+
 class MLP(nn.Module):
+    """GELU (tanh approximation), or SwiGLU: c_fc gives [gate; up], silu(gate) * up goes to c_proj."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = Linear(config.hidden_size, config.ffn_hidden_size)
-        self.c_proj = Linear(config.ffn_hidden_size, config.hidden_size)
+        self.swiglu = config.swiglu
+        fc_size = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
+        self.c_fc = Linear(config.hidden_size, fc_size, bias=config.add_bias_linear)
+        self.c_proj = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
         self.drop = nn.Dropout(config.hidden_dropout)
 
     def forward(self, x):
-        return self.drop(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+        x = self.c_fc(x)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x, approximate="tanh")
+        return self.drop(self.c_proj(x))
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LayerNorm GPT-2 block."""
+    """Pre-norm GPT block."""
 
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.ln_1 = Norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.ln_2 = Norm(config)
         self.mlp = MLP(config)
         gen = _generator(config, layer_idx)
         std = config.init_method_std
@@ -98,10 +142,8 @@ class TransformerLayer(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class FinalNorm(nn.LayerNorm):
-
-    def __init__(self, config: GPTConfig, layer_idx: int = 0):
-        super().__init__(config.hidden_size, eps=config.layernorm_epsilon)
+class FinalNorm(Norm):
+    """The norm after the last transformer layer: a pipeline layer of its own."""
 
 
 def gpt_loss(logits, labels):

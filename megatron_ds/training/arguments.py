@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 
+from .model_args import add_model_args, validate_model_args
+
 
 class ArgumentsError(ValueError):
     """A flag, or a flag/ds_config pair, that cannot work. The message says which and why."""
@@ -44,6 +46,7 @@ def build_parser():
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--pad-vocab-size-to", type=int, default=None)
+    add_model_args(p)
 
     g = p.add_argument_group("batch and training length")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -189,6 +192,7 @@ def _validate_model(args):
             _err(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(args, name)}")
     if args.eval_iters < 0:
         _err(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    validate_model_args(args)
 
 
 def _validate_parallel(args):

@@ -45,13 +45,8 @@ def build_optimizer(module, args):
 
 
 def model_config(args):
-    from megatron_ds.model import GPTConfig
-    return GPTConfig(vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                     num_attention_heads=args.num_attention_heads,
-                     max_position_embeddings=args.max_position_embeddings,
-                     ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
-                     attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-                     init_method_std=args.init_method_std, seed=args.seed)
+    from .model_args import gpt_config_from_args
+    return gpt_config_from_args(args)
 
 
 def setup_model_and_optimizer(args):

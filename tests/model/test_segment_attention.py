@@ -1,6 +1,8 @@
 """Segment-wise causal attention through the K/V cache equals full causal attention (fp32):
 forward outputs, input gradients and weight gradients, for k in {1, 2, 4} segments split
-evenly or FLOP-balanced, with activation-checkpoint recomputation and with deferred W."""
+evenly or FLOP-balanced, with activation-checkpoint recomputation and with deferred W;
+and so for the LLaMA layers (RoPE at the segment's positions, grouped K/V heads, which the
+cache holds as they are) and the BLOOM layers (ALiBi offsets)."""
 import contextlib
 
 import pytest
@@ -16,9 +18,16 @@ B, S, H = 2, 64, 32
 ATOL = 1e-5
 
 
-def config():
+FAMILIES = {
+    "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", rope_theta=100.0,
+                  num_key_value_heads=2, add_bias_linear=False, ffn_hidden_size=48),
+    "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+}
+
+
+def config(**kw):
     return GPTConfig(vocab_size=64, hidden_size=H, num_layers=2, num_attention_heads=4,
-                     max_position_embeddings=S, seed=3)
+                     max_position_embeddings=S, seed=3, **kw)
 
 
 def lengths_for(k, method):
@@ -28,8 +37,8 @@ def lengths_for(k, method):
     return balanced_segment_lengths(S, k, cfg.hidden_size, cfg.ffn_hidden_size)
 
 
-def two_layers():
-    cfg = config()  # each layer draws its weights from its own seed
+def two_layers(**kw):
+    cfg = config(**kw)  # each layer draws its weights from its own seed
     return torch.nn.Sequential(TransformerLayer(cfg, 1), TransformerLayer(cfg, 2))
 
 
@@ -114,6 +123,23 @@ def test_transformer_layers_with_recompute(checkpoint):
 
 def test_deferred_weight_gradients_keep_kv_gradients_in_b():
     compare(two_layers, [24, 8, 32], defer=True)
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+@pytest.mark.parametrize("lengths", [[32, 32], [24, 8, 32], [16, 16, 8, 24]])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_layers_segmented_equal_full(family, lengths, checkpoint):
+    compare(lambda: two_layers(**FAMILIES[family]), lengths, checkpoint=checkpoint, defer=checkpoint is None)
+
+
+def test_cache_holds_grouped_kv_heads():
+    layers = two_layers(**FAMILIES["llama"])
+    cache, x = SegmentKVCache(), inputs()[0]
+    for start in (0, 32):
+        with cache.segment("mb", start, S):
+            layers(x[:, start:start + 32])
+    shapes = {tuple(t.shape) for t in cache.kv_tensors()}
+    assert shapes == {(B, 2, S, H // 4)}  # 2 K/V heads, not the 4 query heads repeated
 
 
 def test_without_an_open_segment_attention_is_plain_causal_sdpa():

@@ -1,0 +1,88 @@
+"""Model-family flags (Megatron-DeepSpeed / Megatron-LM names, BigScience spellings as aliases)
+and the parsed flags -> GPTConfig mapping. Without these flags the model is GPT-2.
+
+LLaMA:  --normalization rmsnorm --swiglu --position-embedding-type rope --num-key-value-heads N
+        --untie-embeddings-and-output-weights --disable-bias-linear
+BLOOM:  --position-embedding-type alibi --embed-layernorm
+
+Importing megatron_ds.model loads torch (seconds), so the flag checks here are the
+argument layer's own, as arguments.py's are (GPTConfig checks the same rules again).
+"""
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
+_POSITION_ALIASES = {"absolute": "learned_absolute", "rotary": "rope"}  # BigScience's names
+
+
+def _position_type(text):
+    text = text.lower()
+    return _POSITION_ALIASES.get(text, text)
+
+
+def add_model_args(parser):
+    g = parser.add_argument_group("model family")
+    g.add_argument("--normalization", type=str.lower, choices=NORMALIZATIONS, default="layernorm")
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA); see --ffn-hidden-size")
+    g.add_argument("--glu-activation", choices=["swiglu"], default=None, help="BigScience's spelling of --swiglu")
+    g.add_argument("--position-embedding-type", type=_position_type, choices=POSITION_EMBEDDINGS, default=None,
+                   help="default learned_absolute (BigScience's absolute/rotary/alibi are accepted too)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="same as --position-embedding-type rope")
+    g.add_argument("--rope-theta", type=float, default=10000.0)
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="grouped-query attention: K/V heads, each shared by heads / N query heads")
+    g.add_argument("--group-query-attention", action="store_true", help="Megatron-LM: with --num-query-groups")
+    g.add_argument("--num-query-groups", type=int, default=None, help="Megatron-LM's --num-key-value-heads")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="the LM head has its own weight (its own pipeline layer)")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in the attention and MLP linear layers")
+    g.add_argument("--embed-layernorm", action="store_true", help="a norm after the word embeddings (BLOOM)")
+
+
+def validate_model_args(args):
+    """Resolve the aliases into one value each; refuse impossible combinations (ArgumentsError)."""
+    from .arguments import ArgumentsError
+    args.swiglu = args.swiglu or args.glu_activation == "swiglu"
+    if args.use_rotary_position_embeddings:
+        if args.position_embedding_type not in (None, "rope"):
+            raise ArgumentsError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                                 f"{args.position_embedding_type}: give one of them")
+        args.position_embedding_type = "rope"
+    args.position_embedding_type = args.position_embedding_type or "learned_absolute"
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ArgumentsError("--num-query-groups needs --group-query-attention (or use --num-key-value-heads)")
+    if args.group_query_attention:
+        if args.num_query_groups is None:
+            raise ArgumentsError("--group-query-attention needs --num-query-groups N")
+        if args.num_key_value_heads not in (None, args.num_query_groups):
+            raise ArgumentsError(f"--num-query-groups {args.num_query_groups} disagrees with --num-key-value-heads "
+                                 f"{args.num_key_value_heads}: give one of them")
+        args.num_key_value_heads = args.num_query_groups
+    if args.num_key_value_heads is not None and args.num_key_value_heads < 1:
+        raise ArgumentsError(f"--num-key-value-heads must be positive, got {args.num_key_value_heads}")
+    kv = args.num_key_value_heads = args.num_key_value_heads or args.num_attention_heads
+    if args.num_attention_heads % kv:
+        raise ArgumentsError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
+                             f"--num-key-value-heads {kv}: each K/V head serves a whole group of query heads")
+    if args.position_embedding_type == "rope":
+        if (args.hidden_size // args.num_attention_heads) % 2:
+            raise ArgumentsError(f"--position-embedding-type rope rotates pairs of channels: the head size "
+                                 f"(--hidden-size {args.hidden_size} / --num-attention-heads "
+                                 f"{args.num_attention_heads}) must be even")
+        if not args.rope_theta > 0:
+            raise ArgumentsError(f"--rope-theta must be positive, got {args.rope_theta}")
+
+
+def gpt_config_from_args(args):
+    """The model the flags describe. Flags a checkpoint's saved args predate take their defaults (GPT-2)."""
+    from megatron_ds.model import GPTConfig
+    family = {name: getattr(args, name) for name in
+              ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
+               "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm")
+              if getattr(args, name, None) is not None}
+    return GPTConfig(vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                     num_attention_heads=args.num_attention_heads,
+                     max_position_embeddings=args.max_position_embeddings,
+                     ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
+                     attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
+                     init_method_std=args.init_method_std, seed=args.seed, **family)

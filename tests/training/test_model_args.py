@@ -1,0 +1,91 @@
+"""Model-family flags: Megatron-DeepSpeed / Megatron-LM / BigScience spellings resolve to one
+GPTConfig; impossible combinations fail at start-up with one message (exit 2)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ds.training.arguments import ArgumentsError, parse_args
+from megatron_ds.training.model_args import gpt_config_from_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+        "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus",
+        "--vocab-file", __file__, "--merge-file", __file__]
+LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rope", "--num-key-value-heads", "2",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--ffn-hidden-size", "48"]
+
+
+@pytest.fixture(autouse=True)
+def _corpus_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+
+
+def config(*extra):
+    args = parse_args(BASE + list(extra), env={"WORLD_SIZE": "1", "RANK": "0"})
+    args.padded_vocab_size = 128  # set by the tokenizer at start-up
+    return gpt_config_from_args(args)
+
+
+def test_defaults_are_gpt2():
+    c = config()
+    assert c.family == "gpt2" and c.num_key_value_heads == 4 and c.tied_head and c.ffn_hidden_size == 128
+
+
+def test_llama_flags():
+    c = config(*LLAMA, "--rope-theta", "500000")
+    assert c.family == "llama"
+    assert (c.normalization, c.swiglu, c.position_embedding_type, c.rope_theta) == ("rmsnorm", True, "rope", 5e5)
+    assert (c.num_key_value_heads, c.untie_embeddings_and_output_weights, c.add_bias_linear) == (2, True, False)
+
+
+@pytest.mark.parametrize("spelling", [
+    ["--normalization", "RMSNorm", "--glu-activation", "swiglu", "--use-rotary-position-embeddings",
+     "--group-query-attention", "--num-query-groups", "2"],  # Megatron-LM / BigScience
+    ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", "rotary", "--num-key-value-heads", "2"],
+])
+def test_other_spellings_give_the_same_model(spelling):
+    common = ["--untie-embeddings-and-output-weights", "--disable-bias-linear", "--ffn-hidden-size", "48"]
+    assert config(*spelling, *common) == config(*LLAMA)
+
+
+def test_bloom_flags():
+    c = config("--position-embedding-type", "alibi", "--embed-layernorm")
+    assert c.family == "bloom" and c.embed_layernorm and c.tied_head
+
+
+def test_swiglu_default_ffn_size_is_megatrons():
+    assert config("--swiglu", "--hidden-size", "256").ffn_hidden_size == 640  # int(4 * 256 * 2/3) // 64 * 64
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--num-key-value-heads", "3"], "--num-attention-heads 4 must be divisible by --num-key-value-heads 3"),
+    (["--group-query-attention"], "--group-query-attention needs --num-query-groups"),
+    (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "2", "--num-key-value-heads", "1"],
+     "--num-query-groups 2 disagrees with --num-key-value-heads 1"),
+    (["--use-rotary-position-embeddings", "--position-embedding-type", "alibi"],
+     "--use-rotary-position-embeddings contradicts --position-embedding-type alibi"),
+    (["--position-embedding-type", "rope", "--hidden-size", "36", "--num-attention-heads", "4"],
+     "head size"),
+    (["--position-embedding-type", "rope", "--rope-theta", "0"], "--rope-theta must be positive"),
+])
+def test_impossible_combinations_name_the_flags(extra, needle):
+    with pytest.raises(ArgumentsError) as err:
+        config(*extra)
+    assert needle in str(err.value)
+
+
+def test_bad_model_flags_exit_2_with_one_message():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--num-key-value-heads", "3"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --num-attention-heads 4 must be divisible by --num-key-value-heads 3: "
+        "each K/V head serves a whole group of query heads"]
+    proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--normalization", "batchnorm"],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 2 and "--normalization: invalid choice: 'batchnorm'" in proc.stderr
