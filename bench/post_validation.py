@@ -37,6 +37,7 @@ from megatron_ds.model.timed import TimedCosts, TimedLayer, timed_loss  # noqa: 
 from megatron_ds.pipe.build import initialize_engine, topology  # noqa: E402
 from megatron_ds.pipe.config import pipeline_settings  # noqa: E402
 from megatron_ds.pipe.module import ChunkedPipelineModule  # noqa: E402
+from megatron_ds.pipe.plan import PipelinePlan  # noqa: E402
 
 
 class BallastLayer(TimedLayer):
@@ -59,15 +60,14 @@ def make_engine(schedule, post_validation, args, pp):
                  "gradient_accumulation_steps": args.gas, "gradient_clipping": args.clip,
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
                  "pipeline": {"schedule": schedule, "post_validation": post_validation}}
-    settings = pipeline_settings(ds_config)
-    sched = settings.build_schedule(pp, args.gas)
+    plan = PipelinePlan(pipeline_settings(ds_config), pp, args.micro_batch_size, args.gas, args.seq_length,
+                        args.hidden)
     layers_per_rank = args.layers_per_rank
     costs = TimedCosts(tf=args.tf, tb=args.tb, tw=args.tw, carry_overshoot=True)
     specs = [LayerSpec(BallastLayer, args.hidden, args.ballast // layers_per_rank, costs)
              for _ in range(layers_per_rank * pp)]
-    module = ChunkedPipelineModule(layers=specs, placement=sched.placement, loss_fn=timed_loss, topology=topology(pp),
-                                   partition_method="uniform",
-                                   activation_shape=(args.micro_batch_size, args.seq_length, args.hidden))
+    module = ChunkedPipelineModule(layers=specs, plan=plan, loss_fn=timed_loss, topology=topology(pp),
+                                   partition_method="uniform")
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
     if args.optimizer_ms:  # an optimizer step of a chosen device time, as the layers' ops
         adamw_step = optimizer.step

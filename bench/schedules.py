@@ -24,6 +24,7 @@ streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / De
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -69,12 +70,12 @@ def build_engine(name, p, costs, trace_dir):
     """(engine, None) or (None, reason it cannot run)."""
     import deepspeed
     import torch
-    from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine, DualPipeVModule
+    from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from megatron_ds.model import GPTConfig
     from megatron_ds.model.timed import timed_layer_specs, timed_loss
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine, topology
+    from megatron_ds.pipe.build import build_pipeline_module, deepspeed_engine_class, initialize_engine, topology
     from megatron_ds.pipe.config import ConfigError
-    from megatron_ds.pipe.trace import traced_engine
+    from megatron_ds.pipe.trace import TracedDualPipeVEngine, Tracer
     from megatron_ds.schedules import ScheduleError
 
     layers = 2 * p
@@ -82,13 +83,10 @@ def build_engine(name, p, costs, trace_dir):
     cfg = ds_config(p, ENGINES[name], trace_dir)
     if name == DUALPIPEV:
         module = DualPipeVModule(layers=specs, loss_fn=timed_loss, topology=topology(p), partition_method="uniform")
-        original = deepspeed.DualPipeVEngine
-        deepspeed.DualPipeVEngine = traced_engine(DualPipeVEngine)  # initialize() picks it by name
-        try:
+        traced = functools.partial(TracedDualPipeVEngine, tracer=Tracer(trace_dir))
+        with deepspeed_engine_class("DualPipeVEngine", traced):
             engine, _, _, _ = deepspeed.initialize(model=module, config=cfg,
                                                    optimizer=torch.optim.SGD(module.parameters(), lr=1e-3))
-        finally:
-            deepspeed.DualPipeVEngine = original
         return engine, None
     shape = GPTConfig(vocab_size=1, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=1,
                       max_position_embeddings=SEQ)
@@ -118,7 +116,7 @@ def worker(p, opts, out_root):
         if engine is None:
             results["na"][name] = reason
         else:
-            engine.set_trace_dir(None)
+            engine.tracer.trace_dir = None
             built[name] = engine
     g = torch.Generator().manual_seed(0)
     data = [((torch.randn(MBS, SEQ, HIDDEN, generator=g),), torch.randn(MBS, SEQ, HIDDEN, generator=g))
@@ -130,7 +128,7 @@ def worker(p, opts, out_root):
         live = {n: e for n, e in built.items() if not unsupported(n, p, m)}
         for e in live.values():
             e.set_train_batch_size(MBS * m * e.dp_world_size)
-            e.set_trace_dir(None)
+            e.tracer.trace_dir = None
         t0 = time.perf_counter()
         for _ in range(opts["warmup"]):
             for e in live.values():
@@ -138,13 +136,13 @@ def worker(p, opts, out_root):
         rows = {n: {"times": [], "steps": [], "trace_dir": os.path.join(out_root, key, slug(n))} for n in live}
         for _ in range(opts["iterations"]):
             for n, e in live.items():
-                e.set_trace_dir(rows[n]["trace_dir"])
+                e.tracer.trace_dir = rows[n]["trace_dir"]
                 rows[n]["steps"].append(e.global_steps)
                 dist.barrier()
                 start = time.perf_counter()
                 e.train_batch(iter(data[:m]))
                 rows[n]["times"].append(time.perf_counter() - start)
-                e.set_trace_dir(None)
+                e.tracer.trace_dir = None
         results["settings"][key] = {"p": p, "m": m, "ratio": ratio, "rows": rows}
         if rank == 0:
             print(f"  {key}: {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr,
@@ -178,7 +176,7 @@ def simulated(name, p, m, tf, tb, tw):
 
 
 def analyse(results, opts):
-    from megatron_ds.pipe.trace import load_iteration, measure
+    from megatron_ds.schedules.timeline import load_iteration, measure
     tables = {}
     for key, st in results["settings"].items():
         p, m, ratio = st["p"], st["m"], st["ratio"]
@@ -244,9 +242,9 @@ def summary(tables, column="vs_stock", title="iteration / DS 1F1B's"):
 
 def pictures(tables, key, out_dir, tf_ms):
     """Measured-over-simulated timeline of every engine at one setting."""
-    from tools.trace_to_png import draw
-    from megatron_ds.pipe.trace import load_iteration, to_schedule
     from megatron_ds.schedules import simulate
+    from megatron_ds.schedules.render import plot_measured
+    from megatron_ds.schedules.timeline import load_iteration, to_schedule
     t = tables[key]
     tf, tb, tw = (x * tf_ms / 1e3 for x in RATIOS[t["ratio"]])
     os.makedirs(out_dir, exist_ok=True)
@@ -257,7 +255,7 @@ def pictures(tables, key, out_dir, tf_ms):
         traces = load_iteration(r["trace_dir"], r["median_step"])
         sim = simulate(to_schedule(traces), tf, tb, tw)
         path = os.path.join(out_dir, f"{key}_{slug(name)}.png")
-        draw(traces, sim, path, title=f"{name}, p={t['p']} m={t['m']} TF:TB:TW={t['ratio']}: measured "
+        plot_measured(traces, sim, path, title=f"{name}, p={t['p']} m={t['m']} TF:TB:TW={t['ratio']}: measured "
                                       f"iteration {r['iteration'] * 1e3:.0f} ms, bubble {r['bubble']:.3f}")
         written.append(path)
     return written

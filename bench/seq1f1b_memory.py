@@ -121,7 +121,7 @@ def rank_main(rank, args, pipeline, port, queue):
     queue.put((rank, dict(saved=meter.peak, kv=meter.at_peak["kv"], mask=meter.at_peak["mask"], left=meter.now,
                           rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                           rss_growth=(_status_kb("VmHWM") - rss_before) * 1024,
-                          lengths=getattr(module, "segment_lengths", None))))
+                          lengths=module.plan.segment_lengths)))
 
 
 def run(args, pipeline):

@@ -5,8 +5,6 @@ with grouped-query attention (fewer K/V heads) each K/V head serves heads / kv h
 query heads, and K/V stay grouped all the way (SDPA's enable_gqa; the Seq1F1B cache
 holds the grouped heads). RoPE rotates q and k; ALiBi is an additive bias.
 """
-import itertools
-
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -15,12 +13,9 @@ from .kv_cache import SegmentKVCache
 from .linear import Linear
 from .positions import alibi_bias, apply_rope
 
-_layer_ids = itertools.count()
-
-
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                             config.head_dim)
@@ -31,7 +26,7 @@ class CausalSelfAttention(nn.Module):
         self.position_embedding_type, self.rope_theta = config.position_embedding_type, config.rope_theta
         self.attention_dropout = config.attention_dropout
         self.resid_drop = nn.Dropout(config.hidden_dropout)
-        self.layer_id = next(_layer_ids)  # names this layer's slot in the segment K/V cache
+        self.layer_idx = layer_idx  # the global layer index names this layer's slot in the segment K/V cache
 
     def forward(self, x):
         b, s, h = x.shape
@@ -42,7 +37,7 @@ class CausalSelfAttention(nn.Module):
         if self.position_embedding_type == "rope":
             q, k = apply_rope(q, k, self.rope_theta, segment.offset if segment is not None else 0)
         if segment is not None:  # a sequence segment (Seq1F1B): also attend to the earlier segments
-            k, v = segment.extend(self.layer_id, k, v)
+            k, v = segment.extend(self.layer_idx, k, v)
             # k, v now live in the cache: copy q so it alone does not keep the fused qkv output alive
             # (in the projection's (b, s, heads, d) memory order, so y reshapes without a copy)
             q = q.transpose(1, 2).contiguous().transpose(1, 2)

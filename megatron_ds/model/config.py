@@ -52,11 +52,6 @@ class GPTConfig:
         return not self.untie_embeddings_and_output_weights
 
     @property
-    def num_pipeline_layers(self):
-        """Embedding, the transformer layers, the final norm and the LM head."""
-        return self.num_layers + 3
-
-    @property
     def family(self):
         """The Hugging Face model family these options make ("gpt2", "llama", "bloom"), None for another mix.
         Any family may have its LM head tied or not (HF's tie_word_embeddings)."""

@@ -126,7 +126,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.ln_1 = Norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer_idx)
         self.ln_2 = Norm(config)
         self.mlp = MLP(config)
         gen = _generator(config, layer_idx)

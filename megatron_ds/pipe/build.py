@@ -15,16 +15,14 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
-from megatron_ds.schedules import ScheduleError
-from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
 
 from .config import ConfigError, pipeline_settings
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule
-from .trace import traced_engine
+from .plan import PipelinePlan
+from .trace import TracedPipelineEngine, Tracer
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
-SEGMENT_MULTIPLE = 8  # balanced Seq1F1B segment lengths are multiples of this (kernel-friendly)
 
 
 def topology(pp: int):
@@ -32,50 +30,6 @@ def topology(pp: int):
     if pp < 1 or world % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide the world size {world}")
     return PipeDataParallelTopology(num_pp=pp, num_dp=world // pp)
-
-
-def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
-    """(micro-batch size, gradient accumulation steps) from the ds_config's batch keys."""
-    mbs = ds_config.get("train_micro_batch_size_per_gpu")
-    gas = ds_config.get("gradient_accumulation_steps")
-    tbs = ds_config.get("train_batch_size")
-    if mbs is None and tbs and gas:
-        mbs = tbs // (gas * dp)
-    if gas is None and tbs and mbs:
-        gas = tbs // (mbs * dp)
-    if not mbs or not gas:
-        raise ConfigError("ds_config needs two of train_batch_size, train_micro_batch_size_per_gpu and "
-                          "gradient_accumulation_steps to run a pipeline schedule")
-    return mbs, gas
-
-
-def check_layers(schedule, num_layers: int):
-    stages = schedule.stages
-    if stages > schedule.pp and num_layers % stages:
-        raise ConfigError(f"schedule {schedule.name!r} cuts the model into {stages} virtual stages: "
-                          f"--num-layers {num_layers} must be a multiple of {stages}")
-    if num_layers < stages:
-        raise ConfigError(f"schedule {schedule.name!r} needs at least one transformer layer per virtual stage: "
-                          f"--num-layers {num_layers} < {stages} stages")
-
-
-def segment_lengths(settings, config: GPTConfig, seq_length: int) -> list:
-    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B)."""
-    k, method = settings.seq_splits, settings.seq_split_method
-    where = f'ds_config "pipeline.seq_splits" = {k} with "seq_split_method": "{method}"'
-    if k > seq_length:
-        raise ConfigError(f"{where}: more segments than the {seq_length} tokens of a sequence (--seq-length); "
-                          "every segment needs at least one token")
-    if method == "even":
-        if seq_length % k:
-            raise ConfigError(f"{where}: --seq-length {seq_length} must be a multiple of seq_splits "
-                              '(or use "balanced")')
-        return even_segment_lengths(seq_length, k)
-    try:
-        return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE)
-    except ScheduleError as exc:
-        raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
@@ -90,43 +44,32 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
     if settings.stock:
         return PipelineModule(**common)
-    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-    if zero_stage != 1:
-        raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
-                          f'{{"stage": 1}} (it is {zero_stage})')
-    mbs, gas = micro_batches_per_step(ds_config, dist.get_world_size() // pp)
-    try:
-        schedule = settings.build_schedule(pp, gas)
-    except ScheduleError as exc:
-        raise ConfigError(f'ds_config "pipeline": {exc}') from None
-    check_layers(schedule, config.num_layers)
-    activation_shape = (mbs, seq_length or config.max_position_embeddings, config.hidden_size)
-    lengths = segment_lengths(settings, config, activation_shape[1]) if schedule.seq_splits > 1 else None
-    module = ChunkedPipelineModule(placement=schedule.placement, activation_shape=activation_shape, **common)
-    module.segment_lengths = lengths  # read by ScheduleEngine to cut micro-batches into segments
-    return module
+    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // pp, seq_length)
+    return ChunkedPipelineModule(plan=plan, **common)
 
 
 @contextmanager
-def _engine_class(factory):
-    # deepspeed.initialize() picks PipelineEngine by name from its module globals.
-    original = deepspeed.PipelineEngine
-    deepspeed.PipelineEngine = factory
+def deepspeed_engine_class(name: str, factory):
+    """deepspeed.initialize() builds the pipeline engine class it finds under `name` in its module
+    globals ("PipelineEngine", "DualPipeVEngine"): make that `factory` for the calls inside."""
+    original = getattr(deepspeed, name)
+    setattr(deepspeed, name, factory)
     try:
         yield
     finally:
-        deepspeed.PipelineEngine = original
+        setattr(deepspeed, name, original)
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None):
     kwargs = dict(model=module, config=ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                   model_parameters=model_parameters)
+    tracer = Tracer(pipeline_settings(ds_config).trace_dir)
     if isinstance(module, ChunkedPipelineModule):
-        with _engine_class(functools.partial(ScheduleEngine, settings=pipeline_settings(ds_config))):
-            engine, _, _, _ = deepspeed.initialize(**kwargs)
-    elif pipeline_settings(ds_config).trace_dir:  # the stock engine, traced
-        with _engine_class(traced_engine(PipelineEngine)):
-            engine, _, _, _ = deepspeed.initialize(**kwargs)
+        factory = functools.partial(ScheduleEngine, plan=module.plan, tracer=tracer)
+    elif tracer.trace_dir:  # the stock engine, traced
+        factory = functools.partial(TracedPipelineEngine, tracer=tracer)
     else:
+        factory = PipelineEngine
+    with deepspeed_engine_class("PipelineEngine", factory):
         engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine

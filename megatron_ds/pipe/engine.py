@@ -22,47 +22,50 @@ from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
 
 from . import instructions as ins
-from .p2p import P2P, MessagePlan, incoming_key, lookahead, message_key, outgoing
+from .messages import incoming_key, message_key, outgoing
+from .p2p import P2P
 from .post_validation import PostValidation
-from .trace import TraceMixin
+from .trace import Tracer, through_tracer
 
 
 LAYOUT_KEY = "megatron_ds_pipeline_layout"
 
 
-class ScheduleEngine(TraceMixin, PipelineEngine):
+class ScheduleEngine(PipelineEngine):
+    """DeepSpeed's template methods it overrides: _train_schedule and _inference_schedule (the op
+    lists), _exec_schedule (to bracket it with the tracer), _aggregate_total_loss, eval_batch,
+    set_dataiterator, save_checkpoint/load_checkpoint, and _INSTRUCTION_MAP (DeepSpeed's own
+    handlers for the step's reductions and optimizer step, ours for the ops)."""
 
-    def __init__(self, *args, settings, **kwargs):
-        self.settings = settings
+    def __init__(self, *args, plan, tracer=None, **kwargs):
+        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py)
+        self.tracer = tracer or Tracer()
         super().__init__(*args, **kwargs)
-        self._plans = {}
         self._batches = None
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
         self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per (replica, stage, mb)
         self._dtype = next(self.module.parameters()).dtype
-        self._post_validation = PostValidation(self) if settings.post_validation else None
+        self._loss_sum = None  # this rank's sum of micro-batch losses in the running iteration
+        self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
+                                 if plan.settings.post_validation else None)
 
     # -- schedule ------------------------------------------------------------------------------
-    def _plan(self, micro_batches, train):
-        key = (micro_batches, train)
-        if key not in self._plans:
-            sched = self.settings.build_schedule(self.num_stages, micro_batches)
-            op_lists = sched.ranks if train else [[op for op in ops if op.kind is Kind.F] for ops in sched.ranks]
-            ops, plan = op_lists[self.stage_id], MessagePlan(sched, op_lists)
-            self._plans[key] = (sched, ops, plan, lookahead(ops, plan.source))
-        return self._plans[key]
-
     def _start(self, micro_batches, train):
-        self.sched, ops, plan, self._ahead = self._plan(micro_batches, train)
+        program = self.plan.program(self.stage_id, micro_batches, train)
+        self.sched, ops, self._ahead = program.schedule, program.ops, program.ahead
         self._sync_after = last_backward_ops(ops) if train and self.module.replica_sync else {}
         if self._sync_after:
             self.module.replica_sync.launched.clear()
-        self.p2p = P2P(plan, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r), self._message_shape,
-                       self._dtype, self.device)
+        self.p2p = P2P(program.messages, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r),
+                       self.plan.message_shape, self._dtype, self.device)
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train)
+
+    def _exec_schedule(self, pipe_schedule):
+        with self.tracer.iteration(self):
+            super()._exec_schedule(pipe_schedule)
 
     def _train_schedule(self):
         return self._start(self.micro_batches, train=True)
@@ -75,28 +78,18 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         self.training_dataloader = None
         self.data_iterator = iterator
 
-    def _needs_data(self):
-        return any(st in (0, self.sched.loss_stage) for _, st in self.module.chunks)
-
     def _exec_load_micro_batches(self):
         self._batches = None
-        if self._needs_data():
+        if self.plan.needs_data(self.stage_id):
             self._batches = [next(self.data_iterator) for _ in range(self.sched.micro_batches)]
-            total = sum(self.module.segment_lengths) if self.sched.seq_splits > 1 else None
-            if total and any(labels.shape[1] != total for _, labels in self._batches):
-                raise RuntimeError(f"seq_splits={self.sched.seq_splits} cuts {total}-token sequences into "
-                                   f"{self.module.segment_lengths}; a micro-batch has another length")
-
-    def _segment(self, mb, seq):
-        if self.sched.seq_splits == 1:
-            return slice(None)
-        lengths = self.module.segment_lengths
-        start = sum(lengths[:seq])
-        return slice(start, start + lengths[seq])
+            lengths = self.plan.segment_lengths
+            if lengths and any(labels.shape[1] != sum(lengths) for _, labels in self._batches):
+                raise RuntimeError(f"seq_splits={self.sched.seq_splits} cuts {sum(lengths)}-token sequences into "
+                                   f"{lengths}; a micro-batch has another length")
 
     def _inputs(self, mb, seq):
         inputs, _ = self._batches[mb]
-        cut = self._segment(mb, seq)
+        cut = self.plan.segment(seq)
         return tuple(t[:, cut].to(self.device) for t in inputs)
 
     def _labels(self, mb, seq):
@@ -104,19 +97,13 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         if self.sched.seq_splits == 1:
             return labels.to(self.device)
         # A segment's loss is divided by the whole micro-batch's token count: they sum to its loss.
-        return labels[:, self._segment(mb, seq)].to(self.device), labels.numel()
-
-    def _message_shape(self, key):
-        mbs, seq, hidden = self.module.activation_shape
-        if self.sched.seq_splits > 1:
-            seq = self.module.segment_lengths[key[-1]]
-        return (mbs, seq, hidden)
+        return labels[:, self.plan.segment(seq)].to(self.device), labels.numel()
 
     def _open_segment(self, replica, stage, mb, seq):
         """Attention sees the K/V cache of (replica, stage, mb) while an op on segment `seq` runs."""
         if self.sched.seq_splits == 1:
             return contextlib.nullcontext()
-        return self._kv.segment((replica, stage, mb), self._segment(mb, seq).start, sum(self.module.segment_lengths))
+        return self._kv.segment((replica, stage, mb), self.plan.segment(seq).start, sum(self.plan.segment_lengths))
 
     # -- p2p and hand-over -----------------------------------------------------------------------
     def _emit(self, op, tensor):
@@ -137,7 +124,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         key = incoming_key(op)
         if key in self._local:
             return self._local.pop(key)
-        return self._trace_wait(self.p2p.recv, key)
+        return self.tracer.wait(self.p2p.recv, key)
 
     # -- compute ---------------------------------------------------------------------------------
     def _exec_forward_op(self, replica, stage, mb, seq):
@@ -169,21 +156,27 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
             root, grad = self._scale_loss(out), None
         else:
             root, grad = out, self._take(op)
-        self._running_engine_backward = True  # DeepSpeed's post-backward hook checks this
-        try:
+        with self._engine_backward():
             if kind is Kind.B:
                 queue = self._wgrad.setdefault(unit, [])
                 with WeightGradStore.deferring(queue):
                     torch.autograd.backward(root, grad)
             else:
                 torch.autograd.backward(root, grad)
-        finally:
-            self._running_engine_backward = False
         if seq == 0:
             self._kv.free((replica, stage, mb))  # segment 0 runs the micro-batch's last backward here
         if stage > 0:
             self._emit(op, x.grad)
         self._backward_done(op)
+
+    @contextlib.contextmanager
+    def _engine_backward(self):
+        """Gradients computed here count as the engine's: DeepSpeed's post-backward hooks check the flag."""
+        self._running_engine_backward = True
+        try:
+            yield
+        finally:
+            self._running_engine_backward = False
 
     def _backward_done(self, op):
         if self._sync_after:
@@ -205,11 +198,8 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
     def _exec_backward_weight_op(self, replica, stage, mb, seq):
         op = Op(Kind.W, replica, stage, mb, seq)
         self._post_ahead(op)
-        self._running_engine_backward = True
-        try:
+        with self._engine_backward():
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
-        finally:
-            self._running_engine_backward = False
         self._backward_done(op)
 
     def _exec_reduce_replica_grads(self):
@@ -261,7 +251,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
     # -- checkpoints -----------------------------------------------------------------------------
     def _layout(self):
         """What the optimizer state's partitioning depends on: pipeline and DP sizes, chunk placement."""
-        return {"pp": self.num_stages, "dp": self.dp_world_size, "placement": self.module.placement}
+        return {"pp": self.num_stages, "dp": self.dp_world_size, "placement": self.plan.placement}
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         state = dict(client_state or {})
@@ -279,7 +269,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
             kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
         return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
-    _INSTRUCTION_MAP = {
+    _INSTRUCTION_MAP = through_tracer({
         **PipelineEngine._INSTRUCTION_MAP,
         ins.LoadMicroBatches: _exec_load_micro_batches,
         ins.ForwardOp: _exec_forward_op,
@@ -288,7 +278,7 @@ class ScheduleEngine(TraceMixin, PipelineEngine):
         ins.BackwardWeightOp: _exec_backward_weight_op,
         ins.FinishP2P: _exec_finish_p2p,
         ins.ReduceReplicaGrads: _exec_reduce_replica_grads,
-    }
+    })
 
 
 

@@ -15,10 +15,10 @@ from .replicas import ReplicaSync
 
 class ChunkedPipelineModule(PipelineModule):
 
-    def __init__(self, layers, placement, *, activation_shape, **kwargs):
-        """placement[replica][stage] -> pipeline rank; activation_shape: (micro batch, seq, hidden)."""
-        self.placement = [list(row) for row in placement]
-        self.activation_shape = tuple(activation_shape)
+    def __init__(self, layers, plan, **kwargs):
+        """`plan` (a PipelinePlan) places the chunks: placement[replica][stage] -> pipeline rank."""
+        self.plan = plan
+        self.placement = [list(row) for row in plan.placement]
         super().__init__(layers, **kwargs)
         self.replica_sync = None
         if len(self.placement) > 1:
@@ -30,6 +30,8 @@ class ChunkedPipelineModule(PipelineModule):
         return len(self.placement[0])
 
     def _partition_layers(self, method="uniform"):
+        # The parent cuts the layers into num_stages parts: make that the virtual-stage count
+        # for the call, then give num_stages back its DeepSpeed meaning (the pipeline size).
         pp, self.num_stages = self.num_stages, self.num_virtual_stages
         try:
             super()._partition_layers(method)

@@ -59,13 +59,59 @@ NORM_TYPE = 2.0
 GRAD_READ_ONLY = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 
 
-class PostValidation:
-    """Takes over `engine.optimizer.step`; `counts` says which path each step took."""
+class ZeroInternals:
+    """Every private member of DeepSpeed's DeepSpeedZeroOptimizer (runtime/zero/stage_1_and_2.py)
+    that post-validation uses, read from DeepSpeed DEEPSPEED_VERSION: the one place to audit when
+    DeepSpeed moves. The step also reads the optimizer's public state (averaged_gradients,
+    single_partition_of_fp32_groups, loss_scaler, ...) directly."""
 
-    def __init__(self, engine):
+    DEEPSPEED_VERSION = "0.19.8"
+    METHODS = ("_update_scale", "_optimizer_step", "_get_preflattened_grad_partition",
+               "_release_preflattened_grad_buffers", "_commit_muon_momentum", "_update_model_bit16_weights")
+    ATTRIBUTES = ("_global_grad_norm", "_hp_optimizer_states_linked")
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def update_scale(self, overflow: bool):
+        """The dynamic loss scaler's update (fp16), in DeepSpeed's place in the step."""
+        self.opt._update_scale(overflow)
+
+    def optimizer_step(self, group: int):
+        self.opt._optimizer_step(group)
+
+    def preflattened_grad_partition(self, group: int):
+        return self.opt._get_preflattened_grad_partition(group)
+
+    def release_preflattened_grad_buffers(self, group: int | None = None):
+        if group is None:
+            self.opt._release_preflattened_grad_buffers()
+        else:
+            self.opt._release_preflattened_grad_buffers(group)
+
+    def commit_muon_momentum(self):
+        self.opt._commit_muon_momentum()
+
+    def update_model_bit16_weights(self, group: int):
+        self.opt._update_model_bit16_weights(group)
+
+    def set_global_grad_norm(self, norm):
+        """What engine.get_global_grad_norm() reports."""
+        self.opt._global_grad_norm = norm
+
+    def relink_hp_optimizer_states(self):
+        """Make the next _optimizer_step link DeepSpeed's hp mappings to new state tensors."""
+        self.opt._hp_optimizer_states_linked = False
+
+
+class PostValidation:
+    """Takes over `engine.optimizer.step`; `counts` says which path each step took.
+    `loss_sum()` is this rank's loss sum of the iteration, sent with the check."""
+
+    def __init__(self, engine, loss_sum):
         opt = engine.optimizer
         _check_supported(opt)
-        self.engine, self.opt = engine, opt
+        self.engine, self.opt, self.zero, self.loss_sum = engine, opt, ZeroInternals(opt), loss_sum
         self.groups = len(opt.bit16_groups)
         self.dp_group = opt.dp_process_group if pg_utils.is_parallel(opt.dp_process_group) else None
         self.mp_group = opt.model_parallel_group if pg_utils.is_parallel(opt.model_parallel_group) else None
@@ -86,14 +132,14 @@ class PostValidation:
         opt = self.opt
         opt.micro_step_id = zero.INITIAL_MICRO_STEP_ID
         if not opt.compute_grad_norm:
-            opt._global_grad_norm = None
+            self.zero.set_global_grad_norm(None)
         self.counts["steps"] += 1
 
         sums = self._local_sums()
         if self.dp_group is not None:
             dist.all_reduce(sums, group=self.dp_group)
         # A new tensor: the collective writes into it while this rank goes on reading `sums`.
-        message = torch.cat([sums, self.engine._loss_sum.reshape(1).float()] if self.fold_loss else [sums])
+        message = torch.cat([sums, self.loss_sum().reshape(1).float()] if self.fold_loss else [sums])
         launched = time.perf_counter()
         work = dist.all_reduce(message, group=self.mp_group, async_op=True) if self.mp_group is not None else None
 
@@ -104,7 +150,7 @@ class PostValidation:
             kept = self._keep(grads)
             kept_at = time.perf_counter()
             arrived_during_copy = work.is_completed()
-            opt._update_scale(False)
+            self.zero.update_scale(False)
             for i, g in enumerate(grads):
                 self._apply(i, g, None)
             self.counts["optimistic"] += 1
@@ -119,13 +165,13 @@ class PostValidation:
         overflow, norm = self._verdict(message)
 
         if kept is None:  # DeepSpeed's own order, with the global values in hand
-            opt._update_scale(overflow)
+            self.zero.update_scale(overflow)
             if not overflow:
                 for i, g in enumerate(grads):
                     self._apply(i, g, norm)
         elif overflow:
             self._restore(kept)
-            opt._update_scale(True)
+            self.zero.update_scale(True)
             self.counts["rolled_back_skipped"] += 1
         elif self._clips(norm):
             self._restore(kept, scaler=False)
@@ -137,16 +183,16 @@ class PostValidation:
         if overflow:
             self._skip()
             return
-        opt._commit_muon_momentum()
+        self.zero.commit_muon_momentum()
         if norm is not None:
-            opt._global_grad_norm = norm / prev_scale
+            self.zero.set_global_grad_norm(norm / prev_scale)
         zero.all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
                                   partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
                                   dp_process_group=opt.real_dp_process_group,
                                   start_alignment_factor=opt.nccl_start_alignment_factor,
                                   allgather_bucket_size=opt.allgather_bucket_size)
         for i in range(self.groups):
-            opt._update_model_bit16_weights(i)
+            self.zero.update_model_bit16_weights(i)
 
     def _early(self, work, sums, scale, ready):
         """Step before the check arrives? `ready`: seconds from the launch to now (gradients flattened).
@@ -217,7 +263,7 @@ class PostValidation:
         opt = self.opt
         dp_group = opt.real_dp_process_group[i]
         opt.free_grad_in_param_list(opt.params_not_in_partition[i])
-        flat = opt._get_preflattened_grad_partition(i)
+        flat = self.zero.preflattened_grad_partition(i)
         if flat is None:
             if dist.get_rank(group=dp_group) == dist.get_world_size(group=dp_group) - 1:
                 flat = opt.flatten_dense_tensors_aligned(opt.averaged_gradients[i], int(opt.partition_size[i]))
@@ -226,7 +272,7 @@ class PostValidation:
         grad = flat.to(opt.single_partition_of_fp32_groups[i].dtype)
         assert grad.numel() == opt.partition_size[i], (grad.numel(), opt.partition_size[i])
         opt.free_grad_in_param_list(opt.params_in_partition[i])
-        opt._release_preflattened_grad_buffers(i)
+        self.zero.release_preflattened_grad_buffers(i)
         opt.averaged_gradients[i] = None
         opt.all_grad_tensors[i] = None
         return grad
@@ -237,7 +283,7 @@ class PostValidation:
         fp32 = opt.single_partition_of_fp32_groups[i]
         fp32.grad = grad
         opt.unscale_and_clip_grads([grad], norm if norm is not None else self._unclipped_norm())
-        opt._optimizer_step(i)
+        self.zero.optimizer_step(i)
         fp32.grad = None
         opt.parallel_partitioned_bit16_groups[i][self._partition_id(i)].data.copy_(fp32.data)
 
@@ -273,9 +319,9 @@ class PostValidation:
         """DeepSpeed's step after an overflow."""
         opt = self.opt
         if opt.compute_grad_norm:
-            opt._global_grad_norm = float("inf")
+            self.zero.set_global_grad_norm(float("inf"))
         opt.zero_grad(set_to_none=True)
-        opt._release_preflattened_grad_buffers()
+        self.zero.release_preflattened_grad_buffers()
         for k in opt.averaged_gradients.keys():
             opt.averaged_gradients[k] = None
             opt.all_grad_tensors[k] = None
@@ -344,7 +390,7 @@ class PostValidation:
             # The model's partition is always the master's copy (DeepSpeed copies it after every step).
             opt.parallel_partitioned_bit16_groups[i][self._partition_id(i)].data.copy_(p.data)
         if relink:  # the next _optimizer_step links DeepSpeed's hp mappings to the new state, as on a first step
-            opt._hp_optimizer_states_linked = False
+            self.zero.relink_hp_optimizer_states()
         if scaler:
             vars(opt.loss_scaler).update(kept["scaler"])
 

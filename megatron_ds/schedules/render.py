@@ -1,4 +1,6 @@
-"""Pictures of a simulated schedule: ASCII for logs, PNG/SVG timelines via matplotlib.
+"""Every picture of a schedule: ASCII for logs, PNG/SVG timelines via matplotlib (simulated, and a
+traced run's measured timeline over its simulation). Colours come from the op kinds' table
+(kinds.py), one shade per chunk of the replica on the rank (Schedule.chunk_index).
 
 Labels are Schedule.op_label's: kind and micro-batch (".q" segment when the sequence is
 split), one prime per earlier chunk of the same replica on the rank (ZB-V's and BitPipe's
@@ -9,6 +11,7 @@ from __future__ import annotations
 from .ir import Op, Schedule
 from .kinds import Kind
 from .simulate import SimResult
+from .timeline import RankTrace, measure, op_of, to_schedule
 
 
 def ascii_timeline(result: SimResult, width: int | None = None, max_width: int = 400) -> str:
@@ -47,46 +50,118 @@ def summary_table(result: SimResult) -> str:
     return "\n".join(lines)
 
 
+P2P_COLOUR, STEP_COLOUR = "#bdbdbd", "#636363"   # measured p2p waits; loading, reductions, optimizer step
+
+
 def colour(schedule: Schedule, rank: int, op: Op) -> str:
     """The op kind's colour, darker for later chunks of the replica on the rank."""
     shades = op.kind.traits.colours
     return shades[min(schedule.chunk_index(rank, op), len(shades) - 1)]
 
 
-def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str:
-    """Draw the timeline to `path` (.png or .svg, by extension); returns the path."""
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    return plt
 
+
+def _bar(ax, row, start, end, fill, *, height=0.8, hatch=None, text=None, min_text=0.0, fontsize=7):
+    """One op (or wait) as a bar; its text only where `min_text` per character fits."""
+    ax.barh(row, end - start, left=start, height=height, color=fill, edgecolor="black", linewidth=0.4,
+            hatch=hatch)
+    if text and end - start >= min_text * len(text):
+        ax.text((start + end) / 2, row, text, ha="center", va="center", fontsize=fontsize)
+
+
+def _op_bar(ax, schedule, rank, op, start, end, text, min_text, fontsize=7):
+    _bar(ax, rank, start, end, colour(schedule, rank, op), hatch="//" if op.replica == 1 else None,
+         text=text, min_text=min_text, fontsize=fontsize)
+
+
+def _legend(ax, schedule, extra=(), below=-0.18):
+    """A key for the op kinds the schedule uses, `extra` (label, colour) pairs, and replica 1's hatch."""
+    from matplotlib.patches import Patch
+    kinds = [k for k in Kind if any(op.kind == k for _, _, op in schedule.ops())]
+    handles = [Patch(color=k.traits.colours[1], label=k) for k in kinds]
+    handles += [Patch(color=fill, label=label) for label, fill in extra]
+    if schedule.replicas > 1:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="replica 1"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), fontsize=7,
+              ncol=len(handles), frameon=False)
+
+
+def _rank_axis(ax, labels):
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+
+
+def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str:
+    """Draw the simulated timeline to `path` (.png or .svg, by extension); returns the path."""
+    plt = _pyplot()
     s = result.schedule
     t0 = min(result.start.values())
     fig_w = min(40.0, max(8.0, result.makespan * 0.35))
     fig, ax = plt.subplots(figsize=(fig_w, 0.6 * s.pp + 1.6))
+    min_text = 0.25 * result.makespan / (fig_w * 6)
     for r, ops in enumerate(s.ranks):
         for op in ops:
-            start, end = result.start[op] - t0, result.end[op] - t0
-            ax.barh(r, end - start, left=start, height=0.8, color=colour(s, r, op), edgecolor="black",
-                    linewidth=0.4, hatch="//" if op.replica == 1 else None)
             text = str(op.mb) + (f".{op.seq}" if s.seq_splits > 1 else "")
-            if end - start >= 0.25 * len(text) * result.makespan / (fig_w * 6):
-                ax.text((start + end) / 2, r, text, ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(s.pp), [f"rank {r}" for r in range(s.pp)])
-    ax.invert_yaxis()
+            _op_bar(ax, s, r, op, result.start[op] - t0, result.end[op] - t0, text, min_text)
+    _rank_axis(ax, [f"rank {r}" for r in range(s.pp)])
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time")
-    kinds = [k for k in Kind if any(op.kind == k for _, _, op in s.ops())]
-    handles = [Patch(color=k.traits.colours[1], label=k) for k in kinds]
-    if s.replicas > 1:
-        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="replica 1"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=7,
-              ncol=len(handles), frameon=False)
+    _legend(ax, s)
     ax.set_title(title or f"{s.name}: p={s.pp} m={s.micro_batches}"
                  + (f" k={s.seq_splits}" if s.seq_splits > 1 else "")
                  + f"  makespan {result.makespan:g}  bubble {result.bubble_ratio:.3f}"
                  + "  (darker = later chunk on the rank)")
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_measured(traces: list[RankTrace], sim: SimResult, path: str, title: str | None = None) -> str:
+    """A traced iteration (top: every rank, p2p waits and step work as thin bars) over the simulation
+    of the same op order (bottom), in milliseconds; `traces` as timeline.load_iteration gives them."""
+    plt = _pyplot()
+    sched = to_schedule(traces)
+    measured = measure(traces)
+    t0 = min(e["ts"] for t in traces for e in t.events)
+    ms = 1e3
+    right = max(measured.span, sim.makespan) * ms
+    rows = len(traces)
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(min(18.0, max(10.0, right / 150)),
+                                                                   0.5 * (rows + sched.pp) + 2.4),
+                                      gridspec_kw={"height_ratios": [rows + 1, sched.pp + 1]})
+    min_text = right / 900
+    for row, t in enumerate(traces):
+        for e in t.events:
+            a, b = (e["ts"] - t0) * ms, (e["ts"] + e["dur"] - t0) * ms
+            if e["cat"] == "compute":
+                op = op_of(e)
+                stage_id = t.meta["stage_id"]
+                _bar(top, row, a, b, colour(sched, stage_id, op), hatch="//" if op.replica else None,
+                     text=e["name"].rstrip("'"), min_text=min_text, fontsize=6)
+            else:
+                _bar(top, row + 0.3, a, b, P2P_COLOUR if e["cat"] == "p2p" else STEP_COLOUR, height=0.2)
+    _rank_axis(top, [f"rank {t.rank}" for t in traces])
+    top.set_title(title or (f"{sched.name}: p={sched.pp} m={sched.micro_batches}  measured: iteration "
+                            f"{measured.span * ms:.0f} ms, compute makespan {measured.makespan * ms:.0f} ms, "
+                            f"bubble {measured.bubble_ratio:.3f}"), fontsize=9)
+    s0 = min(sim.start.values())
+    for r, ops in enumerate(sched.ranks):
+        for op in ops:
+            _op_bar(bottom, sched, r, op, (sim.start[op] - s0) * ms, (sim.end[op] - s0) * ms,
+                    sched.op_label(r, op).rstrip("'"), min_text, fontsize=6)
+    _rank_axis(bottom, [f"rank {r}" for r in range(sched.pp)])
+    bottom.set_title(f"simulated, same op order: makespan {sim.makespan * ms:.0f} ms, bubble {sim.bubble_ratio:.3f}",
+                     fontsize=9)
+    bottom.set_xlim(0, right)
+    bottom.set_xlabel("ms")
+    _legend(bottom, sched, [("p2p wait", P2P_COLOUR), ("load/reduce/step", STEP_COLOUR)], below=-0.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -63,7 +63,7 @@ def _load(path):
 
 @pytest.mark.parametrize("name", list(PIPELINES))
 def test_every_rank_writes_a_chrome_trace_per_iteration(traced, name):
-    from megatron_ds.pipe.trace import trace_path
+    from megatron_ds.schedules.timeline import trace_path
     root, engines = traced
     assert engines[name].startswith("Traced") or engines[name] == "ScheduleEngine"
     assert sorted(os.listdir(os.path.join(root, name))) == sorted(
@@ -85,7 +85,7 @@ def test_every_rank_writes_a_chrome_trace_per_iteration(traced, name):
 
 @pytest.mark.parametrize("name,schedule", [("zbv", "zbv"), ("stock", "1f1b")])
 def test_compute_events_are_the_schedule_ops_in_order(traced, name, schedule):
-    from megatron_ds.pipe.trace import load_iteration, measure
+    from megatron_ds.schedules.timeline import load_iteration, measure
     from megatron_ds.schedules import build_schedule
     root, _ = traced
     expected = build_schedule(schedule, PP, GAS)
@@ -103,7 +103,7 @@ def test_compute_events_are_the_schedule_ops_in_order(traced, name, schedule):
 
 
 def test_receive_waits_are_their_own_events(traced):
-    from megatron_ds.pipe.trace import load_iteration
+    from megatron_ds.schedules.timeline import load_iteration
     root, _ = traced
     t = load_iteration(os.path.join(root, "zbv"), 1)[1]  # stage 1 waits for stage 0's activations
     waits = [e for e in t.of("p2p") if e["name"] == "recv act"]

@@ -1,5 +1,6 @@
 """Message planning: what each rank receives, in which order, and which receive it posts ahead."""
-from megatron_ds.pipe.p2p import ACT, GRAD, MessagePlan, incoming_key, lookahead, outgoing
+from megatron_ds.pipe.messages import MessagePlan, incoming_key, lookahead, outgoing
+from megatron_ds.schedules.kinds import ACT, GRAD
 from megatron_ds.schedules import Op, build_schedule
 
 

@@ -1,0 +1,149 @@
+"""The plan of one pipeline run (pure data, no torch): which schedule, where its chunks sit, the
+micro-batch shape and the Seq1F1B segment lengths.
+
+pipe/build.py makes it once from the ds_config and the model's sizes, before any layer is
+built, and hands the same object to ChunkedPipelineModule (which cuts the layers by its
+placement) and to ScheduleEngine (which runs its op lists). Every setting that cannot work
+is refused here, as a ConfigError naming the key, the value and the rule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ds.schedules import Schedule, ScheduleError
+from megatron_ds.schedules.kinds import Kind
+from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
+
+from .config import ConfigError, PipelineSettings, pipeline_settings
+from .messages import MessagePlan, lookahead
+
+SEGMENT_MULTIPLE = 8  # balanced Seq1F1B segment lengths are multiples of this (kernel-friendly)
+
+
+def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
+    """(micro-batch size, gradient accumulation steps) from the ds_config's batch keys."""
+    mbs = ds_config.get("train_micro_batch_size_per_gpu")
+    gas = ds_config.get("gradient_accumulation_steps")
+    tbs = ds_config.get("train_batch_size")
+    if mbs is None and tbs and gas:
+        mbs = tbs // (gas * dp)
+    if gas is None and tbs and mbs:
+        gas = tbs // (mbs * dp)
+    if not mbs or not gas:
+        raise ConfigError("ds_config needs two of train_batch_size, train_micro_batch_size_per_gpu and "
+                          "gradient_accumulation_steps to run a pipeline schedule")
+    return mbs, gas
+
+
+def check_layers(schedule: Schedule, num_layers: int) -> None:
+    stages = schedule.stages
+    if stages > schedule.pp and num_layers % stages:
+        raise ConfigError(f"schedule {schedule.name!r} cuts the model into {stages} virtual stages: "
+                          f"--num-layers {num_layers} must be a multiple of {stages}")
+    if num_layers < stages:
+        raise ConfigError(f"schedule {schedule.name!r} needs at least one transformer layer per virtual stage: "
+                          f"--num-layers {num_layers} < {stages} stages")
+
+
+def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list:
+    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B)."""
+    k, method = settings.seq_splits, settings.seq_split_method
+    where = f'ds_config "pipeline.seq_splits" = {k} with "seq_split_method": "{method}"'
+    if k > seq_length:
+        raise ConfigError(f"{where}: more segments than the {seq_length} tokens of a sequence (--seq-length); "
+                          "every segment needs at least one token")
+    if method == "even":
+        if seq_length % k:
+            raise ConfigError(f"{where}: --seq-length {seq_length} must be a multiple of seq_splits "
+                              '(or use "balanced")')
+        return even_segment_lengths(seq_length, k)
+    try:
+        return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
+                                        SEGMENT_MULTIPLE)
+    except ScheduleError as exc:
+        raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    """What one rank runs for one batch size: its ops, the whole pipeline's messages, and for each
+    op the message whose receive to post when it starts."""
+    schedule: Schedule
+    ops: list
+    messages: MessagePlan
+    ahead: dict
+
+
+class PipelinePlan:
+
+    def __init__(self, settings: PipelineSettings, pp: int, micro_batch_size: int, micro_batches: int,
+                 seq_length: int, hidden_size: int, segment_lengths: list | None = None):
+        self.settings, self.pp = settings, pp
+        self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
+        self.seq_length, self.hidden_size = seq_length, hidden_size
+        self.segment_lengths = list(segment_lengths) if segment_lengths else None
+        self._schedules: dict[int, Schedule] = {}
+        self._programs: dict[tuple, RankProgram] = {}
+        self.schedule = self.for_micro_batches(micro_batches)
+
+    @classmethod
+    def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None) -> "PipelinePlan":
+        """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
+        max_position_embeddings) on pp x dp ranks, as the ds_config asks."""
+        settings = pipeline_settings(ds_config)
+        if settings.stock:
+            raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
+        zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+        if zero_stage != 1:
+            raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
+                              f'{{"stage": 1}} (it is {zero_stage})')
+        mbs, gas = micro_batches_per_step(ds_config, dp)
+        try:
+            schedule = settings.build_schedule(pp, gas)
+        except ScheduleError as exc:
+            raise ConfigError(f'ds_config "pipeline": {exc}') from None
+        check_layers(schedule, config.num_layers)
+        seq = seq_length or config.max_position_embeddings
+        lengths = segment_lengths(settings, config, seq) if schedule.seq_splits > 1 else None
+        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths)
+
+    @property
+    def placement(self) -> list:
+        return self.schedule.placement
+
+    @property
+    def activation_shape(self) -> tuple:
+        return (self.micro_batch_size, self.seq_length, self.hidden_size)
+
+    def for_micro_batches(self, m: int) -> Schedule:
+        """This run's schedule for `m` micro-batches (eval and batch ramp-up use other counts)."""
+        if m not in self._schedules:
+            self._schedules[m] = self.settings.build_schedule(self.pp, m)
+        return self._schedules[m]
+
+    def program(self, rank: int, m: int, train: bool) -> RankProgram:
+        """Rank `rank`'s ops for `m` micro-batches; evaluation runs the forwards only."""
+        key = (rank, m, train)
+        if key not in self._programs:
+            sched = self.for_micro_batches(m)
+            op_lists = sched.ranks if train else [[op for op in ops if op.kind is Kind.F] for ops in sched.ranks]
+            messages = MessagePlan(sched, op_lists)
+            self._programs[key] = RankProgram(sched, op_lists[rank], messages,
+                                              lookahead(op_lists[rank], messages.source))
+        return self._programs[key]
+
+    def segment(self, seq: int) -> slice:
+        """The tokens of sequence segment `seq` (all of them when the sequence is not split)."""
+        if self.segment_lengths is None:
+            return slice(None)
+        start = sum(self.segment_lengths[:seq])
+        return slice(start, start + self.segment_lengths[seq])
+
+    def message_shape(self, key: tuple) -> tuple:
+        """(micro batch, tokens, hidden) of a message; its last field is the segment."""
+        seq = self.segment_lengths[key[-1]] if self.segment_lengths else self.seq_length
+        return (self.micro_batch_size, seq, self.hidden_size)
+
+    def needs_data(self, rank: int) -> bool:
+        """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica."""
+        return any(st in (0, self.schedule.loss_stage) for _, st in self.schedule.chunks_on(rank))

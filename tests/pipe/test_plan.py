@@ -1,0 +1,70 @@
+"""PipelinePlan: the run's schedule, placement, shapes and segments, computed once, without torch."""
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_ds.pipe.config import ConfigError
+from megatron_ds.pipe.plan import PipelinePlan
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=64)
+
+
+def plan_for(pipeline, gas=8, mbs=2, zero=1, pp=4, dp=1, seq=None):
+    ds_config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+                 "zero_optimization": {"stage": zero}, "pipeline": pipeline}
+    return PipelinePlan.from_config(MODEL, ds_config, pp, dp, seq)
+
+
+def test_one_plan_serves_module_and_engine():
+    plan = plan_for({"schedule": "zbv"})
+    assert plan.placement == [[0, 1, 2, 3, 3, 2, 1, 0]]
+    assert plan.activation_shape == (2, 64, 32) and plan.micro_batches == 8
+    assert plan.for_micro_batches(8) is plan.schedule  # built once, then cached
+    assert plan.for_micro_batches(4).micro_batches == 4
+    assert plan.needs_data(0) and not plan.needs_data(1)  # rank 0 holds stage 0 and the loss stage
+
+
+def test_eval_program_runs_the_forwards_only():
+    plan = plan_for({"schedule": "zb-h1"})
+    train, evaluate = plan.program(1, 8, True), plan.program(1, 8, False)
+    assert plan.program(1, 8, True) is train
+    assert {op.kind for op in train.ops} == {"F", "B", "W"}
+    assert [op for op in train.ops if op.kind == "F"] == evaluate.ops
+    assert all(key[0] == "act" for keys in evaluate.messages.sends.values() for key in keys)
+
+
+def test_seq1f1b_segments_cut_tokens_and_messages():
+    plan = plan_for({"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"})
+    assert plan.segment_lengths == [32, 32]
+    assert plan.segment(1) == slice(32, 64)
+    assert plan.message_shape(("act", 0, 0, 0, 1)) == (2, 32, 32)
+    whole = plan_for({"schedule": "1f1b"})
+    assert whole.segment(0) == slice(None) and whole.message_shape(("act", 0, 0, 0, 0)) == (2, 64, 32)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(pipeline={"schedule": "zbv"}, zero=0), ["ZeRO stage 1", "is 0"]),
+    (dict(pipeline={"schedule": "bitpipe"}, gas=6), ["bitpipe", "micro_batches=6", "multiple of pp"]),
+    (dict(pipeline={"schedule": "interleaved", "virtual_stages": 3}), ["--num-layers 8", "multiple of 12"]),
+    (dict(pipeline={"schedule": "seq1f1b", "seq_splits": 3, "seq_split_method": "even"}),
+     ["seq_splits", "--seq-length 64", "multiple"]),
+])
+def test_impossible_plans_name_the_setting(kwargs, words):
+    with pytest.raises(ConfigError) as err:
+        plan_for(**kwargs)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_planning_imports_no_torch():
+    code = ("import sys; from types import SimpleNamespace as N; from megatron_ds.pipe.plan import PipelinePlan; "
+            "m = N(num_layers=4, hidden_size=8, ffn_hidden_size=32, max_position_embeddings=16); "
+            "PipelinePlan.from_config(m, {'train_batch_size': 8, 'train_micro_batch_size_per_gpu': 1, "
+            "'zero_optimization': {'stage': 1}, 'pipeline': {'schedule': 'zbv'}}, 2, 1).program(0, 8, True); "
+            "print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.strip() == "False", proc.stderr
