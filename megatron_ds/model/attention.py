@@ -13,6 +13,7 @@ from .kv_cache import SegmentKVCache
 from .linear import Linear
 from .positions import alibi_bias, apply_rope
 
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
