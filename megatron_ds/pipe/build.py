@@ -16,15 +16,14 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
 from megatron_ds.schedules import ScheduleError
-from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
 
 from .config import ConfigError, pipeline_settings
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule
+from .shape import check_layers, segment_lengths
 from .trace import traced_engine
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
-SEGMENT_MULTIPLE = 8  # balanced Seq1F1B segment lengths are multiples of this (kernel-friendly)
 
 
 def topology(pp: int):
@@ -47,35 +46,6 @@ def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
         raise ConfigError("ds_config needs two of train_batch_size, train_micro_batch_size_per_gpu and "
                           "gradient_accumulation_steps to run a pipeline schedule")
     return mbs, gas
-
-
-def check_layers(schedule, num_layers: int):
-    stages = schedule.stages
-    if stages > schedule.pp and num_layers % stages:
-        raise ConfigError(f"schedule {schedule.name!r} cuts the model into {stages} virtual stages: "
-                          f"--num-layers {num_layers} must be a multiple of {stages}")
-    if num_layers < stages:
-        raise ConfigError(f"schedule {schedule.name!r} needs at least one transformer layer per virtual stage: "
-                          f"--num-layers {num_layers} < {stages} stages")
-
-
-def segment_lengths(settings, config: GPTConfig, seq_length: int) -> list:
-    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B)."""
-    k, method = settings.seq_splits, settings.seq_split_method
-    where = f'ds_config "pipeline.seq_splits" = {k} with "seq_split_method": "{method}"'
-    if k > seq_length:
-        raise ConfigError(f"{where}: more segments than the {seq_length} tokens of a sequence (--seq-length); "
-                          "every segment needs at least one token")
-    if method == "even":
-        if seq_length % k:
-            raise ConfigError(f"{where}: --seq-length {seq_length} must be a multiple of seq_splits "
-                              '(or use "balanced")')
-        return even_segment_lengths(seq_length, k)
-    try:
-        return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE)
-    except ScheduleError as exc:
-        raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
