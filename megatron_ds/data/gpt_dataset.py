@@ -79,7 +79,8 @@ def build_train_valid_test_datasets(data_prefix, data_impl, splits_string, train
             # Small corpora round a 1 % split to zero documents; evaluate on the others.
             print_rank_0(f" > WARNING: no {name} documents in {missing}; blending the {name} split "
                          f"of the other datasets with their weights renormalised")
-        result.append(BlendableDataset(kept, [w for w, p in zip(weights, prefixes) if p in have]))
+        result.append(BlendableDataset(kept, [w for w, p in zip(weights, prefixes) if p in have],
+                                       cache_dir=data_cache_path or os.path.dirname(os.path.abspath(prefixes[0]))))
     return tuple(result)
 
 

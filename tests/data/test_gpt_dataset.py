@@ -182,3 +182,24 @@ def test_blend_skips_a_dataset_without_valid_documents_but_not_without_train(tmp
     with pytest.raises(DataConfigError, match="no training documents"):  # 1 % of 10 docs is none
         build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "1,99,0", [100, 20, 0], 8, 1, True,
                                         data_cache_path=str(tmp_path / "cache"))
+
+
+def test_blending_indices_are_cached_and_reloaded(two_corpora, tmp_path, monkeypatch):
+    from megatron_ds.data import blendable_dataset
+    a, b = two_corpora
+    cache = tmp_path / "blend_cache"  # created on first use
+    blend = ["0.3", a, "0.7", b]
+    first = build_train_valid_test_datasets(blend, "mmap", "100,0,0", [5000, 0, 0], 16, 1, True,
+                                            data_cache_path=str(cache))[0]
+    assert len([n for n in os.listdir(cache) if n.startswith("blending_indices_2ds_")]) == 1
+
+    def refuse(*args):
+        raise AssertionError("blending indices recomputed although cached")
+    monkeypatch.setattr(blendable_dataset, "build_blending_indices", refuse)
+    again = build_train_valid_test_datasets(blend, "mmap", "100,0,0", [5000, 0, 0], 16, 1, True,
+                                            data_cache_path=str(cache))[0]
+    assert np.array_equal(first.dataset_index, again.dataset_index)
+    assert np.array_equal(first.dataset_sample_index, again.dataset_sample_index)
+    with pytest.raises(AssertionError, match="recomputed"):  # other weights: another cache
+        build_train_valid_test_datasets(["0.4", a, "0.6", b], "mmap", "100,0,0", [5000, 0, 0], 16, 1, True,
+                                        data_cache_path=str(cache))
