@@ -2,12 +2,17 @@
 
 No randomness: sample i goes to the dataset that is most behind its share
 (helpers.build_blending_indices); each dataset keeps its own shuffled order.
+The indices depend on the weights and the size alone, so they are cached as
+blending_indices_{k}ds_{size}ns_{digest of the weights}.npz (as megatron-core
+does): a relaunch of a large blend loads them instead of recomputing.
 """
+import hashlib
+import os
 import time
 
 import numpy as np
 
-from .dist_utils import print_rank_0
+from .dist_utils import get_rank, print_rank_0
 from .helpers import build_blending_indices
 
 try:
@@ -17,7 +22,7 @@ except ImportError:  # pragma: no cover
 
 
 class BlendableDataset(_Base):
-    def __init__(self, datasets, weights):
+    def __init__(self, datasets, weights, cache_dir=None):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets = datasets
@@ -28,7 +33,7 @@ class BlendableDataset(_Base):
         # Megatron sizes the blend as the sum of its parts (each already >= its share).
         self.size = int(sum(len(d) for d in datasets))
         start = time.time()
-        self.dataset_index, self.dataset_sample_index = build_blending_indices(self.weights, self.size)
+        self.dataset_index, self.dataset_sample_index = cached_blending_indices(self.weights, self.size, cache_dir)
         achieved = np.bincount(self.dataset_index, minlength=len(datasets)) / max(self.size, 1)
         print_rank_0(f" > blended {len(datasets)} datasets into {self.size} samples in "
                      f"{time.time() - start:.3f} s; weights {np.round(self.weights, 4).tolist()}, "
@@ -45,3 +50,21 @@ class BlendableDataset(_Base):
             raise IndexError(f"blended sample {idx} needs sample {i} of dataset {d}, which has only "
                              f"{len(self.datasets[d])}; ask for fewer samples or rebalance the weights")
         return self.datasets[d][i]
+
+
+def cached_blending_indices(weights, size, cache_dir=None):
+    """build_blending_indices, through an .npz cache in cache_dir (written by rank 0, atomically)."""
+    if cache_dir is None:
+        return build_blending_indices(weights, size)
+    digest = hashlib.blake2b(np.asarray(weights, dtype=np.float64).tobytes(), digest_size=5).hexdigest()
+    path = os.path.join(cache_dir, f"blending_indices_{len(weights)}ds_{size}ns_{digest}.npz")
+    if os.path.isfile(path):
+        with np.load(path) as cached:
+            return cached["dataset_index"], cached["dataset_sample_index"]
+    dataset_index, dataset_sample_index = build_blending_indices(weights, size)
+    if get_rank() == 0:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}.npz"
+        np.savez(tmp, dataset_index=dataset_index, dataset_sample_index=dataset_sample_index)
+        os.replace(tmp, path)
+    return dataset_index, dataset_sample_index

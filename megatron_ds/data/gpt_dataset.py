@@ -2,9 +2,16 @@
 
 For a document range, num_samples, seq_length and seed, three index arrays are
 built once (by global rank 0, the others wait at a barrier) and cached as .npy
-next to the data with Megatron's names, so caches are shared with Megatron runs:
+next to the data (or under --data-cache-path, created if missing), named by
+everything they depend on:
 
-    {prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_{doc,sample,shuffle}_idx.npy
+    {prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_{first}-{end}docs_{digest}_{doc,sample,shuffle}_idx.npy
+
+Megatron's names end at `{seed}s`; the document range (what --split selects) and a
+digest of those documents' sizes (what a re-preprocessed corpus changes) make a
+cache that was built for other documents another file, never a wrong answer: a
+changed --split or corpus builds its own cache, and a run that died half-way
+leaves at most files that are never read again.
 
 - doc_idx: the document ids of all needed epochs, shuffled (np.random.RandomState(seed)).
 - sample_idx: where each sample starts, as (index into doc_idx, token offset).
@@ -12,6 +19,7 @@ next to the data with Megatron's names, so caches are shared with Megatron runs:
 Sample i is seq_length + 1 tokens; consecutive samples share one token (the
 label shift), documents run into each other (Megatron does not pad or split).
 """
+import hashlib
 import os
 import time
 
@@ -71,7 +79,8 @@ def build_train_valid_test_datasets(data_prefix, data_impl, splits_string, train
             # Small corpora round a 1 % split to zero documents; evaluate on the others.
             print_rank_0(f" > WARNING: no {name} documents in {missing}; blending the {name} split "
                          f"of the other datasets with their weights renormalised")
-        result.append(BlendableDataset(kept, [w for w, p in zip(weights, prefixes) if p in have]))
+        result.append(BlendableDataset(kept, [w for w, p in zip(weights, prefixes) if p in have],
+                                       cache_dir=data_cache_path or os.path.dirname(os.path.abspath(prefixes[0]))))
     return tuple(result)
 
 
@@ -129,12 +138,16 @@ class GPTDataset(_Base):
         return {"text": np.array(sample, dtype=np.int64)}
 
 
-def index_cache_paths(name, data_prefix, num_samples, seq_length, seed, data_cache_path=None):
-    """The three .npy paths, named exactly as Megatron names them."""
+def index_cache_paths(name, data_prefix, documents, sizes, num_samples, seq_length, seed, data_cache_path=None):
+    """The three .npy paths: Megatron's name plus the document range and a digest of their sizes."""
     base = data_prefix
     if data_cache_path:
         base = os.path.join(data_cache_path, os.path.basename(data_prefix))
-    stem = f"{base}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
+    documents = np.asarray(documents)
+    digest = hashlib.blake2b(np.ascontiguousarray(documents).tobytes(), digest_size=5)
+    digest.update(np.ascontiguousarray(np.asarray(sizes)[documents]).tobytes())
+    span = f"{int(documents.min())}-{int(documents.max()) + 1}docs" if len(documents) else "0docs"
+    stem = f"{base}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_{span}_{digest.hexdigest()}"
     return stem + "_doc_idx.npy", stem + "_sample_idx.npy", stem + "_shuffle_idx.npy"
 
 
@@ -162,11 +175,13 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
         raise DataConfigError(f"{name}: negative number of samples {num_samples}")
     tokens_per_epoch = int(np.sum(sizes[documents], dtype=np.int64))
     num_epochs = num_epochs_needed(tokens_per_epoch, seq_length, num_samples)
-    paths = index_cache_paths(name, data_prefix, num_samples, seq_length, seed, data_cache_path)
+    paths = index_cache_paths(name, data_prefix, documents, sizes, num_samples, seq_length, seed, data_cache_path)
 
     error = None
     if get_rank() == 0 and not all(os.path.isfile(p) for p in paths):
         try:
+            if data_cache_path:
+                os.makedirs(data_cache_path, exist_ok=True)
             _build_and_save(paths, documents, sizes, num_samples, seq_length, seed, num_epochs,
                             tokens_per_epoch)
         except Exception as e:  # still reach the barrier so the other ranks do not hang
@@ -178,25 +193,8 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
     if missing:
         raise DataConfigError(f"index cache {missing[0]} was not built (see rank 0's error)")
     doc_idx, sample_idx, shuffle_idx = (np.load(p, allow_pickle=True, mmap_mode="r") for p in paths)
-    _check_not_stale(paths[0], doc_idx, sample_idx, shuffle_idx, documents, num_epochs, tokens_per_epoch,
-                     seq_length)
     print_rank_0(f"    {name}: {sample_idx.shape[0] - 1} samples over {num_epochs} epoch(s)")
     return doc_idx, sample_idx, shuffle_idx
-
-
-def _check_not_stale(path, doc_idx, sample_idx, shuffle_idx, documents, num_epochs, tokens_per_epoch,
-                     seq_length):
-    # Megatron's cache names see neither the data nor the document range, so a corpus
-    # re-preprocessed under the same prefix, or a changed --split, would silently reuse
-    # indices built for other documents. Shapes and the document id range give that away.
-    expected = (num_epochs * len(documents), (num_epochs * tokens_per_epoch - 1) // seq_length + 1)
-    stale = (len(doc_idx), sample_idx.shape[0]) != expected or len(shuffle_idx) != expected[1] - 1
-    if not stale and len(doc_idx):
-        stale = (int(doc_idx.min()), int(doc_idx.max())) != (int(np.min(documents)), int(np.max(documents)))
-    if stale:
-        raise DataConfigError(f"stale index cache {path} (and its _sample_/_shuffle_idx.npy): built for "
-                              f"other documents (another corpus or --split under this prefix); delete the "
-                              f"three files or use another data_cache_path")
 
 
 def _build_and_save(paths, documents, sizes, num_samples, seq_length, seed, num_epochs, tokens_per_epoch):

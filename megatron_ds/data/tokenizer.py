@@ -2,7 +2,7 @@
 
 Two types, as `--tokenizer-type` spells them:
 - GPT2BPETokenizer: `--vocab-file` (encoder.json / vocab.json) + `--merge-file`.
-- PretrainedFromHF: `--tokenizer-name-or-path`, a local directory only (no hub).
+- PretrainedFromHF: `--tokenizer-name-or-path`, a local directory or a hub name (HF_HUB_OFFLINE respected).
 """
 import importlib.util
 import os
@@ -45,7 +45,7 @@ def build_tokenizer(args):
     elif tokenizer_type == "PretrainedFromHF":
         path = getattr(args, "tokenizer_name_or_path", None)
         if not path:
-            raise TokenizerError("PretrainedFromHF needs --tokenizer-name-or-path (a local directory)")
+            raise TokenizerError("PretrainedFromHF needs --tokenizer-name-or-path (a local directory or a hub name)")
         tokenizer = HFTokenizer(path, getattr(args, "vocab_extra_ids", 0) or 0)
     else:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported "
@@ -99,6 +99,8 @@ class AbstractTokenizer:
 
 
 class GPT2BPETokenizer(AbstractTokenizer):
+    """The BPE of gpt2_tokenization, not HF `tokenizers`: the ids are the same, and per CPU second ours
+    encodes as many tokens or more on a cold cache (bench/bpe_throughput.py)."""
     name = "GPT2 BPE"
 
     def __init__(self, vocab_file, merge_file):
@@ -137,8 +139,15 @@ class GPT2BPETokenizer(AbstractTokenizer):
         return self._eod
 
 
+def hub_offline(env=None):
+    """huggingface_hub's rule: HF_HUB_OFFLINE (or transformers' TRANSFORMERS_OFFLINE) set to a true value."""
+    env = os.environ if env is None else env
+    return any(env.get(k, "").strip().lower() in ("1", "on", "yes", "true")
+               for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
 class HFTokenizer(AbstractTokenizer):
-    """Megatron's PretrainedFromHF: AutoTokenizer over a local directory.
+    """Megatron's PretrainedFromHF: AutoTokenizer over a local directory or a hub name.
 
     tokenize() calls encode(text) with its defaults, like Megatron, so files made
     here match files made there even for tokenizers that add BOS/EOS.
@@ -146,17 +155,22 @@ class HFTokenizer(AbstractTokenizer):
     name = "PretrainedFromHF"
 
     def __init__(self, path, vocab_extra_ids=0):
-        if not os.path.isdir(path):
-            raise TokenizerError(f"--tokenizer-name-or-path {path}: not a local directory "
-                                 f"(hub downloads are disabled)")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers import AutoTokenizer
         extra = {}
         if vocab_extra_ids:
             extra["additional_special_tokens"] = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        # A directory is read as is; a hub name is downloaded (or read from the HF cache), except offline
+        offline = not os.path.isdir(path) and hub_offline()
         try:
-            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **extra)
+            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path) or offline,
+                                                      **extra)
         except (OSError, ValueError) as e:
+            if offline:
+                raise TokenizerError(f"--tokenizer-name-or-path {path}: not a local directory, and the Hugging "
+                                     f"Face hub is offline here (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE) with no "
+                                     f"cached copy; give a directory holding the tokenizer's files, or unset "
+                                     f"HF_HUB_OFFLINE where the hub is reachable") from None
             reason = " ".join(str(e).split())
             raise TokenizerError(f"--tokenizer-name-or-path {path}: cannot load a tokenizer: {reason}") from None
         if self._tok.eos_token_id is None:

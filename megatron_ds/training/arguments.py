@@ -12,10 +12,10 @@ parallel size. The flags and the ds_config keys "train_micro_batch_size_per_gpu"
 "gradient_accumulation_steps" and "train_batch_size" may each be given or left
 out; what is missing is derived, what is given must agree.
 """
-import argparse
 import json
 import os
 
+from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, validate_model_args
 
 
@@ -31,7 +31,7 @@ def _int_list(text):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False,
+    p = ForkAwareParser(prog="pretrain_gpt.py", allow_abbrev=False,
                                 description="Pretrain a GPT with DeepSpeed pipeline parallelism and ZeRO-1.")
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=True)
@@ -137,6 +137,7 @@ def build_parser():
     g.add_argument("--zero-stage", type=int, default=None)
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by the deepspeed launcher")
+    add_fork_args(p)
     return p
 
 
@@ -161,8 +162,9 @@ def _err(msg):
 def validate_args(args):
     _validate_model(args)
     _validate_parallel(args)
-    ds_config = read_ds_config(args.deepspeed_config)
+    ds_config = apply_fork_flags(args, read_ds_config(args.deepspeed_config))
     merge_ds_config(args, ds_config)
+    check_schedule_shape(args)
     _validate_training_length(args)
     _validate_lr(args)
     _validate_data_and_io(args)

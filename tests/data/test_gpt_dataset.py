@@ -54,9 +54,13 @@ def test_index_mappings_and_cache_files_equal_megatrons(corpus, num_samples, seq
         documents, indexed.sizes, num_samples, seq_length, seed)
     for ours, theirs in ((ds.doc_idx, doc_idx), (ds.sample_idx, sample_idx), (ds.shuffle_idx, shuffle_idx)):
         assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
-    names = [os.path.basename(p) for p in index_cache_paths("train", prefix, num_samples, seq_length, seed)]
-    stem = f"corpus_text_document_train_indexmap_{num_samples}ns_{seq_length}sl_{seed}s"
-    assert names == [stem + "_doc_idx.npy", stem + "_sample_idx.npy", stem + "_shuffle_idx.npy"]
+    paths = index_cache_paths("train", prefix, documents, indexed.sizes, num_samples, seq_length, seed)
+    names = [os.path.basename(p) for p in paths]
+    stem = f"corpus_text_document_train_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_5-45docs_"
+    assert all(n.startswith(stem) for n in names) and len({n[len(stem):len(stem) + 10] for n in names}) == 1
+    assert [n[len(stem) + 10:] for n in names] == ["_doc_idx.npy", "_sample_idx.npy", "_shuffle_idx.npy"]
+    for ours, path in zip((ds.doc_idx, ds.sample_idx, ds.shuffle_idx), paths):
+        assert np.array_equal(ours, np.load(path))
     assert all(os.path.isfile(os.path.join(os.path.dirname(prefix), n)) for n in names)
 
 
@@ -77,13 +81,15 @@ def test_the_short_last_epoch_is_shuffled_separately(corpus):
 def test_index_cache_is_built_once_and_reused(corpus, monkeypatch):
     prefix, _ = corpus
     first = build_train_valid_test_datasets([prefix], "mmap", "90,10,0", [100, 10, 0], 16, 5, True)
-    stamps = [os.path.getmtime(p) for p in index_cache_paths("train", prefix, 100, 16, 5)]
+    train_docs = np.arange(0, 45, dtype=np.int32)  # 90 % of the fixture's 50 documents
+    paths = index_cache_paths("train", prefix, train_docs, make_dataset(prefix).sizes, 100, 16, 5)
+    stamps = [os.path.getmtime(p) for p in paths]
 
     def refuse(*a, **k):
         raise AssertionError("the index was rebuilt although its cache exists")
     monkeypatch.setattr(gpt_dataset, "_build_and_save", refuse)
     again = build_train_valid_test_datasets([prefix], "infer", "90,10,0", [100, 10, 0], 16, 5, True)
-    assert [os.path.getmtime(p) for p in index_cache_paths("train", prefix, 100, 16, 5)] == stamps
+    assert [os.path.getmtime(p) for p in paths] == stamps
     assert all(np.array_equal(first[0][i]["text"], again[0][i]["text"]) for i in range(100))
     assert first[2] is None and again[2] is None  # the test split has no documents
     assert len(first[1]) >= 10
@@ -140,12 +146,25 @@ def test_bad_data_paths_are_reported(tmp_path, two_corpora):
         build_train_valid_test_datasets([tiny], "mmap", "1,0,0", [1, 0, 0], 8, 1, True)
 
 
-def test_a_stale_cache_from_other_data_is_refused(tmp_path):
-    prefix = write_docs(str(tmp_path / "stale"), random_docs(4, 30))
+def test_a_changed_corpus_or_split_builds_its_own_cache(tmp_path):
+    prefix = write_docs(str(tmp_path / "data"), random_docs(4, 30))
     build_train_valid_test_datasets([prefix], "mmap", "1,0,0", [50, 0, 0], 8, 1, True)
-    write_docs(prefix, random_docs(5, 45))  # re-preprocessed under the same prefix
-    with pytest.raises(DataConfigError, match="stale index cache .*stale_train_indexmap_50ns_8sl_1s_doc_idx.npy"):
-        build_train_valid_test_datasets([prefix], "mmap", "1,0,0", [50, 0, 0], 8, 1, True)
+    docs = random_docs(5, 45)
+    write_docs(prefix, docs)  # re-preprocessed under the same prefix
+    train = build_train_valid_test_datasets([prefix], "mmap", "1,0,0", [50, 0, 0], 8, 1, True)[0]
+    assert set(int(t) for i in range(50) for t in train[i]["text"]) <= set(int(t) for d in docs for t in d)
+    assert len(train.doc_idx) % 45 == 0  # indices over the 45 new documents, not the 30 old ones
+    cache = tmp_path / "new" / "cache"  # --data-cache-path need not exist
+    ends = []
+    for split in ("9,1,0", "7,3,0", "9,1,0"):  # a changed --split just works, also going back
+        train, valid, _ = build_train_valid_test_datasets([prefix], "mmap", split, [50, 10, 0], 8, 1, True,
+                                                          data_cache_path=str(cache))
+        end = int(max(train.doc_idx)) + 1
+        assert set(np.asarray(train.doc_idx)) == set(range(end))
+        assert set(np.asarray(valid.doc_idx)) == set(range(end, 45))
+        ends.append(end)
+    assert ends[0] == ends[2] > ends[1]
+    assert len([n for n in os.listdir(cache) if n.endswith("_doc_idx.npy")]) == 4  # 2 splits x (train, valid)
 
 
 def test_blend_skips_a_dataset_without_valid_documents_but_not_without_train(tmp_path):
@@ -155,10 +174,32 @@ def test_blend_skips_a_dataset_without_valid_documents_but_not_without_train(tmp
                                                       [100, 20, 0], 8, 1, True)
     assert len(train.datasets) == 2 and len(valid.datasets) == 1
     assert all(_source(valid[i]) == 1 for i in range(20))
-    # The other split reuses the valid cache name over other documents: refused, not reused.
-    with pytest.raises(DataConfigError, match="stale index cache .*big_valid_indexmap"):
-        build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "0,1,0", [100, 20, 0], 8, 1, True)
+    # Another split over the same prefix gets its own cache (Megatron's name alone would collide)
+    other = build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "0,1,0", [100, 20, 0], 8, 1,
+                                            True)[1]
+    assert all(0 <= int(d) < 400 for d in other.datasets[1].doc_idx)
     (tmp_path / "cache").mkdir()
     with pytest.raises(DataConfigError, match="no training documents"):  # 1 % of 10 docs is none
         build_train_valid_test_datasets(["0.5", small, "0.5", big], "mmap", "1,99,0", [100, 20, 0], 8, 1, True,
                                         data_cache_path=str(tmp_path / "cache"))
+
+
+def test_blending_indices_are_cached_and_reloaded(two_corpora, tmp_path, monkeypatch):
+    from megatron_ds.data import blendable_dataset
+    a, b = two_corpora
+    cache = tmp_path / "blend_cache"  # created on first use
+    blend = ["0.3", a, "0.7", b]
+    first = build_train_valid_test_datasets(blend, "mmap", "100,0,0", [5000, 0, 0], 16, 1, True,
+                                            data_cache_path=str(cache))[0]
+    assert len([n for n in os.listdir(cache) if n.startswith("blending_indices_2ds_")]) == 1
+
+    def refuse(*args):
+        raise AssertionError("blending indices recomputed although cached")
+    monkeypatch.setattr(blendable_dataset, "build_blending_indices", refuse)
+    again = build_train_valid_test_datasets(blend, "mmap", "100,0,0", [5000, 0, 0], 16, 1, True,
+                                            data_cache_path=str(cache))[0]
+    assert np.array_equal(first.dataset_index, again.dataset_index)
+    assert np.array_equal(first.dataset_sample_index, again.dataset_sample_index)
+    with pytest.raises(AssertionError, match="recomputed"):  # other weights: another cache
+        build_train_valid_test_datasets(["0.4", a, "0.6", b], "mmap", "100,0,0", [5000, 0, 0], 16, 1, True,
+                                        data_cache_path=str(cache))

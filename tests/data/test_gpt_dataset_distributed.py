@@ -54,4 +54,6 @@ def test_rank_0_builds_and_the_other_rank_waits(tmp_path):
     assert got[0][1] == "disk full"
     assert "was not built (see rank 0's error)" in got[1][1]
     assert not any(n.endswith(".npy") and "_41ns_" in n for n in os.listdir(tmp_path))
-    assert np.load(gpt_dataset.index_cache_paths("train", prefix, 40, 8, 3)[2]).dtype == np.uint32
+    sizes = gpt_dataset.make_indexed_dataset(prefix).sizes
+    documents = np.arange(30, dtype=np.int32)
+    assert np.load(gpt_dataset.index_cache_paths("train", prefix, documents, sizes, 40, 8, 3)[2]).dtype == np.uint32

@@ -41,7 +41,8 @@ def test_gpt2_bpe_equals_the_hf_tokenizers_library_on_real_and_odd_text(gpt2_fil
     hf = Tokenizer(models.BPE.from_file(*gpt2_files))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     texts = [topics[k] for k in sorted(topics)[:25]] + [
-        "héllo wörld 🤗 日本語  \n\n  tabs\t\tend   ", "I'm can't we'll 1234567 3.14", "\u00a0\u2003 x  ", "a" * 300]
+        "héllo wörld 🤗 日本語  \n\n  tabs\t\tend   ", "I'm can't we'll 1234567 3.14", "\u00a0\u2003 x  ", "a" * 300,
+        "<|endoftext|> 's'S 'LL \r\n\x00\x7f \u3000y"]
     for text in texts:
         ours = gpt2_tokenizer.tokenize(text)
         assert ours == hf.encode(text).ids
@@ -72,9 +73,11 @@ def test_build_tokenizer_pads_the_vocabulary_like_megatron(gpt2_files):
     (dict(tokenizer_type="GPT2BPETokenizer", vocab_file="/nope/vocab.json", merge_file="/nope/m.txt"),
      "/nope/vocab.json: file not found"),
     (dict(tokenizer_type="BertWordPieceCase"), "not supported"),
-    (dict(tokenizer_type="PretrainedFromHF", tokenizer_name_or_path="gpt2"), "not a local directory"),
+    (dict(tokenizer_type="PretrainedFromHF", tokenizer_name_or_path="no-such-org/no-such-tokenizer"),
+     "not a local directory, and the Hugging Face hub is offline here"),
 ])
-def test_bad_tokenizer_flags_name_the_problem(kw, message):
+def test_bad_tokenizer_flags_name_the_problem(kw, message, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub name is looked up in the HF cache only
     with pytest.raises(TokenizerError, match=message):
         build_tokenizer(_args(**kw))
 
@@ -93,3 +96,9 @@ def test_pretrained_from_hf_loads_a_local_directory(tmp_path, gpt2_files, gpt2_t
     assert tok.tokenize(text) == gpt2_tokenizer.tokenize(text) == [15496, 11, 616, 3290, 318, 13779]
     assert tok.detokenize(tok.tokenize(text)) == text
 
+
+
+def test_hub_offline_follows_huggingface_hub():
+    from megatron_ds.data.tokenizer import hub_offline
+    assert hub_offline({"HF_HUB_OFFLINE": "1"}) and hub_offline({"TRANSFORMERS_OFFLINE": "true"})
+    assert not hub_offline({}) and not hub_offline({"HF_HUB_OFFLINE": "0"})

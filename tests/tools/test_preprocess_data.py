@@ -173,3 +173,40 @@ def test_merge_function_reports_totals(whole, tmp_path):
     assert total == 118 and lines[-1] == f"Merged 2 datasets to {tmp_path / 'twice'}"
     ds = MMapIndexedDataset(str(tmp_path / "twice"))
     assert ds.doc_idx.tolist() == list(range(119)) and np.array_equal(ds[59], ds[0])
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "arrow"])
+def test_parquet_csv_and_arrow_inputs_give_the_same_bytes_as_jsonl(whole, tmp_path, fmt):
+    import datasets
+    import pyarrow as pa
+    _, prefix = whole
+    texts = corpus_texts()
+    ds = datasets.Dataset.from_dict({"id": list(range(len(texts))), "text": texts})
+    path = str(tmp_path / f"corpus.{fmt}")
+    if fmt == "parquet":
+        ds.to_parquet(path)
+    elif fmt == "csv":
+        ds.to_csv(path, index=False)
+    else:  # an Arrow IPC stream, as save_to_disk writes its shards
+        with pa.OSFile(path, "wb") as sink, pa.ipc.new_stream(sink, ds.data.table.schema) as writer:
+            writer.write_table(ds.data.table)
+    assert pipeline.main(flags(path, str(tmp_path / "out"), "--workers", "2")) == 0
+    assert same_dataset(prefix, str(tmp_path / "out_text_document"))
+
+
+@pytest.mark.parametrize("tool", ["preprocess_data.py", "preprocess_data_many_cores.py"])
+def test_a_key_that_yields_no_or_mostly_empty_documents_is_an_error(tmp_path, tool):
+    texts = corpus_texts()[:20]
+    inp = write_jsonl(tmp_path / "c.jsonl", texts, extra={"title": ""})
+    run = run_tool(tool, *flags(inp, str(tmp_path / "out"), "--json-keys", "title", "--workers", "2"))
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert f"--input {inp}: --json-keys 'title' yields 0 documents (20 record(s), all empty)" in run.stderr
+    half = write_jsonl(tmp_path / "half.jsonl", [t if i % 2 else "" for i, t in enumerate(texts)])
+    run = run_tool(tool, *flags(half, str(tmp_path / "out"), "--workers", "2"))
+    assert run.returncode == 1
+    assert (f"--input {half}: --json-keys 'text' is empty in 11 of 20 records (55% > --max-empty-fraction 0.1)"
+            in run.stderr)
+    assert [n for n in os.listdir(tmp_path) if n.startswith("out")] == []
+    run = run_tool(tool, *flags(half, str(tmp_path / "out"), "--workers", "2", "--max-empty-fraction", "0.6"))
+    assert run.returncode == 0, run.stderr
+    assert len(MMapIndexedDataset(str(tmp_path / "out_text_document"))) == 9  # corpus_texts()[3] is empty too

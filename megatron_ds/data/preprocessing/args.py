@@ -11,14 +11,17 @@ def build_parser(description, many_cores=False):
     p = argparse.ArgumentParser(description=description)
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True,
-                   help="JSON-lines file (one object per line), or a directory written by "
-                        "datasets.Dataset.save_to_disk")
+                   help="JSON-lines file (one object per line), a .parquet, .csv or .arrow file, or a "
+                        "directory written by datasets.Dataset.save_to_disk")
     g.add_argument("--input-reader", choices=("auto", "jsonl", "datasets"), default="auto",
-                   help="auto: stream JSON lines, use Hugging Face datasets for a directory; "
-                        "datasets: also load a JSON-lines file through Hugging Face datasets")
+                   help="auto: stream JSON lines, use Hugging Face datasets for a directory and for "
+                        ".parquet/.csv/.arrow files; datasets: also load a JSON-lines file through it")
     g.add_argument("--split", default="train", help="split of a Hugging Face DatasetDict")
     g.add_argument("--json-keys", nargs="+", default=["text"],
                    help="keys to extract from the JSON; one output dataset per key")
+    g.add_argument("--max-empty-fraction", type=float, default=0.1,
+                   help="stop (nothing written) when more than this share of the records is empty for a key; "
+                        "a key with no document at all always stops")
     g.add_argument("--split-sentences", action="store_true",
                    help="not supported (needs NLTK punkt data, unavailable offline)")
     g.add_argument("--keep-newlines", action="store_true", help="only with --split-sentences")
@@ -59,6 +62,8 @@ def check_args(args):
         raise PreprocessError(f"--workers {args.workers}: must be at least 1")
     if args.chunk_size < 1:
         raise PreprocessError(f"--chunk-size {args.chunk_size}: must be at least 1")
+    if not 0.0 <= args.max_empty_fraction <= 1.0:
+        raise PreprocessError(f"--max-empty-fraction {args.max_empty_fraction}: must be in [0, 1]")
     if args.log_interval < 0:
         raise PreprocessError(f"--log-interval {args.log_interval}: must not be negative")
     if args.make_vocab_size_divisible_by < 1:

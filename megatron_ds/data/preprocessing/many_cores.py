@@ -13,7 +13,7 @@ import time
 from ..indexed_dataset import make_builder
 from .args import build_parser, output_prefix_for
 from .encoder import set_worker_encoder
-from .pipeline import main as _main, prepare, write_encoded
+from .pipeline import check_documents, main as _main, prepare, write_encoded
 from .progress import Progress
 
 _COUNTERS = None  # shared int64 [docs_0, bytes_0, docs_1, bytes_1, ...], inherited by fork
@@ -34,9 +34,9 @@ def _work(part, rng, prefixes, report_every):
         if counts[0] % report_every == 0:
             _COUNTERS[2 * part], _COUNTERS[2 * part + 1] = counts
 
-    write_encoded(map(_ENCODER.encode, _SOURCE.range_records(rng)), prefixes, _ENCODER.dtype, report)
+    kept_empty = write_encoded(map(_ENCODER.encode, _SOURCE.range_records(rng)), prefixes, _ENCODER.dtype, report)
     _COUNTERS[2 * part], _COUNTERS[2 * part + 1] = counts
-    return counts[0]
+    return kept_empty
 
 
 def _remove_dataset(prefix):
@@ -70,8 +70,9 @@ def run(args):
             for job in jobs:  # fail fast: the first worker error stops everything
                 if job.ready() and not job.successful():
                     job.get()
-        for job in jobs:
-            job.get()
+        shard_counts = [job.get() for job in jobs]
+        check_documents(args, {key: [sum(c[key][i] for c in shard_counts) for i in (0, 1)]
+                               for key in args.json_keys})
         progress.set_totals(sum(_COUNTERS[0::2]), sum(_COUNTERS[1::2]))
         stats = progress.close()
         for key in args.json_keys:

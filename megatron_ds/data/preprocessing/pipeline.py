@@ -33,31 +33,51 @@ def fork_pool(workers, encoder):
     return multiprocessing.get_context("fork").Pool(workers)
 
 
-def write_encoded(encoded, prefixes, dtype, on_document):
+def write_encoded(encoded, prefixes, dtype, on_document, check=None):
     """Write (nbytes, {key: ids}) results as one dataset per key at `prefixes[key]`, atomically:
-    any error aborts every builder. `on_document(nbytes)` runs after each document."""
+    any error aborts every builder. `on_document(nbytes)` runs after each document; `check(counts)`,
+    with counts = {key: [kept, empty]}, runs before anything is finalized. Returns counts."""
     builders = {key: make_builder(prefix + ".bin", "mmap", dtype=dtype) for key, prefix in prefixes.items()}
+    counts = {key: [0, 0] for key in prefixes}
     try:
         for nbytes, docs in encoded:
             for key, ids in docs.items():
+                counts[key][ids is None] += 1
                 if ids is not None:
                     builders[key].add_item(ids)
                     builders[key].end_document()
             on_document(nbytes)
+        if check is not None:
+            check(counts)
         for key, prefix in prefixes.items():
             builders[key].finalize(prefix + ".idx")
     except BaseException:
         for builder in builders.values():
             builder.abort()
         raise
+    return counts
 
 
-def write_records(records, encoder, prefixes, progress, workers=1, chunk_size=25):
+def check_documents(args, counts):
+    """A key that yields no document, or drops more than --max-empty-fraction of them as empty, is an error
+    (a wrong --json-keys or a column of nulls, not a corpus)."""
+    for key, (kept, empty) in counts.items():
+        total = kept + empty
+        if kept == 0:
+            raise PreprocessError(f"--input {args.input}: --json-keys {key!r} yields 0 documents "
+                                  f"({empty} record(s), all empty); check the key and the input")
+        if empty > args.max_empty_fraction * total:
+            raise PreprocessError(f"--input {args.input}: --json-keys {key!r} is empty in {empty} of {total} "
+                                  f"records ({empty / total:.0%} > --max-empty-fraction "
+                                  f"{args.max_empty_fraction:g}); check the key, or raise the limit")
+
+
+def write_records(records, encoder, prefixes, progress, workers=1, chunk_size=25, check=None):
     """Tokenize `records` and write one dataset per key at `prefixes[key]` (atomically)."""
     pool = fork_pool(workers, encoder) if workers > 1 else None
     try:
         results = pool.imap(encode_in_worker, records, chunk_size) if pool else map(encoder.encode, records)
-        write_encoded(results, prefixes, encoder.dtype, lambda nbytes: progress.update(1, nbytes))
+        write_encoded(results, prefixes, encoder.dtype, lambda nbytes: progress.update(1, nbytes), check)
     finally:
         if pool is not None:
             pool.terminate()
@@ -71,7 +91,8 @@ def run(args):
           f"{', '.join(p + '.{bin,idx}' for p in prefixes.values())}", file=sys.stderr, flush=True)
     progress = Progress(source.total_bytes, source.total_docs, args.log_interval)
     try:
-        write_records(source.records(), encoder, prefixes, progress, args.workers, args.chunk_size)
+        write_records(source.records(), encoder, prefixes, progress, args.workers, args.chunk_size,
+                      lambda counts: check_documents(args, counts))
     except BaseException:
         progress.close(summary=False)
         raise

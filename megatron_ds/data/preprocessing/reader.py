@@ -70,8 +70,16 @@ class _LineAt:
         return f"{self.path}: line {newlines + 1}"
 
 
+# File types read through a `datasets` builder (by extension); anything else is JSON lines.
+BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def builder_for(path):
+    return BUILDERS.get(os.path.splitext(path)[1].lower(), "json")
+
+
 class HFSource:
-    """A Hugging Face dataset: a `save_to_disk` directory, or a JSON file via load_dataset."""
+    """A Hugging Face dataset: a `save_to_disk` directory, or a JSON/Parquet/CSV/Arrow file via load_dataset."""
     kind = "datasets"
 
     def __init__(self, path, keys, split="train"):
@@ -84,7 +92,7 @@ class HFSource:
             if os.path.isdir(path):
                 ds = datasets.load_from_disk(path)
             elif os.path.isfile(path):
-                ds = datasets.load_dataset("json", data_files=path, split=split)
+                ds = datasets.load_dataset(builder_for(path), data_files=path, split=split)
             else:
                 raise PreprocessError(f"--input {path}: no such file or directory")
         except PreprocessError:
@@ -121,8 +129,9 @@ class HFSource:
 
 
 def open_source(path, keys, reader="auto", split="train"):
-    """JSON lines are streamed by default; directories and --input-reader datasets use HF datasets."""
-    if reader == "jsonl" or (reader == "auto" and not os.path.isdir(path)):
+    """JSON lines are streamed by default; directories, Parquet/CSV/Arrow files and --input-reader datasets
+    use HF datasets."""
+    if reader == "jsonl" or (reader == "auto" and not os.path.isdir(path) and builder_for(path) == "json"):
         if os.path.isdir(path):
             raise PreprocessError(f"--input {path}: is a directory, not a JSON-lines file")
         return JsonlSource(path)

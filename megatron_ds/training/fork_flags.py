@@ -1,0 +1,245 @@
+"""The research forks' and Megatron-LM's flags, as aliases of ds_config "pipeline" keys and our flags.
+
+A user of sail-sg zero-bubble, BitPipe, thunlp Seq1F1B, Megatron-DeepSpeed or Megatron-LM keeps the launch
+line: each flag here writes the ds_config key it stands for (the README's migration table lists them). A flag
+and a ds_config key that disagree stop the run with one message naming both, as the batch sizes do. A flag
+nobody knows gets one line naming the closest known flag, or the ds_config key that replaces it.
+
+The schedule's shape (layers per virtual stage, micro-batches per step, segments per sequence) is also
+checked here, at parse time: the same rules the model build applies, a fraction of a second in, not 30 s.
+"""
+import argparse
+import difflib
+import json
+from types import SimpleNamespace
+
+# Flags of the anchors that have no alias here, with what replaces them (printed when one is given).
+REPLACED = {
+    "--zero-bubble-v-schedule-mem-setup": 'not offered: ZB-V here is the "zb" memory setup '
+                                          '(--zero-bubble-v-schedule, ds_config "pipeline": {"schedule": "zbv"})',
+    "--allow-padding-num-layers": "not offered: --num-layers must be a multiple of the schedule's virtual stages",
+    "--zero-bubble-pipeline-timers-start-iter": "not offered: schedules are fixed at start-up, not re-planned "
+                                                "from timers",
+    "--zero-bubble-pipeline-timers-end-iter": "not offered: schedules are fixed at start-up, not re-planned "
+                                              "from timers",
+    "--zero-bubble-adaptive-memory-limit-percentile": "not offered: use --zero-bubble-max-pending-backward "
+                                                      "p (zb-h1) or 2p (zb-h2)",
+    "--enable-zbh1-exact-semantics": 'use --enable-zbh1-pipeline with --enable-optimizer-post-validation '
+                                     '(ds_config "pipeline": {"schedule": "zb-h1", "post_validation": true})',
+    "--num-seq-splits": '--pipe-sp-splits K (ds_config "pipeline": {"schedule": "seq1f1b", "seq_splits": K})',
+    "--enable-seq1f1b": '--pipe-sp-splits K (ds_config "pipeline": {"schedule": "seq1f1b", "seq_splits": K})',
+    "--seq1f1b-splits": '--pipe-sp-splits K (ds_config "pipeline": {"schedule": "seq1f1b", "seq_splits": K})',
+    "--seq1f1b-balance-method": '--pipe-sp-strategy (ds_config "pipeline.seq_split_method")',
+    "--virtual-pipeline-model-parallel-size": '--num-layers-per-virtual-pipeline-stage N (ds_config "pipeline": '
+                                              '{"schedule": "interleaved", "virtual_stages": V})',
+    "--partition-activations": "not offered: it splits activations across tensor-parallel ranks "
+                               "(--tensor-model-parallel-size is 1 here)",
+    "--sequence-parallel": "not offered: it needs tensor parallelism (--tensor-model-parallel-size is 1 here)",
+    "--train-micro-batch-size-per-gpu": '--micro-batch-size (ds_config "train_micro_batch_size_per_gpu")',
+    "--gradient-accumulation-steps": '--global-batch-size (ds_config "gradient_accumulation_steps")',
+    "--wandb-project": "not offered: use --tensorboard-dir or --metrics-file",
+}
+
+_FLASH_NOTE = ("--use-flash-attn: accepted and changes nothing; attention already runs through torch's "
+               "scaled_dot_product_attention, which picks FlashAttention kernels on GPU in bf16/fp16")
+
+
+class ForkAwareParser(argparse.ArgumentParser):
+    """argparse, except that unknown flags get one line each with a hint instead of the usage text."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, rest = self.parse_known_args(args, namespace)
+        if rest:
+            self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in unknown_flag_lines(self, rest)))
+        return parsed
+
+
+def unknown_flag_lines(parser, rest):
+    known = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    flags = [word.split("=", 1)[0] for word in rest if word.startswith("-")]
+    if not flags:
+        return [f"unrecognized arguments: {' '.join(rest)}"]
+    lines = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.75)
+        hint = REPLACED.get(flag) or (f"did you mean {close[0]}?" if close else "see --help for the flags")
+        lines.append(f"unrecognized argument {flag}: {hint}")
+    return lines
+
+
+def add_fork_args(parser):
+    g = parser.add_argument_group("aliases: research forks, Megatron-LM, Megatron-DeepSpeed (README: Migrating)")
+    g.add_argument("--enable-zero-bubble", action="store_true",
+                   help='sail-sg: ZB-H1, or ZB-H2 with --zero-bubble-max-pending-backward 2p ("pipeline.schedule")')
+    g.add_argument("--zero-bubble-max-pending-backward", type=int, default=None,
+                   help="sail-sg: p gives zb-h1, 2p gives zb-h2 (p = pipeline size)")
+    g.add_argument("--zero-bubble-v-schedule", action="store_true", help='sail-sg: "pipeline.schedule" = "zbv"')
+    g.add_argument("--enable-zbh1-pipeline", action="store_true",
+                   help='Megatron-DeepSpeed: "pipeline.schedule" = "zb-h1"')
+    g.add_argument("--enable-optimizer-post-validation", action="store_true",
+                   help='sail-sg: "pipeline.post_validation" = true')
+    g.add_argument("--enable-bitpipe-schedule", action="store_true", help='BitPipe: "pipeline.schedule" = "bitpipe"')
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help='Megatron-LM: "pipeline.schedule" = "interleaved", "virtual_stages" = '
+                        "layers / (pipeline size x N)")
+    g.add_argument("--pipe-sp-splits", type=int, default=None,
+                   help='Seq1F1B: "pipeline.schedule" = "seq1f1b", "seq_splits" = K')
+    g.add_argument("--pipe-sp-strategy", choices=["uniform_comp", "average", "balanced", "even"], default=None,
+                   help='Seq1F1B: "pipeline.seq_split_method" (uniform_comp = balanced, average = even)')
+    g.add_argument("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton", dest="use_flash_attn",
+                   action="store_true", help="accepted; attention already uses scaled_dot_product_attention")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM: recompute each transformer layer (= --checkpoint-activations)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="Megatron-LM: full and selective both recompute whole layers (= --checkpoint-activations)")
+    g.add_argument("--recompute-method", choices=["uniform"], default=None,
+                   help="Megatron-LM: uniform, with --recompute-num-layers (= --checkpoint-num-layers)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="= --checkpoint-num-layers")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="Megatron-DeepSpeed: accepted; --checkpoint-activations always uses DeepSpeed's")
+    g.add_argument("--kill-switch-file", default=None, help="Megatron-DeepSpeed's name for --kill-switch-path")
+
+
+def _err(msg):
+    from .arguments import ArgumentsError
+    raise ArgumentsError(msg)
+
+
+def _flag_schedules(args):
+    """[(flag, schedule)] the fork flags ask for; at most one schedule may come out."""
+    p = args.pipeline_model_parallel_size
+    chosen = []
+    pending = args.zero_bubble_max_pending_backward
+    if pending is not None and not args.enable_zero_bubble:
+        _err("--zero-bubble-max-pending-backward needs --enable-zero-bubble")
+    if args.enable_zero_bubble and not args.zero_bubble_v_schedule:
+        if pending not in (None, p, 2 * p):
+            _err(f"--zero-bubble-max-pending-backward {pending}: give p = {p} (zb-h1) or 2p = {2 * p} (zb-h2) "
+                 f"for --pipeline-model-parallel-size {p}; other memory limits are not offered")
+        chosen.append(("--enable-zero-bubble", "zb-h2" if pending == 2 * p else "zb-h1"))
+    if args.zero_bubble_v_schedule:
+        if pending is not None:
+            _err("--zero-bubble-max-pending-backward does not apply to --zero-bubble-v-schedule")
+        chosen.append(("--zero-bubble-v-schedule", "zbv"))
+    if args.enable_zbh1_pipeline:
+        chosen.append(("--enable-zbh1-pipeline", "zb-h1"))
+    if args.enable_bitpipe_schedule:
+        chosen.append(("--enable-bitpipe-schedule", "bitpipe"))
+    if args.pipe_sp_splits is not None:
+        if args.pipe_sp_splits < 1:
+            _err(f"--pipe-sp-splits must be positive, got {args.pipe_sp_splits}")
+        if args.pipe_sp_splits > 1:
+            chosen.append(("--pipe-sp-splits", "seq1f1b"))
+    differ = [(f, s) for f, s in chosen if s != chosen[0][1]]
+    if differ:
+        (f1, s1), (f2, s2) = chosen[0], differ[0]
+        _err(f"{f1} ({s1}) and {f2} ({s2}) ask for different schedules: give one")
+    return chosen
+
+
+class _Section:
+    """The ds_config "pipeline" section being written by flags; a clash names the flag and the key."""
+
+    def __init__(self, section, src):
+        self.section, self.src, self.set_by = dict(section), src, {}
+
+    def set(self, key, value, flag):
+        have = self.section.get(key)
+        if key in self.section and have != value:
+            by = f"{self.set_by[key]} (\"{key}\" = {json.dumps(have)})" if key in self.set_by else \
+                f'ds_config "pipeline.{key}" = {json.dumps(have)} in {self.src}'
+            _err(f"{flag} (\"pipeline.{key}\" = {json.dumps(value)}) disagrees with {by}; "
+                 "give one of them, or make them equal")
+        self.section[key] = value
+        self.set_by.setdefault(key, flag)
+
+
+def apply_fork_flags(args, ds_config):
+    """The ds_config with the fork flags' "pipeline" keys written in; also maps the recompute/kill flags."""
+    src = args.deepspeed_config or "(no --deepspeed_config)"
+    pipe = _Section(ds_config.get("pipeline") or {}, src)
+    for flag, schedule in _flag_schedules(args):
+        pipe.set("schedule", schedule, flag)
+    _apply_virtual_stages(args, pipe)
+    if args.pipe_sp_strategy is not None:
+        method = {"uniform_comp": "balanced", "average": "even"}.get(args.pipe_sp_strategy, args.pipe_sp_strategy)
+        pipe.set("seq_split_method", method, f"--pipe-sp-strategy {args.pipe_sp_strategy}")
+    if args.pipe_sp_splits is not None and args.pipe_sp_splits > 1:
+        pipe.set("seq_splits", args.pipe_sp_splits, f"--pipe-sp-splits {args.pipe_sp_splits}")
+    if args.enable_optimizer_post_validation:
+        pipe.set("post_validation", True, "--enable-optimizer-post-validation")
+    _apply_recompute(args)
+    if args.kill_switch_file is not None:
+        if args.kill_switch_path not in (None, args.kill_switch_file):
+            _err(f"--kill-switch-file {args.kill_switch_file} disagrees with --kill-switch-path "
+                 f"{args.kill_switch_path}: give one")
+        args.kill_switch_path = args.kill_switch_file
+    if args.use_flash_attn and args.rank == 0:
+        print(_FLASH_NOTE, flush=True)
+    if pipe.section == (ds_config.get("pipeline") or {}):
+        return ds_config
+    return {**ds_config, "pipeline": pipe.section}
+
+
+def _apply_virtual_stages(args, pipe):
+    n = args.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        return
+    p, layers = args.pipeline_model_parallel_size, args.num_layers
+    flag = f"--num-layers-per-virtual-pipeline-stage {n}"
+    if n < 1 or layers % (n * p):
+        _err(f"{flag}: --num-layers {layers} must be a multiple of N x --pipeline-model-parallel-size {p} "
+             f"= {n * p}")
+    v = layers // (n * p)
+    schedule = pipe.section.get("schedule")
+    if schedule in ("zbv", "bitpipe"):
+        if v != 2:
+            _err(f"{flag} gives {v} virtual stages per rank, but schedule {schedule!r} always uses 2: "
+                 f"--num-layers {layers} = 2 x {p} ranks x N")
+        return
+    if schedule is None:
+        pipe.set("schedule", "interleaved", flag)
+    elif schedule not in ("interleaved", "seq1f1b") and v > 1:
+        _err(f"{flag} gives {v} virtual stages per rank, which schedule {schedule!r} does not take "
+             "(only interleaved and seq1f1b do)")
+    if v > 1 or "virtual_stages" in pipe.section:
+        pipe.set("virtual_stages", v, flag)
+
+
+def _apply_recompute(args):
+    if args.recompute_activations or args.recompute_granularity:
+        args.checkpoint_activations = True
+    if args.recompute_num_layers is not None:
+        if args.recompute_num_layers < 1:
+            _err(f"--recompute-num-layers must be positive, got {args.recompute_num_layers}")
+        if args.checkpoint_num_layers not in (1, args.recompute_num_layers):
+            _err(f"--recompute-num-layers {args.recompute_num_layers} disagrees with --checkpoint-num-layers "
+                 f"{args.checkpoint_num_layers}: give one")
+        args.checkpoint_num_layers = args.recompute_num_layers
+
+
+def check_schedule_shape(args):
+    """The named schedule's rules on the flags (layers, micro-batches, segments, ZeRO), before any rank starts."""
+    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.plan import check_layers, segment_lengths
+    from megatron_ds.schedules import ScheduleError
+    settings = getattr(args, "pipeline_settings", None)
+    if settings is None or settings.stock:
+        return
+    src = args.deepspeed_config or "(no --deepspeed_config)"
+    if args.zero_stage != 1:
+        _err(f"schedule {settings.schedule!r} runs with ZeRO stage 1: --zero-stage / ds_config "
+             f"\"zero_optimization.stage\" is {args.zero_stage}")
+    try:
+        schedule = settings.build_schedule(args.pipeline_model_parallel_size, args.gradient_accumulation_steps)
+    except ScheduleError as exc:
+        _err(f"{src}: \"pipeline\": {exc} (micro-batches per step = --global-batch-size {args.global_batch_size} / "
+             f"(--micro-batch-size {args.micro_batch_size} x data-parallel {args.data_parallel_size}))")
+    try:
+        check_layers(schedule, args.num_layers)
+        if schedule.seq_splits > 1:
+            shape = SimpleNamespace(hidden_size=args.hidden_size,
+                                    ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size)
+            segment_lengths(settings, shape, args.seq_length)
+    except ConfigError as exc:
+        _err(str(exc))

@@ -1,0 +1,170 @@
+"""The forks' flags land in the ds_config "pipeline" section; clashes and unknown flags give one line each;
+schedule-shape errors come at parse time."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megatron_ds.training.arguments import ArgumentsError, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# 8 layers, pipeline 2 x data 2, micro-batch 1, 4 micro-batches per step
+BASE = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "64",
+        "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
+        "--merge-file", __file__, "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--pipeline-model-parallel-size", "2"]
+
+
+@pytest.fixture(autouse=True)
+def _corpus_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+
+
+def parse(*extra, ds=None, base=BASE):
+    argv = base + list(extra)
+    if ds is not None:
+        with open("ds.json", "w") as fh:
+            json.dump(ds, fh)
+        argv += ["--deepspeed_config", "ds.json"]
+    return parse_args(argv, env={"WORLD_SIZE": "4", "RANK": "0"})
+
+
+def pipeline(*extra, ds=None):
+    return parse(*extra, ds=ds).ds_config.get("pipeline", {})
+
+
+@pytest.mark.parametrize("flags, keys", [
+    (["--enable-zero-bubble"], {"schedule": "zb-h1"}),
+    (["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "2"], {"schedule": "zb-h1"}),
+    (["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "4"], {"schedule": "zb-h2"}),
+    (["--zero-bubble-v-schedule"], {"schedule": "zbv"}),
+    (["--enable-zero-bubble", "--zero-bubble-v-schedule"], {"schedule": "zbv"}),
+    (["--enable-zbh1-pipeline"], {"schedule": "zb-h1"}),
+    (["--enable-zbh1-pipeline", "--enable-optimizer-post-validation"], {"schedule": "zb-h1", "post_validation": True}),
+    (["--enable-bitpipe-schedule"], {"schedule": "bitpipe"}),
+    (["--num-layers-per-virtual-pipeline-stage", "2"], {"schedule": "interleaved", "virtual_stages": 2}),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], {"schedule": "interleaved", "virtual_stages": 4}),
+    (["--zero-bubble-v-schedule", "--num-layers-per-virtual-pipeline-stage", "2"], {"schedule": "zbv"}),
+    (["--pipe-sp-splits", "4"], {"schedule": "seq1f1b", "seq_splits": 4}),
+    (["--pipe-sp-splits", "4", "--pipe-sp-strategy", "uniform_comp"],
+     {"schedule": "seq1f1b", "seq_splits": 4, "seq_split_method": "balanced"}),
+    (["--pipe-sp-splits", "4", "--pipe-sp-strategy", "average"],
+     {"schedule": "seq1f1b", "seq_splits": 4, "seq_split_method": "even"}),
+    (["--pipe-sp-splits", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
+     {"schedule": "seq1f1b", "seq_splits": 2, "virtual_stages": 2}),
+    (["--pipe-sp-splits", "1"], {}),
+])
+def test_fork_flag_sets_pipeline_keys(flags, keys):
+    args = parse(*flags)
+    assert args.ds_config.get("pipeline", {}) == keys
+    settings = args.pipeline_settings  # the engine reads these
+    assert settings.schedule == keys.get("schedule", "deepspeed")
+    assert settings.post_validation == keys.get("post_validation", False)
+    assert (settings.virtual_stages, settings.seq_splits) == (keys.get("virtual_stages", 1), keys.get("seq_splits", 1))
+
+
+def test_flag_agreeing_with_ds_config_and_filling_it():
+    ds = {"pipeline": {"schedule": "zbv", "trace_dir": "t"}}
+    assert pipeline("--zero-bubble-v-schedule", "--enable-optimizer-post-validation", ds=ds) == \
+        {"schedule": "zbv", "trace_dir": "t", "post_validation": True}
+    assert pipeline("--pipe-sp-strategy", "uniform_comp", ds={"pipeline": {"schedule": "seq1f1b", "seq_splits": 2}}) \
+        == {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "balanced"}
+
+
+@pytest.mark.parametrize("flags, ds, message", [
+    (["--zero-bubble-v-schedule"], {"pipeline": {"schedule": "1f1b"}},
+     '--zero-bubble-v-schedule ("pipeline.schedule" = "zbv") disagrees with ds_config "pipeline.schedule" = "1f1b" '
+     "in ds.json; give one of them, or make them equal"),
+    (["--enable-optimizer-post-validation"], {"pipeline": {"schedule": "zb-h1", "post_validation": False}},
+     '--enable-optimizer-post-validation ("pipeline.post_validation" = true) disagrees with ds_config '
+     '"pipeline.post_validation" = false in ds.json; give one of them, or make them equal'),
+    (["--pipe-sp-splits", "4"], {"pipeline": {"schedule": "seq1f1b", "seq_splits": 2}},
+     '--pipe-sp-splits 4 ("pipeline.seq_splits" = 4) disagrees with ds_config "pipeline.seq_splits" = 2 in ds.json; '
+     "give one of them, or make them equal"),
+    (["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "4"], {"pipeline": {"schedule": "zb-h1"}},
+     '--enable-zero-bubble ("pipeline.schedule" = "zb-h2") disagrees with ds_config "pipeline.schedule" = "zb-h1" '
+     "in ds.json; give one of them, or make them equal"),
+    (["--enable-bitpipe-schedule", "--zero-bubble-v-schedule"], None,
+     "--zero-bubble-v-schedule (zbv) and --enable-bitpipe-schedule (bitpipe) ask for different schedules: give one"),
+    (["--enable-zero-bubble", "--zero-bubble-max-pending-backward", "3"], None,
+     "--zero-bubble-max-pending-backward 3: give p = 2 (zb-h1) or 2p = 4 (zb-h2) for "
+     "--pipeline-model-parallel-size 2; other memory limits are not offered"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], None,
+     "--num-layers-per-virtual-pipeline-stage 3: --num-layers 8 must be a multiple of N x "
+     "--pipeline-model-parallel-size 2 = 6"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], {"pipeline": {"schedule": "zb-h1"}},
+     "--num-layers-per-virtual-pipeline-stage 1 gives 4 virtual stages per rank, which schedule 'zb-h1' does "
+     "not take (only interleaved and seq1f1b do)"),
+    (["--kill-switch-file", "a", "--kill-switch-path", "b"], None,
+     "--kill-switch-file a disagrees with --kill-switch-path b: give one"),
+])
+def test_conflict_is_one_message_naming_both(flags, ds, message):
+    with pytest.raises(ArgumentsError) as info:
+        parse(*flags, ds=ds)
+    assert str(info.value) == message
+
+
+def test_megatron_lm_and_ds_aliases(capsys):
+    args = parse("--recompute-activations")
+    assert args.checkpoint_activations and args.activation_checkpoint_interval == 1
+    args = parse("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2")
+    assert args.activation_checkpoint_interval == 2
+    args = parse("--deepspeed-activation-checkpointing", "--checkpoint-activations")
+    assert args.activation_checkpoint_interval == 1
+    assert parse("--kill-switch-file", "stop").kill_switch_path == "stop"
+    capsys.readouterr()
+    args = parse("--use-flash-attn")
+    out = capsys.readouterr().out
+    assert out.count("--use-flash-attn") == 1 and "scaled_dot_product_attention" in out
+    assert parse("--use-flash-attn-v2").use_flash_attn
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--zero-bubble-v-schedule", "--num-layers", "6"],
+     "schedule 'zbv' cuts the model into 4 virtual stages: --num-layers 6 must be a multiple of 4"),
+    (["--enable-bitpipe-schedule", "--global-batch-size", "6"],
+     "bitpipe needs micro_batches to be a multiple of pp"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "6"],
+     "interleaved with virtual_stages=2 needs"),
+    (["--pipe-sp-splits", "16", "--pipe-sp-strategy", "uniform_comp"],
+     'ds_config "pipeline.seq_splits" = 16 with "seq_split_method": "balanced": seq_length=64 is too short'),
+    (["--pipe-sp-splits", "3", "--pipe-sp-strategy", "even"], "--seq-length 64 must be a multiple of seq_splits"),
+    (["--zero-bubble-v-schedule", "--zero-stage", "0"], "runs with ZeRO stage 1"),
+])
+def test_schedule_shape_checked_at_parse_time(flags, message):
+    with pytest.raises(ArgumentsError, match=None) as info:
+        parse(*flags)
+    assert message in str(info.value)
+
+
+def test_bitpipe_needs_even_pipeline():
+    with pytest.raises(ArgumentsError, match="bitpipe needs an even pipeline size"):
+        parse_args(BASE[:-1] + ["3", "--enable-bitpipe-schedule", "--global-batch-size", "3",
+                                "--num-layers", "6"], env={"WORLD_SIZE": "3", "RANK": "0"})
+
+
+def _cli(*extra):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, *extra],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4", RANK="0"))
+    return proc.returncode, proc.stderr.strip().splitlines(), time.perf_counter() - start
+
+
+def test_cli_unknown_flags_and_shape_error_are_one_line_exit_2_fast():
+    rc, lines, _ = _cli("--zero-bubble-v-schedul", "--num-seq-splits", "4", "--allow-padding-num-layers")
+    assert rc == 2
+    assert lines == [
+        "pretrain_gpt.py: error: unrecognized argument --zero-bubble-v-schedul: did you mean --zero-bubble-v-schedule?",
+        'pretrain_gpt.py: error: unrecognized argument --num-seq-splits: --pipe-sp-splits K (ds_config "pipeline": '
+        '{"schedule": "seq1f1b", "seq_splits": K})',
+        "pretrain_gpt.py: error: unrecognized argument --allow-padding-num-layers: not offered: --num-layers must be "
+        "a multiple of the schedule's virtual stages"]
+    rc, lines, seconds = _cli("--zero-bubble-v-schedule", "--num-layers", "6")
+    assert rc == 2 and len(lines) == 1 and "--num-layers 6 must be a multiple of 4" in lines[0], lines
+    assert seconds < 2.0, f"a schedule-shape error took {seconds:.2f} s"

@@ -1,0 +1,89 @@
+"""Every shipped ds_configs/*.json trains through the README's training command and fits the quickstart.
+
+The README command is read from README.md itself; the test changes only the sizes that make it cheap (2
+iterations, 1 warm-up iteration, 2 ranks = pipeline 2 x data 1, one eval iteration) and the paths. One launch of 2 ranks runs
+the configs one after the other (a fresh process group each), instead of one launch per config.
+"""
+import json
+import os
+import pathlib
+import re
+import shlex
+
+import pytest
+
+from megatron_ds.training.arguments import parse_args
+from tests.multiproc import _free_port, run_ranks
+from tests.training.corpus import write_corpus
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
+
+
+def readme_command():
+    """The argv after pretrain_gpt.py of the README's torchrun example."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"torchrun [^\n]*pretrain_gpt\.py \\\n((?:[^\n]*\\\n)*[^\n]*\n)", text)
+    assert match, "README.md lost its torchrun training command"
+    return shlex.split(match.group(1).replace("\\\n", " "))
+
+
+def with_values(argv, **values):
+    """argv with the given flags' values replaced (flag names with _ for -)."""
+    argv = list(argv)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        alias = {"--deepspeed-config": "--deepspeed_config"}.get(flag, flag)
+        i = argv.index(alias)
+        argv[i + 1] = str(value)
+    return argv
+
+
+def _train_each(argvs, ports):
+    from megatron_ds.training.loop import main
+    results = []
+    for argv, port in zip(argvs, ports):
+        os.environ["MASTER_PORT"] = str(port)
+        results.append(main(argv))
+    return results
+
+
+@pytest.mark.timeout(1800)  # ten trainings of two iterations in one launch on a loaded 2-core machine
+def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
+    from megatron_ds.data.tokenizer import default_gpt2_files
+    vocab, merges = default_gpt2_files()
+    corpus = write_corpus(str(tmp_path / "corpus"), num_docs=120)
+    base = readme_command()
+    assert base.count("--deepspeed_config") == 1
+    argvs, metrics = [], []
+    for path in CONFIGS:
+        run = tmp_path / path.stem
+        metrics.append(run / "metrics.jsonl")
+        argvs.append(with_values(base, train_iters=2, lr_warmup_iters=1, data_path=corpus, vocab_file=vocab, merge_file=merges,
+                                 save=run / "ckpt", load=run / "ckpt", tensorboard_dir=run / "tb",
+                                 deepspeed_config=path)
+                     + ["--eval-iters", "1", "--metrics-file", str(run / "metrics.jsonl"), "--log-interval", "1",
+                        "--distributed-backend", "gloo"])
+    ports = [_free_port() for _ in CONFIGS]
+    codes = run_ranks(2, _train_each, argvs, ports, timeout=1700)
+    assert all(c == [0] * len(CONFIGS) for c in codes), dict(zip([p.name for p in CONFIGS], codes[0]))
+    for path, file in zip(CONFIGS, metrics):
+        rows = [json.loads(line) for line in file.read_text().splitlines()]
+        assert [r["iteration"] for r in rows] == [1, 2], path.name
+        assert all(0 < r["loss"] < 20 for r in rows), (path.name, rows)
+        assert (file.parent / "ckpt" / "latest").read_text() == "global_step2", path.name
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_quickstart_knob_parses_with_every_config(path, tmp_path, monkeypatch):
+    """scripts/quickstart.sh's shape (NPROC 4, PP 2, micro-batch 2, global batch 8) under DS_CONFIG=path."""
+    script = (ROOT / "scripts" / "quickstart.sh").read_text()
+    assert "MBS=2" in script and "GBS=$((MBS * 2 * NPROC / PP))" in script and "--num-layers 4 " in script
+    monkeypatch.chdir(tmp_path)
+    write_corpus(str(tmp_path / "corpus"), num_docs=4)
+    argv = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "300", "--lr", "2e-3",
+            "--clip-grad", "1.0", "--data-path", "corpus", "--vocab-file", __file__, "--merge-file", __file__,
+            "--pipeline-model-parallel-size", "2", "--deepspeed_config", str(path)]
+    args = parse_args(argv, env={"WORLD_SIZE": "4", "RANK": "0"})
+    assert args.gradient_accumulation_steps == 2
