@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 
+from .nonfinite import add_nonfinite_args
+
 
 class ArgumentsError(ValueError):
     """A flag, or a flag/ds_config pair, that cannot work. The message says which and why."""
@@ -134,6 +136,7 @@ def build_parser():
     g.add_argument("--zero-stage", type=int, default=None)
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by the deepspeed launcher")
+    add_nonfinite_args(p)
     return p
 
 
