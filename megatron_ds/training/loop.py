@@ -187,7 +187,7 @@ class Trainer:
             grad_norm = None if grad_norm is None else float(grad_norm)
             lr = self.lr_scheduler.get_last_lr()[0]
             loss_scale = getattr(engine.optimizer, "cur_scale", None) if args.fp16 else None
-            is_nan = self.nan_guard.observe(loss, grad_norm)
+            is_nan = self.nan_guard.observe(loss, grad_norm, skipped)
             interval["time"] += elapsed
             interval["iters"] += 1
             interval["skipped"] += skipped

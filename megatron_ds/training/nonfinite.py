@@ -4,13 +4,15 @@ Megatron logs "number of nan iterations" and, with --check-for-nan-in-loss-and-g
 one. Here the step is skipped instead and the run goes on; --exit-after-nan-iterations N in a row save
 the (untouched) weights and stop the run with exit code 3 and one message.
 
-Who skips the step: DeepSpeed's ZeRO optimizer (stage 1, our default) checks the gradients' global norm
-before stepping and skips on inf/NaN also in bf16 (`bf16.check_grad_overflow`, true by default) and fp32
-(an invalid norm counts as an overflow); the engine then counts the step in `skipped_steps` and does not
-step the lr schedule. Without ZeRO (stage 0) no one checks, so `guard_step` wraps the optimizer's step:
-a non-finite local gradient on any rank (an all-reduce MAX over all ranks) makes every rank skip, and
-DeepSpeed sees `optimizer.overflow` as it would from ZeRO. fp16 keeps DeepSpeed's loss scaler: an
-overflow there is a skipped iteration, not a NaN one, unless the loss itself is not finite.
+Who skips the step (measured with DeepSpeed 0.19.8, an inf injected into one gradient of rank 0 at PP=2):
+DeepSpeed's ZeRO optimizer (stage 1, our default) checks the gradients' global norm before stepping and
+skips on inf/NaN in bf16 (`bf16.check_grad_overflow`, true by default) and fp32 (an invalid norm counts
+as an overflow), and so does its BF16_Optimizer (bf16 without ZeRO); the engine then counts the step in
+`skipped_steps` and does not step the lr schedule. In fp32 without ZeRO (DeepSpeed's stock engine, stage
+0) nothing checks: the engine clips and steps the torch optimizer. `guard_step` wraps that step: a
+non-finite gradient on any rank (an all-reduce MAX over all ranks) makes every rank skip, and DeepSpeed
+reads `optimizer.overflow` as it does from ZeRO. fp16 keeps DeepSpeed's loss scaler: an overflow there
+is a skipped iteration, not a NaN one, unless the loss itself is not finite.
 
 `--inject-inf-grad-iterations` puts an inf into one gradient of rank 0 at the given iterations: the
 fault-injection script and the tests use it to show the skip.
@@ -43,9 +45,10 @@ class NanGuard:
         if args.inject_inf_grad_iterations:
             inject_inf_grad(engine, set(args.inject_inf_grad_iterations), iteration)
 
-    def observe(self, loss, grad_norm):
-        """True when this iteration's loss or gradient norm was NaN or inf."""
-        bad = not math.isfinite(loss) or (not self.fp16 and grad_norm is not None and not math.isfinite(grad_norm))
+    def observe(self, loss, grad_norm, skipped):
+        """True when this iteration's loss or gradient was NaN or inf (outside fp16, only that skips a step)."""
+        bad_grad = skipped or (grad_norm is not None and not math.isfinite(grad_norm))
+        bad = not math.isfinite(loss) or (not self.fp16 and bool(bad_grad))
         self.in_a_row = self.in_a_row + 1 if bad else 0
         return bad
 
