@@ -17,6 +17,7 @@ import os
 
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, validate_model_args
+from .nonfinite import add_nonfinite_args
 
 
 class ArgumentsError(ValueError):
@@ -138,6 +139,7 @@ def build_parser():
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by the deepspeed launcher")
     add_fork_args(p)
+    add_nonfinite_args(p)
     return p
 
 

@@ -20,6 +20,7 @@ import os
 
 from .initialize import get_rng_state
 from .logging_utils import print_rank_0
+from .manifest import verify_manifest, write_manifest
 
 CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
@@ -68,6 +69,7 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     tag = tag_for(iteration)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()  # every rank's files are on disk before `latest` names them
+    write_manifest(os.path.join(args.save, tag))
     if dist.get_rank() == 0:
         _write_atomic(os.path.join(args.save, "latest"), tag)
         _write_atomic(os.path.join(args.save, "latest_checkpointed_iteration.txt"), str(iteration))
@@ -124,6 +126,7 @@ def load_checkpoint(engine, args):
                      "will not load any checkpoint and will start from random")
         return state
     load_optimizer = not (args.no_load_optim or args.finetune)
+    verify_manifest(os.path.join(args.load, tag), skip=lambda rel: not load_optimizer and "optim_states" in rel)
     peek = _peek_client_state(args.load, tag)
     _check_compatible(args, peek.get("args"), args.load, load_optimizer)
     print_rank_0(f"loading checkpoint {tag} from {args.load}")

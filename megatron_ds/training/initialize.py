@@ -84,10 +84,33 @@ def initialize_distributed(args):
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     import deepspeed
+    from . import timeouts
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    timeouts.install(timeout)  # before DeepSpeed's backend keeps references to torch.distributed's functions
+    store = elastic_store(os.environ, world, timeout)
+    if store is not None:
+        device = {"device_id": torch.device("cuda", local_rank % torch.cuda.device_count())} if cuda else {}
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                             **device)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
                                verbose=rank == 0)
     return rank, world, local_rank
+
+
+def elastic_store(env, world_size, timeout):
+    """torchrun's store with this restart's own key space, or None outside torchrun.
+
+    torchrun's static rendezvous (--master-addr/--master-port, the multi-node form) keeps one TCPStore for
+    the whole job, and torch 2.13 no longer prefixes the workers' keys by restart ("a new TCPStore for
+    every retry", which only the c10d rendezvous does). The ranks of a restart then read the addresses of
+    the dead ranks of the previous attempt and fail in gloo's connectFullMesh ("timed out connecting:
+    Connection refused"). A prefix per TORCHELASTIC_RESTART_COUNT gives each attempt fresh keys.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+    store = TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout)
+    return PrefixStore(f"megatron_ds/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
 
 
 def set_random_seed(seed, pipeline_rank=0):

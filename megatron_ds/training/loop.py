@@ -10,14 +10,15 @@ weights, optimizer and lr schedule (DeepSpeed), the iteration and the consumed
 samples (so the data samplers resume at the next sample), and the RNG states
 (restored last, after everything that could draw from them is built).
 """
-import math
 import os
 import sys
 import time
 import warnings
 
+from . import timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
+from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, iteration_line, print_rank_0,
                             print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
 
@@ -111,6 +112,7 @@ class Trainer:
         same_dir = args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
         self.last_saved = self.iteration if same_dir and self.iteration > 0 else None
         self.start_time = time.time()
+        self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
 
     # ---- pieces
 
@@ -180,7 +182,7 @@ class Trainer:
             grad_norm = None if grad_norm is None else float(grad_norm)
             lr = self.lr_scheduler.get_last_lr()[0]
             loss_scale = getattr(engine.optimizer, "cur_scale", None) if args.fp16 else None
-            is_nan = not math.isfinite(loss)
+            is_nan = self.nan_guard.observe(loss, grad_norm, skipped)
             interval["time"] += elapsed
             interval["iters"] += 1
             interval["skipped"] += skipped
@@ -209,7 +211,7 @@ class Trainer:
                 self.valid_points.append((self.iteration, loss_v))
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
-            exit_reason = self._should_exit()
+            exit_reason = self._should_exit() or self.nan_guard.stop_reason()
             if exit_reason:
                 break
         if bar is not None:
@@ -280,6 +282,7 @@ def pretrain(args):
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
     engine, lr_scheduler = setup_model_and_optimizer(args)
+    timeouts.label_groups(engine.grid)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
         print(f" > number of parameters on (pipeline stage, rank) ({engine.stage_id}, {rank}): {params}", flush=True)
@@ -300,6 +303,8 @@ def pretrain(args):
             print_rank_0(exit_reason)
         else:
             trainer.finish()
+        if trainer.nan_guard.stop_reason():
+            raise NonFiniteStop(exit_reason)
     finally:
         trainer.close()
     dist.barrier()
@@ -335,6 +340,10 @@ def main(argv=None):
         if args.rank == 0:
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteStop:
+        return NONFINITE_EXIT_CODE
+    except timeouts.CollectiveError as e:
+        timeouts.report_and_exit(e, args.rank)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
