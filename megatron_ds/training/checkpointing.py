@@ -21,11 +21,12 @@ import os
 from .initialize import get_rng_state
 from .logging_utils import print_rank_0
 from .manifest import verify_manifest, write_manifest
+from .model_args import MODEL_FAMILY_ARGS
 
 CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-              "padded_vocab_size")
+              "padded_vocab_size") + MODEL_FAMILY_ARGS
 TOPOLOGY_ARGS = ("pipeline_model_parallel_size", "data_parallel_size")
 
 
@@ -102,7 +103,7 @@ def _check_compatible(args, saved_args, load_dir, load_optimizer):
     for name in MODEL_ARGS:
         if name in saved and saved[name] != getattr(args, name, None):
             raise CheckpointError(f"checkpoint {load_dir} has {name}={saved[name]}, this run has "
-                                  f"{getattr(args, name, None)}: the model shapes differ")
+                                  f"{getattr(args, name, None)}: the models differ")
     if load_optimizer:
         for name in TOPOLOGY_ARGS:
             if name in saved and saved[name] != getattr(args, name):

@@ -8,6 +8,9 @@ BLOOM:  --position-embedding-type alibi --embed-layernorm
 Importing megatron_ds.model loads torch (seconds), so the flag checks here are the
 argument layer's own, as arguments.py's are (GPTConfig checks the same rules again).
 """
+# the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
+MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
+                     "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
 _POSITION_ALIASES = {"absolute": "learned_absolute", "rotary": "rope"}  # BigScience's names
@@ -76,10 +79,7 @@ def validate_model_args(args):
 def gpt_config_from_args(args):
     """The model the flags describe. Flags a checkpoint's saved args predate take their defaults (GPT-2)."""
     from megatron_ds.model import GPTConfig
-    family = {name: getattr(args, name) for name in
-              ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
-               "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm")
-              if getattr(args, name, None) is not None}
+    family = {name: getattr(args, name) for name in MODEL_FAMILY_ARGS if getattr(args, name, None) is not None}
     return GPTConfig(vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                      num_attention_heads=args.num_attention_heads,
                      max_position_embeddings=args.max_position_embeddings,
