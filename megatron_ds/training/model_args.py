@@ -86,3 +86,23 @@ def gpt_config_from_args(args):
                      ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
                      attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
                      init_method_std=args.init_method_std, seed=args.seed, **family)
+
+
+def model_family_flags(config) -> list:
+    """The flags that give a GPTConfig's family options (none for GPT-2): the inverse of the above."""
+    flags = []
+    if config.normalization != "layernorm":
+        flags += ["--normalization", config.normalization]
+    if config.swiglu:
+        flags.append("--swiglu")
+    if config.position_embedding_type != "learned_absolute":
+        flags += ["--position-embedding-type", config.position_embedding_type]
+    if config.position_embedding_type == "rope":
+        flags += ["--rope-theta", repr(float(config.rope_theta))]
+    if config.num_key_value_heads != config.num_attention_heads:
+        flags += ["--num-key-value-heads", str(config.num_key_value_heads)]
+    for name, on in (("--untie-embeddings-and-output-weights", config.untie_embeddings_and_output_weights),
+                     ("--disable-bias-linear", not config.add_bias_linear), ("--embed-layernorm", config.embed_layernorm)):
+        if on:
+            flags.append(name)
+    return flags

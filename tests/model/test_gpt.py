@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from megatron_ds.model import GPTConfig, GPTModel, WeightGradStore, gpt_loss
@@ -24,8 +25,17 @@ def test_layer_init_depends_only_on_seed_and_index():
     assert not torch.equal(a.layers[0].attn.c_attn.weight, a.layers[1].attn.c_attn.weight)
 
 
-def test_deferred_weight_grads_are_bit_identical_to_fused_backward():
-    cfg = tiny_config()
+FAMILIES = {
+    "gpt2": {},
+    "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
+                  untie_embeddings_and_output_weights=True, add_bias_linear=False),
+    "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_deferred_weight_grads_are_bit_identical_to_fused_backward(family):
+    cfg = tiny_config(**FAMILIES[family])
     fused, split = GPTModel(cfg), GPTModel(cfg)
     tokens, labels = batch(cfg)
     gpt_loss(fused(tokens), labels).backward()
@@ -34,7 +44,8 @@ def test_deferred_weight_grads_are_bit_identical_to_fused_backward():
     queue = []
     with WeightGradStore.deferring(queue):
         loss.backward()
-    linear_weights = {n for n, _ in split.named_parameters() if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))}
+    linear_weights = {n for n, _ in split.named_parameters() if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+                      or n == "lm_head.weight"}
     assert queue, "B must defer the linear layers' weight GEMMs"
     for name, p in split.named_parameters():
         if name in linear_weights:
@@ -58,3 +69,21 @@ def test_tied_head_copy_starts_equal_to_the_embedding():
     from megatron_ds.model import Embedding, TiedLMHead
     cfg = tiny_config()
     assert torch.equal(Embedding(cfg, 0).wte.weight, TiedLMHead(cfg, 0).wte.weight)
+
+
+def test_impossible_family_options_are_refused_by_name():
+    with pytest.raises(ValueError, match="--num-attention-heads \\(4\\) must be divisible by --num-key-value-heads \\(3\\)"):
+        tiny_config(num_key_value_heads=3)
+    with pytest.raises(ValueError, match="--normalization 'batchnorm'"):
+        tiny_config(normalization="batchnorm")
+    with pytest.raises(ValueError, match="head size"):
+        tiny_config(hidden_size=36, position_embedding_type="rope")
+
+
+def test_families_by_options():
+    assert tiny_config().family == "gpt2"
+    llama = tiny_config(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
+                        untie_embeddings_and_output_weights=True, add_bias_linear=False)
+    assert llama.family == "llama" and llama.ffn_hidden_size == 64  # Megatron's swiglu width, at least 64
+    assert tiny_config(position_embedding_type="alibi", embed_layernorm=True).family == "bloom"
+    assert tiny_config(num_key_value_heads=2).family is None  # GPT-2 has no grouped-query attention

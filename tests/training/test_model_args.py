@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from megatron_ds.training.arguments import ArgumentsError, parse_args
-from megatron_ds.training.model_args import gpt_config_from_args
+from megatron_ds.training.model_args import gpt_config_from_args, model_family_flags
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
         "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus",
@@ -54,6 +54,13 @@ def test_other_spellings_give_the_same_model(spelling):
 def test_bloom_flags():
     c = config("--position-embedding-type", "alibi", "--embed-layernorm")
     assert c.family == "bloom" and c.embed_layernorm and c.tied_head
+
+
+@pytest.mark.parametrize("flags", [[], LLAMA + ["--rope-theta", "5e5"], ["--position-embedding-type", "alibi",
+                                                                       "--embed-layernorm"]])
+def test_flags_of_a_config_give_it_back(flags):
+    c = config(*flags)
+    assert config(*model_family_flags(c), "--ffn-hidden-size", str(c.ffn_hidden_size)) == c
 
 
 def test_swiglu_default_ffn_size_is_megatrons():
