@@ -26,71 +26,85 @@ def _require(hf_config, ok, why):
         raise _unsupported(hf_config, why)
 
 
+def _gpt2_fields(c):
+    _require(c, c.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
+             f"activation_function {c.activation_function!r} (ours is GELU's tanh approximation, gelu_new)")
+    _require(c, c.scale_attn_weights and not c.scale_attn_by_inverse_layer_idx,
+             "attention scaled other than by 1/sqrt(head size)")
+    return dict(hidden_size=c.n_embd, num_layers=c.n_layer, num_attention_heads=c.n_head,
+                max_position_embeddings=c.n_positions, ffn_hidden_size=c.n_inner or 0,
+                hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop, layernorm_epsilon=c.layer_norm_epsilon)
+
+
+def _llama_fields(c):
+    rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
+    _require(c, rope.get("rope_type", "default") == "default", f"RoPE scaling {rope}")
+    _require(c, c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} (ours is SwiGLU: silu)")
+    _require(c, getattr(c, "head_dim", None) in (None, c.hidden_size // c.num_attention_heads),
+             f"head_dim {c.head_dim} other than hidden_size / num_attention_heads")
+    _require(c, c.attention_bias == c.mlp_bias, "attention_bias != mlp_bias (ours is one --disable-bias-linear)")
+    return dict(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+                num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+                ffn_hidden_size=c.intermediate_size, attention_dropout=c.attention_dropout,
+                layernorm_epsilon=c.rms_norm_eps, normalization="rmsnorm", swiglu=True,
+                position_embedding_type="rope", rope_theta=rope["rope_theta"], add_bias_linear=c.attention_bias)
+
+
+def _bloom_fields(c):
+    _require(c, not c.apply_residual_connection_post_layernorm, "apply_residual_connection_post_layernorm")
+    return dict(hidden_size=c.hidden_size, num_layers=c.n_layer, num_attention_heads=c.n_head,
+                max_position_embeddings=BLOOM_DEFAULT_POSITIONS, hidden_dropout=c.hidden_dropout,
+                attention_dropout=c.attention_dropout, layernorm_epsilon=c.layer_norm_epsilon,
+                position_embedding_type="alibi", embed_layernorm=True)
+
+
 def gpt_config_from_hf(hf_config, **overrides) -> GPTConfig:
     """The GPTConfig of a GPT2Config, LlamaConfig or BloomConfig; `overrides` set GPTConfig fields
     (e.g. seed, dropout, max_position_embeddings for BLOOM, which has no position limit)."""
-    c, kind = hf_config, getattr(hf_config, "model_type", None)
-    common = dict(vocab_size=c.vocab_size, init_method_std=c.initializer_range,
-                  untie_embeddings_and_output_weights=not getattr(c, "tie_word_embeddings", True))
-    if kind == "gpt2":
-        _require(c, c.activation_function in ("gelu_new", "gelu_pytorch_tanh"),
-                 f"activation_function {c.activation_function!r} (ours is GELU's tanh approximation, gelu_new)")
-        _require(c, c.scale_attn_weights and not c.scale_attn_by_inverse_layer_idx,
-                 "attention scaled other than by 1/sqrt(head size)")
-        fields = dict(hidden_size=c.n_embd, num_layers=c.n_layer, num_attention_heads=c.n_head,
-                      max_position_embeddings=c.n_positions, ffn_hidden_size=c.n_inner or 0,
-                      hidden_dropout=c.resid_pdrop, attention_dropout=c.attn_pdrop,
-                      layernorm_epsilon=c.layer_norm_epsilon)
-    elif kind == "llama":
-        rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
-        _require(c, rope.get("rope_type", "default") == "default", f"RoPE scaling {rope}")
-        _require(c, c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} (ours is SwiGLU: silu)")
-        _require(c, getattr(c, "head_dim", None) in (None, c.hidden_size // c.num_attention_heads),
-                 f"head_dim {c.head_dim} other than hidden_size / num_attention_heads")
-        _require(c, c.attention_bias == c.mlp_bias, "attention_bias != mlp_bias (ours is one --disable-bias-linear)")
-        fields = dict(hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-                      max_position_embeddings=c.max_position_embeddings, ffn_hidden_size=c.intermediate_size,
-                      attention_dropout=c.attention_dropout, layernorm_epsilon=c.rms_norm_eps,
-                      normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
-                      rope_theta=rope["rope_theta"], add_bias_linear=c.attention_bias)
-    elif kind == "bloom":
-        _require(c, not c.apply_residual_connection_post_layernorm, "apply_residual_connection_post_layernorm")
-        fields = dict(hidden_size=c.hidden_size, num_layers=c.n_layer, num_attention_heads=c.n_head,
-                      max_position_embeddings=BLOOM_DEFAULT_POSITIONS, hidden_dropout=c.hidden_dropout,
-                      attention_dropout=c.attention_dropout, layernorm_epsilon=c.layer_norm_epsilon,
-                      position_embedding_type="alibi", embed_layernorm=True)
-    else:
-        raise _unsupported(c)
-    return GPTConfig(**{**common, **fields, **overrides})
+    fields = {"gpt2": _gpt2_fields, "llama": _llama_fields, "bloom": _bloom_fields}.get(
+        getattr(hf_config, "model_type", None))
+    if fields is None:
+        raise _unsupported(hf_config)
+    common = dict(vocab_size=hf_config.vocab_size, init_method_std=hf_config.initializer_range,
+                  untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True))
+    return GPTConfig(**{**common, **fields(hf_config), **overrides})
+
+
+def _gpt2_config(c):
+    return "GPT2Config", dict(
+        architectures=["GPT2LMHeadModel"], n_embd=c.hidden_size, n_layer=c.num_layers, n_head=c.num_attention_heads,
+        n_positions=c.max_position_embeddings, n_inner=c.ffn_hidden_size, activation_function="gelu_new",
+        resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout, attn_pdrop=c.attention_dropout,
+        layer_norm_epsilon=c.layernorm_epsilon)
+
+
+def _llama_config(c):
+    return "LlamaConfig", dict(
+        architectures=["LlamaForCausalLM"], hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        intermediate_size=c.ffn_hidden_size, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.layernorm_epsilon, rope_theta=c.rope_theta, hidden_act="silu",
+        attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear, attention_dropout=c.attention_dropout)
+
+
+def _bloom_config(c):
+    return "BloomConfig", dict(
+        architectures=["BloomForCausalLM"], hidden_size=c.hidden_size, n_layer=c.num_layers,
+        n_head=c.num_attention_heads, layer_norm_epsilon=c.layernorm_epsilon, hidden_dropout=c.hidden_dropout,
+        attention_dropout=c.attention_dropout)
 
 
 def hf_config_from_gpt(config: GPTConfig, **extra):
     """GPT2Config / LlamaConfig / BloomConfig for config.family; `extra` goes to the HF config
     (token ids, dtype, ...)."""
     import transformers
-    c, family = config, config.family
-    common = dict(vocab_size=c.vocab_size, initializer_range=c.init_method_std, tie_word_embeddings=c.tied_head)
-    if family == "gpt2":
-        return transformers.GPT2Config(
-            architectures=["GPT2LMHeadModel"], n_embd=c.hidden_size, n_layer=c.num_layers,
-            n_head=c.num_attention_heads, n_positions=c.max_position_embeddings, n_inner=c.ffn_hidden_size,
-            activation_function="gelu_new", resid_pdrop=c.hidden_dropout, embd_pdrop=c.hidden_dropout,
-            attn_pdrop=c.attention_dropout, layer_norm_epsilon=c.layernorm_epsilon, **{**common, **extra})
-    if family == "llama":
-        return transformers.LlamaConfig(
-            architectures=["LlamaForCausalLM"], hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-            num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
-            intermediate_size=c.ffn_hidden_size, max_position_embeddings=c.max_position_embeddings,
-            rms_norm_eps=c.layernorm_epsilon, rope_theta=c.rope_theta, hidden_act="silu",
-            attention_bias=c.add_bias_linear, mlp_bias=c.add_bias_linear, attention_dropout=c.attention_dropout,
-            **{**common, **extra})
-    if family == "bloom":
-        return transformers.BloomConfig(
-            architectures=["BloomForCausalLM"], hidden_size=c.hidden_size, n_layer=c.num_layers,
-            n_head=c.num_attention_heads, layer_norm_epsilon=c.layernorm_epsilon, hidden_dropout=c.hidden_dropout,
-            attention_dropout=c.attention_dropout, **{**common, **extra})
-    raise ValueError(f"these model options match no Hugging Face family ({', '.join(SUPPORTED)}): {config}")
+    make = {"gpt2": _gpt2_config, "llama": _llama_config, "bloom": _bloom_config}.get(config.family)
+    if make is None:
+        raise ValueError(f"these model options match no Hugging Face family ({', '.join(SUPPORTED)}): {config}")
+    class_name, fields = make(config)
+    common = dict(vocab_size=config.vocab_size, initializer_range=config.init_method_std,
+                  tie_word_embeddings=config.tied_head)
+    return getattr(transformers, class_name)(**{**common, **fields, **extra})
 
 
 def to_hf_state_dict(params_by_layer: dict, config: GPTConfig) -> dict:
