@@ -1,0 +1,21 @@
+"""What every checkpoint tool shares: the tokenizer override flags and the exit-code rule."""
+import sys
+
+from . import ToolError
+
+
+def add_tokenizer_override_args(parser):
+    g = parser.add_argument_group("tokenizer (default: the one the run used, from the checkpoint's arguments)")
+    g.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json / encoder.json")
+    g.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt / vocab.bpe")
+    g.add_argument("--tokenizer-name-or-path", default=None, help="a local Hugging Face tokenizer folder")
+
+
+def run_tool(prog, fn, *args, **kwargs):
+    """fn(*args, **kwargs); bad input (ToolError) is one line on stderr and exit code 2."""
+    try:
+        fn(*args, **kwargs)
+    except ToolError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,111 @@
+"""Reading and writing the weights of a megatron_ds checkpoint, outside any process group.
+
+A checkpoint is DeepSpeed's pipeline layout (see megatron_ds/training/checkpointing.py):
+SAVE/latest names the tag; SAVE/TAG/layer_XX-model_states.pt holds global layer XX's
+state dict (one file per layer whatever the schedule, pipeline size, data-parallel
+size or BitPipe replica count: data-parallel rank 0 of replica 0 writes it), and
+SAVE/TAG/mp_rank_00_model_states.pt holds DeepSpeed's state and our client state
+(the run's arguments). Optimizer shards are not read or written here.
+"""
+import os
+from collections import OrderedDict
+
+from . import ToolError
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def layer_file(idx):
+    return f"layer_{idx:02d}-model_states.pt"
+
+
+def checkpoint_tag_dir(load_dir):
+    """SAVE/TAG of the tag SAVE/latest names."""
+    if not os.path.isdir(load_dir):
+        raise ToolError(f"{load_dir}: no such checkpoint folder")
+    latest = os.path.join(load_dir, "latest")
+    if not os.path.isfile(latest):
+        raise ToolError(f"{latest}: missing; a checkpoint folder names its newest complete step in 'latest' "
+                        "(pretrain_gpt.py --save writes it last)")
+    with open(latest) as f:
+        tag = f.read().strip()
+    tag_dir = os.path.join(load_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise ToolError(f"{latest} names {tag!r}, but {tag_dir} does not exist")
+    return tag_dir
+
+
+def _load(path):
+    import torch
+    if not os.path.isfile(path):
+        raise ToolError(f"{path}: missing from the checkpoint")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def read_saved_args(tag_dir):
+    """(the run's arguments, the iteration) from the client state."""
+    state = _load(os.path.join(tag_dir, MODEL_STATES))
+    if state.get("args") is None:
+        raise ToolError(f"{os.path.join(tag_dir, MODEL_STATES)}: no 'args' in the client state "
+                        "(not saved by pretrain_gpt.py)")
+    args = state["args"]
+    info = state.get("checkpoint_info") or {}
+    if getattr(args, "padded_vocab_size", None) is None and "padded_vocab_size" in info:
+        args.padded_vocab_size = info["padded_vocab_size"]
+    return args, state.get("iteration", 0)
+
+
+def load_into(model, tag_dir):
+    """Copy every layer file into `model` (a GPTModel); every parameter must be found, with its shape.
+
+    The model takes the files' dtype (a bf16 run saves bf16 weights)."""
+    import torch
+    params = model.named_parameters_by_layer()
+    files = {}
+    for idx, name in params:
+        if idx not in files:
+            files[idx] = _load(os.path.join(tag_dir, layer_file(idx)))
+    dtypes = {t.dtype for sd in files.values() for t in sd.values() if torch.is_floating_point(t)}
+    if len(dtypes) == 1:
+        model.to(dtypes.pop())
+    with torch.no_grad():
+        for (idx, name), p in params.items():
+            path = os.path.join(tag_dir, layer_file(idx))
+            if name not in files[idx]:
+                raise ToolError(f"{path}: no key {name!r} (holds {sorted(files[idx])})")
+            t = files[idx][name]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ToolError(f"{path}: {name!r} has shape {tuple(t.shape)}, the model's arguments "
+                                f"need {tuple(p.shape)}")
+            p.copy_(t)
+    return model
+
+
+def write_checkpoint(out_dir, params_by_layer, args, tag="global_step0"):
+    """A checkpoint that `--load OUT --finetune` continues under any schedule and pipeline size.
+
+    Only mp_rank_00_model_states.pt is written: DeepSpeed reads file 0 when the number of
+    such files differs from the pipeline size; the layer files do the rest."""
+    import deepspeed
+    import torch
+    from megatron_ds.training.checkpointing import CHECKPOINT_VERSION
+    tag_dir = os.path.join(out_dir, tag)
+    os.makedirs(tag_dir)
+    by_layer = {}
+    for (idx, name), t in sorted(params_by_layer.items()):
+        by_layer.setdefault(idx, OrderedDict())[name] = t.detach().contiguous().clone()
+    for idx, sd in by_layer.items():
+        torch.save(sd, os.path.join(tag_dir, layer_file(idx)))
+    state = {
+        "module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
+        "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": 0, "global_samples": 0,
+        "dp_world_size": 1, "mp_world_size": 1, "ds_version": deepspeed.__version__,
+        # our client state (checkpointing.save_checkpoint's keys)
+        "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_train_samples": 0,
+        "consumed_valid_samples": 0, "tokens": 0, "args": args,
+        "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size},
+    }
+    torch.save(state, os.path.join(tag_dir, MODEL_STATES))
+    for name, text in (("latest", tag), ("latest_checkpointed_iteration.txt", "0")):
+        with open(os.path.join(out_dir, name), "w") as f:
+            f.write(text)

@@ -1,0 +1,114 @@
+"""A local Hugging Face folder -> a megatron_ds checkpoint that `--load OUT --finetune` continues.
+
+The model flags come from the HF config (through the family's gpt_config_from_hf);
+they are checked by parsing them and rebuilding the model config, and the tokenizer
+flags by building the tokenizer: its vocabulary, padded, must be the HF model's
+vocab_size (by default --pad-vocab-size-to is set to it). The flags are printed and
+written to OUT/megatron_ds_args.txt; the folder's tokenizer, if any, is copied to
+OUT/tokenizer. Nothing is written unless every check passes.
+"""
+import contextlib
+import os
+import shlex
+import sys
+
+from . import ToolError
+from .ds_format import write_checkpoint
+from .hf_folder import has_tokenizer, read_config, read_weights
+from .hf_interface import from_hf_state_dict, gpt_config_from_hf, to_hf_state_dict
+from .model_args import check_flags_rebuild, config_flags, parse_flags
+from .staging import staged_folder
+
+ARGS_FILE = "megatron_ds_args.txt"
+
+
+def _model_config(hf_dir):
+    hf_config = read_config(hf_dir)
+    try:
+        return gpt_config_from_hf(hf_config)
+    except (ValueError, KeyError, NotImplementedError, AttributeError) as e:
+        arch = ", ".join(getattr(hf_config, "architectures", None) or [hf_config.model_type])
+        raise ToolError(f"{os.path.join(hf_dir, 'config.json')}: {arch} cannot be imported: {e}") from None
+
+
+def _params(hf_dir, config):
+    """{(layer, name): tensor}, every parameter of our model found once, with its shape."""
+    from megatron_ds.model import GPTModel
+    hf_sd = read_weights(hf_dir)
+    with contextlib.redirect_stdout(sys.stderr):
+        expected = GPTModel(config).named_parameters_by_layer()
+    seen = set()  # a tied weight appears under two HF names; the folder holds one of them
+    for hf_name, t in to_hf_state_dict(expected, config).items():
+        if hf_name not in hf_sd and t.data_ptr() not in seen:
+            raise ToolError(f"{hf_dir}: the weights have no {hf_name!r}, which config.json's model needs")
+        seen.add(t.data_ptr())
+    try:
+        params = from_hf_state_dict(hf_sd, config)
+    except KeyError as e:
+        raise ToolError(f"{hf_dir}: the weights have no {e}, which config.json's model needs") from None
+    for key, p in expected.items():
+        if key not in params:
+            raise ToolError(f"{hf_dir}: no weight maps to layer {key[0]} {key[1]!r}")
+        if tuple(params[key].shape) != tuple(p.shape):
+            raise ToolError(f"{hf_dir}: layer {key[0]} {key[1]!r} has shape {tuple(params[key].shape)}, "
+                            f"config.json's model needs {tuple(p.shape)}")
+    return {key: params[key] for key in expected}
+
+
+def _tokenizer_flags(hf_dir, out_dir, vocab_size, tokenizer_flags):
+    """(flags to check the vocabulary with now, flags to write): the folder's own tokenizer moves to OUT."""
+    flags = list(tokenizer_flags)
+    given = set(flags)
+    if not {"--tokenizer-type", "--vocab-file", "--tokenizer-name-or-path"} & given:
+        if has_tokenizer(hf_dir):
+            flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", hf_dir]
+        else:
+            from megatron_ds.data.tokenizer import default_gpt2_files
+            vocab, merges = default_gpt2_files()
+            flags += ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    if not {"--make-vocab-size-divisible-by", "--pad-vocab-size-to"} & given:
+        flags += ["--pad-vocab-size-to", str(vocab_size)]
+    final = [os.path.join(out_dir, "tokenizer") if f == hf_dir else f for f in flags]
+    return flags, final
+
+
+def _check_vocab(args, vocab_size, hf_dir, flags):
+    from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
+    where = f"{os.path.join(hf_dir, 'config.json')}: vocab_size {vocab_size}"
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            tokenizer = build_tokenizer(args)
+    except TokenizerError as e:
+        raise ToolError(f"{where} does not fit the tokenizer flags {' '.join(flags)}: {e}") from None
+    if args.padded_vocab_size != vocab_size:
+        raise ToolError(f"{where} does not fit the tokenizer flags {' '.join(flags)}: the tokenizer has "
+                        f"{tokenizer.vocab_size} tokens, padded to {args.padded_vocab_size}; the embedding "
+                        "must have exactly the padded vocabulary")
+
+
+def import_hf(hf_dir, out_dir, seq_length=None, tokenizer_flags=(), log=print):
+    """Returns the pretrain_gpt.py flags that continue OUT."""
+    hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
+    if not os.path.isdir(hf_dir):
+        raise ToolError(f"{hf_dir}: no such folder")
+    config = _model_config(hf_dir)
+    params = _params(hf_dir, config)
+    model_flags = config_flags(config, seq_length or config.max_position_embeddings)
+    check_tok, final_tok = _tokenizer_flags(hf_dir, out_dir, config.vocab_size, tokenizer_flags)
+    args = parse_flags(model_flags + check_tok)
+    _check_vocab(args, config.vocab_size, hf_dir, check_tok)
+    check_flags_rebuild(model_flags + check_tok, args, config)
+    flags = model_flags + final_tok + ["--load", out_dir, "--finetune"]
+    saved = parse_flags(model_flags + final_tok)
+    saved.padded_vocab_size = args.padded_vocab_size
+    line = shlex.join(flags)
+    with staged_folder(out_dir) as tmp:
+        if final_tok != check_tok:
+            from transformers import AutoTokenizer
+            AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).save_pretrained(os.path.join(tmp, "tokenizer"))
+        write_checkpoint(tmp, params, saved)
+        with open(os.path.join(tmp, ARGS_FILE), "w") as f:
+            f.write(line + "\n")
+    log(f"imported {hf_dir} ({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}) "
+        f"to {out_dir}\ncontinue it with: pretrain_gpt.py {line} ...  (also in {os.path.join(out_dir, ARGS_FILE)})")
+    return flags

@@ -1,0 +1,70 @@
+"""Between pretrain_gpt.py's arguments and a GPTConfig, both ways.
+
+A checkpoint holds the arguments of the run that saved it; the model comes back
+from them through the training code's own model_config(). An imported model goes
+the other way: its GPTConfig becomes the flags that rebuild it, and the flags are
+checked by parsing them and rebuilding the config (so a field without a flag
+cannot slip through unnoticed).
+"""
+import argparse
+import dataclasses
+
+from . import ToolError
+
+# GPTConfig fields that are no model flags: the vocabulary comes from the tokenizer
+# (padded to --pad-vocab-size-to), the seed only draws initial weights.
+_NOT_FLAGS = ("vocab_size", "seed")
+
+
+def _actions():
+    from megatron_ds.training.arguments import build_parser
+    return {a.dest: a for a in build_parser()._actions if a.option_strings}
+
+
+def with_defaults(saved):
+    """A saved Namespace completed with today's defaults (flags added since it was saved)."""
+    args = {dest: a.default for dest, a in _actions().items()}
+    args.update(vars(saved))
+    return argparse.Namespace(**args)
+
+
+def config_from_args(args):
+    from megatron_ds.training.loop import model_config
+    return model_config(args)
+
+
+def config_flags(config, seq_length):
+    """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary)."""
+    actions = _actions()
+    flags = ["--seq-length", str(seq_length)]
+    for field in dataclasses.fields(config):
+        if field.name in _NOT_FLAGS:
+            continue
+        action, value = actions.get(field.name), getattr(config, field.name)
+        if action is None:
+            raise ToolError(f"GPTConfig.{field.name}={value!r} has no pretrain_gpt.py flag "
+                            f"(--{field.name.replace('_', '-')} is unknown)")
+        option = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            flags += [option] if value else []
+        elif value is not None:
+            flags += [option, str(value)]
+    return flags
+
+
+def parse_flags(flags):
+    """The Namespace pretrain_gpt.py makes of `flags` (parsing only: no world size, no ds_config)."""
+    from megatron_ds.training.arguments import build_parser
+    args = build_parser().parse_args(flags)
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    return args
+
+
+def check_flags_rebuild(flags, args, config):
+    """`args` (parsed from `flags`, vocabulary padded) must give back exactly `config`."""
+    rebuilt = config_from_args(args)
+    diff = [f"{f.name}: {getattr(rebuilt, f.name)!r} != {getattr(config, f.name)!r}"
+            for f in dataclasses.fields(config) if f.name != "seed" and getattr(rebuilt, f.name) != getattr(config, f.name)]
+    if diff:
+        raise ToolError(f"the flags {' '.join(flags)} do not rebuild the model: {'; '.join(diff)}")
