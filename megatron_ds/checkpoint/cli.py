@@ -1,4 +1,6 @@
-"""What every checkpoint tool shares: the tokenizer override flags and the exit-code rule."""
+"""What the checkpoint tools share: the tokenizer override flags, quiet library calls, and the exit-code rule."""
+import contextlib
+import io
 import sys
 
 from . import ToolError
@@ -11,8 +13,18 @@ def add_tokenizer_override_args(parser):
     g.add_argument("--tokenizer-name-or-path", default=None, help="a local Hugging Face tokenizer folder")
 
 
+@contextlib.contextmanager
+def quiet():
+    """Drop what the training code prints while building (stdout is the tools' own output)."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
 def run_tool(prog, fn, *args, **kwargs):
     """fn(*args, **kwargs); bad input (ToolError) is one line on stderr and exit code 2."""
+    import transformers
+    transformers.logging.set_verbosity_error()  # its warnings and progress bars would bury our one line
+    transformers.utils.logging.disable_progress_bar()
     try:
         fn(*args, **kwargs)
     except ToolError as e:

@@ -5,9 +5,7 @@
 dtype they were saved in; `AutoTokenizer.from_pretrained(OUT)` the run's tokenizer.
 The vocabulary keeps Megatron's padding (config vocab_size = padded size).
 """
-import contextlib
-import sys
-
+from .cli import quiet
 from .hf_interface import hf_config_from_gpt, to_hf_state_dict
 from .reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
 from .staging import staged_folder
@@ -30,7 +28,7 @@ def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_nam
     config = model.config
     dtype = next(model.parameters()).dtype
     hf_config = hf_config_from_gpt(config, bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod, dtype=dtype)
-    with contextlib.redirect_stdout(sys.stderr):
+    with quiet():
         hf_model = AutoModelForCausalLM.from_config(hf_config).to(dtype)
     hf_model.load_state_dict(to_hf_state_dict(model.named_parameters_by_layer(), config), strict=True)
     with staged_folder(out_dir) as tmp:

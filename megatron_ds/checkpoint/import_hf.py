@@ -7,12 +7,11 @@ vocab_size (by default --pad-vocab-size-to is set to it). The flags are printed 
 written to OUT/megatron_ds_args.txt; the folder's tokenizer, if any, is copied to
 OUT/tokenizer. Nothing is written unless every check passes.
 """
-import contextlib
 import os
 import shlex
-import sys
 
 from . import ToolError
+from .cli import quiet
 from .ds_format import write_checkpoint
 from .hf_folder import has_tokenizer, read_config, read_weights
 from .hf_interface import from_hf_state_dict, gpt_config_from_hf, to_hf_state_dict
@@ -35,7 +34,7 @@ def _params(hf_dir, config):
     """{(layer, name): tensor}, every parameter of our model found once, with its shape."""
     from megatron_ds.model import GPTModel
     hf_sd = read_weights(hf_dir)
-    with contextlib.redirect_stdout(sys.stderr):
+    with quiet():
         expected = GPTModel(config).named_parameters_by_layer()
     seen = set()  # a tied weight appears under two HF names; the folder holds one of them
     for hf_name, t in to_hf_state_dict(expected, config).items():
@@ -76,7 +75,7 @@ def _check_vocab(args, vocab_size, hf_dir, flags):
     from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
     where = f"{os.path.join(hf_dir, 'config.json')}: vocab_size {vocab_size}"
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with quiet():
             tokenizer = build_tokenizer(args)
     except TokenizerError as e:
         raise ToolError(f"{where} does not fit the tokenizer flags {' '.join(flags)}: {e}") from None

@@ -1,8 +1,6 @@
 """The single-process reference GPTModel and tokenizer of a checkpoint (no process group)."""
-import contextlib
-import sys
-
 from . import ToolError
+from .cli import quiet
 from .ds_format import checkpoint_tag_dir, load_into, read_saved_args
 from .model_args import config_from_args, with_defaults
 
@@ -33,7 +31,7 @@ def checkpoint_tokenizer(args):
     probe = copy.copy(args)
     probe.rank = 0
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the tool's own output
+        with quiet():  # keep stdout for the tool's own output
             tokenizer = build_tokenizer(probe)
     except TokenizerError as e:
         raise ToolError(f"the checkpoint's tokenizer: {e} (give the files with --vocab-file/--merge-file "

@@ -1,0 +1,75 @@
+"""Shared by the checkpoint-tool tests: tiny Hugging Face models built locally, training launches,
+and the loss of a batch under either model."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tests.multiproc import _free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOLS = os.path.join(ROOT, "tools")
+
+
+def gpt2_files():
+    from megatron_ds.data.tokenizer import default_gpt2_files
+    return default_gpt2_files()
+
+
+def tiny_hf_gpt2(path, vocab_size=50257, n_positions=32, with_tokenizer=False, seed=0):
+    """A random 4-layer GPT-2 (hidden 32), no dropout, saved with save_pretrained."""
+    import transformers
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=32, n_layer=4, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(path)
+    if with_tokenizer:
+        vocab, merges = gpt2_files()
+        transformers.GPT2Tokenizer(vocab=vocab, merges=merges).save_pretrained(path)
+    return model
+
+
+def batch_loss(logits, batch):
+    """Mean next-token cross-entropy of (b, s+1) token rows, logits from batch[:, :-1]."""
+    return float(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))
+
+
+@torch.no_grad()
+def hf_loss(hf_model, batch):
+    return batch_loss(hf_model(batch[:, :-1]).logits, batch)
+
+
+def stack_samples(dataset, count):
+    return torch.stack([torch.as_tensor(np.asarray(dataset[i]["text"], dtype=np.int64)) for i in range(count)])
+
+
+def train(cwd, name, schedule, flags, nproc, timeout=900):
+    """pretrain_gpt.py under torchrun with a ds_config naming `schedule`; returns (metrics records, output)."""
+    ds_config = os.path.join(cwd, f"{name}.json")
+    with open(ds_config, "w") as f:
+        json.dump({"zero_optimization": {"stage": 1},
+                   "pipeline": {"schedule": schedule, "partition_method": "type:transformer"}}, f)
+    metrics = os.path.join(cwd, f"{name}.jsonl")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags,
+           "--log-interval", "1", "--deepspeed", "--deepspeed_config", ds_config, "--metrics-file", metrics]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{out[-6000:]}"
+    with open(metrics) as f:
+        return [json.loads(line) for line in f], out
+
+
+def tool(relpath, *argv):
+    """main() of a tools/ script, in this process: (exit code)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(os.path.basename(relpath)[:-3], os.path.join(TOOLS, relpath))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([str(a) for a in argv])

@@ -1,0 +1,120 @@
+"""Bad input to the checkpoint tools: exit code 2, one message naming the file or key and the rule,
+and nothing written (no output folder, no temporary folder left beside it)."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.checkpoint.helpers import tiny_hf_gpt2, tool
+
+IMPORT, EXPORT = "checkpoint/import_hf.py", "checkpoint/export_hf.py"
+
+
+def _nothing_written(out):
+    parent = os.path.dirname(out)
+    leftovers = [n for n in os.listdir(parent) if n.startswith(f".{os.path.basename(out)}.tmp")]
+    return not os.path.exists(out) and not leftovers
+
+
+def _fails(capsys, relpath, *argv, out, says):
+    capsys.readouterr()
+    assert tool(relpath, *argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{os.path.basename(relpath)}: error: "), err
+    for text in says:
+        assert text in err[0], (text, err[0])
+    assert _nothing_written(str(out))
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hf") / "gpt2"
+    tiny_hf_gpt2(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "imported"
+    assert tool(IMPORT, "--input", hf_dir, "--output", out) == 0
+    return out
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_another_architecture(tmp_path, capsys):
+    import transformers
+    other = tmp_path / "opt"
+    transformers.OPTForCausalLM(transformers.OPTConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+                                                       ffn_dim=32, num_attention_heads=2,
+                                                       max_position_embeddings=32)).save_pretrained(other)
+    _fails(capsys, IMPORT, "--input", other, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=[str(other / "config.json"), "OPTForCausalLM", "'opt'"])
+
+
+def test_vocabulary_that_does_not_fit(tmp_path, hf_dir, capsys):
+    small = tmp_path / "small_vocab"
+    tiny_hf_gpt2(str(small), vocab_size=1000)  # fewer rows than the GPT-2 BPE has tokens
+    _fails(capsys, IMPORT, "--input", small, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=["config.json: vocab_size 1000 does not fit", "50257"])
+    # 50257 rows, but the flags pad the 50257 tokens to a multiple of 128
+    _fails(capsys, IMPORT, "--input", hf_dir, "--output", tmp_path / "out", "--make-vocab-size-divisible-by", 128,
+           out=tmp_path / "out", says=["vocab_size 50257 does not fit", "padded to 50304"])
+
+
+def test_missing_weight_file_and_key(tmp_path, hf_dir, capsys):
+    bare = _copy(hf_dir, tmp_path / "no_weights")
+    os.remove(bare / "model.safetensors")
+    _fails(capsys, IMPORT, "--input", bare, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=[str(bare), "no weight file", "model.safetensors"])
+    sharded = _copy(hf_dir, tmp_path / "sharded")
+    with open(sharded / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors",
+                                                  "transformer.h.0.ln_1.weight": "model-00002-of-00002.safetensors"}}, f)
+    os.rename(sharded / "model.safetensors", sharded / "model-00001-of-00002.safetensors")
+    _fails(capsys, IMPORT, "--input", sharded, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=[str(sharded / "model-00002-of-00002.safetensors"), "missing"])
+    from safetensors.torch import load_file, save_file
+    holed = _copy(hf_dir, tmp_path / "holed")
+    sd = load_file(holed / "model.safetensors")
+    del sd["transformer.h.2.mlp.c_fc.weight"]
+    save_file(sd, holed / "model.safetensors")
+    _fails(capsys, IMPORT, "--input", holed, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=["'transformer.h.2.mlp.c_fc.weight'"])
+
+
+def test_checkpoint_without_latest_or_layer_file(tmp_path, ckpt, capsys):
+    broken = _copy(ckpt, tmp_path / "no_latest")
+    os.remove(broken / "latest")
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(broken / "latest"), "missing"])
+    _fails(capsys, EXPORT, "--load", tmp_path / "nowhere", "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(tmp_path / "nowhere"), "no such checkpoint folder"])
+    broken = _copy(ckpt, tmp_path / "no_layer")
+    os.remove(broken / "global_step0" / "layer_03-model_states.pt")
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(broken / "global_step0" / "layer_03-model_states.pt"), "missing"])
+    broken = _copy(ckpt, tmp_path / "bad_key")
+    path = broken / "global_step0" / "layer_02-model_states.pt"
+    sd = torch.load(path)
+    sd["attn.c_attn.weight"] = sd["attn.c_attn.weight"][:, :8]
+    torch.save(sd, path)
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(path), "'attn.c_attn.weight'", "shape"])
+
+
+def test_output_folder_must_be_new(tmp_path, hf_dir, ckpt, capsys):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    assert tool(IMPORT, "--input", hf_dir, "--output", out) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert os.listdir(out) == ["keep.txt"]
+    assert tool(EXPORT, "--load", ckpt, "--output", out) == 2
+    assert os.listdir(out) == ["keep.txt"]
