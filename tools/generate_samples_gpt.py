@@ -51,15 +51,16 @@ def generate_samples(a):
     max_length = min(a.seq_length or args.seq_length, model.config.max_position_embeddings)
     if a.sample_input_file and not os.path.isfile(a.sample_input_file):
         raise ToolError(f"--sample-input-file {a.sample_input_file}: no such file")
+    with open(a.sample_input_file) if a.sample_input_file else contextlib.nullcontext(sys.stdin) as source:
+        prompts = [line.rstrip("\n").replace("\\n", "\n") for line in source]
+    contexts = [tokenizer.tokenize(p) if p else [tokenizer.eod] for p in prompts]
+    for n, context in enumerate(contexts, 1):
+        if len(context) >= max_length:
+            raise ToolError(f"prompt {n} has {len(context)} tokens: no room to generate in a {max_length}-token "
+                            "sequence (--seq-length)")
     generator = torch.Generator().manual_seed(a.seed)
-    with contextlib.ExitStack() as files:
-        source = files.enter_context(open(a.sample_input_file)) if a.sample_input_file else sys.stdin
-        sink = files.enter_context(open(a.sample_output_file, "w")) if a.sample_output_file else sys.stdout
-        for line in source:
-            prompt = line.rstrip("\n").replace("\\n", "\n")
-            context = tokenizer.tokenize(prompt) if prompt else [tokenizer.eod]
-            if len(context) >= max_length:
-                raise ToolError(f"a prompt of {len(context)} tokens leaves no room in a {max_length}-token sequence")
+    with open(a.sample_output_file, "w") if a.sample_output_file else contextlib.nullcontext(sys.stdout) as sink:
+        for prompt, context in zip(prompts, contexts):
             tokens = generate(model, context, a.out_seq_length, max_length, eod=tokenizer.eod, greedy=a.greedy,
                               temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, generator=generator)
             text = tokenizer.detokenize(tokens)

@@ -1,6 +1,7 @@
 """What the checkpoint tools share: the tokenizer override flags, quiet library calls, and the exit-code rule."""
 import contextlib
 import io
+import os
 import sys
 
 from . import ToolError
@@ -22,7 +23,10 @@ def quiet():
 
 def run_tool(prog, fn, *args, **kwargs):
     """fn(*args, **kwargs); bad input (ToolError) is one line on stderr and exit code 2."""
+    import torch
     import transformers
+    if not torch.cuda.is_available():  # DeepSpeed would log its CPU fallback: a second line on stderr
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     transformers.logging.set_verbosity_error()  # its warnings and progress bars would bury our one line
     transformers.utils.logging.disable_progress_bar()
     try:

@@ -7,9 +7,9 @@ from .model_args import config_from_args, with_defaults
 
 def load_checkpoint_model(load_dir):
     """(GPTModel in eval mode holding the checkpoint's weights, the run's arguments, iteration)."""
-    from megatron_ds.model import GPTModel
     tag_dir = checkpoint_tag_dir(load_dir)
     saved, iteration = read_saved_args(tag_dir)
+    from megatron_ds.model import GPTModel
     args = with_defaults(saved)
     model = load_into(GPTModel(config_from_args(args)), tag_dir)
     return model.eval(), args, iteration

@@ -118,3 +118,20 @@ def test_output_folder_must_be_new(tmp_path, hf_dir, ckpt, capsys):
     assert os.listdir(out) == ["keep.txt"]
     assert tool(EXPORT, "--load", ckpt, "--output", out) == 2
     assert os.listdir(out) == ["keep.txt"]
+
+
+def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
+    """The real command: exit status 2 and exactly one line on stderr (no library chatter)."""
+    import subprocess
+    import sys
+    from tests.checkpoint.helpers import ROOT, TOOLS
+    bare = _copy(hf_dir, tmp_path / "no_weights")
+    os.remove(bare / "model.safetensors")
+    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "checkpoint", "import_hf.py"), "--input", str(bare),
+                           "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [f"import_hf.py: error: {bare}: no weight file (looked for "
+                                        "model.safetensors.index.json, model.safetensors, "
+                                        "pytorch_model.bin.index.json, pytorch_model.bin)"]
+    assert proc.stdout == "" and _nothing_written(str(tmp_path / "out"))

@@ -109,6 +109,14 @@ def test_greedy_generation_equals_hf_generate(runs, tmp_path):
         want = hf.generate(ids, do_sample=False, max_new_tokens=new, pad_token_id=50256)[0, ids.shape[1]:]
         assert s["tokens"] == want.tolist() and len(s["tokens"]) >= 4, (s, want)
         assert s["text"] == tok.decode(want)
+    # sampling: the same seed gives the same text; top-k 1 is greedy again
+    def sample(*flags):
+        assert tool("generate_samples_gpt.py", "--load", ckpt, "--sample-input-file", tmp_path / "prompts.txt",
+                    "--sample-output-file", out, "--output-format", "jsonl", "--out-seq-length", 10, *flags) == 0
+        return [json.loads(line)["tokens"] for line in out.read_text().splitlines()]
+    seeded = sample("--temperature", "0.8", "--top_p", "0.9", "--top_k", "40", "--seed", "7")
+    assert seeded == sample("--temperature", "0.8", "--top_p", "0.9", "--top_k", "40", "--seed", "7")
+    assert sample("--top_k", "1") == [s["tokens"] for s in samples]
 
 
 @pytest.mark.timeout(900)
