@@ -6,7 +6,7 @@ dtype they were saved in; `AutoTokenizer.from_pretrained(OUT)` the run's tokeniz
 The vocabulary keeps Megatron's padding (config vocab_size = padded size).
 """
 from .cli import quiet
-from .hf_interface import hf_config_from_gpt, to_hf_state_dict
+from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict
 from .reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
 from .staging import staged_folder
 

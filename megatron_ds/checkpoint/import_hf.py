@@ -14,7 +14,7 @@ from . import ToolError
 from .cli import quiet
 from .ds_format import write_checkpoint
 from .hf_folder import has_tokenizer, read_config, read_weights
-from .hf_interface import from_hf_state_dict, gpt_config_from_hf, to_hf_state_dict
+from megatron_ds.model.hf import from_hf_state_dict, gpt_config_from_hf
 from .model_args import check_flags_rebuild, config_flags, parse_flags
 from .staging import staged_folder
 
@@ -22,29 +22,28 @@ ARGS_FILE = "megatron_ds_args.txt"
 
 
 def _model_config(hf_dir):
+    from megatron_ds.model.hf import SUPPORTED
     hf_config = read_config(hf_dir)
+    if hf_config.model_type not in SUPPORTED:
+        archs = ", ".join(getattr(hf_config, "architectures", None) or [])
+        raise ToolError(f"{os.path.join(hf_dir, 'config.json')}: model_type {hf_config.model_type!r} ({archs}) is not "
+                        f"supported; supported model types: {', '.join(SUPPORTED)}")
     try:
         return gpt_config_from_hf(hf_config)
-    except (ValueError, KeyError, NotImplementedError, AttributeError) as e:
-        arch = ", ".join(getattr(hf_config, "architectures", None) or [hf_config.model_type])
-        raise ToolError(f"{os.path.join(hf_dir, 'config.json')}: {arch} cannot be imported: {e}") from None
+    except (ValueError, AttributeError) as e:  # an unsupported family, or options our layers lack
+        raise ToolError(f"{os.path.join(hf_dir, 'config.json')}: {e}") from None
 
 
 def _params(hf_dir, config):
     """{(layer, name): tensor}, every parameter of our model found once, with its shape."""
     from megatron_ds.model import GPTModel
     hf_sd = read_weights(hf_dir)
-    with quiet():
-        expected = GPTModel(config).named_parameters_by_layer()
-    seen = set()  # a tied weight appears under two HF names; the folder holds one of them
-    for hf_name, t in to_hf_state_dict(expected, config).items():
-        if hf_name not in hf_sd and t.data_ptr() not in seen:
-            raise ToolError(f"{hf_dir}: the weights have no {hf_name!r}, which config.json's model needs")
-        seen.add(t.data_ptr())
     try:
         params = from_hf_state_dict(hf_sd, config)
-    except KeyError as e:
-        raise ToolError(f"{hf_dir}: the weights have no {e}, which config.json's model needs") from None
+    except ValueError as e:
+        raise ToolError(f"{hf_dir}: {e}") from None
+    with quiet():
+        expected = GPTModel(config).named_parameters_by_layer()
     for key, p in expected.items():
         if key not in params:
             raise ToolError(f"{hf_dir}: no weight maps to layer {key[0]} {key[1]!r}")

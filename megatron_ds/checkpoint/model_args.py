@@ -47,6 +47,8 @@ def config_flags(config, seq_length):
         option = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):
             flags += [option] if value else []
+        elif isinstance(action, argparse._StoreFalseAction):  # e.g. add_bias_linear: --disable-bias-linear
+            flags += [] if value else [option]
         elif value is not None:
             flags += [option, str(value)]
     return flags
@@ -54,10 +56,15 @@ def config_flags(config, seq_length):
 
 def parse_flags(flags):
     """The Namespace pretrain_gpt.py makes of `flags` (parsing only: no world size, no ds_config)."""
-    from megatron_ds.training.arguments import build_parser
+    from megatron_ds.training.arguments import ArgumentsError, build_parser
+    from megatron_ds.training.model_args import validate_model_args
     args = build_parser().parse_args(flags)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    try:
+        validate_model_args(args)  # resolves the family flags' aliases, as pretrain_gpt.py does
+    except ArgumentsError as e:
+        raise ToolError(f"the flags {' '.join(flags)}: {e}") from None
     return args
 
 

@@ -55,7 +55,7 @@ def test_another_architecture(tmp_path, capsys):
                                                        ffn_dim=32, num_attention_heads=2,
                                                        max_position_embeddings=32)).save_pretrained(other)
     _fails(capsys, IMPORT, "--input", other, "--output", tmp_path / "out", out=tmp_path / "out",
-           says=[str(other / "config.json"), "OPTForCausalLM", "'opt'"])
+           says=[str(other / "config.json"), "OPTForCausalLM", "'opt'", "not supported"])
 
 
 def test_vocabulary_that_does_not_fit(tmp_path, hf_dir, capsys):

@@ -1,0 +1,72 @@
+"""LLaMA- and BLOOM-style Hugging Face models through the tools, on one process: import, export back
+bit for bit as the same HF class, and our checkpoint's perplexity and greedy text equal HF's."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.checkpoint.helpers import hf_loss, tool
+
+
+def _tiny(family, path):
+    import transformers
+    torch.manual_seed(0)
+    if family == "llama":  # grouped-query attention, untied head, no biases
+        config = transformers.LlamaConfig(vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.BloomConfig(vocab_size=50257, hidden_size=32, n_layer=2, n_head=4,
+                                          bos_token_id=50256, eos_token_id=50256)
+        model = transformers.BloomForCausalLM(config)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make every tensor count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bloom", "BloomForCausalLM")])
+def test_family_round_trip_perplexity_and_greedy(tmp_path, family, cls):
+    from transformers import AutoModelForCausalLM
+    source = _tiny(family, tmp_path / "hf")
+    ckpt = tmp_path / "ckpt"
+    assert tool("checkpoint/import_hf.py", "--input", tmp_path / "hf", "--output", ckpt, "--seq-length", 32) == 0
+    flags = (ckpt / "megatron_ds_args.txt").read_text().split()
+    for flag in {"llama": ["--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"],
+                 "bloom": ["--embed-layernorm"]}[family]:
+        assert flag in flags
+    if family == "llama":
+        assert (ckpt / "global_step0" / "layer_04-model_states.pt").is_file()  # the untied head, layer L + 2
+    assert tool("checkpoint/export_hf.py", "--load", ckpt, "--output", tmp_path / "back") == 0
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(back).__name__ == cls
+    # perplexity of our checkpoint on a token stream = HF's loss over the same window
+    stream = torch.randint(0, 1000, (1, 25), generator=torch.Generator().manual_seed(1))
+    from megatron_ds.data.tokenizer import default_gpt2_files
+    from megatron_ds.data.tokenizer import GPT2BPETokenizer
+    tok = GPT2BPETokenizer(*default_gpt2_files())
+    text = tok.detokenize(stream[0].tolist())
+    ids = torch.tensor([tok.tokenize(text) + [50256]])
+    assert ids.shape[1] <= 33
+    (tmp_path / "held_out.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    assert tool("evaluate_gpt.py", "--load", ckpt, "--valid-data", tmp_path / "held_out.jsonl",
+                "--results-file", tmp_path / "eval.json") == 0
+    got = json.loads((tmp_path / "eval.json").read_text())
+    assert got["tokens"] == ids.shape[1] - 1
+    assert got["loss"] == pytest.approx(hf_loss(source, ids), rel=1e-5)
+    # greedy text from our checkpoint = HF generate
+    (tmp_path / "prompts.txt").write_text("The pipeline\n")
+    assert tool("generate_samples_gpt.py", "--load", ckpt, "--sample-input-file", tmp_path / "prompts.txt",
+                "--sample-output-file", tmp_path / "out.jsonl", "--output-format", "jsonl", "--greedy",
+                "--out-seq-length", 12) == 0
+    sample = json.loads((tmp_path / "out.jsonl").read_text())
+    prompt = torch.tensor([tok.tokenize("The pipeline")])
+    want = source.generate(prompt, do_sample=False, max_new_tokens=12, pad_token_id=50256)[0, prompt.shape[1]:]
+    assert sample["tokens"] == want.tolist()
