@@ -14,6 +14,8 @@ from . import ToolError
 # GPTConfig fields that are no model flags: the vocabulary comes from the tokenizer
 # (padded to --pad-vocab-size-to), the seed only draws initial weights.
 _NOT_FLAGS = ("vocab_size", "seed")
+_ALWAYS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "ffn_hidden_size",
+           "hidden_dropout", "attention_dropout")
 
 
 def _actions():
@@ -33,24 +35,32 @@ def config_from_args(args):
     return model_config(args)
 
 
+def _flag(actions, name, value):
+    action = actions.get(name)
+    if action is None:
+        raise ToolError(f"GPTConfig.{name}={value!r} has no pretrain_gpt.py flag (--{name.replace('_', '-')} is unknown)")
+    option = action.option_strings[0]
+    if isinstance(action, argparse._StoreTrueAction):
+        return [option] if value else []
+    if isinstance(action, argparse._StoreFalseAction):  # e.g. add_bias_linear: --disable-bias-linear
+        return [] if value else [option]
+    return [option, str(value)]
+
+
 def config_flags(config, seq_length):
-    """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary)."""
+    """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary): the sizes and
+    dropouts always, any other field (the family options) where it differs from the flags' default."""
     actions = _actions()
     flags = ["--seq-length", str(seq_length)]
+    for name in _ALWAYS:
+        flags += _flag(actions, name, getattr(config, name))
+    plain = parse_flags(flags)
+    plain.padded_vocab_size = config.vocab_size
+    default = config_from_args(plain)
     for field in dataclasses.fields(config):
-        if field.name in _NOT_FLAGS:
-            continue
-        action, value = actions.get(field.name), getattr(config, field.name)
-        if action is None:
-            raise ToolError(f"GPTConfig.{field.name}={value!r} has no pretrain_gpt.py flag "
-                            f"(--{field.name.replace('_', '-')} is unknown)")
-        option = action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            flags += [option] if value else []
-        elif isinstance(action, argparse._StoreFalseAction):  # e.g. add_bias_linear: --disable-bias-linear
-            flags += [] if value else [option]
-        elif value is not None:
-            flags += [option, str(value)]
+        value = getattr(config, field.name)
+        if field.name not in _NOT_FLAGS + _ALWAYS and value != getattr(default, field.name):
+            flags += _flag(actions, field.name, value)
     return flags
 
 

@@ -46,6 +46,12 @@ def runs(tmp_path_factory):
     return found
 
 
+@pytest.fixture(scope="module")
+def zbv_export(runs, tmp_path_factory):
+    """(HF model, HF tokenizer) of the ZB-V checkpoint's export, shared by the tests that only read it."""
+    return _export(runs["zbv"][0], tmp_path_factory.mktemp("zbv_export") / "hf")
+
+
 def _valid_batch(ckpt, cwd):
     """The validation batch the run's final evaluation read: valid samples [0, global batch)."""
     from megatron_ds.checkpoint.reference import load_checkpoint_model
@@ -70,9 +76,9 @@ def _export(ckpt, out):
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("schedule", ["zbv", "bitpipe"])
-def test_export_loads_in_hf_with_the_runs_eval_loss(runs, schedule, tmp_path):
+def test_export_loads_in_hf_with_the_runs_eval_loss(runs, zbv_export, schedule, tmp_path):
     ckpt, printed = runs[schedule]
-    hf, tok = _export(ckpt, tmp_path / "hf")
+    hf, tok = zbv_export if schedule == "zbv" else _export(ckpt, tmp_path / "hf")
     assert type(hf).__name__ == "GPT2LMHeadModel" and hf.config.vocab_size == 50304
     assert len(tok) == 50257 and tok.eos_token_id == 50256
     vocab, merges = gpt2_files()
@@ -93,9 +99,9 @@ def test_export_loads_in_hf_with_the_runs_eval_loss(runs, schedule, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_greedy_generation_equals_hf_generate(runs, tmp_path):
+def test_greedy_generation_equals_hf_generate(runs, zbv_export, tmp_path):
     ckpt, _ = runs["zbv"]
-    hf, tok = _export(ckpt, tmp_path / "hf")
+    hf, tok = zbv_export
     prompts = ["The pipeline", "Zero bubble schedules split the backward pass"]
     (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
     out = tmp_path / "samples.jsonl"
@@ -120,9 +126,9 @@ def test_greedy_generation_equals_hf_generate(runs, tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_evaluate_tool_equals_hf(runs, tmp_path):
+def test_evaluate_tool_equals_hf(runs, zbv_export, tmp_path):
     ckpt, _ = runs["zbv"]
-    hf, tok = _export(ckpt, tmp_path / "hf")
+    hf, tok = zbv_export
     from megatron_ds.inference.perplexity import stream_from_indexed
     results = tmp_path / "eval.json"
     # a .bin/.idx prefix: the whole corpus as one stream, windows of 16 tokens
