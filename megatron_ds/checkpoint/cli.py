@@ -22,7 +22,9 @@ def quiet():
 
 
 def run_tool(prog, fn, *args, **kwargs):
-    """fn(*args, **kwargs); bad input (ToolError) is one line on stderr and exit code 2."""
+    """fn(*args, **kwargs); bad input (ToolError) is one line on stderr and exit code 2.
+
+    The tools' modules import torch, transformers and DeepSpeed inside their functions, after this."""
     import torch
     import transformers
     if not torch.cuda.is_available():  # DeepSpeed would log its CPU fallback: a second line on stderr

@@ -6,7 +6,6 @@ dtype they were saved in; `AutoTokenizer.from_pretrained(OUT)` the run's tokeniz
 The vocabulary keeps Megatron's padding (config vocab_size = padded size).
 """
 from .cli import quiet
-from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict
 from .reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
 from .staging import staged_folder
 
@@ -22,6 +21,7 @@ def hf_tokenizer(args, tokenizer):
 
 def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_name_or_path=None, log=print):
     from transformers import AutoModelForCausalLM
+    from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict
     model, args, iteration = load_checkpoint_model(load_dir)
     override_tokenizer_args(args, vocab_file, merge_file, tokenizer_name_or_path)
     tokenizer = checkpoint_tokenizer(args)

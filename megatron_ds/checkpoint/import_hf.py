@@ -14,7 +14,6 @@ from . import ToolError
 from .cli import quiet
 from .ds_format import write_checkpoint
 from .hf_folder import has_tokenizer, read_config, read_weights
-from megatron_ds.model.hf import from_hf_state_dict, gpt_config_from_hf
 from .model_args import check_flags_rebuild, config_flags, parse_flags
 from .staging import staged_folder
 
@@ -22,12 +21,12 @@ ARGS_FILE = "megatron_ds_args.txt"
 
 
 def _model_config(hf_dir):
-    from megatron_ds.model.hf import SUPPORTED
+    from megatron_ds.model.hf import SUPPORTED, gpt_config_from_hf
     hf_config = read_config(hf_dir)
     if hf_config.model_type not in SUPPORTED:
         archs = ", ".join(getattr(hf_config, "architectures", None) or [])
-        raise ToolError(f"{os.path.join(hf_dir, 'config.json')}: model_type {hf_config.model_type!r} ({archs}) is not "
-                        f"supported; supported model types: {', '.join(SUPPORTED)}")
+        raise ToolError(f"{os.path.join(hf_dir, 'config.json')}: model_type {hf_config.model_type!r} ({archs}) "
+                        f"is not supported; supported model types: {', '.join(SUPPORTED)}")
     try:
         return gpt_config_from_hf(hf_config)
     except (ValueError, AttributeError) as e:  # an unsupported family, or options our layers lack
@@ -37,6 +36,7 @@ def _model_config(hf_dir):
 def _params(hf_dir, config):
     """{(layer, name): tensor}, every parameter of our model found once, with its shape."""
     from megatron_ds.model import GPTModel
+    from megatron_ds.model.hf import from_hf_state_dict
     hf_sd = read_weights(hf_dir)
     try:
         params = from_hf_state_dict(hf_sd, config)
@@ -103,7 +103,8 @@ def import_hf(hf_dir, out_dir, seq_length=None, tokenizer_flags=(), log=print):
     with staged_folder(out_dir) as tmp:
         if final_tok != check_tok:
             from transformers import AutoTokenizer
-            AutoTokenizer.from_pretrained(hf_dir, local_files_only=True).save_pretrained(os.path.join(tmp, "tokenizer"))
+            tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+            tokenizer.save_pretrained(os.path.join(tmp, "tokenizer"))
         write_checkpoint(tmp, params, saved)
         with open(os.path.join(tmp, ARGS_FILE), "w") as f:
             f.write(line + "\n")

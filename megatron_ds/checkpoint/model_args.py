@@ -31,14 +31,15 @@ def with_defaults(saved):
 
 
 def config_from_args(args):
-    from megatron_ds.training.loop import model_config
-    return model_config(args)
+    from megatron_ds.training.model_args import gpt_config_from_args
+    return gpt_config_from_args(args)
 
 
 def _flag(actions, name, value):
     action = actions.get(name)
     if action is None:
-        raise ToolError(f"GPTConfig.{name}={value!r} has no pretrain_gpt.py flag (--{name.replace('_', '-')} is unknown)")
+        raise ToolError(f"GPTConfig.{name}={value!r} has no pretrain_gpt.py flag "
+                        f"(--{name.replace('_', '-')} is unknown)")
     option = action.option_strings[0]
     if isinstance(action, argparse._StoreTrueAction):
         return [option] if value else []
@@ -81,7 +82,7 @@ def parse_flags(flags):
 def check_flags_rebuild(flags, args, config):
     """`args` (parsed from `flags`, vocabulary padded) must give back exactly `config`."""
     rebuilt = config_from_args(args)
-    diff = [f"{f.name}: {getattr(rebuilt, f.name)!r} != {getattr(config, f.name)!r}"
-            for f in dataclasses.fields(config) if f.name != "seed" and getattr(rebuilt, f.name) != getattr(config, f.name)]
+    diff = [f"{f.name}: {getattr(rebuilt, f.name)!r} != {getattr(config, f.name)!r}" for f in dataclasses.fields(config)
+            if f.name != "seed" and getattr(rebuilt, f.name) != getattr(config, f.name)]
     if diff:
         raise ToolError(f"the flags {' '.join(flags)} do not rebuild the model: {'; '.join(diff)}")

@@ -75,8 +75,9 @@ def test_missing_weight_file_and_key(tmp_path, hf_dir, capsys):
            says=[str(bare), "no weight file", "model.safetensors"])
     sharded = _copy(hf_dir, tmp_path / "sharded")
     with open(sharded / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors",
-                                                  "transformer.h.0.ln_1.weight": "model-00002-of-00002.safetensors"}}, f)
+        shards = {"transformer.wte.weight": "model-00001-of-00002.safetensors",
+                  "transformer.h.0.ln_1.weight": "model-00002-of-00002.safetensors"}
+        json.dump({"metadata": {}, "weight_map": shards}, f)
     os.rename(sharded / "model.safetensors", sharded / "model-00001-of-00002.safetensors")
     _fails(capsys, IMPORT, "--input", sharded, "--output", tmp_path / "out", out=tmp_path / "out",
            says=[str(sharded / "model-00002-of-00002.safetensors"), "missing"])
@@ -121,17 +122,20 @@ def test_output_folder_must_be_new(tmp_path, hf_dir, ckpt, capsys):
 
 
 def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
-    """The real command: exit status 2 and exactly one line on stderr (no library chatter)."""
+    """The real commands: exit status 2 and exactly one line on stderr (no library chatter)."""
     import subprocess
     import sys
     from tests.checkpoint.helpers import ROOT, TOOLS
     bare = _copy(hf_dir, tmp_path / "no_weights")
     os.remove(bare / "model.safetensors")
-    proc = subprocess.run([sys.executable, os.path.join(TOOLS, "checkpoint", "import_hf.py"), "--input", str(bare),
-                           "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-    assert proc.returncode == 2
-    assert proc.stderr.splitlines() == [f"import_hf.py: error: {bare}: no weight file (looked for "
-                                        "model.safetensors.index.json, model.safetensors, "
-                                        "pytorch_model.bin.index.json, pytorch_model.bin)"]
-    assert proc.stdout == "" and _nothing_written(str(tmp_path / "out"))
+    for script, argv, message in (
+            ("checkpoint/import_hf.py", ["--input", bare], f"import_hf.py: error: {bare}: no weight file (looked for "
+             "model.safetensors.index.json, model.safetensors, pytorch_model.bin.index.json, pytorch_model.bin)"),
+            ("checkpoint/export_hf.py", ["--load", tmp_path / "nowhere"],
+             f"export_hf.py: error: {tmp_path / 'nowhere'}: no such checkpoint folder")):
+        proc = subprocess.run([sys.executable, os.path.join(TOOLS, script), *map(str, argv),
+                               "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+        assert proc.returncode == 2
+        assert proc.stderr.splitlines() == [message]
+        assert proc.stdout == "" and _nothing_written(str(tmp_path / "out"))
