@@ -5,7 +5,8 @@ SAVE/latest names the tag; SAVE/TAG/layer_XX-model_states.pt holds global layer 
 state dict (one file per layer whatever the schedule, pipeline size, data-parallel
 size or BitPipe replica count: data-parallel rank 0 of replica 0 writes it), and
 SAVE/TAG/mp_rank_00_model_states.pt holds DeepSpeed's state and our client state
-(the run's arguments). Optimizer shards are not read or written here.
+(the run's arguments), SAVE/TAG/manifest.json every file's size and CRC-32 (checked
+before reading). Optimizer shards are not read or written here.
 """
 import os
 from collections import OrderedDict
@@ -32,6 +33,12 @@ def checkpoint_tag_dir(load_dir):
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise ToolError(f"{latest} names {tag!r}, but {tag_dir} does not exist")
+    from megatron_ds.training.checkpointing import CheckpointError
+    from megatron_ds.training.manifest import verify_manifest
+    try:  # the weights and the client state, against the sizes and CRC-32s saved with them
+        verify_manifest(tag_dir, skip=lambda rel: "optim_states" in rel)
+    except CheckpointError as e:
+        raise ToolError(str(e)) from None
     return tag_dir
 
 
@@ -89,6 +96,7 @@ def write_checkpoint(out_dir, params_by_layer, args, tag="global_step0"):
     import deepspeed
     import torch
     from megatron_ds.training.checkpointing import CHECKPOINT_VERSION
+    from megatron_ds.training.manifest import write_manifest
     tag_dir = os.path.join(out_dir, tag)
     os.makedirs(tag_dir)
     by_layer = {}
@@ -106,6 +114,7 @@ def write_checkpoint(out_dir, params_by_layer, args, tag="global_step0"):
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size},
     }
     torch.save(state, os.path.join(tag_dir, MODEL_STATES))
+    write_manifest(tag_dir)
     for name, text in (("latest", tag), ("latest_checkpointed_iteration.txt", "0")):
         with open(os.path.join(out_dir, name), "w") as f:
             f.write(text)

@@ -40,17 +40,18 @@ def _flag(actions, name, value):
     if action is None:
         raise ToolError(f"GPTConfig.{name}={value!r} has no pretrain_gpt.py flag "
                         f"(--{name.replace('_', '-')} is unknown)")
-    option = action.option_strings[0]
     if isinstance(action, argparse._StoreTrueAction):
-        return [option] if value else []
-    if isinstance(action, argparse._StoreFalseAction):  # e.g. add_bias_linear: --disable-bias-linear
-        return [] if value else [option]
-    return [option, str(value)]
+        return [action.option_strings[0]] if value else []
+    if isinstance(action, argparse._StoreFalseAction):
+        return [] if value else [action.option_strings[0]]
+    return [action.option_strings[0], str(value)]
 
 
 def config_flags(config, seq_length):
     """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary): the sizes and
-    dropouts always, any other field (the family options) where it differs from the flags' default."""
+    dropouts always, the other GPT-2 options where they differ from the flags' defaults, then the family
+    options (training.model_args.model_family_flags)."""
+    from megatron_ds.training.model_args import MODEL_FAMILY_ARGS, model_family_flags
     actions = _actions()
     flags = ["--seq-length", str(seq_length)]
     for name in _ALWAYS:
@@ -60,9 +61,9 @@ def config_flags(config, seq_length):
     default = config_from_args(plain)
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if field.name not in _NOT_FLAGS + _ALWAYS and value != getattr(default, field.name):
+        if field.name not in _NOT_FLAGS + _ALWAYS + MODEL_FAMILY_ARGS and value != getattr(default, field.name):
             flags += _flag(actions, field.name, value)
-    return flags
+    return flags + model_family_flags(config)
 
 
 def parse_flags(flags):

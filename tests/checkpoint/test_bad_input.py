@@ -100,12 +100,17 @@ def test_checkpoint_without_latest_or_layer_file(tmp_path, ckpt, capsys):
     broken = _copy(ckpt, tmp_path / "no_layer")
     os.remove(broken / "global_step0" / "layer_03-model_states.pt")
     _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
-           says=[str(broken / "global_step0" / "layer_03-model_states.pt"), "missing"])
+           says=[str(broken / "global_step0"), "layer_03-model_states.pt is missing"])
+    # a layer file changed after saving: the manifest's CRC-32 catches it; without a manifest
+    # (a checkpoint DeepSpeed wrote itself), the shape check does
     broken = _copy(ckpt, tmp_path / "bad_key")
     path = broken / "global_step0" / "layer_02-model_states.pt"
     sd = torch.load(path)
     sd["attn.c_attn.weight"] = sd["attn.c_attn.weight"][:, :8]
     torch.save(sd, path)
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=["layer_02-model_states.pt is corrupt"])
+    os.remove(broken / "global_step0" / "manifest.json")
     _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
            says=[str(path), "'attn.c_attn.weight'", "shape"])
 
