@@ -7,7 +7,7 @@ The vocabulary keeps Megatron's padding (config vocab_size = padded size).
 """
 from .cli import quiet
 from .reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
-from .staging import staged_folder
+from .staging import check_new_folder, staged_folder
 
 
 def hf_tokenizer(args, tokenizer):
@@ -19,9 +19,10 @@ def hf_tokenizer(args, tokenizer):
     return transformers.AutoTokenizer.from_pretrained(args.tokenizer_name_or_path, local_files_only=True)
 
 
-def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_name_or_path=None, log=print):
+def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_name_or_path=None):
     from transformers import AutoModelForCausalLM
     from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict
+    check_new_folder(out_dir)
     model, args, iteration = load_checkpoint_model(load_dir)
     override_tokenizer_args(args, vocab_file, merge_file, tokenizer_name_or_path)
     tokenizer = checkpoint_tokenizer(args)
@@ -34,5 +35,5 @@ def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_nam
     with staged_folder(out_dir) as tmp:
         hf_model.save_pretrained(tmp)
         hf_tokenizer(args, tokenizer).save_pretrained(tmp)
-    log(f"exported {load_dir} (iteration {iteration}) as {type(hf_model).__name__} ({dtype}) to {out_dir}")
+    print(f"exported {load_dir} (iteration {iteration}) as {type(hf_model).__name__} ({dtype}) to {out_dir}")
     return hf_model

@@ -15,7 +15,7 @@ from .cli import quiet
 from .ds_format import write_checkpoint
 from .hf_folder import has_tokenizer, read_config, read_weights
 from .model_args import check_flags_rebuild, config_flags, parse_flags
-from .staging import staged_folder
+from .staging import check_new_folder, staged_folder
 
 ARGS_FILE = "megatron_ds_args.txt"
 
@@ -84,11 +84,12 @@ def _check_vocab(args, vocab_size, hf_dir, flags):
                         "must have exactly the padded vocabulary")
 
 
-def import_hf(hf_dir, out_dir, seq_length=None, tokenizer_flags=(), log=print):
+def import_hf(hf_dir, out_dir, seq_length=None, tokenizer_flags=()):
     """Returns the pretrain_gpt.py flags that continue OUT."""
     hf_dir, out_dir = os.path.abspath(hf_dir), os.path.abspath(out_dir)
     if not os.path.isdir(hf_dir):
         raise ToolError(f"{hf_dir}: no such folder")
+    check_new_folder(out_dir)
     config = _model_config(hf_dir)
     params = _params(hf_dir, config)
     model_flags = config_flags(config, seq_length or config.max_position_embeddings)
@@ -108,6 +109,6 @@ def import_hf(hf_dir, out_dir, seq_length=None, tokenizer_flags=(), log=print):
         write_checkpoint(tmp, params, saved)
         with open(os.path.join(tmp, ARGS_FILE), "w") as f:
             f.write(line + "\n")
-    log(f"imported {hf_dir} ({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}) "
+    print(f"imported {hf_dir} ({config.num_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}) "
         f"to {out_dir}\ncontinue it with: pretrain_gpt.py {line} ...  (also in {os.path.join(out_dir, ARGS_FILE)})")
     return flags
