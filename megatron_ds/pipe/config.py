@@ -3,6 +3,7 @@
 This module checks JSON types only; which knobs a schedule takes is the catalogue's rule
 (megatron_ds.schedules.catalog), asked here so that a wrong knob fails before any process
 group starts."""
+import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -75,10 +76,12 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         trace_dir=section.get("trace_dir"),
     )
     if not settings.stock:
-        try:
-            CATALOG[schedule].knobs(settings.virtual_stages, settings.seq_splits, settings.split_backward)
-        except ScheduleError as exc:
-            raise ConfigError(f'ds_config "pipeline": {exc}') from None
+        for key in ("virtual_stages", "seq_splits", "split_backward"):  # one at a time: the message names it
+            value = getattr(settings, key)
+            try:
+                CATALOG[schedule].knobs(**{key: value})
+            except ScheduleError as exc:
+                raise ConfigError(f'ds_config "pipeline.{key}" = {json.dumps(value)}: {exc}') from None
     elif settings.virtual_stages > 1 or settings.seq_splits > 1 or settings.split_backward:
         raise ConfigError('ds_config "pipeline": virtual_stages, seq_splits and split_backward need a named '
                           '"pipeline.schedule"; DeepSpeed\'s own engine runs plain 1F1B')

@@ -41,13 +41,16 @@ class ScheduleEngine(PipelineEngine):
         self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py)
         self.tracer = tracer or Tracer()
         super().__init__(*args, **kwargs)
+        # Set by _start for each iteration: its schedule, the receive to post ahead of each op,
+        # the ops after which a chunk's twin-gradient sync starts, the p2p state, the loss sum.
+        self.sched, self._ahead, self._sync_after, self.p2p = None, {}, {}, None
         self._batches = None
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
         self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per (replica, stage, mb)
         self._dtype = next(self.module.parameters()).dtype
-        self._loss_sum = None  # this rank's sum of micro-batch losses in the running iteration
+        self._loss_sum = None
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
                                  if plan.settings.post_validation else None)
 

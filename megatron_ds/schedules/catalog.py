@@ -39,7 +39,7 @@ class ScheduleSpec:
     split_backward: str = NEVER
     check: Optional[Check] = None
 
-    def knobs(self, virtual_stages: int, seq_splits: int, split_backward: bool) -> dict:
+    def knobs(self, virtual_stages: int = 1, seq_splits: int = 1, split_backward: bool = False) -> dict:
         """The generator's keyword arguments; refuses a knob this schedule does not take."""
         out = {}
         if self.virtual_stages == ANY:
