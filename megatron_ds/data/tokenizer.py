@@ -99,8 +99,8 @@ class AbstractTokenizer:
 
 
 class GPT2BPETokenizer(AbstractTokenizer):
-    """The BPE of gpt2_tokenization, not HF `tokenizers`: the ids are the same, and per CPU second ours
-    encodes as many tokens or more on a cold cache (bench/bpe_throughput.py)."""
+    """The BPE of gpt2_tokenization, not HF `tokenizers`: the ids are the same, and per CPU second, on a cold
+    cache, ours encodes 2.5x as many tokens on prose and about as many on unseen words (bench/bpe_throughput.py)."""
     name = "GPT2 BPE"
 
     def __init__(self, vocab_file, merge_file):

@@ -66,6 +66,12 @@ class Tracer:
         current.write(trace_dir, step)
 
     def instruction(self, name, fn, engine, kwargs):
+        if torch.autograd._profiler_enabled():  # --profile: the op's name above its kernels in torch.profiler
+            with torch.profiler.record_function(profile_label(name, engine, kwargs)):
+                return self._run(name, fn, engine, kwargs)
+        return self._run(name, fn, engine, kwargs)
+
+    def _run(self, name, fn, engine, kwargs):
         if self._current is None:
             return fn(engine, **kwargs)
         return self._current.run(name, fn, engine, kwargs)
@@ -78,6 +84,15 @@ class Tracer:
         out = fn(key)
         self._current.wait(key, start, time.perf_counter())
         return out
+
+
+def profile_label(name, engine, kwargs) -> str:
+    """A schedule op as its traces name it ("F3", "B1.2" ...), else the instruction's class name."""
+    kind, sched = COMPUTE_KINDS.get(name), getattr(engine, "sched", None)
+    if kind is None or "stage" not in kwargs or sched is None:
+        return name
+    op = Op(kind, kwargs["replica"], kwargs["stage"], kwargs["mb"], kwargs.get("seq", 0))
+    return sched.op_label(engine.stage_id, op)
 
 
 def through_tracer(instruction_map: dict) -> dict:

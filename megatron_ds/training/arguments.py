@@ -18,6 +18,7 @@ import os
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
+from .observability import add_observability_args, check_observability_args
 
 
 class ArgumentsError(ValueError):
@@ -140,6 +141,7 @@ def build_parser():
                    help="set by the deepspeed launcher")
     add_fork_args(p)
     add_nonfinite_args(p)
+    add_observability_args(p)
     return p
 
 
@@ -167,6 +169,7 @@ def validate_args(args):
     ds_config = apply_fork_flags(args, read_ds_config(args.deepspeed_config))
     merge_ds_config(args, ds_config)
     check_schedule_shape(args)
+    check_observability_args(args)
     _validate_training_length(args)
     _validate_lr(args)
     _validate_data_and_io(args)

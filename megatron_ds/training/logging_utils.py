@@ -120,25 +120,35 @@ class TensorBoard:
 
     def training(self, iteration, consumed_samples, consumed_tokens, loss, lr, batch_size, grad_norm,
                  samples_per_second, tokens_per_second, ms_per_iteration, loss_scale=None):
+        """BigScience's tags: each value per step, vs samples and vs tokens, plus steps-vs-samples/tokens."""
         w = self.writer
         if w is None:
             return
-        w.add_scalar("lm-loss-training/lm loss", loss, iteration)
-        w.add_scalar("lm-loss-training/lm loss vs samples", loss, consumed_samples)
-        w.add_scalar("lm-loss-training/lm loss vs tokens", loss, consumed_tokens)
-        w.add_scalar("learning-rate/learning-rate", lr, iteration)
-        w.add_scalar("learning-rate/learning-rate vs samples", lr, consumed_samples)
+
+        def three(tag, value):
+            w.add_scalar(tag, value, iteration)
+            w.add_scalar(f"{tag} vs samples", value, consumed_samples)
+            w.add_scalar(f"{tag} vs tokens", value, consumed_tokens)
+        w.add_scalar("steps-vs-samples/y=steps,x=samples", iteration, consumed_samples)
+        w.add_scalar("steps-vs-samples/y=samples,x=steps", consumed_samples, iteration)
+        w.add_scalar("steps-vs-tokens/y=steps,x=tokens", iteration, consumed_tokens)
+        w.add_scalar("steps-vs-tokens/y=tokens,x=steps", consumed_tokens, iteration)
+        three("lm-loss-training/lm loss", loss)
+        three("learning-rate/learning-rate", lr)
         if self.args.log_batch_size_to_tensorboard:
-            w.add_scalar("batch-size/batch-size", batch_size, iteration)
-            w.add_scalar("batch-size/batch-size vs samples", batch_size, consumed_samples)
+            three("batch-size/batch-size", batch_size)
         if grad_norm is not None:
-            w.add_scalar("grad-norm/grad-norm", grad_norm, iteration)
-            w.add_scalar("grad-norm/grad-norm vs samples", grad_norm, consumed_samples)
+            three("grad-norm/grad-norm", grad_norm)
         if loss_scale is not None:
-            w.add_scalar("loss-scale/loss-scale", loss_scale, iteration)
-        w.add_scalar("iteration-time/iteration-time", ms_per_iteration / 1000.0, iteration)
+            three("loss-scale/loss-scale", loss_scale)
+        three("iteration-time/iteration-time", ms_per_iteration / 1000.0)
+        dp = self.args.data_parallel_size
         w.add_scalar("iteration-time/samples per second", samples_per_second, iteration)
+        w.add_scalar("iteration-time/samples per second per replica", samples_per_second / dp, iteration)
         w.add_scalar("iteration-time/tokens per second", tokens_per_second, iteration)
+        w.add_scalar("iteration-time/tokens per second per replica", tokens_per_second / dp, iteration)
+        w.add_scalar("iteration-time/TFLOPs per gpu (estimated)",
+                     tflops(self.args, batch_size, ms_per_iteration / 1000.0), iteration)
 
     def timers(self, timers, iteration, normalizer=1.0):
         """Seconds per iteration spent in each timer since the last call (Megatron's normalizer)."""
@@ -151,11 +161,13 @@ class TensorBoard:
         w = self.writer
         if w is None:
             return
-        w.add_scalar(f"{prefix}/lm loss validation", loss, iteration)
-        w.add_scalar(f"{prefix}/lm loss validation vs samples", loss, consumed_samples)
-        if self.args.log_validation_ppl_to_tensorboard:
-            w.add_scalar(f"{prefix}/lm loss validation ppl", perplexity(loss), iteration)
-            w.add_scalar(f"{prefix}/lm loss validation ppl vs samples", perplexity(loss), consumed_samples)
+        tokens = consumed_samples * self.args.seq_length
+        for tag, value in (("lm loss validation", loss), ("lm loss validation ppl", perplexity(loss))):
+            if tag.endswith("ppl") and not self.args.log_validation_ppl_to_tensorboard:
+                continue
+            w.add_scalar(f"{prefix}/{tag}", value, iteration)
+            w.add_scalar(f"{prefix}/{tag} vs samples", value, consumed_samples)
+            w.add_scalar(f"{prefix}/{tag} vs tokens", value, tokens)
 
     def flush(self):
         if self.writer is not None:
@@ -188,13 +200,14 @@ class MetricsFile:
 
 
 class CodeCarbon:
-    """codecarbon's offline emissions tracker, one CSV per rank (emissions-RRR.csv), as BigScience intended."""
+    """codecarbon's offline emissions tracker, once per machine: its "machine" mode measures the whole node, so
+    one tracker per rank would count the node once per rank. The first local rank of each node runs it, writing
+    emissions-HOSTNAME.csv; it starts before the model is built, so the start-up is counted too."""
 
-    def __init__(self, directory, country_iso_code):
+    def __init__(self, directory, country_iso_code, local_rank=0):
         self.tracker = None
-        if not directory:
+        if not directory or local_rank != 0:
             return
-        rank, _ = rank_and_world()
         try:
             from codecarbon import OfflineEmissionsTracker
         except ImportError:
@@ -202,14 +215,16 @@ class CodeCarbon:
             return
         os.makedirs(directory, exist_ok=True)
         import logging
-        logging.getLogger("codecarbon").setLevel(logging.ERROR)  # its start-up chatter, once per rank
+        import socket
+        logging.getLogger("codecarbon").setLevel(logging.ERROR)  # its start-up chatter, once per node
+        host = socket.gethostname()
         try:
             self.tracker = OfflineEmissionsTracker(
-                output_dir=directory, output_file=f"emissions-{rank:03d}.csv", country_iso_code=country_iso_code,
-                log_level="error", measure_power_secs=60, save_to_file=True, project_name=f"megatron_ds-r{rank:03d}")
+                output_dir=directory, output_file=f"emissions-{host}.csv", country_iso_code=country_iso_code,
+                log_level="error", measure_power_secs=60, save_to_file=True, project_name=f"megatron_ds-{host}")
             self.tracker.start()
         except Exception as e:  # noqa: BLE001 - tracking must never stop training
-            print(f"WARNING: rank {rank}: codecarbon could not start ({e}); no emissions tracking", flush=True)
+            print(f"WARNING: {host}: codecarbon could not start ({e}); no emissions tracking", flush=True)
             self.tracker = None
 
     def flush(self):

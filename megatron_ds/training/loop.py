@@ -19,6 +19,7 @@ from . import timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
+from .observability import Profile, apply_log_level
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, iteration_line, print_rank_0,
                             print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
 
@@ -92,7 +93,7 @@ def evaluate(engine, data_iterator, eval_iters):
 
 class Trainer:
 
-    def __init__(self, args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds):
+    def __init__(self, args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds, codecarbon=None):
         self.args, self.engine, self.lr_scheduler = args, engine, lr_scheduler
         self.iteration = state["iteration"]
         self.consumed_train = state["consumed_train_samples"]
@@ -105,8 +106,9 @@ class Trainer:
         self.timers = Timers()
         self.tb = TensorBoard(args)
         self.metrics = MetricsFile(args.metrics_file)
-        self.codecarbon = CodeCarbon(args.codecarbon_dir, args.codecarbon_country_iso_code)
+        self.codecarbon = codecarbon or CodeCarbon(None, None)  # started by pretrain, before the model
         self.train_points, self.valid_points = [], []
+        self.bar = None
         self.current_gbs = None
         # a run resumed from its own --save directory already has this iteration on disk
         same_dir = args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
@@ -140,7 +142,10 @@ class Trainer:
         gbs = self.current_gbs or self.args.batch_schedule.global_batch_size(self.consumed_train)
         loss = evaluate(self.engine, data_iterator, eval_iters)
         self.timers.stop("evaluate")
-        print_rank_last(validation_block(prefix, loss))
+        if self.bar is not None:  # tqdm clears its bar line first
+            self.bar.write(validation_block(prefix, loss))
+        else:
+            print_rank_last(validation_block(prefix, loss))
         self.tb.validation(self.iteration, self.consumed_train, loss, prefix=tb_prefix)
         return loss, gbs * eval_iters
 
@@ -163,11 +168,13 @@ class Trainer:
     def train(self):
         args, engine = self.args, self.engine
         interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0, "iters": 0}
-        bar = progress_bar(args.train_iters, self.iteration)
+        bar = self.bar = progress_bar(args.train_iters, self.iteration)
+        profile = Profile(args, args.rank)
         skipped_before = engine.skipped_steps
         print_rank_0(f"training ... from iteration {self.iteration} to {args.train_iters}")
         exit_reason = None
         while self.iteration < args.train_iters:
+            profile.before_iteration(self.iteration)
             gbs = self._apply_batch_size()
             self.timers.start("train-step")
             start = time.perf_counter()
@@ -214,8 +221,10 @@ class Trainer:
             exit_reason = self._should_exit() or self.nan_guard.stop_reason()
             if exit_reason:
                 break
+        profile.stop()
         if bar is not None:
             bar.close()
+        self.bar = None
         return exit_reason
 
     def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
@@ -238,7 +247,9 @@ class Trainer:
 
     def finish(self):
         args = self.args
-        if self.valid_iter is not None:
+        if self.valid_points and self.valid_points[-1][0] == self.iteration:  # just evaluated: not twice
+            print_rank_last(validation_block("the end of training for val data", self.valid_points[-1][1]))
+        elif self.valid_iter is not None:
             loss_v, used = self.evaluate_and_print("the end of training for val data", self.valid_iter,
                                                    args.eval_iters)
             self.consumed_valid += used
@@ -271,11 +282,13 @@ def pretrain(args):
     # DeepSpeed broadcasts tied weights inside autograd; torch warns once per rank that c10d has no autograd
     # kernel. The gradients are right (tests/pipe compares every one with the single-process reference).
     warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
+    verbose = apply_log_level(args, args.rank)
     rank, _, _ = initialize_distributed(args)
+    codecarbon = CodeCarbon(args.codecarbon_dir, args.codecarbon_country_iso_code, args.local_rank)
     pipeline_rank = rank // args.data_parallel_size  # DeepSpeed's ['pipe', 'data'] topology, data fastest
     set_random_seed(args.seed, pipeline_rank)
     build_tokenizer(args)  # sets args.padded_vocab_size
-    if rank == 0:
+    if rank == 0 and verbose:
         print_args(args)
     # data first: it is cheap, and a bad corpus should fail before minutes of model building
     train_ds, valid_ds, test_ds = build_datasets(args)
@@ -290,7 +303,7 @@ def pretrain(args):
     state = load_checkpoint(engine, args)
     if args.load:
         print_rank_0(f"    load-checkpoint time: {time.time() - loading:.2f} s")
-    trainer = Trainer(args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds)
+    trainer = Trainer(args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds, codecarbon)
     if state["rng_state"] is not None:
         set_rng_state(state["rng_state"])  # last: nothing built after this draws from the global RNGs
     dist.barrier()

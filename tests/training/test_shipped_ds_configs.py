@@ -9,6 +9,7 @@ import os
 import pathlib
 import re
 import shlex
+import socket
 
 import pytest
 
@@ -48,6 +49,34 @@ def _train_each(argvs, ports):
     return results
 
 
+def observability_flags(run):
+    """Riding on the ZB-V run: a profile of iteration 2, codecarbon, an eval at the last iteration."""
+    return ["--profile", "--profile-step-start", "1", "--profile-step-end", "2", "--profile-ranks", "0", "1",
+            "--profile-dir", str(run / "profile"), "--codecarbon-dir", str(run / "cc"), "--eval-interval", "2",
+            "--log-validation-ppl-to-tensorboard"]
+
+
+def check_observability(run):
+    # torch.profiler traces of both ranks hold the schedule's ops by name (record_function)
+    for rank in (0, 1):
+        events = json.loads((run / "profile" / f"profile_rank{rank:05d}_iterations2-2.json").read_text())
+        names = {e.get("name") for e in events["traceEvents"]}
+        assert {"F0", "B0", "W0", "F0'", "B0'", "W0'"} <= names, sorted(n for n in names if n)[:40]
+    # codecarbon: one tracker for the machine, not one per rank
+    assert [p.name for p in (run / "cc").iterdir()] == [f"emissions-{socket.gethostname()}.csv"]
+    # TensorBoard: BigScience's tags; the eval at iteration 2 is not repeated by the end-of-training eval
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()
+    tags = set(tb.Tags()["scalars"])
+    assert {"steps-vs-samples/y=steps,x=samples", "steps-vs-tokens/y=tokens,x=steps",
+            "learning-rate/learning-rate vs tokens", "grad-norm/grad-norm vs tokens",
+            "iteration-time/TFLOPs per gpu (estimated)", "lm-loss-validation/lm loss validation vs tokens",
+            "lm-loss-validation/lm loss validation ppl vs tokens"} <= tags
+    assert [e.step for e in tb.Scalars("lm-loss-validation/lm loss validation")] == [2]
+    assert [e.step for e in tb.Scalars("steps-vs-samples/y=samples,x=steps")] == [1, 2]
+
+
 @pytest.mark.timeout(1800)  # ten trainings of two iterations in one launch on a loaded 2-core machine
 def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
     from megatron_ds.data.tokenizer import default_gpt2_files
@@ -63,7 +92,8 @@ def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
                                  save=run / "ckpt", load=run / "ckpt", tensorboard_dir=run / "tb",
                                  deepspeed_config=path)
                      + ["--eval-iters", "1", "--metrics-file", str(run / "metrics.jsonl"), "--log-interval", "1",
-                        "--distributed-backend", "gloo"])
+                        "--distributed-backend", "gloo"]
+                     + (observability_flags(run) if path.name == "ds_config_zbv.json" else []))
     ports = [_free_port() for _ in CONFIGS]
     codes = run_ranks(2, _train_each, argvs, ports, timeout=1700)
     assert all(c == [0] * len(CONFIGS) for c in codes), dict(zip([p.name for p in CONFIGS], codes[0]))
@@ -72,6 +102,7 @@ def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
         assert [r["iteration"] for r in rows] == [1, 2], path.name
         assert all(0 < r["loss"] < 20 for r in rows), (path.name, rows)
         assert (file.parent / "ckpt" / "latest").read_text() == "global_step2", path.name
+    check_observability(tmp_path / "ds_config_zbv")
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
