@@ -85,7 +85,8 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args()
     vocab, merges = default_gpt2_files()
-    print(f"| {'corpus':8s} | {'encoder':31s} | {'tokens/CPU s':>12s} | {'tokens/s wall':>13s} | {'ours / this (CPU)':>17s} |")
+    print(f"| {'corpus':8s} | {'encoder':31s} | {'tokens/CPU s':>12s} | {'tokens/s wall':>13s} | "
+          f"{'ours / this (CPU)':>17s} |")
     print(f"|{'-' * 10}|{'-' * 33}|{'-' * 14}|{'-' * 15}|{'-' * 19}|")
     for corpus, docs in (("prose", prose(a.mb)), ("unseen", unseen(a.mb))):
         reference, ours_rate = None, None

@@ -5,7 +5,8 @@ built once (by global rank 0, the others wait at a barrier) and cached as .npy
 next to the data (or under --data-cache-path, created if missing), named by
 everything they depend on:
 
-    {prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_{first}-{end}docs_{digest}_{doc,sample,shuffle}_idx.npy
+    {prefix}_{name}_indexmap_{num_samples}ns_{seq_length}sl_{seed}s_{first}-{end}docs_{digest}
+        _{doc,sample,shuffle}_idx.npy
 
 Megatron's names end at `{seed}s`; the document range (what --split selects) and a
 digest of those documents' sizes (what a re-preprocessed corpus changes) make a

@@ -1,8 +1,9 @@
 """Every shipped ds_configs/*.json trains through the README's training command and fits the quickstart.
 
-The README command is read from README.md itself; the test changes only the sizes that make it cheap (2
-iterations, 1 warm-up iteration, 2 ranks = pipeline 2 x data 1, one eval iteration) and the paths. One launch of 2 ranks runs
-the configs one after the other (a fresh process group each), instead of one launch per config.
+The README command is read from README.md itself; the test changes only the sizes that make it cheap
+(2 iterations, 1 warm-up iteration, 2 ranks = pipeline 2 x data 1, one eval iteration) and the paths.
+One launch of 2 ranks runs the configs one after the other (a fresh process group each), instead of one
+launch per config.
 """
 import json
 import os
@@ -88,7 +89,8 @@ def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
     for path in CONFIGS:
         run = tmp_path / path.stem
         metrics.append(run / "metrics.jsonl")
-        argvs.append(with_values(base, train_iters=2, lr_warmup_iters=1, data_path=corpus, vocab_file=vocab, merge_file=merges,
+        argvs.append(with_values(base, train_iters=2, lr_warmup_iters=1, data_path=corpus, vocab_file=vocab,
+                                 merge_file=merges,
                                  save=run / "ckpt", load=run / "ckpt", tensorboard_dir=run / "tb",
                                  deepspeed_config=path)
                      + ["--eval-iters", "1", "--metrics-file", str(run / "metrics.jsonl"), "--log-interval", "1",

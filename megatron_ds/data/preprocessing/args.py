@@ -31,7 +31,7 @@ def build_parser(description, many_cores=False):
     g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
     g.add_argument("--tokenizer-name-or-path", default=None,
-                   help="local directory of a Hugging Face tokenizer (PretrainedFromHF)")
+                   help="PretrainedFromHF: a tokenizer directory or a hub name (HF_HUB_OFFLINE: HF cache only)")
     g.add_argument("--vocab-extra-ids", type=int, default=0)
     g.add_argument("--append-eod", action="store_true",
                    help="append the end-of-document token to every document")
