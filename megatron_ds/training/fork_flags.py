@@ -219,27 +219,22 @@ def _apply_recompute(args):
 
 
 def check_schedule_shape(args):
-    """The named schedule's rules on the flags (layers, micro-batches, segments, ZeRO), before any rank starts."""
+    """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
+    segments): the pipeline plan the model build makes, made here before any rank starts (it is torch-free)."""
     from megatron_ds.pipe.config import ConfigError
-    from megatron_ds.pipe.plan import check_layers, segment_lengths
-    from megatron_ds.schedules import ScheduleError
+    from megatron_ds.pipe.plan import PipelinePlan
     settings = getattr(args, "pipeline_settings", None)
     if settings is None or settings.stock:
         return
-    src = args.deepspeed_config or "(no --deepspeed_config)"
-    if args.zero_stage != 1:
-        _err(f"schedule {settings.schedule!r} runs with ZeRO stage 1: --zero-stage / ds_config "
-             f"\"zero_optimization.stage\" is {args.zero_stage}")
+    # swiglu's smaller default FFN only moves balanced segment bounds; the build checks the exact size again
+    sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                            ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                            max_position_embeddings=args.max_position_embeddings)
     try:
-        schedule = settings.build_schedule(args.pipeline_model_parallel_size, args.gradient_accumulation_steps)
-    except ScheduleError as exc:
-        _err(f"{src}: \"pipeline\": {exc} (micro-batches per step = --global-batch-size {args.global_batch_size} / "
-             f"(--micro-batch-size {args.micro_batch_size} x data-parallel {args.data_parallel_size}))")
-    try:
-        check_layers(schedule, args.num_layers)
-        if schedule.seq_splits > 1:
-            shape = SimpleNamespace(hidden_size=args.hidden_size,
-                                    ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size)
-            segment_lengths(settings, shape, args.seq_length)
+        PipelinePlan.from_config(sizes, args.ds_config, args.pipeline_model_parallel_size, args.data_parallel_size,
+                                 args.seq_length)
     except ConfigError as exc:
-        _err(str(exc))
+        how = (f" (micro-batches per step = --global-batch-size {args.global_batch_size} / (--micro-batch-size "
+               f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}))" if "micro_batches" in str(exc)
+               else "")
+        _err(f"{exc}{how}")
