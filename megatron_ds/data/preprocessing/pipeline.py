@@ -64,8 +64,9 @@ def check_documents(args, counts):
     for key, (kept, empty) in counts.items():
         total = kept + empty
         if kept == 0:
-            raise PreprocessError(f"--input {args.input}: --json-keys {key!r} yields 0 documents "
-                                  f"({empty} record(s), all empty); check the key and the input")
+            why = f"{empty} record(s), all empty" if empty else "the input holds no records"
+            raise PreprocessError(f"--input {args.input}: --json-keys {key!r} yields 0 documents ({why}); "
+                                  "check the key and the input")
         if empty > args.max_empty_fraction * total:
             raise PreprocessError(f"--input {args.input}: --json-keys {key!r} is empty in {empty} of {total} "
                                   f"records ({empty / total:.0%} > --max-empty-fraction "
