@@ -41,11 +41,23 @@ def with_values(argv, **values):
     return argv
 
 
-def _train_each(argvs, ports):
+def _train_each(argvs, sync_dir):
+    """Rank 0 picks each run's port just before it starts (a port picked minutes ahead may be taken by then)."""
+    import time
+
     from megatron_ds.training.loop import main
     results = []
-    for argv, port in zip(argvs, ports):
-        os.environ["MASTER_PORT"] = str(port)
+    for i, argv in enumerate(argvs):
+        path = os.path.join(sync_dir, f"port{i}")
+        if os.environ["RANK"] == "0":
+            with open(path + ".tmp", "w") as fh:
+                fh.write(str(_free_port()))
+            os.replace(path + ".tmp", path)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(path) as fh:
+            os.environ["MASTER_PORT"] = fh.read()
         results.append(main(argv))
     return results
 
@@ -96,8 +108,8 @@ def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
                      + ["--eval-iters", "1", "--metrics-file", str(run / "metrics.jsonl"), "--log-interval", "1",
                         "--distributed-backend", "gloo"]
                      + (observability_flags(run) if path.name == "ds_config_zbv.json" else []))
-    ports = [_free_port() for _ in CONFIGS]
-    codes = run_ranks(2, _train_each, argvs, ports, timeout=1700)
+    (tmp_path / "ports").mkdir()
+    codes = run_ranks(2, _train_each, argvs, str(tmp_path / "ports"), timeout=1700)
     assert all(c == [0] * len(CONFIGS) for c in codes), dict(zip([p.name for p in CONFIGS], codes[0]))
     for path, file in zip(CONFIGS, metrics):
         rows = [json.loads(line) for line in file.read_text().splitlines()]
