@@ -60,8 +60,9 @@ def _describe_group(group):
     except Exception:  # noqa: BLE001 - a group this rank is not in, or torch already torn down
         ranks = None
     label = "world" if group is None or group is dist.group.WORLD else _state["labels"].get(group)
-    text = f"group ranks {ranks}" if ranks is not None else "a process group"
-    return f"the {label} {text}" if label else text
+    if ranks is None:
+        return f"the {label} group" if label else "a process group"
+    return f"the {label} group ranks {ranks}" if label else f"group ranks {ranks}"
 
 
 class _Call:
