@@ -180,6 +180,11 @@ def logged_losses(out):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|", out)}
 
 
+def _last_line(out):
+    lines = [line for line in out.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
 def worker_tracebacks(out):
     """Traceback frames of the workers' code (torchrun's own summary traceback is not theirs)."""
     return re.findall(r'File ".*?(?:megatron_ds|deepspeed)/[^"]+", line \d+', out)
@@ -211,7 +216,7 @@ def scenario_freeze(workdir, timeout_minutes=1.0, nproc=4, frozen=3):
     exits = {}
     try:
         if not job.wait_for(lambda: "iteration        3/" in job.output(), 300):
-            return {"ok": False, "detail": "never reached iteration 3:\n" + job.output()[-3000:]}
+            return {"ok": False, "detail": f"never reached iteration 3: {_last_line(job.output())}", "output": job.output()}
         job.signal(frozen, signal.SIGSTOP)
         stopped = time.monotonic()
         while time.monotonic() - stopped < 300 and len(exits) < len(others):
@@ -292,7 +297,7 @@ def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, npro
     second = f"global_step{2 * save_interval}"
     try:
         if not job.wait_for(lambda: latest(workdir) == second, 600, poll=0.01):
-            return {"ok": False, "detail": "never saved twice:\n" + job.output()[-3000:]}
+            return {"ok": False, "detail": f"never saved twice: {_last_line(job.output())}", "output": job.output()}
         job.signal(kill_rank, signal.SIGKILL)
         rc = job.wait(900)
     finally:
