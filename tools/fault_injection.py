@@ -1,19 +1,20 @@
-"""Inject faults into tiny pretrain_gpt.py runs and print how each one ended.
+"""Inject faults into tiny pretrain_gpt.py runs and print a table of what was tried and how each ended.
 
     python tools/fault_injection.py                 # every scenario (about 10 minutes on 2 cores)
     python tools/fault_injection.py freeze restart  # some of them
 
-Each scenario launches pretrain_gpt.py on 4 gloo ranks (pipeline 2 x data 2, a 2-layer GPT, a random
-corpus) under torchrun, injects one fault from outside (a signal to one worker, a damaged checkpoint
-file) or with --inject-inf-grad-iterations, and reports what every rank did:
+Each scenario trains a 2-layer GPT on 4 gloo ranks (pipeline 2 x data 2) on a random corpus and injects
+one fault, from outside (a signal to one worker, a damaged checkpoint file) or with
+--inject-inf-grad-iterations. The restart runs under torchrun; the others start one process a rank, as
+srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the rest after the first).
 
-| scenario | fault                                                   | expected                              |
-|----------|---------------------------------------------------------|---------------------------------------|
-| freeze   | SIGSTOP to rank 3 mid-training, 1-minute timeout         | ranks 0-2 exit non-zero < 2 min       |
-| shard    | a ZeRO optimizer shard of the last checkpoint deleted    | exit 2 on every rank, file named      |
-| truncate | a layer file of the last checkpoint cut in half          | exit 2 on every rank, file named      |
-| restart  | SIGKILL to rank 1 after the second save, --max-restarts 1 | the job resumes, losses bit-equal     |
-| inf-grad | an inf gradient at iterations 3 and 4 (bf16)             | both steps skipped and counted        |
+| scenario | fault                                                     | promised                                  |
+|----------|-----------------------------------------------------------|-------------------------------------------|
+| freeze   | SIGSTOP to rank 3 mid-training, 1-minute timeout          | ranks 0-2 exit 1 within 2 min, one line each |
+| shard    | a ZeRO optimizer shard of the last checkpoint deleted     | exit 2 on every rank, the file named once |
+| truncate | a layer file of the last checkpoint cut in half           | exit 2 on every rank, the file named once |
+| restart  | SIGKILL to rank 1 after the second save, --max-restarts 1 | the job resumes, losses bit-equal         |
+| inf-grad | an inf gradient at iterations 2, 4, 5 (bf16), limit 2     | each skipped and counted; saved, exit 3   |
 
 The launching helpers are shared with tests/training/test_faults.py.
 """
@@ -179,6 +180,11 @@ def logged_losses(out):
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*? lm loss: (\S+) \|", out)}
 
 
+def _last_line(out):
+    lines = [line for line in out.splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
 def worker_tracebacks(out):
     """Traceback frames of the workers' code (torchrun's own summary traceback is not theirs)."""
     return re.findall(r'File ".*?(?:megatron_ds|deepspeed)/[^"]+", line \d+', out)
@@ -210,7 +216,7 @@ def scenario_freeze(workdir, timeout_minutes=1.0, nproc=4, frozen=3):
     exits = {}
     try:
         if not job.wait_for(lambda: "iteration        3/" in job.output(), 300):
-            return {"ok": False, "detail": "never reached iteration 3:\n" + job.output()[-3000:]}
+            return {"ok": False, "detail": f"never reached iteration 3: {_last_line(job.output())}", "output": job.output()}
         job.signal(frozen, signal.SIGSTOP)
         stopped = time.monotonic()
         while time.monotonic() - stopped < 300 and len(exits) < len(others):
@@ -239,18 +245,18 @@ def _train_then(workdir, name, train_iters=4, nproc=4):
     return os.path.join(workdir, "ckpt", latest(workdir))
 
 
-def resume_damaged(workdir, name, damage, nproc=4, save=True):
-    """Save (unless `save` is False: a checkpoint is there), damage one file, resume: every rank must stop."""
-    if save:
-        _train_then(workdir, name + "-save", nproc=nproc)
-    path = damage(os.path.join(workdir, "ckpt", latest(workdir)))
+def resume_damaged(workdir, name, damages, nproc=4):
+    """Save, damage files of the checkpoint, resume: every rank must stop with exit code 2, each file named once."""
+    _train_then(workdir, name + "-save", nproc=nproc)
+    step_dir = os.path.join(workdir, "ckpt", latest(workdir))
+    paths = [damage(step_dir) for damage in damages]
     job = Job(workdir, gpt_args(workdir, train_iters=6), nproc=nproc, name=name, launcher="direct")
     codes = job.wait(600)
     out = job.output()
     errors = rank_errors(out)
-    named = [e for e in errors if os.path.basename(path) in e]
-    ok = set(codes.values()) == {2} and len(named) == 1 and len(errors) == 1 and not worker_tracebacks(out)
-    return {"ok": ok, "file": path, "errors": errors, "exit_codes": codes, "output": out,
+    named = [out.count(os.path.basename(p)) for p in paths]
+    ok = set(codes.values()) == {2} and named == [1] * len(paths) and len(errors) == 1 and not worker_tracebacks(out)
+    return {"ok": ok, "files": paths, "errors": errors, "exit_codes": codes, "output": out,
             "detail": f"exit codes {sorted(codes.values())}: " + (errors[0] if errors else "no error line")[:150]}
 
 
@@ -269,11 +275,11 @@ def truncate_layer_file(ckpt_dir):
 
 
 def scenario_shard(workdir):
-    return resume_damaged(workdir, "shard", delete_zero_shard)
+    return resume_damaged(workdir, "shard", [delete_zero_shard])
 
 
 def scenario_truncate(workdir):
-    return resume_damaged(workdir, "truncate", truncate_layer_file)
+    return resume_damaged(workdir, "truncate", [truncate_layer_file])
 
 
 def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, nproc=4):
@@ -291,7 +297,7 @@ def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, npro
     second = f"global_step{2 * save_interval}"
     try:
         if not job.wait_for(lambda: latest(workdir) == second, 600, poll=0.01):
-            return {"ok": False, "detail": "never saved twice:\n" + job.output()[-3000:]}
+            return {"ok": False, "detail": f"never saved twice: {_last_line(job.output())}", "output": job.output()}
         job.signal(kill_rank, signal.SIGKILL)
         rc = job.wait(900)
     finally:
@@ -299,29 +305,41 @@ def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, npro
     out = job.output()
     got = logged_losses(out)
     resumed = re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)", out)
+    before = logged_losses(out.split("successfully loaded checkpoint")[0])
     ok = ref_rc == 0 and rc == 0 and bool(resumed) and got == expected and len(got) == train_iters
     return {"ok": ok, "rc": rc, "expected": expected, "got": got, "resumed_at": resumed, "output": out,
-            "detail": f"resumed at iteration {resumed[-1] if resumed else '-'}, "
+            "detail": f"killed after iteration {max(before, default=0)}, resumed at {resumed[-1] if resumed else '-'}, "
                       f"{sum(got.get(i) == v for i, v in expected.items())}/{train_iters} losses bit-equal"}
 
 
-def scenario_inf_grad(workdir, iterations=(3, 4), nproc=4, extra=()):
-    job = Job(workdir, gpt_args(workdir, "--inject-inf-grad-iterations", *map(str, iterations), *extra, train_iters=6,
-                                save_interval=1000, bf16=True), nproc=nproc, name="inf-grad")
-    rc = job.wait(600)
+def scenario_inf_grad(workdir, iterations=(2, 4, 5), limit=2, train_iters=7, nproc=4):
+    """An inf gradient at `iterations`: each is skipped and counted; `limit` of them in a row save and stop."""
+    job = Job(workdir, gpt_args(workdir, "--inject-inf-grad-iterations", *map(str, iterations),
+                                "--exit-after-nan-iterations", str(limit), train_iters=train_iters,
+                                save_interval=1000, bf16=True), nproc=nproc, name="inf-grad", launcher="direct")
+    codes = job.wait(600)
     out = job.output()
-    nan_counts = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
-        r"iteration\s+(\d+)/.*?number of skipped iterations:\s+\d+ \| number of nan iterations:\s+(\d+)", out)}
-    skipped = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
-        r"iteration\s+(\d+)/.*?number of skipped iterations:\s+(\d+)", out)}
-    flagged = {i for i, n in nan_counts.items() if n}
-    ok = rc == 0 and flagged == set(iterations) and {i for i, n in skipped.items() if n} == set(iterations)
-    return {"ok": ok, "rc": rc, "nan": nan_counts, "skipped": skipped, "output": out,
-            "detail": f"nan iterations {sorted(flagged)}, skipped {sorted(i for i, n in skipped.items() if n)}"}
+    line = r"iteration\s+(\d+)/.*?number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)"
+    found = re.findall(line, out)
+    skipped = {int(i): int(s) for i, s, _ in found}
+    nan = {int(i): int(n) for i, _, n in found}
+    stop = next((i for i in iterations if all(j in iterations for j in range(i - limit + 1, i + 1))), None)
+    expected = {i: int(i in iterations) for i in range(1, (stop or train_iters) + 1)}
+    ok = (nan == expected and skipped == expected and set(codes.values()) == {3 if stop else 0}
+          and (stop is None or latest(workdir) == f"global_step{stop}"))
+    return {"ok": ok, "exit_codes": codes, "nan": nan, "skipped": skipped, "stopped_at": stop, "output": out,
+            "detail": f"nan iterations {sorted(i for i, n in nan.items() if n)}, skipped "
+                      f"{sorted(i for i, n in skipped.items() if n)}, exit codes {sorted(codes.values())}, "
+                      f"latest {latest(workdir)}"}
 
 
 SCENARIOS = {"freeze": scenario_freeze, "shard": scenario_shard, "truncate": scenario_truncate,
              "restart": scenario_restart, "inf-grad": scenario_inf_grad}
+FAULTS = {"freeze": "SIGSTOP rank 3 at iteration 3, 1-minute timeout",
+          "shard": "delete a ZeRO shard of the last checkpoint, resume",
+          "truncate": "truncate a layer file of the last checkpoint, resume",
+          "restart": "SIGKILL rank 1 after the 2nd save, torchrun --max-restarts 1",
+          "inf-grad": "inf gradient at iterations 2, 4, 5 (bf16), --exit-after-nan-iterations 2"}
 
 
 def main(argv=None):
@@ -343,17 +361,19 @@ def main(argv=None):
             result = SCENARIOS[name](workdir)
         except Exception as e:  # noqa: BLE001 - a scenario that breaks is a row of the table
             result = {"ok": False, "detail": f"{type(e).__name__}: {e}"}
-        rows.append((name, "as promised" if result["ok"] else "BROKEN", f"{time.monotonic() - start:.0f} s",
+        rows.append((name, FAULTS[name], "as promised" if result["ok"] else "BROKEN",
+                     f"{time.monotonic() - start:.0f} s",
                      result.get("detail", "").splitlines()[0] if result.get("detail") else ""))
         with open(os.path.join(workdir, "result.json"), "w") as f:
             json.dump({k: v for k, v in result.items() if k != "output"}, f, indent=1, default=str)
-        print(f"{name}: {rows[-1][1]} ({rows[-1][3]})", flush=True)
-    widths = [max(len(r[i]) for r in rows + [("scenario", "outcome", "time", "what happened")]) for i in range(4)]
+        print(f"{name}: {rows[-1][2]} ({rows[-1][4]})", flush=True)
+    header = ("scenario", "fault injected", "outcome", "time", "how it ended")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     print()
-    for row in [("scenario", "outcome", "time", "what happened")] + rows:
+    for row in [header] + rows:
         print(" | ".join(c.ljust(w) for c, w in zip(row, widths)))
     print(f"\nlogs: {base}/<scenario>/*.log")
-    return 0 if all(r[1] == "as promised" for r in rows) else 1
+    return 0 if all(r[2] == "as promised" for r in rows) else 1
 
 
 if __name__ == "__main__":

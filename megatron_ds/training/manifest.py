@@ -125,7 +125,7 @@ def verify_manifest(step_dir, skip=lambda rel: False):
         problems.append(f"{NAME} is visible to some ranks only")
     problems = sorted({p for _, ps in reports for p in ps} | set(problems))
     if problems:
-        more = f" (and {len(problems) - 1} more damaged file(s))" if len(problems) > 1 else ""
-        raise CheckpointError(f"checkpoint {step_dir} is damaged: {problems[0]}{more}; to resume from an earlier "
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {step_dir} is damaged: {'; '.join(problems[:3])}{more}; to resume from an earlier "
                               f"save, write its tag (global_stepN) into {os.path.join(os.path.dirname(step_dir), 'latest')}")
     return None if manifest is None else len(manifest["files"])

@@ -21,6 +21,7 @@ references to some of them), and cost one Python call per collective.
 """
 import datetime
 import functools
+import inspect
 import os
 import re
 import sys
@@ -34,7 +35,7 @@ OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base",
        "reduce_scatter_tensor", "_reduce_scatter_base", "reduce", "broadcast", "barrier", "monitored_barrier",
        "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter", "all_to_all",
        "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-PEER_ARG = {"send": ("dst", 1), "isend": ("dst", 1), "recv": ("src", 1), "irecv": ("src", 1)}
+PEERS = ("send", "isend", "recv", "irecv")
 
 
 class CollectiveError(RuntimeError):
@@ -60,21 +61,17 @@ def _describe_group(group):
     except Exception:  # noqa: BLE001 - a group this rank is not in, or torch already torn down
         ranks = None
     label = "world" if group is None or group is dist.group.WORLD else _state["labels"].get(group)
-    text = f"group ranks {ranks}" if ranks is not None else "a process group"
-    return f"the {label} {text}" if label else text
+    if ranks is None:
+        return f"the {label} group" if label else "a process group"
+    return f"the {label} group ranks {ranks}" if label else f"group ranks {ranks}"
 
 
 class _Call:
     """One collective: what it is, for the message, and when it started, for the watchdog."""
     __slots__ = ("name", "group", "peer", "start")
 
-    def __init__(self, name, args, kwargs):
-        self.name, self.start = name, time.monotonic()
-        self.group = kwargs.get("group")
-        if self.group is None and name in ("batch_isend_irecv",) and args:
-            self.group = getattr(args[0][0], "group", None) if args[0] else None
-        key, pos = PEER_ARG.get(name, (None, None))
-        self.peer = kwargs.get(key, args[pos] if key and len(args) > pos else None)
+    def __init__(self, name, group, peer):
+        self.name, self.group, self.peer, self.start = name, group, peer, time.monotonic()
 
     def describe(self):
         peer = f" {'to' if self.name in ('send', 'isend') else 'from'} rank {self.peer}" if self.peer is not None else ""
@@ -134,10 +131,32 @@ class _Work:
         return getattr(self._work, name)
 
 
+def _argument(fn, name):
+    """(name, position) of fn's parameter `name`, to find it among positional or keyword arguments."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return name, None
+    return name, params.index(name) if name in params else None
+
+
+def _pick(args, kwargs, where):
+    name, pos = where
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if pos is not None and pos < len(args) else None
+
+
 def _wrap(name, fn):
+    group_at = _argument(fn, "group")
+    peer_at = _argument(fn, "dst" if name in ("send", "isend") else "src") if name in PEERS else None
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        record = _Call(name, args, kwargs)
+        group = _pick(args, kwargs, group_at)
+        if name == "batch_isend_irecv" and args and args[0]:
+            group = getattr(args[0][0], "group", None)
+        record = _Call(name, group, _pick(args, kwargs, peer_at) if peer_at else None)
         _track(record)
         try:
             out = fn(*args, **kwargs)

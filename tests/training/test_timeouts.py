@@ -1,6 +1,7 @@
 """timeouts.install: a group made later by new_group(ranks) alone carries the timeout, and a call that times
 out raises one CollectiveError naming the call, the peer and the group (3 gloo ranks, a 4-second timeout)."""
 import datetime
+import re
 import time
 
 from tests.multiproc import run_ranks
@@ -44,3 +45,27 @@ def test_later_groups_time_out_and_name_the_call():
     assert 3.5 < waited < 15, waited
     assert message.startswith("irecv from rank 1 on the world group ranks [0, 1, 2] failed after"), message
     assert results[1] == {}
+
+
+WATCHDOG = """
+import datetime, time
+from megatron_ds.training import timeouts
+timeouts.install(datetime.timedelta(seconds=2), grace=1.0)
+stuck = timeouts._wrap("all_reduce", lambda tensor, group=None: time.sleep(60))  # a wait no backend bounds
+stuck(None)
+"""
+
+
+def test_watchdog_ends_a_call_the_backend_never_times_out():
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=root, RANK="5"))
+    assert proc.returncode == 1 and time.monotonic() - start < 100  # not the 60 s of the stuck call
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    waited = re.match(r"pretrain_gpt.py: error: rank 5: all_reduce on the world group still waiting after (\d+) s, "
+                      r"past --distributed-timeout-minutes 0.0333333 \(watchdog\): a peer is frozen$", proc.stderr.strip())
+    assert waited and 3 <= int(waited.group(1)) <= 6, proc.stderr
