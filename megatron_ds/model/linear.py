@@ -51,21 +51,37 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            x_2d = x.reshape(-1, x.shape[-1])
-            queue = WeightGradStore._queue
-            if queue is None:
-                grad_weight = grad_2d.t().matmul(x_2d)
-            else:
-                queue.append(lambda: _accumulate(weight, grad_2d.t().matmul(x_2d)))
+        grad_bias = bias_grad(grad_out) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = weight_grad(weight, grad_out, x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, grad_bias
+
+
+def bias_grad(grad_out):
+    return grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+
+
+def weight_grad(weight, grad_out, x):
+    """grad_out^T x over all tokens: returned now, or queued for the W op (then None).
+
+    Every deferrable linear layer (the tensor-parallel ones too) goes through here, so
+    a deferred weight gradient is the very GEMM a fused backward computes.
+    """
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+    x_2d = x.reshape(-1, x.shape[-1])
+    queue = WeightGradStore._queue
+    if queue is None:
+        return grad_2d.t().matmul(x_2d)
+    queue.append(lambda: _accumulate(weight, grad_2d.t().matmul(x_2d)))
+    return None
+
+
+def linear(x, weight, bias=None):
+    """F.linear with a deferrable weight gradient."""
+    return _LinearFunction.apply(x, weight, bias)
 
 
 class Linear(torch.nn.Linear):
     """nn.Linear (same parameters, same layout) with a deferrable weight gradient."""
 
     def forward(self, x):
-        return _LinearFunction.apply(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)

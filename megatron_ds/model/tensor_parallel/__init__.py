@@ -1,0 +1,16 @@
+"""Megatron-style tensor parallelism (after Megatron-LM's core/tensor_parallel).
+
+state: the process groups (the mpu); checks: start-up layout checks; comm: the collectives
+and their counter; mappings: autograd pairs of collectives between regions; layers: the
+column/row-parallel linears and the vocab-parallel embedding; cross_entropy: the loss on
+vocab-parallel logits; rng: dropout seeds per region.
+"""
+from .checks import ParallelConfigError, check_parallel_layout
+from .comm import CommCounter
+from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_loss
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
+                     shard, unshard)
+from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
+                       reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence)
+from .rng import get_rng_tracker, model_parallel_manual_seed
+from .state import ParallelState, get_parallel_state, initialize_model_parallel
