@@ -4,34 +4,53 @@ One fused projection c_attn gives [q (heads x d); k (kv heads x d); v (kv heads 
 with grouped-query attention (fewer K/V heads) each K/V head serves heads / kv heads
 query heads, and K/V stay grouped all the way (SDPA's enable_gqa; the Seq1F1B cache
 holds the grouped heads). RoPE rotates q and k; ALiBi is an additive bias.
+
+With tensor parallelism each rank projects, attends with and projects back its own
+query heads and their K/V heads (c_attn column-parallel by sections, c_proj row-parallel).
 """
+import contextlib
+
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPTConfig
 from .kv_cache import SegmentKVCache
-from .linear import Linear
 from .positions import alibi_bias, apply_rope
+from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+    def __init__(self, config: GPTConfig, layer_idx: int = 0, init_method=None, output_init_method=None):
+        """The init methods fill the full c_attn and c_proj weights (each rank keeps its slice); a
+        standalone module (no TransformerLayer around it) draws them from config.seed."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
-                                                            config.head_dim)
-        kv_size = self.num_kv_heads * self.head_dim
-        self.split_sizes = [config.hidden_size, kv_size, kv_size]
-        self.c_attn = Linear(config.hidden_size, sum(self.split_sizes), bias=config.add_bias_linear)
-        self.c_proj = Linear(config.hidden_size, config.hidden_size, bias=config.add_bias_linear)
+        if init_method is None:
+            gen = torch.Generator().manual_seed(config.seed)
+            init_method = output_init_method = lambda w: w.normal_(0.0, config.init_method_std, generator=gen)
+        self.group = tensor_parallel_group(config)
+        tp = config.tensor_model_parallel_size
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads // tp,
+                                                            config.num_key_value_heads // tp, config.head_dim)
+        kv_size = config.num_key_value_heads * self.head_dim
+        parallel = dict(group=self.group, sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
+        self.c_attn = ColumnParallelLinear(config.hidden_size, config.hidden_size + 2 * kv_size,
+                                           sections=[config.hidden_size, kv_size, kv_size], init_method=init_method,
+                                           **parallel)
+        self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, init_method=output_init_method,
+                                        **parallel)
+        self.split_sizes = [s // tp for s in self.c_attn.sections]
+        self.total_heads, self.head_start = config.num_attention_heads, comm.rank(self.group) * self.num_heads
         self.position_embedding_type, self.rope_theta = config.position_embedding_type, config.rope_theta
         self.attention_dropout = config.attention_dropout
-        self.resid_drop = nn.Dropout(config.hidden_dropout)
+        self.resid_drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         self.layer_idx = layer_idx  # the global layer index names this layer's slot in the segment K/V cache
 
     def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.c_attn(x).split(self.split_sizes, dim=2)
+        qkv = self.c_attn(x)
+        b, s = qkv.shape[:2]  # the whole sequence, also when x is a sequence-parallel shard
+        q, k, v = qkv.split(self.split_sizes, dim=2)
         q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         segment = SegmentKVCache.current()
@@ -42,15 +61,19 @@ class CausalSelfAttention(nn.Module):
             # k, v now live in the cache: copy q so it alone does not keep the fused qkv output alive
             # (in the projection's (b, s, heads, d) memory order, so y reshapes without a copy)
             q = q.transpose(1, 2).contiguous().transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, **self._mask(q, k, segment),
-                                           dropout_p=self.attention_dropout if self.training else 0.0,
-                                           enable_gqa=self.num_kv_heads != self.num_heads)
-        y = y.transpose(1, 2).reshape(b, s, h)
+        dropout = self.attention_dropout if self.training else 0.0
+        # each rank's heads drop their own elements
+        rng = get_rng_tracker().fork() if self.group is not None and dropout else contextlib.nullcontext()
+        with rng:
+            y = F.scaled_dot_product_attention(q, k, v, **self._mask(q, k, segment), dropout_p=dropout,
+                                               enable_gqa=self.num_kv_heads != self.num_heads)
+        y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.resid_drop(self.c_proj(y))
 
     def _mask(self, q, k, segment):
         """SDPA's mask arguments: causal (bottom-right aligned for a segment), plus ALiBi's bias."""
         if self.position_embedding_type == "alibi":
-            return dict(attn_mask=alibi_bias(self.num_heads, q.shape[-2], k.shape[-2], q.dtype, q.device))
+            bias = alibi_bias(self.total_heads, q.shape[-2], k.shape[-2], q.dtype, q.device)
+            return dict(attn_mask=bias[self.head_start:self.head_start + self.num_heads])
         mask = segment.causal_mask(q, k) if segment is not None else None
         return dict(attn_mask=mask, is_causal=mask is None)

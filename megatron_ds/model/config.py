@@ -6,6 +6,8 @@ BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2).
 """
 from dataclasses import dataclass
 
+from .tensor_parallel.checks import check_model_split
+
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
 
@@ -31,6 +33,8 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     embed_layernorm: bool = False
+    tensor_model_parallel_size: int = 1  # the layers split heads, MLP columns and vocabulary over this many ranks
+    sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
 
     def __post_init__(self):
         if not self.num_key_value_heads:
@@ -42,6 +46,8 @@ class GPTConfig:
         problem = config_problem(self)
         if problem:
             raise ValueError(problem)
+        check_model_split(self.tensor_model_parallel_size, self.num_attention_heads, self.ffn_hidden_size,
+                          self.vocab_size, self.num_key_value_heads, self.sequence_parallel)
 
     @property
     def head_dim(self):

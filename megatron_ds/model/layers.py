@@ -4,8 +4,12 @@ A pipeline is the list [Embedding, TransformerLayer x L, FinalNorm, LM head (the
 Embedding again when tied, else LMHead)]; the single-process reference chains the
 same classes. The model families are options on these classes (see config.py).
 Each layer initialises itself from its own seed (config.seed + global layer
-index), so any partition into pipeline stages gives the same weights.
+index), so any partition into pipeline stages gives the same weights; with tensor
+parallelism (config.tensor_model_parallel_size) each rank draws the full matrices
+and keeps its slice, so any TP size gives the same weights too. With TP the LM head
+returns this rank's vocabulary slice of the logits (loss: loss_function(config)).
 """
+import functools
 import math
 
 import torch
@@ -14,18 +18,24 @@ import torch.nn.functional as F
 
 from .attention import CausalSelfAttention
 from .config import GPTConfig
-from .linear import Linear
+from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
+                              column_parallel_linear, scatter_to_sequence, tensor_parallel_group,
+                              vocab_parallel_loss)
 
 
 def _generator(config: GPTConfig, layer_idx: int):
     return torch.Generator().manual_seed(config.seed + layer_idx)
 
 
-def _init_linear(linear: nn.Linear, std: float, gen: torch.Generator):
-    with torch.no_grad():
-        linear.weight.normal_(0.0, std, generator=gen)
-        if linear.bias is not None:
-            linear.bias.zero_()
+def _normal(std: float, gen: torch.Generator):
+    """An init method: fills a full weight in place (biases start at zero)."""
+    return lambda weight: weight.normal_(0.0, std, generator=gen)
+
+
+def _mark_sequence_parallel(module, config):
+    """A norm on a sequence shard sees only its tokens: its gradient is summed over the TP group."""
+    for p in module.parameters():
+        p.sequence_parallel = config.sequence_parallel
 
 
 class Norm(nn.Module):
@@ -50,15 +60,16 @@ class Embedding(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        gen = _generator(config, layer_idx)
+        self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
+                                          init_method=_normal(config.init_method_std, gen))
         learned = config.position_embedding_type == "learned_absolute"
         self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.ln_emb = Norm(config) if config.embed_layernorm else None
-        self.drop = nn.Dropout(config.hidden_dropout)
-        gen = _generator(config, layer_idx)
-        with torch.no_grad():
-            self.wte.weight.normal_(0.0, config.init_method_std, generator=gen)
-            if self.wpe is not None:
+        self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
+        if self.wpe is not None:
+            with torch.no_grad():
                 self.wpe.weight.normal_(0.0, config.init_method_std, generator=gen)
 
     def forward(self, inputs):
@@ -68,6 +79,8 @@ class Embedding(nn.Module):
             x = x + self.wpe(position_ids)
         if self.ln_emb is not None:
             x = self.ln_emb(x)
+        if self.sequence_parallel:  # the residual stream is split by sequence from here on
+            x = scatter_to_sequence(x, self.group)
         return self.drop(x)
 
 
@@ -80,35 +93,43 @@ class TiedLMHead(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
-        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
-        with torch.no_grad():
-            self.wte.weight.normal_(0.0, config.init_method_std, generator=_generator(config, layer_idx))
+        self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
+                                          init_method=_normal(config.init_method_std, _generator(config, layer_idx)))
 
 
 def lm_head(embedding, hidden):
-    """The tied LM head is the word embedding, transposed."""
-    return F.linear(hidden, embedding.wte.weight)
+    """The tied LM head is the word embedding, transposed (with TP: this rank's vocabulary rows)."""
+    if embedding.group is None:
+        return F.linear(hidden, embedding.wte.weight)
+    return column_parallel_linear(hidden, embedding.wte.weight, None, embedding.group, embedding.sequence_parallel)
 
 
-class LMHead(Linear):
+class LMHead(ColumnParallelLinear):
     """The untied LM head (--untie-embeddings-and-output-weights): a pipeline layer of its own,
     whose weight GEMM a B/W split defers like any other linear layer's."""
 
     def __init__(self, config: GPTConfig, layer_idx: int):
-        super().__init__(config.hidden_size, config.vocab_size, bias=False)
-        _init_linear(self, config.init_method_std, _generator(config, layer_idx))
+        super().__init__(config.hidden_size, config.vocab_size, bias=False, group=tensor_parallel_group(config),
+                         sequence_parallel=config.sequence_parallel,
+                         init_method=_normal(config.init_method_std, _generator(config, layer_idx)))
 
 
 class MLP(nn.Module):
     """GELU (tanh approximation), or SwiGLU: c_fc gives [gate; up], silu(gate) * up goes to c_proj."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, init_method, output_init_method):
+        """c_fc column-parallel (SwiGLU: each rank its slice of gate and the same slice of up), c_proj row-parallel."""
         super().__init__()
         self.swiglu = config.swiglu
-        fc_size = 2 * config.ffn_hidden_size if self.swiglu else config.ffn_hidden_size
-        self.c_fc = Linear(config.hidden_size, fc_size, bias=config.add_bias_linear)
-        self.c_proj = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear)
-        self.drop = nn.Dropout(config.hidden_dropout)
+        ffn = config.ffn_hidden_size
+        parallel = dict(group=tensor_parallel_group(config), sequence_parallel=config.sequence_parallel,
+                        bias=config.add_bias_linear)
+        self.c_fc = ColumnParallelLinear(config.hidden_size, 2 * ffn if self.swiglu else ffn,
+                                         sections=[ffn, ffn] if self.swiglu else None, init_method=init_method,
+                                         **parallel)
+        self.c_proj = RowParallelLinear(ffn, config.hidden_size, init_method=output_init_method, **parallel)
+        self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
 
     def forward(self, x):
         x = self.c_fc(x)
@@ -125,17 +146,15 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
+        gen = _generator(config, layer_idx)  # drawn in order: c_attn, attn.c_proj, c_fc, mlp.c_proj
+        init = _normal(config.init_method_std, gen)
+        scaled_init = _normal(config.init_method_std / math.sqrt(2.0 * config.num_layers), gen)  # GPT-2's scaling
         self.ln_1 = Norm(config)
-        self.attn = CausalSelfAttention(config, layer_idx)
+        self.attn = CausalSelfAttention(config, layer_idx, init, scaled_init)
         self.ln_2 = Norm(config)
-        self.mlp = MLP(config)
-        gen = _generator(config, layer_idx)
-        std = config.init_method_std
-        scaled_std = std / math.sqrt(2.0 * config.num_layers)  # GPT-2's residual-branch scaling
-        _init_linear(self.attn.c_attn, std, gen)
-        _init_linear(self.attn.c_proj, scaled_std, gen)
-        _init_linear(self.mlp.c_fc, std, gen)
-        _init_linear(self.mlp.c_proj, scaled_std, gen)
+        self.mlp = MLP(config, init, scaled_init)
+        _mark_sequence_parallel(self.ln_1, config)
+        _mark_sequence_parallel(self.ln_2, config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
@@ -144,6 +163,10 @@ class TransformerLayer(nn.Module):
 
 class FinalNorm(Norm):
     """The norm after the last transformer layer: a pipeline layer of its own."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        _mark_sequence_parallel(self, config)
 
 
 def gpt_loss(logits, labels):
@@ -158,3 +181,9 @@ def gpt_loss(logits, labels):
         losses = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="sum")
         return losses / num_tokens
     return F.cross_entropy(logits.float().flatten(0, -2), labels.flatten())
+
+
+def loss_function(config: GPTConfig):
+    """gpt_loss, or with tensor parallelism its vocab-parallel twin over the TP group."""
+    group = tensor_parallel_group(config)
+    return gpt_loss if group is None else functools.partial(vocab_parallel_loss, group=group)

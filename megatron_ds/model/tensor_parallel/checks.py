@@ -12,11 +12,7 @@ class ParallelConfigError(ValueError):
 def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num_attention_heads,
                           ffn_hidden_size, padded_vocab_size, num_key_value_heads=None,
                           sequence_parallel=False):
-    """Raise ParallelConfigError unless the model splits evenly over `tensor_parallel` ranks.
-
-    `padded_vocab_size` is the vocabulary after Megatron's padding (a multiple of
-    make_vocab_size_divisible_by * TP, or --pad-vocab-size-to).
-    """
+    """Raise ParallelConfigError unless TP x PP divides the world and the model splits over TP ranks."""
     tp, pp = tensor_parallel, pipeline_parallel
     if tp < 1 or pp < 1:
         raise ParallelConfigError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size {pp} "
@@ -25,6 +21,18 @@ def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num
         raise ParallelConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
                                   f"{tp * pp} must divide the world size {world_size} (the data-parallel size is "
                                   f"world / (TP x PP))")
+    check_model_split(tp, num_attention_heads, ffn_hidden_size, padded_vocab_size, num_key_value_heads,
+                      sequence_parallel)
+
+
+def check_model_split(tensor_parallel, num_attention_heads, ffn_hidden_size, padded_vocab_size,
+                      num_key_value_heads=None, sequence_parallel=False):
+    """Raise ParallelConfigError unless the model splits evenly over `tensor_parallel` ranks.
+
+    `padded_vocab_size` is the vocabulary after Megatron's padding (a multiple of
+    make_vocab_size_divisible_by * TP, or --pad-vocab-size-to).
+    """
+    tp = tensor_parallel
     if sequence_parallel and tp == 1:
         raise ParallelConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
                                   "needs --tensor-model-parallel-size > 1")

@@ -32,18 +32,19 @@ def unshard(pieces, dim=0, sections=None):
     return torch.cat([per_rank[r][i] for i in range(len(sections)) for r in range(world)], dim)
 
 
-def _mark_parallel(param, dim):
+def _mark_parallel(param, dim, group):
     """DeepSpeed's gradient norm counts a parameter with this mark on every tensor-parallel rank
     (and an unmarked one on tensor-parallel rank 0 only); Megatron's attribute names."""
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
+    if group is not None:
+        param.tensor_model_parallel = True
+        param.partition_dim = dim
 
 
 def _split_parameter(full_shape, init_method, group, dim, sections=None):
     full = torch.empty(full_shape)
     init_method(full)
     param = nn.Parameter(shard(full, comm.rank(group), comm.world_size(group), dim, sections).contiguous())
-    _mark_parallel(param, dim)
+    _mark_parallel(param, dim, group)
     return param
 
 
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features // comm.world_size(group)))
-            _mark_parallel(self.bias, 0)
+            _mark_parallel(self.bias, 0, group)
 
     def forward(self, x):
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
@@ -135,6 +136,8 @@ class RowParallelLinear(nn.Module):
             self.bias.sequence_parallel = sequence_parallel
 
     def forward(self, x):
+        if self.group is None:  # exactly the dense layer
+            return linear(x, self.weight, self.bias)
         partial = linear(x, self.weight)
         y = reduce_scatter_to_sequence(partial, self.group) if self.sequence_parallel \
             else reduce_from_region(partial, self.group)

@@ -11,7 +11,7 @@ Each is a pair of collectives, one per direction (Megatron's core/tensor_paralle
   reduce_scatter_to_sequence forward reduce-scatter, backward all-gather sequence
 
 Activations are batch-first (batch, sequence, hidden), so the sequence dimension is 1
-(Megatron's is 0).
+(Megatron's is 0). A group of None (no tensor parallelism) maps a tensor to itself.
 """
 import torch
 
@@ -82,30 +82,44 @@ class _ReduceScatterToRegion(torch.autograd.Function):
 
 
 def copy_to_region(x, group):
+    if group is None:
+        return x
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_region(x, group):
+    if group is None:
+        return x
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_region(x, group):
+    if group is None:
+        return x
     return _ScatterToRegion.apply(x, group, -1)
 
 
 def gather_from_region(x, group):
+    if group is None:
+        return x
     return _GatherFromRegion.apply(x, group, -1, False)
 
 
 def scatter_to_sequence(x, group):
+    if group is None:
+        return x
     return _ScatterToRegion.apply(x, group, SEQ_DIM)
 
 
 def gather_from_sequence(x, group, tensor_parallel_output_grad=True):
     """All-gather the sequence. The backward reduce-scatters when the consumer is tensor-parallel
     (each rank holds a partial gradient), and only splits when the consumer is replicated."""
+    if group is None:
+        return x
     return _GatherFromRegion.apply(x, group, SEQ_DIM, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence(x, group):
+    if group is None:
+        return x
     return _ReduceScatterToRegion.apply(x, group, SEQ_DIM)

@@ -77,3 +77,25 @@ def model_parallel_manual_seed(seed, tensor_parallel_rank, device="cpu"):
         torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tensor_parallel_rank, device)
+
+
+def partitioned_dropout(x, p, training):
+    """Dropout on a tensor split over the tensor-parallel ranks (heads, sequence shards): each rank's
+    own mask, from the tracker's model-parallel state."""
+    if not training or p == 0.0:
+        return x
+    with _TRACKER.fork():
+        return torch.nn.functional.dropout(x, p, training=True)
+
+
+class Dropout(torch.nn.Dropout):
+    """nn.Dropout that, on a partitioned tensor, draws its mask from the model-parallel RNG state."""
+
+    def __init__(self, p, partitioned=False):
+        super().__init__(p)
+        self.partitioned = partitioned
+
+    def forward(self, x):
+        if self.partitioned:
+            return partitioned_dropout(x, self.p, self.training)
+        return super().forward(x)

@@ -102,3 +102,15 @@ def get_parallel_state():
     if _STATE is None:
         raise RuntimeError("model parallelism is not initialised (call initialize_model_parallel)")
     return _STATE
+
+
+def tensor_parallel_group(config):
+    """The group a model's layers split over: None (no communication) when config asks for no TP."""
+    tp = config.tensor_model_parallel_size
+    if tp == 1:
+        return None
+    state = get_parallel_state()
+    if state.get_tensor_model_parallel_world_size() != tp:
+        raise RuntimeError(f"the model asks for tensor parallelism {tp}, the process groups have "
+                           f"{state.get_tensor_model_parallel_world_size()}")
+    return state.get_tensor_model_parallel_group()

@@ -5,17 +5,19 @@ both on the same data and reports the largest differences (forward output, input
 gradient, gathered weight gradients) and whether the deferred-W gradients equal the
 fused ones bit for bit. The tests assert on these numbers.
 """
+import contextlib
 import importlib.util
-import math
 import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_ds.model.layers import gpt_loss
+from megatron_ds.model import GPTConfig, GPTModel
+from megatron_ds.model.layers import gpt_loss, loss_function
 from megatron_ds.model.linear import Linear, WeightGradStore
 from megatron_ds.model.tensor_parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear,
+                                               initialize_model_parallel,
                                                VocabParallelEmbedding, gather_from_region, gather_from_sequence,
                                                get_rng_tracker, model_parallel_manual_seed,
                                                reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence,
@@ -299,11 +301,68 @@ def groups_case(pp, tp):
     return ours, theirs
 
 
+FAMILIES = {"gpt2": {},
+            "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
+                          untie_embeddings_and_output_weights=True, add_bias_linear=False),
+            "bloom": dict(position_embedding_type="alibi", embed_layernorm=True)}
+
+
+def _full_grads(model, group):
+    """Every parameter's gradient as the dense model has it: slices gathered, partial sums summed."""
+    out = {}
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            g = p.grad
+            if isinstance(module, ColumnParallelLinear):
+                g = _gather(g, group, 0, module.sections)
+            elif isinstance(module, RowParallelLinear) and pname == "weight":
+                g = _gather(g, group, 1)
+            elif isinstance(module, VocabParallelEmbedding):
+                g = _gather(g, group, 0)
+            elif getattr(p, "sequence_parallel", False):  # norms and row biases on a sequence shard
+                g = g.clone()
+                dist.all_reduce(g, group=group)
+            out[f"{mname}.{pname}"] = g
+    return out
+
+
+def model_case(group, family, sp):
+    """The whole GPT split over the TP group (heads 2*TP, K/V heads TP for llama) against the dense GPT:
+    logits, loss (vocab-parallel) and every gradient; the B/W split (deferred W) with sequence parallelism."""
+    tp = tp_size(group)
+    kw = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=2 * tp, max_position_embeddings=S,
+              **FAMILIES[family])
+    if family == "llama":
+        kw["num_key_value_heads"] = tp
+    dense = GPTModel(GPTConfig(**kw))
+    config = GPTConfig(**kw, tensor_model_parallel_size=tp, sequence_parallel=sp)
+    model = GPTModel(config)
+    tokens = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(18))
+    labels = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(19))
+    logits_d = dense(tokens)
+    loss_d = gpt_loss(logits_d, labels)
+    loss_d.backward()
+    logits = model(tokens)
+    loss = loss_function(config)(logits, labels)
+    queue = []
+    with WeightGradStore.deferring(queue) if sp else contextlib.nullcontext():
+        loss.backward()
+    queued = len(queue)
+    WeightGradStore.drain(queue)
+    grads, grads_d = _full_grads(model, group), {n: p.grad for n, p in dense.named_parameters()}
+    return dict(logits=_diff(_gather(logits.detach(), group, -1), logits_d), loss=_diff(loss, loss_d),
+                grads=max(_diff(grads[n], grads_d[n]) for n in grads_d), names=grads.keys() == grads_d.keys(),
+                queued=queued)
+
+
 def run_all(world):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    group = ParallelState(1, world).tensor_parallel_group_or_none()
+    group = initialize_model_parallel(1, world).tensor_parallel_group_or_none()
     out = {}
+    for family in FAMILIES:
+        for sp in (False, True):
+            out["model", family, sp] = model_case(group, family, sp)
     for sp in (False, True):
         for deferred in (False, True):
             out["column", sp, deferred] = column_case(group, sp, deferred)

@@ -86,3 +86,18 @@ def test_rng_tracker_drops_alike_in_replicated_regions_and_apart_in_partitioned_
 def test_collectives_per_layer_equal_megatrons_formulas(tp_results, world):
     for sp, (counted, formula) in tp_results(world)[0]["comm_count"].items():
         assert counted == formula, sp
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bloom"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp+deferred-w"])
+def test_gpt_model_split_over_tp_ranks_equals_dense(tp_results, world, family, sp):
+    """GPTModel with tensor_model_parallel_size=world: gathered logits, vocab-parallel loss and every
+    gathered gradient equal the dense model's (LLaMA: grouped K/V heads, SwiGLU, RoPE, untied head,
+    no biases; BLOOM: ALiBi slopes per rank's heads, embedding norm)."""
+    for r in tp_results(world):
+        case = r["model", family, sp]
+        assert case["names"]
+        assert case["queued"] == (2 * 4 + 1 if sp else 0)  # B left every linear's and the head's weight GEMM to W
+        for field in ("logits", "loss", "grads"):
+            assert case[field] < TOL, (field, case[field])
