@@ -1,7 +1,7 @@
 """Tensor-parallel communication per transformer layer per micro-batch: counted vs Megatron's formulas.
 
-Runs one GPT-2 block built from megatron_ds.model.tensor_parallel's layers on TP gloo
-ranks, counts every collective the layers issue (CommCounter) in the forward and the
+Runs one GPT-2 TransformerLayer split over TP gloo ranks (tensor_model_parallel_size),
+counts every collective its layers issue (CommCounter) in the forward and the
 backward, and prints them beside the formulas of Megatron's papers (bytes of the full
 b x s x h activation per collective, fp32 here):
 
@@ -26,40 +26,13 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from launch import launch  # noqa: E402
-from megatron_ds.model.tensor_parallel import (ColumnParallelLinear, CommCounter, ParallelState,  # noqa: E402
-                                               RowParallelLinear)
-from megatron_ds.model.tensor_parallel.comm import world_size  # noqa: E402
+from megatron_ds.model import GPTConfig, TransformerLayer  # noqa: E402
+from megatron_ds.model.tensor_parallel import CommCounter, initialize_model_parallel  # noqa: E402
 
 
-class ParallelBlock(nn.Module):
-    """A pre-LayerNorm GPT-2 block on the tensor-parallel layers (attention heads and MLP columns split)."""
-
-    def __init__(self, hidden, heads, group, sequence_parallel):
-        super().__init__()
-        tp = world_size(group)
-        init = lambda w: w.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))  # noqa: E731
-        kwargs = dict(init_method=init, group=group, sequence_parallel=sequence_parallel)
-        self.local_heads, self.head_dim = heads // tp, hidden // heads
-        self.ln_1, self.ln_2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, sections=[hidden] * 3, **kwargs)
-        self.proj = RowParallelLinear(hidden, hidden, **kwargs)
-        self.fc = ColumnParallelLinear(hidden, 4 * hidden, **kwargs)
-        self.fc_proj = RowParallelLinear(4 * hidden, hidden, **kwargs)
-
-    def attention(self, x):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        b, s = q.shape[:2]
-        q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        return self.proj(y)
-
-    def forward(self, x):
-        x = x + self.attention(self.ln_1(x))
-        return x + self.fc_proj(F.gelu(self.fc(self.ln_2(x)), approximate="tanh"))
+RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (t-1)/t of the full tensor
 
 
 def megatron_formula(tp, sequence_parallel, b, s, h, element_size=4):
@@ -73,10 +46,13 @@ def megatron_formula(tp, sequence_parallel, b, s, h, element_size=4):
             ("backward", "all_gather"): (4, 4 * full), ("backward", "reduce_scatter"): (2, 2 * full)}
 
 
-def count_layer(group, sequence_parallel, b, s, h, heads):
-    """{(pass, op): (count, bytes)} counted over one block's forward and backward."""
-    block = ParallelBlock(h, heads, group, sequence_parallel)
-    x = torch.randn(b, s // (world_size(group) if sequence_parallel else 1), h, requires_grad=True)
+def count_layer(tp, sequence_parallel, b, s, h, heads):
+    """{(pass, op): (count, bytes)} counted over one TransformerLayer's forward and backward
+    (the tensor-parallel groups initialised, TP = tp)."""
+    config = GPTConfig(vocab_size=64 * tp, hidden_size=h, num_layers=1, num_attention_heads=heads,
+                       max_position_embeddings=s, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel)
+    block = TransformerLayer(config, 1)
+    x = torch.randn(b, s // (tp if sequence_parallel else 1), h, requires_grad=True)
     with CommCounter.counting() as fwd:
         y = block(x)
     with CommCounter.counting() as bwd:
@@ -88,8 +64,9 @@ def count_layer(group, sequence_parallel, b, s, h, heads):
 def _rank(b, s, h, heads):
     import deepspeed
     deepspeed.init_distributed(dist_backend="gloo")
-    state = ParallelState(1, torch.distributed.get_world_size())
-    return {sp: count_layer(state.tensor_parallel_group_or_none(), sp, b, s, h, heads) for sp in (False, True)}
+    tp = torch.distributed.get_world_size()
+    initialize_model_parallel(1, tp)
+    return {sp: count_layer(tp, sp, b, s, h, heads) for sp in (False, True)}
 
 
 def main():
@@ -102,8 +79,8 @@ def main():
     a = p.parse_args()
     b, s, h = a.batch, a.seq, a.hidden
     print(f"b={b} s={s} h={h} heads={a.heads}, fp32: b*s*h = {b * s * h * 4} bytes; per layer per micro-batch\n")
-    print("| TP | SP | pass | collective | counted | Megatron | counted bytes | Megatron bytes |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| TP | SP | pass | collective | counted | Megatron | counted bytes | Megatron bytes | ring bytes sent/rank |")
+    print("|---|---|---|---|---|---|---|---|---|")
     mismatches = 0
     for tp in a.tp:
         counted = launch(tp, _rank, b, s, h, a.heads)
@@ -112,7 +89,8 @@ def main():
             for key in sorted(set(formula) | set(counted[sp]), key=lambda k: (k[0] != "forward", k[1])):
                 (n, nb), (fn, fb) = counted[sp].get(key, (0, 0)), formula.get(key, (0, 0))
                 mismatches += (n, nb) != (fn, fb)
-                print(f"| {tp} | {'on' if sp else 'off'} | {key[0]} | {key[1]} | {n} | {fn} | {nb} | {fb} |")
+                sent = round(nb * RING_FACTOR[key[1]] * (tp - 1) / tp)
+                print(f"| {tp} | {'on' if sp else 'off'} | {key[0]} | {key[1]} | {n} | {fn} | {nb} | {fb} | {sent} |")
     print(f"\n{'all counts equal the formulas' if not mismatches else f'{mismatches} rows differ from the formulas'}")
     return 1 if mismatches else 0
 

@@ -12,9 +12,11 @@ import deepspeed
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
-from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
+from megatron_ds.model import GPTConfig, gpt_layer_specs
+from megatron_ds.model.layers import loss_function
+from megatron_ds.model.tensor_parallel import ensure_model_parallel
 
 from .config import ConfigError, pipeline_settings
 from .engine import ScheduleEngine
@@ -25,11 +27,17 @@ from .trace import TracedPipelineEngine, Tracer
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
 
 
-def topology(pp: int):
+def topology(pp: int, tp: int = 1):
+    """DeepSpeed's (pipe, data) topology, or with tensor parallelism (pipe, data, model): TP fastest."""
     world = dist.get_world_size()
     if pp < 1 or world % pp:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide the world size {world}")
-    return PipeDataParallelTopology(num_pp=pp, num_dp=world // pp)
+    if tp == 1:
+        return PipeDataParallelTopology(num_pp=pp, num_dp=world // pp)
+    if world % (pp * tp):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
+                          f"the world size {world}")
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
@@ -37,14 +45,20 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     """`layers`/`loss_fn` replace the GPT's layer specs and loss (e.g. benchmarking layers);
     config.num_layers and hidden_size still give their count and the activation shape."""
     settings = pipeline_settings(ds_config)
-    common = dict(layers=gpt_layer_specs(config) if layers is None else layers, loss_fn=loss_fn or gpt_loss,
-                  topology=topology(pp),
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if tp > 1:
+        if config.sequence_parallel:
+            raise ConfigError("--sequence-parallel is not wired into the pipeline engines yet (the layers support "
+                              "it; the engine must all-reduce the norms' gradients and send sequence shards)")
+        ensure_model_parallel(pp, tp)  # the layers take their TP group from it
+    common = dict(layers=gpt_layer_specs(config) if layers is None else layers,
+                  loss_fn=loss_fn or loss_function(config), topology=topology(pp, tp),
                   partition_method=settings.partition_method,
                   activation_checkpoint_interval=activation_checkpoint_interval,
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
     if settings.stock:
         return PipelineModule(**common)
-    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // pp, seq_length)
+    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length)
     return ChunkedPipelineModule(plan=plan, **common)
 
 

@@ -42,13 +42,16 @@ class ReplicaSync:
         self.module = module
         placement = module.placement
         self.params = chunk_parameters(module)
-        self.groups = {}  # stage -> process group of its two holders (this DP index)
+        self.groups = {}  # stage -> process group of its two holders (this DP index and TP rank)
+        others = [dict(data=dp) for dp in range(grid.data_parallel_size)]
+        if "model" in grid.topology().get_axis_names():  # tensor parallelism: twins per TP rank
+            others = [dict(other, model=mp) for other in others for mp in range(grid.model_parallel_size)]
         for stage in range(len(placement[0])):
-            for dp in range(grid.data_parallel_size):
-                ranks = sorted(grid.stage_to_global(stage_id=placement[rep][stage], data=dp) for rep in (0, 1))
+            for other in others:
+                ranks = sorted(grid.stage_to_global(stage_id=placement[rep][stage], **other) for rep in (0, 1))
                 group = dist.new_group(ranks=ranks)  # every rank takes part in every new_group
                 if dist.get_rank() in ranks:
-                    self.groups[stage] = (group, grid.stage_to_global(stage_id=placement[0][stage], data=dp))
+                    self.groups[stage] = (group, grid.stage_to_global(stage_id=placement[0][stage], **other))
         for (rep, _), params in self.params.items():
             if rep == 1:  # count each replicated parameter once in grad norms and overflow checks
                 for p in params:

@@ -9,8 +9,9 @@ from .checks import ParallelConfigError, check_model_split, check_parallel_layou
 from .comm import CommCounter
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_loss
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
-                     shard, unshard)
+                     gather_full, shard, unshard)
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence)
 from .rng import Dropout, get_rng_tracker, model_parallel_manual_seed
-from .state import ParallelState, get_parallel_state, initialize_model_parallel, tensor_parallel_group
+from .state import (ParallelState, ensure_model_parallel, get_parallel_state, initialize_model_parallel,
+                    tensor_parallel_group)

@@ -10,6 +10,7 @@ Weight gradients go through linear.weight_grad, so inside a B op they are deferr
 the W op like the dense layers', and they need no communication: W stays local.
 """
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -163,3 +164,21 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(rows, self.group)
         return reduce_from_region(rows, self.group)
+
+
+def gather_full(module, name, tensor, group):
+    """The whole (TP size 1) tensor of `module`'s parameter `name` (or its gradient) from every rank's
+    slice: a collective over the group; a replicated parameter's tensor as it is."""
+    if group is None:
+        return tensor
+    if isinstance(module, ColumnParallelLinear):
+        dim, sections = 0, module.sections
+    elif isinstance(module, RowParallelLinear) and name == "weight":
+        dim, sections = 1, None
+    elif isinstance(module, VocabParallelEmbedding):
+        dim, sections = 0, None
+    else:
+        return tensor
+    pieces = [torch.empty_like(tensor) for _ in range(comm.world_size(group))]
+    dist.all_gather(pieces, tensor.contiguous(), group=group)
+    return unshard(pieces, dim, sections)

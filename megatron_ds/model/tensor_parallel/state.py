@@ -98,6 +98,14 @@ def initialize_model_parallel(pipeline_parallel=1, tensor_parallel=1):
     return _STATE
 
 
+def ensure_model_parallel(pipeline_parallel, tensor_parallel):
+    """The current state if it has these sizes, else a new one (collective)."""
+    if _STATE is None or (_STATE.get_pipe_parallel_world_size(), _STATE.get_tensor_model_parallel_world_size()) \
+            != (pipeline_parallel, tensor_parallel):
+        initialize_model_parallel(pipeline_parallel, tensor_parallel)
+    return _STATE
+
+
 def get_parallel_state():
     if _STATE is None:
         raise RuntimeError("model parallelism is not initialised (call initialize_model_parallel)")

@@ -273,7 +273,7 @@ def comm_count_case(group):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     b, s, h = 2, 8, 32
-    return {sp: (bench.count_layer(group, sp, b, s, h, heads=4 * tp_size(group)),
+    return {sp: (bench.count_layer(tp_size(group), sp, b, s, h, heads=4 * tp_size(group)),
                  bench.megatron_formula(tp_size(group), sp, b, s, h)) for sp in (False, True)}
 
 
