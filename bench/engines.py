@@ -21,6 +21,4 @@ def unsupported(name, p, m) -> str | None:
     """Why engine `name` cannot run p stages with m micro-batches (None: it can)."""
     if name == DUALPIPEV and m < 2 * p:
         return "DeepSpeed's DualPipeV needs m >= 2p"
-    if name == "dualpipev" and m < 2 * p:
-        return "DualPipeV needs m >= 2p"
     return None

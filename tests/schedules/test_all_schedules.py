@@ -71,8 +71,3 @@ def test_refusals_of_the_builtin_schedules_are_pinned():
     assert refused == {"bitpipe": 10}
 
 
-def test_refusals_of_dualpipev_are_m_below_2p():
-    refused = {(p, m) for name, p, m, kw in settings() if name == "dualpipev"
-               and _refused_by_check(name, p, m, kw)}
-    assert refused == {(p, m) for name, p, m, _ in settings() if name == "dualpipev" and m < 2 * p}
-

@@ -46,9 +46,9 @@ def test_compare_table(capsys):
 
 
 def test_compare_reports_refused_settings(capsys):
-    assert main(["compare", "--pp", "4", "--micro-batches", "6"]) == 0
+    assert main(["compare", "--pp", "3", "--micro-batches", "6"]) == 0
     out = capsys.readouterr().out
-    assert "n/a: dualpipev needs micro_batches >= 2*pp (micro_batches=6, pp=4)" in out
+    assert "n/a: bitpipe needs an even pipeline size (pp=3)" in out
 
 
 def test_bad_setting_exits_2_with_one_line():

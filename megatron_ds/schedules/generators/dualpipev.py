@@ -10,20 +10,16 @@ reference's eight steps:
      half of them split into B and W;  7. p-r-1 times (W, B0);  8. the remaining W's.
 A W runs the oldest deferred weight gradient of the rank (the reference's FIFO
 WeightGradStore). DeepSpeed's DualPipeVSchedule runs the same steps without the split: every
-backward is a full BW and the W slots are empty.
+backward is a full BW and the W slots are empty. The reference needs m >= 2p; with fewer
+micro-batches the steps are played for 2p and the missing ones left out (as PyTorch pads its
+ZB-V), which still beats 1F1B (p=4: m=2 12.5 against 15, m=4 16.5 against 21 units).
 """
 from __future__ import annotations
 
 from collections import deque
 
-from ..ir import Op, Schedule, ScheduleError
+from ..ir import Op, Schedule
 from .. import placement
-
-
-def check(pp: int, m: int) -> None:
-    if m < 2 * pp:
-        raise ScheduleError(f"dualpipev needs micro_batches >= 2*pp (micro_batches={m}, pp={pp}), "
-                            "as DualPipe's reference does")
 
 
 def _rank_ops(pp: int, m: int, rank: int) -> list[Op]:
@@ -81,6 +77,6 @@ def _rank_ops(pp: int, m: int, rank: int) -> list[Op]:
 
 
 def dualpipev(pp: int, m: int) -> Schedule:
-    check(pp, m)
-    ranks = [_rank_ops(pp, m, r) for r in range(pp)]
+    n = max(m, 2 * pp)
+    ranks = [[op for op in _rank_ops(pp, n, r) if op.mb < m] for r in range(pp)]
     return Schedule("dualpipev", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks)
