@@ -18,7 +18,7 @@ def engines(seq_splits=(2,), **seq_options) -> dict:
 
 
 def unsupported(name, p, m) -> str | None:
-    """Why DeepSpeed's own engine `name` cannot run p stages with m micro-batches (None: it can)."""
+    """Why engine `name` cannot run p stages with m micro-batches (None: it can)."""
     if name == DUALPIPEV and m < 2 * p:
         return "DeepSpeed's DualPipeV needs m >= 2p"
     return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from .generators import basic, bitpipe, interleaved, seq1f1b, zbv, zero_bubble
+from .generators import basic, bitpipe, dualpipev, interleaved, seq1f1b, vshape, zbv, zero_bubble
 from .ir import Schedule, ScheduleError
 from .validate import validate
 
@@ -85,7 +85,7 @@ def _interleaved(pp: int, m: int, virtual_stages: int) -> Schedule:
 
 def _check_interleaved(pp, m, v, k):
     if v > 1:
-        interleaved.check(pp, m, v, "interleaved")
+        interleaved.check_rounds(pp, m, v)
 
 
 def _check_seq1f1b(pp, m, v, k):
@@ -104,6 +104,12 @@ CATALOG: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  check=lambda pp, m, v, k: bitpipe.check(pp, m)),
     ScheduleSpec("seq1f1b", seq1f1b.seq1f1b, virtual_stages=ANY, seq_splits=True,
                  split_backward=OPTIONAL, check=_check_seq1f1b),
+    # ZB-V under the controllable-memory paper's limits: V-Half and V-Min.
+    ScheduleSpec("zbv-half", lambda pp, m: vshape.zbv_memory(pp, m, "half"), virtual_stages=2,
+                 split_backward=ALWAYS),
+    ScheduleSpec("zbv-min", lambda pp, m: vshape.zbv_memory(pp, m, "min"), virtual_stages=2,
+                 split_backward=ALWAYS),
+    ScheduleSpec("dualpipev", dualpipev.dualpipev, virtual_stages=2, split_backward=ALWAYS),
 )}
 
 

@@ -7,9 +7,9 @@ import sys
 
 from .catalog import CATALOG, build_schedule
 from .compare import compare_rows, format_table
+from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
 from .render import ascii_timeline, summary_table
-from .simulate import simulate
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +28,23 @@ def _cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--p2p-latency", type=float, default=0.0)
 
 
+def _model_cost_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--embed-cost", type=_triple, default=(0.0, 0.0, 0.0), metavar="F,B,W",
+                   help="extra times of the embedding on stage 0 (e.g. a large vocabulary)")
+    p.add_argument("--head-cost", type=_triple, default=(0.0, 0.0, 0.0), metavar="F,B,W",
+                   help="extra times of the LM head and loss on the last stage")
+
+
+def _triple(text: str) -> tuple:
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 3 or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give three non-negative numbers F,B,W")
+    return vals
+
+
 def _build(args) -> object:
     return build_schedule(args.schedule, args.pp, args.micro_batches,
                           virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
@@ -44,7 +61,8 @@ def _export(args) -> None:
 
 
 def _show(args) -> None:
-    res = simulate(_build(args), args.tf, args.tb, args.tw, p2p_latency=args.p2p_latency)
+    costs = ModelCosts(args.tf, args.tb, args.tw, embed=args.embed_cost, head=args.head_cost)
+    res = evaluate(_build(args), costs, p2p_latency=args.p2p_latency)
     print(ascii_timeline(res, width=args.width))
     print()
     print(summary_table(res))
@@ -70,6 +88,7 @@ def parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="ASCII timeline, bubble and peak memory per rank")
     _schedule_args(show)
     _cost_args(show)
+    _model_cost_args(show)
     show.add_argument("--width", type=int, default=None, help="columns of the timeline")
     show.set_defaults(run=_show)
     cmp_ = sub.add_parser("compare", help="every schedule's makespan, bubble and memory")

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 # Flags of the anchors that have no alias here, with what replaces them (printed when one is given).
 REPLACED = {
-    "--zero-bubble-v-schedule-mem-setup": 'not offered: ZB-V here is the "zb" memory setup '
-                                          '(--zero-bubble-v-schedule, ds_config "pipeline": {"schedule": "zbv"})',
+    "--zero-bubble-v-schedule-mem-setup": 'ds_config "pipeline": {"schedule": "zbv-half"} (half), '
+                                          '"zbv-min" (min) or "zbv" (zb, --zero-bubble-v-schedule)',
     "--allow-padding-num-layers": "not offered: --num-layers must be a multiple of the schedule's virtual stages",
     "--zero-bubble-pipeline-timers-start-iter": "not offered: schedules are fixed at start-up, not re-planned "
                                                 "from timers",

@@ -48,7 +48,8 @@ def test_valid_or_refused_by_its_check(name, p, m, kwargs):
     assert not refused
     k = s.seq_splits
     units = sum(s.stages * k for _ in range(m))
-    assert sum(len(ops) for ops in s.ranks) in (2 * units, 3 * units)
+    # A unit runs F+BW or F+B+W; DualPipeV splits only some backwards.
+    assert 2 * units <= sum(len(ops) for ops in s.ranks) <= 3 * units
     res = simulate(s, 1.0, 1.5, 0.5)
     assert res.makespan >= max(res.busy)
     assert Schedule.from_json(s.to_json()) == s
@@ -66,6 +67,7 @@ def test_refusals_of_the_builtin_schedules_are_pinned():
     for name, p, m, kwargs in settings():
         if name in BUILTIN and _refused_by_check(name, p, m, kwargs):
             refused[name] = refused.get(name, 0) + 1
-    # Only bitpipe refuses grid points (odd p, or m not a multiple of p); every other must build.
-    assert refused == {"bitpipe": 17}
+    # Only bitpipe refuses grid points (odd p); every other must build, for any m.
+    assert refused == {"bitpipe": 10}
+
 

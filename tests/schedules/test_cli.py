@@ -46,9 +46,9 @@ def test_compare_table(capsys):
 
 
 def test_compare_reports_refused_settings(capsys):
-    assert main(["compare", "--pp", "4", "--micro-batches", "6"]) == 0
+    assert main(["compare", "--pp", "3", "--micro-batches", "6"]) == 0
     out = capsys.readouterr().out
-    assert "n/a: bitpipe needs micro_batches to be a multiple of pp" in out
+    assert "n/a: bitpipe needs an even pipeline size (pp=3)" in out
 
 
 def test_bad_setting_exits_2_with_one_line():
@@ -72,7 +72,7 @@ def test_visualize_tool(tmp_path):
 
 def test_visualize_tool_refuses(tmp_path):
     proc = subprocess.run([sys.executable, "tools/visualize_schedule.py", "--schedule", "interleaved",
-                           "--pp", "4", "--micro-batches", "6", "--virtual-stages", "2",
+                           "--pp", "4", "--micro-batches", "9", "--virtual-stages", "2",
                            "--out", str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: interleaved with virtual_stages=2 needs micro_batches")

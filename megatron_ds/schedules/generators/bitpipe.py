@@ -7,7 +7,9 @@ implementation, and its backwards in the mirrored order (each forward replaced b
 backward of the other chunk of the same replica on that rank). The two orders are merged
 by list scheduling against nominal costs (chunk BW = 2 chunk F): for one unit this gives
 exactly the reference op order, and across units it joins them without draining the
-pipeline, at least as tightly as the paper's B1 F5 F6 B2 junction.
+pipeline, at least as tightly as the paper's B1 F5 F6 B2 junction. When m is not a multiple
+of p the last unit is partial: its first p/2 micro-batches go down, the rest up, in the
+full unit's order with the missing micro-batches left out.
 """
 from __future__ import annotations
 
@@ -20,9 +22,6 @@ from .greedy import merge_queues
 def check(pp: int, m: int) -> None:
     if pp % 2:
         raise ScheduleError(f"bitpipe needs an even pipeline size (pp={pp})")
-    if m % pp:
-        raise ScheduleError(f"bitpipe needs micro_batches to be a multiple of pp "
-                            f"(micro_batches={m}, pp={pp})")
 
 
 def _unit_forwards(pp: int, rank: int, unit: int, place: list[list[int]]) -> list[Op]:
@@ -58,7 +57,7 @@ def bitpipe(pp: int, m: int) -> Schedule:
     skeleton = Schedule("bitpipe", pp, m, 2, stages, 1, place, [])
     forwards, backwards, caps = [], [], []
     for r in range(pp):
-        fwd = [op for u in range(m // pp) for op in _unit_forwards(pp, r, u, place)]
+        fwd = [op for u in range(-(-m // pp)) for op in _unit_forwards(pp, r, u, place) if op.mb < m]
         forwards.append(fwd)
         backwards.append([Op(BW, op.replica, stages - 1 - op.stage, op.mb) for op in fwd])
         # The reference warm-up (3p/2 forwards at the ends, up to 2p-1 in the middle) plus

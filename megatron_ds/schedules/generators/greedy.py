@@ -79,7 +79,8 @@ def list_schedule(skeleton: Schedule, work: Sequence[Sequence[Op]],
 def merge_queues(skeleton: Schedule, forwards: Sequence[Sequence[Op]],
                  backwards: Sequence[Sequence[Op]], duration: Callable[[Op], float],
                  caps: Sequence[float], weights: Sequence[Sequence[Op]] | None = None,
-                 w_caps: Sequence[float] | None = None) -> list[list[Op]]:
+                 w_caps: Sequence[float] | None = None,
+                 footprint: dict[str, float] | None = None) -> list[list[Op]]:
     """Interleave fixed per-rank forward and backward orders (and optional W's).
 
     When rank r is free it runs its next backward if that is ready (it unblocks the
@@ -87,11 +88,19 @@ def merge_queues(skeleton: Schedule, forwards: Sequence[Sequence[Op]],
     caps[r] forwards are waiting for their backward, else its next W (W's only fill
     time that would otherwise be idle, unless more than w_caps[r] are held back, which
     would let their memory grow with the number of micro-batches).
+
+    `footprint` is what each kind adds to the count the caps bound (default: a forward
+    counts 1 until its backward, W's count nothing); a forward runs only if it keeps the
+    count within caps[r].
     """
     pp = skeleton.pp
     queues = [[list(forwards[r]), list(backwards[r]), list(weights[r]) if weights else []]
               for r in range(pp)]
     heads = [[0, 0, 0] for _ in range(pp)]
+
+    def step(op: Op) -> float:
+        # By default a forward holds a micro-batch until its input-gradient backward.
+        return footprint[op.kind] if footprint else op.kind.traits.memory[0]
 
     def choose(r: int, ready: list[Op], state: State):
         ready_set = set(ready)
@@ -103,7 +112,8 @@ def merge_queues(skeleton: Schedule, forwards: Sequence[Sequence[Op]],
         held = h[1] - h[2]
         if w_caps is not None and held > w_caps[r] and wq[h[2]] in ready_set:
             picks.append(2)
-        if h[0] < len(fq) and fq[h[0]] in ready_set and state.in_flight[r] < caps[r]:
+        if (h[0] < len(fq) and fq[h[0]] in ready_set
+                and state.in_flight[r] + step(fq[h[0]]) <= caps[r] + 1e-9):
             picks.append(0)
         if h[2] < len(wq) and wq[h[2]] in ready_set:
             picks.append(2)
@@ -116,5 +126,4 @@ def merge_queues(skeleton: Schedule, forwards: Sequence[Sequence[Op]],
 
     work = [list(forwards[r]) + list(backwards[r]) + (list(weights[r]) if weights else [])
             for r in range(pp)]
-    # A forward holds a micro-batch until its input-gradient backward: the M_B share of memory.
-    return list_schedule(skeleton, work, duration, choose, memory=lambda op: op.kind.traits.memory[0])
+    return list_schedule(skeleton, work, duration, choose, memory=step)

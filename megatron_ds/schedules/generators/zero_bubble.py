@@ -20,20 +20,22 @@ def zb_h1(pp: int, m: int) -> Schedule:
 
 
 def zb_h2(pp: int, m: int) -> Schedule:
-    # Rank r runs up to 2(p-r)-1 forwards before its first B, enough to cover the round
-    # trip to the last rank, and W's where it would otherwise wait. Holding back up to 2r
-    # W's lets the cool-down become a parallelogram while the peak stays 2p-1 micro-batches
-    # on rank 0 for any m. Played out with W at half a forward (a typical ratio), the order
-    # reaches the start-up bound m(TF+TB+TW) + (p-1)TF for both TW = TF and TW = TF/2.
+    # The paper's parallelogram: rank r starts at r*TF and, at TF = TB = TW, is busy from its
+    # first op to its last; the makespan is the start-up bound m(TF+TB+TW) + (p-1)TF. Rank r
+    # runs forwards whenever its activations (a forward holds M_B until its B, M_W = M_B/2
+    # until its W) stay within 2p-1 micro-batches, which is the warm-up 2(p-r)-1 forwards
+    # deep that covers the round trip to the last rank; B's go first, W's fill the time a
+    # rank would wait. Holding back up to p-1+r W's gives every rank enough W's to fill the
+    # cool-down, where backwards arrive one per TB but only one W is freed per B.
     place = placement.linear(pp)
     skeleton = Schedule("zb-h2", pp, m, 1, pp, 1, place, [])
     fwd = [[Op(F, 0, r, mb) for mb in range(m)] for r in range(pp)]
     bwd = [[Op(B, 0, r, mb) for mb in range(m)] for r in range(pp)]
     wgt = [[Op(W, 0, r, mb) for mb in range(m)] for r in range(pp)]
-    caps = [2 * (pp - r) - 1 for r in range(pp)]
-    nominal = lambda op: 0.5 if op.kind == W else 1.0  # noqa: E731
-    skeleton.ranks = merge_queues(skeleton, fwd, bwd, nominal, caps, weights=wgt,
-                                  w_caps=[2 * r for r in range(pp)])
+    footprint = {F: 1.0, B: -0.5, W: -0.5}
+    skeleton.ranks = merge_queues(skeleton, fwd, bwd, lambda _op: 1.0, [2 * pp - 1] * pp,
+                                  weights=wgt, w_caps=[pp - 1 + r for r in range(pp)],
+                                  footprint=footprint)
     # With few micro-batches (m < 2p or so) the long warm-up has nothing to overlap and
     # ZB-H1's order is shorter; never hand out a ZB-H2 that loses to it.
     h1 = zb_h1(pp, m)

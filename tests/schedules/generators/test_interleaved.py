@@ -26,6 +26,14 @@ def test_more_messages_than_1f1b():
     assert two == 2 * 7 * 8
 
 
-def test_needs_multiple_of_pp():
-    with pytest.raises(ScheduleError, match=r"interleaved with virtual_stages=2 needs micro_batches to be a multiple of pp \(micro_batches=6, pp=4\)"):
-        build_schedule("interleaved", 4, 6, virtual_stages=2)
+def test_needs_equal_rounds():
+    # PyTorch's flexible rule: max(1, m // p) rounds of equal size.
+    with pytest.raises(ScheduleError, match=r"interleaved with virtual_stages=2 needs micro_batches to split into max\(1, micro_batches // pp\) = 2 equal rounds \(micro_batches=9, pp=4\)"):
+        build_schedule("interleaved", 4, 9, virtual_stages=2)
+
+
+@pytest.mark.parametrize("p, m", [(4, 2), (4, 6), (4, 10), (4, 12), (8, 12), (8, 20)])
+def test_micro_batches_not_a_multiple_of_pp(p, m):
+    s = build_schedule("interleaved", p, m, virtual_stages=2)   # validated by build_schedule
+    one = simulate(build_schedule("1f1b", p, m))
+    assert simulate(s).makespan < one.makespan

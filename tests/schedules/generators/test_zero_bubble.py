@@ -49,3 +49,11 @@ def test_zb_h2_beats_zb_h1_with_cheap_w():
         h1 = simulate(build_schedule("zb-h1", p, m), 1, 1, 0.5).makespan
         h2 = simulate(build_schedule("zb-h2", p, m), 1, 1, 0.5).makespan
         assert h2 == h1 - (p - 1) * 0.5
+
+
+@pytest.mark.parametrize("p, m", [(4, 8), (4, 16), (8, 16), (8, 32), (6, 12)])
+def test_zb_h2_is_a_parallelogram(p, m):
+    # At TF = TB = TW every rank is busy from its first op to its last: rank r starts at r.
+    res = simulate(build_schedule("zb-h2", p, m), 1, 1, 1)
+    assert res.own_bubble == [0.0] * p
+    assert [res.start[ops[0]] for ops in res.schedule.ranks] == list(range(p))
