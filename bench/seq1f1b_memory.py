@@ -3,16 +3,18 @@
 Each configuration runs in its own p fresh processes (gloo), one training iteration on a
 long sequence. Per rank it reports
 - saved: the peak of the bytes held by autograd's saved tensors (torch's saved_tensors_hooks,
-  each storage counted once, parameters excluded), including the segment K/V cache buffers
-  ("K/V") and the bottom-right causal masks ("masks"); on CPU the masks are materialised,
-  one per segment shape, shared by all layers and micro-batches (on CUDA the flash kernels
-  align the causal mask bottom-right themselves), so "w/o masks" is the ratio without them;
+  each storage counted once, parameters excluded), plus the segment K/V cache buffers ("K/V":
+  the bytes the cache holds, read from it at every save, as its buffers grow in place) and
+  the bottom-right causal masks' storage ("masks"; on CPU one row of lq + lk - 1 values per
+  segment shape, shared by all layers and micro-batches; on CUDA the flash kernels align the
+  causal mask bottom-right themselves); "w/o masks" is the ratio without them;
 - RSS: the process's peak RSS (ru_maxrss), and the iteration's peak above the RSS it
   started from (VmHWM reset through /proc/self/clear_refs);
 with the ratio to 1F1B's on the same rank. Theory: rank r holds p-r micro-batches under
 1F1B and p-r-1+k segments under Seq1F1B, (p-r-1+k)/(k(p-r)) of 1F1B's activations
 (rank 0, p=4, k=4: 7/16 = 0.44); "tokens" is that ratio for the actual segment lengths
-(a balanced split makes the first segments longer), read off the schedule's op order.
+(a balanced split makes the first segments longer), read off the op order the engine runs
+(capped at 1F1B's token count per rank: without the cap the last rank held 1.18 at k=4).
 
     python bench/seq1f1b_memory.py --pp 4 --seq-length 2048
 """
@@ -49,18 +51,29 @@ class SavedTensorMeter:
                 return "mask"
         return "other"
 
+    def _kv_bytes(self):
+        return sum(t.untyped_storage().nbytes() for t in self.cache.kv_tensors()) if self.cache is not None else 0
+
     def pack(self, t):
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.exclude or t.device.type == "meta":
             return t
+        kind = self._kind(ptr)
+        if kind == "kv":  # counted from the cache itself: its buffers grow (and move) in place
+            self._update_peak()
+            return t
         if ptr not in self.live:
-            self.live[ptr] = [0, t.untyped_storage().nbytes(), self._kind(ptr)]
+            self.live[ptr] = [0, t.untyped_storage().nbytes(), kind]
             self.now += self.live[ptr][1]
-            self.by_kind[self.live[ptr][2]] += self.live[ptr][1]
-            if self.now > self.peak:
-                self.peak, self.at_peak = self.now, dict(self.by_kind)
+            self.by_kind[kind] += self.live[ptr][1]
+            self._update_peak()
         self.live[ptr][0] += 1
         return _Held(self, ptr, t)
+
+    def _update_peak(self):
+        kv = self._kv_bytes()
+        if self.now + kv > self.peak:
+            self.peak, self.at_peak = self.now + kv, dict(self.by_kind, kv=kv)
 
     @staticmethod
     def unpack(held):
@@ -146,8 +159,10 @@ def run(args, pipeline):
 
 
 def tokens_in_flight_ratio(pp, m, k, lengths, rank):
-    """Peak tokens whose activations rank `rank` holds, Seq1F1B over 1F1B, from the op orders."""
+    """Peak tokens whose activations rank `rank` holds, Seq1F1B over 1F1B, from the op orders the
+    engine runs (Seq1F1B capped at 1F1B's tokens, schedules/token_cap.py)."""
     from megatron_ds.schedules import build_schedule
+    from megatron_ds.schedules.token_cap import cap_tokens
 
     def peak(schedule, size):
         held = top = 0
@@ -156,7 +171,7 @@ def tokens_in_flight_ratio(pp, m, k, lengths, rank):
             top = max(top, held)
         return top
     seq = sum(lengths)
-    return (peak(build_schedule("seq1f1b", pp, m, seq_splits=k), lambda q: lengths[q])
+    return (peak(cap_tokens(build_schedule("seq1f1b", pp, m, seq_splits=k), lengths), lambda q: lengths[q])
             / peak(build_schedule("1f1b", pp, m), lambda q: seq))
 
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import GPTConfig
-from .kv_cache import SegmentKVCache
+from .kv_cache import SegmentKVCache, queries_reversed
 from .positions import alibi_bias, apply_rope
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
@@ -58,22 +58,30 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, k, self.rope_theta, segment.offset if segment is not None else 0)
         if segment is not None:  # a sequence segment (Seq1F1B): also attend to the earlier segments
             k, v = segment.extend(self.layer_idx, k, v)
-            # k, v now live in the cache: copy q so it alone does not keep the fused qkv output alive
-            # (in the projection's (b, s, heads, d) memory order, so y reshapes without a copy)
-            q = q.transpose(1, 2).contiguous().transpose(1, 2)
+            q = segment.queries(q)
         dropout = self.attention_dropout if self.training else 0.0
         # each rank's heads drop their own elements
         rng = get_rng_tracker().fork() if self.group is not None and dropout else contextlib.nullcontext()
         with rng:
             y = F.scaled_dot_product_attention(q, k, v, **self._mask(q, k, segment), dropout_p=dropout,
                                                enable_gqa=self.num_kv_heads != self.num_heads)
-        y = y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return self.resid_drop(self.c_proj(y))
+        return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segment)
+
+    def _project(self, y, segment):
+        """c_proj and the dropout act per token: a segment runs them in its queries' order (no copy
+        of y to save) and restores position order after; under sequence parallelism before them,
+        as c_proj scatters the sequence over the ranks."""
+        if segment is None:
+            return self.resid_drop(self.c_proj(y))
+        if self.c_proj.sequence_parallel:
+            return self.resid_drop(self.c_proj(segment.outputs(y)))
+        return segment.outputs(self.resid_drop(self.c_proj(y)))
 
     def _mask(self, q, k, segment):
         """SDPA's mask arguments: causal (bottom-right aligned for a segment), plus ALiBi's bias."""
         if self.position_embedding_type == "alibi":
-            bias = alibi_bias(self.total_heads, q.shape[-2], k.shape[-2], q.dtype, q.device)
+            reversed_queries = segment is not None and queries_reversed(q.device)
+            bias = alibi_bias(self.total_heads, q.shape[-2], k.shape[-2], q.dtype, q.device, reversed_queries)
             return dict(attn_mask=bias[self.head_start:self.head_start + self.num_heads])
         mask = segment.causal_mask(q, k) if segment is not None else None
         return dict(attn_mask=mask, is_causal=mask is None)

@@ -12,6 +12,20 @@ every attention layer then calls `segment.extend(layer_id, k, v)`, which
 - returns the keys/values of positions [0, offset + len), to be attended with a
   bottom-right-aligned causal mask (`segment.causal_mask`).
 
+The buffer holds only the positions some segment still needs: it grows in place as
+segments run forward and shrinks as they run backward (its storage is resized, positions
+outermost, so the views earlier segments saved for backward keep their strides and see
+the moved data). Segments not yet run forward, or already run backward, hold no K/V
+memory, as under 1F1B.
+
+Query order. On CUDA the flash kernels align the causal mask bottom-right themselves
+(nothing materialised). Elsewhere (CPU) SDPA needs a mask tensor, and an (lq, lk) one
+per segment shape is as large as a segment's activations. So there the segment's
+queries go last position first (`segment.queries`, reversed back by `segment.outputs`
+after the output projection, which acts per token): query i may see key j iff
+i + j <= lk - 1, and the mask is a strided view of one row of lq + lk - 1 values
+(mask[i, j] = row[i + j]).
+
 Backward runs last segment first. The gradient reaching the returned keys/values
 covers [0, offset + len): the part of earlier positions is kept here for the
 earlier segments, which add it to their own when their backward runs. Each
@@ -26,32 +40,45 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 
+def queries_reversed(device) -> bool:
+    """Whether a segment's queries go last position first on `device` (see the module's docstring)."""
+    return torch.device(device).type != "cuda"
+
+
 class _Entry:
     """One (micro-batch, layer): keys/values written so far, gradients owed to earlier positions."""
 
     def __init__(self):
-        self.keys = self.values = None  # (b, heads, total, head_dim)
+        self.storages = None  # keys', values' memory as (positions, b, heads, head_dim), grown per segment
+        self.capacity = 0  # positions the storages hold
         self.filled = 0  # positions [0, filled) hold keys/values
         self.grad_keys = self.grad_values = None  # gradients of positions [0, grad_end)
         self.grad_end = None  # None until the first backward: it must be the last segment's
 
+    def _tensors(self, positions):
+        """Fresh tensors over the storages, (b, heads, positions, head_dim). Fresh ones, each with its own
+        version counter: writing the new positions must not trip autograd's in-place check on the
+        views earlier segments saved for backward (they do not see those positions)."""
+        return [torch.empty(0, dtype=self.dtype, device=s.device).set_(s, 0, (positions, *self.shape))
+                .permute(1, 2, 0, 3) for s in self.storages]
+
     def write(self, offset, k, v, total):
-        if self.keys is None:
-            b, h, _, d = k.shape
-            self.keys = k.new_empty(b, h, total, d)
-            self.values = v.new_empty(b, h, total, d)
         end = offset + k.shape[2]
-        if offset > self.filled or end > self.keys.shape[2]:
+        if offset > self.filled or end > total:
             raise RuntimeError(f"segment [{offset}, {end}) does not continue the cached positions "
-                               f"[0, {self.filled}) of a {self.keys.shape[2]}-token sequence: "
-                               "segments must run forward in order")
-        # Written through .data: the views handed to earlier segments (saved by their attention
-        # for backward) cover only positions before `offset`, and autograd's in-place check on
-        # them must not fire for positions they do not see.
-        self.keys.data[:, :, offset:end].copy_(k)
-        self.values.data[:, :, offset:end].copy_(v)
+                               f"[0, {self.filled}) of a {total}-token sequence: segments must run forward in order")
+        if self.storages is None:
+            b, h, _, d = k.shape
+            self.shape, self.dtype = (b, h, d), k.dtype
+            self.position_bytes = b * h * d * k.element_size()
+            self.storages = [torch.UntypedStorage(0, device=k.device) for _ in (k, v)]
+        if end > self.capacity:
+            self._resize(end)
+        keys, values = self._tensors(end)
+        keys[:, :, offset:end].copy_(k)
+        values[:, :, offset:end].copy_(v)
         self.filled = max(self.filled, end)
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return keys, values
 
     def hand_back(self, offset, grad_k, grad_v):
         end = grad_k.shape[2]
@@ -63,7 +90,16 @@ class _Entry:
             grad_k, grad_v = grad_k + self.grad_keys, grad_v + self.grad_values
         self.grad_end = offset
         self.grad_keys, self.grad_values = (grad_k[:, :, :offset], grad_v[:, :, :offset]) if offset else (None, None)
+        self._resize(offset)  # no earlier segment sees this one's positions: release them now
         return grad_k[:, :, offset:], grad_v[:, :, offset:]
+
+    def _resize(self, positions):
+        """Grow or shrink the storages in place to `positions`; the views earlier segments saved keep
+        their strides (positions are outermost) and see the moved data."""
+        for s in self.storages:
+            s.resize_(positions * self.position_bytes)
+        self.capacity = positions
+        self.filled = min(self.filled, positions)
 
 
 class _Extend(torch.autograd.Function):
@@ -91,15 +127,27 @@ class Segment:
         entry = self.cache._entries.setdefault(self.key, {}).setdefault(layer_id, _Entry())
         return _Extend.apply(k, v, entry, self.offset, self.total)
 
+    def queries(self, q):
+        """A copy of q (b, heads, s, head_dim), last position first where queries_reversed, in the
+        projection's (b, s, heads, head_dim) memory order (so the attention output reshapes without
+        a copy). k and v live in the cache now: the copy alone keeps q from holding on to the fused
+        qkv projection output."""
+        q = q.transpose(1, 2)
+        return (q.flip(1) if queries_reversed(q.device) else q.contiguous()).transpose(1, 2)
+
+    def outputs(self, y):
+        """The attention block's output (b, s, hidden) back in position order."""
+        return y.flip(1) if queries_reversed(y.device) else y
+
     def causal_mask(self, q, k):
-        """None when q and k span the same positions (use is_causal); else query i of the segment
-        sees keys [0, offset + i]: the causal mask aligned bottom-right."""
+        """Query i of the segment (position offset + i) sees keys [0, offset + i]: the causal mask
+        aligned bottom-right, for queries as `queries` ordered them. None: is_causal does it."""
         lq, lk = q.shape[-2], k.shape[-2]
+        if queries_reversed(q.device):
+            return self.cache._reversed_mask(lq, lk, q.dtype, q.device)
         if lq == lk:
             return None
-        if q.device.type == "cuda":
-            return causal_lower_right(lq, lk)  # flash / memory-efficient kernels, nothing materialised
-        return self.cache._additive_mask(lq, lk, q.dtype, q.device)
+        return causal_lower_right(lq, lk)  # flash / memory-efficient kernels, nothing materialised
 
 
 class SegmentKVCache:
@@ -112,7 +160,7 @@ class SegmentKVCache:
 
     def __init__(self):
         self._entries = {}  # key -> {layer id -> _Entry}
-        self._masks = {}  # (lq, lk, dtype, device) -> additive mask, shared by every layer and micro-batch
+        self._masks = {}  # (lq, lk, dtype, device) -> mask row (lq + lk - 1 values), shared by all layers and micro-batches
 
     @classmethod
     def current(cls):
@@ -134,19 +182,20 @@ class SegmentKVCache:
         return list(self._entries)
 
     def kv_tensors(self):
-        """The keys/values buffers the cache holds (e.g. to account for memory)."""
+        """The keys/values buffers the cache holds (e.g. to account for memory), (b, heads, positions, d)."""
         for layers in self._entries.values():
             for entry in layers.values():
-                if entry.keys is not None:
-                    yield from (entry.keys, entry.values)
+                if entry.storages is not None:
+                    yield from entry._tensors(entry.capacity)
 
     def mask_tensors(self):
-        """The materialised causal masks (CPU), one per segment shape, shared by all layers."""
+        """The causal masks' storage (CPU): one row per segment shape, shared by all layers."""
         return list(self._masks.values())
 
-    def _additive_mask(self, lq, lk, dtype, device):
+    def _reversed_mask(self, lq, lk, dtype, device):
+        """The additive bottom-right causal mask for queries last first: (lq, lk), row[i + j]."""
         name = (lq, lk, dtype, device)
         if name not in self._masks:
-            allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
-            self._masks[name] = torch.zeros(lq, lk, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        return self._masks[name]
+            row = torch.zeros(lq + lk - 1, dtype=dtype, device=device)
+            self._masks[name] = row.index_fill_(0, torch.arange(lk, lq + lk - 1, device=device), float("-inf"))
+        return self._masks[name].as_strided((lq, lk), (1, 1))

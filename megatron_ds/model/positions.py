@@ -44,11 +44,13 @@ def alibi_slopes(num_heads):
 
 
 @functools.lru_cache(maxsize=16)
-def alibi_bias(num_heads, lq, lk, dtype, device):
+def alibi_bias(num_heads, lq, lk, dtype, device, queries_reversed=False):
     """Additive attention bias (heads, lq, lk): -slope x distance to each visible key, -inf for the
-    future. Queries are the last lq of the lk positions (a segment sees all earlier keys)."""
+    future. Queries are the last lq of the lk positions (a segment sees all earlier keys), last
+    position first when `queries_reversed` (a Seq1F1B segment's order on CPU, see kv_cache.py)."""
     slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32, device=device)
-    query_pos = torch.arange(lk - lq, lk, device=device)[:, None]
-    distance = (query_pos - torch.arange(lk, device=device)[None, :]).float()
+    query_pos = torch.arange(lk - lq, lk, device=device)
+    distance = ((query_pos.flip(0) if queries_reversed else query_pos)[:, None]
+                - torch.arange(lk, device=device)[None, :]).float()
     bias = -slopes[:, None, None] * distance
     return bias.masked_fill_(distance < 0, float("-inf")).to(dtype)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
+from megatron_ds.schedules.token_cap import cap_tokens
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead
@@ -118,7 +119,10 @@ class PipelinePlan:
     def for_micro_batches(self, m: int) -> Schedule:
         """This run's schedule for `m` micro-batches (eval and batch ramp-up use other counts)."""
         if m not in self._schedules:
-            self._schedules[m] = self.settings.build_schedule(self.pp, m)
+            schedule = self.settings.build_schedule(self.pp, m)
+            if self.segment_lengths:  # unequal segments: hold no more tokens than 1F1B (schedules/token_cap.py)
+                schedule = cap_tokens(schedule, self.segment_lengths)
+            self._schedules[m] = schedule
         return self._schedules[m]
 
     def program(self, rank: int, m: int, train: bool) -> RankProgram:

@@ -172,3 +172,33 @@ def test_forward_out_of_order_is_refused():
     x, _ = inputs()
     with cache.segment("mb", 32, S), pytest.raises(RuntimeError, match="in order"):
         attn(x[:, 32:])
+
+
+def test_cpu_causal_mask_is_one_strided_row_and_exact_at_kernel_block_sizes():
+    """Queries last first make the bottom-right causal mask row[i + j]: lq + lk - 1 values per segment
+    shape instead of lq x lk; checked against a dense mask over several of the CPU kernel's blocks."""
+    b, heads, d, lq, lk = 1, 2, 16, 300, 1100
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, heads, n, d, generator=g) for n in (lq, lk, lk))
+    cache = SegmentKVCache()
+    for start, end in ((0, lk - lq), (lk - lq, lk)):
+        with cache.segment("mb", start, lk) as seg:
+            keys, values = seg.extend(0, k[:, :, start:end], v[:, :, start:end])
+    got = torch.nn.functional.scaled_dot_product_attention(seg.queries(q), keys, values,
+                                                           attn_mask=seg.causal_mask(q, keys))
+    assert [t.untyped_storage().nbytes() for t in cache.mask_tensors()] == [(lq + lk - 1) * 4]
+    dense = torch.zeros(lq, lk).masked_fill_(~torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq), float("-inf"))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    assert_close(seg.outputs(got.transpose(1, 2)).transpose(1, 2), want, "attention with the strided mask")
+
+
+def test_kv_buffer_holds_only_the_positions_written():
+    """A micro-batch whose later segments have not run holds no K/V memory for them."""
+    cache, k = SegmentKVCache(), torch.randn(1, 2, 48, 8)
+    sizes = []
+    for start, end in ((0, 24), (24, 32), (32, 48)):
+        with cache.segment("mb", start, 48) as seg:
+            seg.extend(0, k[:, :, start:end], k[:, :, start:end])
+        sizes.append([tuple(t.shape) for t in cache.kv_tensors()])
+    assert sizes == [[(1, 2, n, 8)] * 2 for n in (24, 32, 48)]
+    assert torch.equal(next(cache.kv_tensors()), k)

@@ -1,0 +1,189 @@
+"""TF, TB and TW of one transformer layer, measured, and every catalogue schedule simulated with them.
+
+One TransformerLayer of the model the flags describe (pretrain_gpt.py's names: --hidden-size,
+--num-attention-heads, --seq-length, --micro-batch-size, the family flags --swiglu,
+--normalization rmsnorm, --position-embedding-type rope, --num-key-value-heads ..., --bf16)
+runs on the device at hand (CUDA when available: torch.cuda.Event timing; else CPU, wall
+clock), with the model's own B/W split (model/linear.py): TF = forward, TB = backward inside
+WeightGradStore.deferring (input gradients, the weight GEMMs queued), TW = draining the queue.
+Each is the median of --repeats runs after --warmup ones.
+
+The simulator (megatron_ds.schedules.simulate) then takes TF, TB, TW x (--num-layers / --pp),
+the costs of one 1F1B stage, and gives every schedule of the catalogue (each variant:
+virtual stages, sequence splits with FLOP-balanced segments, B/W split) for --pp ranks and
+--micro-batches micro-batches: its iteration time, bubble (max over ranks of idle / makespan),
+peak activation memory (micro-batches of one 1F1B stage) and iteration time / 1F1B's, fastest first.
+Communication is not modelled (--p2p-latency-ms adds a fixed latency per message).
+
+    python bench/layer_costs.py --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
+        --micro-batch-size 1 --pp 4 --micro-batches 16 --swiglu --normalization rmsnorm \\
+        --position-embedding-type rope --num-key-value-heads 4 --bf16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megatron_ds.training.model_args import add_model_args, validate_model_args  # noqa: E402
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = parser.add_argument_group("model (pretrain_gpt.py's flags)")
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--num-layers", type=int, default=None, help="default: one layer per pipeline rank")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    add_model_args(parser)
+    g = parser.add_argument_group("pipeline and measurement")
+    g.add_argument("--pp", type=int, default=4)
+    g.add_argument("--micro-batches", type=int, default=None, help="default 2 x --pp")
+    g.add_argument("--virtual-stages", type=int, default=2, help="for the schedules that take a chunk count")
+    g.add_argument("--seq-splits", type=int, nargs="+", default=[2, 4], help="Seq1F1B's k values")
+    g.add_argument("--p2p-latency-ms", type=float, default=0.0)
+    g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from megatron_ds.training.arguments import ArgumentsError
+    try:
+        validate_model_args(args)
+    except ArgumentsError as exc:
+        parser.error(str(exc))
+    args.num_layers = args.num_layers or args.pp
+    args.micro_batches = args.micro_batches or 2 * args.pp
+    for name in ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "num_layers", "pp",
+                 "micro_batches", "virtual_stages", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.bf16 and args.fp16:
+        parser.error("--bf16 and --fp16: choose one")
+    return args
+
+
+class Timer:
+    """Seconds of a region on `device`: CUDA events around it (synchronised), else the wall clock."""
+
+    def __init__(self, device):
+        import torch
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+
+    def __call__(self, fn):
+        if self.cuda:
+            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+            self.torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            self.torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def measure_layer(args):
+    """(TF, TB, TW, device name) in seconds: medians over args.repeats after args.warmup."""
+    import torch
+    from megatron_ds.model import GPTConfig, TransformerLayer, WeightGradStore
+    from megatron_ds.training.model_args import MODEL_FAMILY_ARGS
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    family = {n: getattr(args, n) for n in MODEL_FAMILY_ARGS if getattr(args, n, None) is not None}
+    config = GPTConfig(vocab_size=64, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                       num_attention_heads=args.num_attention_heads, max_position_embeddings=args.seq_length,
+                       ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
+                       attention_dropout=args.attention_dropout, **family)
+    layer = TransformerLayer(config, 1).to(device=device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    timer = Timer(device)
+    times = {"F": [], "B": [], "W": []}
+    for i in range(args.warmup + args.repeats):
+        out = {}
+        tf = timer(lambda: out.setdefault("y", layer(x)))
+        queue = []
+
+        def backward_input():
+            with WeightGradStore.deferring(queue):
+                torch.autograd.backward(out["y"], grad)
+        tb = timer(backward_input)
+        tw = timer(lambda: WeightGradStore.drain(queue))
+        if i >= args.warmup:
+            for kind, t in zip("FBW", (tf, tb, tw)):
+                times[kind].append(t)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return (*(statistics.median(times[k]) for k in "FBW"), f"{name} {str(dtype).replace('torch.', '')}")
+
+
+def schedule_rows(args, tf, tb, tw):
+    """[(label, makespan, bubble, peak memory) or (label, None, reason)] for every catalogue variant."""
+    from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, simulate
+    from megatron_ds.schedules.seq_split import balanced_segment_lengths, segment_costs
+
+    rows = []
+    for spec in CATALOG.values():
+        for note, knobs in spec.variants(virtual_stages=args.virtual_stages, seq_splits=tuple(args.seq_splits)):
+            label = f"{spec.name} {note}".strip()
+            try:
+                schedule = build_schedule(spec.name, args.pp, args.micro_batches, **knobs)
+                seq_costs = None
+                if schedule.seq_splits > 1:
+                    lengths = balanced_segment_lengths(args.seq_length, schedule.seq_splits, args.hidden_size,
+                                                       args.ffn_hidden_size)
+                    seq_costs = segment_costs(lengths, args.hidden_size, args.ffn_hidden_size)
+                sim = simulate(schedule, tf, tb, tw, p2p_latency=args.p2p_latency_ms / 1e3, seq_costs=seq_costs)
+            except ScheduleError as exc:
+                rows.append((label, None, str(exc)))
+                continue
+            rows.append((label, sim.makespan, sim.bubble_ratio, sim.peak_memory_max))
+    return rows
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    TF, TB, TW, device = measure_layer(args)
+    per_stage = args.num_layers / args.pp
+    print(f"one transformer layer, hidden {args.hidden_size}, heads {args.num_attention_heads}"
+          f"{f' (K/V {args.num_key_value_heads})' if args.num_key_value_heads != args.num_attention_heads else ''}, "
+          f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, on {device} "
+          f"(median of {args.repeats} after {args.warmup} warm-up):")
+    print(f"  TF {TF * 1e3:.3f} ms   TB {TB * 1e3:.3f} ms   TW {TW * 1e3:.3f} ms   "
+          f"(TB+TW)/TF {(TB + TW) / TF:.2f}")
+    print(f"\npp={args.pp}, {args.micro_batches} micro-batches, {args.num_layers} layers "
+          f"({per_stage:g} per 1F1B stage), simulated:")
+    rows = schedule_rows(args, TF * per_stage, TB * per_stage, TW * per_stage)
+    base = next(r[1] for r in rows if r[0] == "1f1b")
+    done = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1])
+    print(f"{'schedule':<24}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}")
+    for label, makespan, bubble, peak in done:
+        print(f"{label:<24}{makespan * 1e3:>14.3f}{bubble:>8.3f}{peak:>10.2f}{makespan / base:>8.3f}")
+    for label, _, reason in (r for r in rows if r[1] is None):
+        print(f"{label:<24}{'n/a':>14}  {reason}")
+    return TF, TB, TW, rows
+
+
+if __name__ == "__main__":
+    main()
