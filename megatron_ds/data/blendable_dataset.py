@@ -11,17 +11,14 @@ import os
 import time
 
 import numpy as np
+from torch.utils.data import Dataset
 
 from .dist_utils import get_rank, print_rank_0
 from .helpers import build_blending_indices
 
-try:
-    from torch.utils.data import Dataset as _Base
-except ImportError:  # pragma: no cover
-    _Base = object
 
 
-class BlendableDataset(_Base):
+class BlendableDataset(Dataset):
     def __init__(self, datasets, weights, cache_dir=None):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")

@@ -1,8 +1,10 @@
 """Parsing of --split and of a weighted --data-path, with Megatron's arithmetic."""
 import math
 
+from megatron_ds.errors import UserError
 
-class DataConfigError(ValueError):
+
+class DataConfigError(UserError, ValueError):
     """A --data-path / --split value that cannot describe datasets."""
 
 

@@ -136,11 +136,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.max_docs is not None and args.max_docs < 1:
         print(f"error: --max-docs {args.max_docs}: must be at least 1", file=sys.stderr)
-        return 1
+        return 2
     try:
         docs, size = write_corpus(args.output, args.max_docs)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"Wrote {docs} documents ({size / 1e6:.2f} MB) to {args.output}", file=sys.stderr)
     return 0

@@ -25,17 +25,13 @@ import os
 import time
 
 import numpy as np
+from torch.utils.data import Dataset
 
 from .blendable_dataset import BlendableDataset
 from .dataset_utils import DataConfigError, get_datasets_weights_and_num_samples, get_train_valid_test_split_
 from .dist_utils import barrier, get_rank, print_rank_0
 from .helpers import build_sample_idx
 from .indexed_dataset import make_dataset as make_indexed_dataset
-
-try:  # a torch Dataset when torch is there; the data layer itself only needs numpy
-    from torch.utils.data import Dataset as _Base
-except ImportError:  # pragma: no cover
-    _Base = object
 
 
 def build_train_valid_test_datasets(data_prefix, data_impl, splits_string, train_valid_test_num_samples,
@@ -104,7 +100,7 @@ def _build_for_prefix(data_prefix, data_impl, splits_string, num_samples, seq_le
     return build(0, "train"), build(1, "valid"), build(2, "test")
 
 
-class GPTDataset(_Base):
+class GPTDataset(Dataset):
     """Samples {'text': int64[seq_length + 1]} over `documents` of `indexed_dataset`."""
 
     def __init__(self, name, data_prefix, documents, indexed_dataset, num_samples, seq_length, seed,

@@ -25,6 +25,8 @@ import struct
 
 import numpy as np
 
+from megatron_ds.errors import UserError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D
@@ -47,7 +49,7 @@ _CODE_OF = {DTYPES[c]: c for c in _WRITE_CODES}
 _LEGACY_MAGIC = b"TNTIDX\x00\x00"
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UserError, ValueError):
     """A .bin/.idx pair that cannot be read or written as asked."""
 
 

@@ -7,8 +7,10 @@ Two types, as `--tokenizer-type` spells them:
 import importlib.util
 import os
 
+from megatron_ds.errors import UserError
 
-class TokenizerError(ValueError):
+
+class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be built from the given flags."""
 
 

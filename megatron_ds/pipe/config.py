@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_ds.errors import UserError
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule
 
 # Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
@@ -15,7 +16,7 @@ DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_i
 STOCK = "deepspeed"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A ds_config setting that cannot work; the message names the key, the value and the rule."""
 
 

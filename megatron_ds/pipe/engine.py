@@ -9,12 +9,10 @@ and B, W and BW can run in any order the schedule picks. Gradient reduction,
 ZeRO-1, clipping, the optimizer step and checkpoints are DeepSpeed's own.
 """
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
-from deepspeed.utils import logger
 
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
@@ -34,7 +32,7 @@ LAYOUT_KEY = "megatron_ds_pipeline_layout"
 class ScheduleEngine(PipelineEngine):
     """DeepSpeed's template methods it overrides: _train_schedule and _inference_schedule (the op
     lists), _exec_schedule (to bracket it with the tracer), _aggregate_total_loss, eval_batch,
-    set_dataiterator, save_checkpoint/load_checkpoint, and _INSTRUCTION_MAP (DeepSpeed's own
+    set_dataiterator, save_checkpoint (to record the layout), and _INSTRUCTION_MAP (DeepSpeed's own
     handlers for the step's reductions and optimizer step, ours for the ops)."""
 
     def __init__(self, *args, plan, tracer=None, **kwargs):
@@ -252,25 +250,11 @@ class ScheduleEngine(PipelineEngine):
         return loss
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def _layout(self):
-        """What the optimizer state's partitioning depends on: pipeline and DP sizes, chunk placement."""
-        return {"pp": self.num_stages, "dp": self.dp_world_size, "placement": self.plan.placement}
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """Records the layout; what loads under another one is decided by training/checkpointing.py."""
         state = dict(client_state or {})
-        state[LAYOUT_KEY] = self._layout()
+        state[LAYOUT_KEY] = pipeline_layout(self)
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
-
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        """Layer files are named by global layer index, so weights load under any schedule and
-        pipeline size; optimizer state only under the same layout (else weights only)."""
-        saved = saved_layout(load_dir, tag)
-        if saved is not None and saved != self._layout() and not kwargs.get("load_module_only"):
-            if self.global_rank == 0:
-                logger.warning(f"checkpoint layout {saved} differs from this run's {self._layout()}: "
-                               "loading weights only (optimizer and lr scheduler start fresh)")
-            kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
-        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
     _INSTRUCTION_MAP = through_tracer({
         **PipelineEngine._INSTRUCTION_MAP,
@@ -284,7 +268,6 @@ class ScheduleEngine(PipelineEngine):
     })
 
 
-
 def last_backward_ops(ops):
     """{op: chunk} for the op after which each chunk's gradients are complete on this rank."""
     last = {}
@@ -294,18 +277,16 @@ def last_backward_ops(ops):
     return {op: chunk for chunk, op in last.items()}
 
 
-def saved_layout(load_dir, tag=None):
-    """The pipeline layout a checkpoint was saved with (DeepSpeed's stock engine: one stage per rank)."""
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return None
-        with open(latest) as f:
-            tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag), "mp_rank_00_model_states.pt")
-    if not os.path.isfile(path):
-        return None
-    state = torch.load(path, map_location="cpu", weights_only=False)
+def pipeline_layout(engine):
+    """What ZeRO's optimizer partitioning depends on: pipeline and DP sizes, chunk placement
+    (DeepSpeed's stock engine: one stage per rank)."""
+    plan = getattr(engine, "plan", None)  # a ScheduleEngine's
+    placement = [list(row) for row in plan.placement] if plan else [list(range(engine.num_stages))]
+    return {"pp": engine.num_stages, "dp": engine.dp_world_size, "placement": placement}
+
+
+def saved_layout(state):
+    """The layout a checkpoint's mp_rank_00_model_states.pt was saved with (see pipeline_layout)."""
     if LAYOUT_KEY in state:
         return state[LAYOUT_KEY]
     pp, dp = state.get("mp_world_size"), state.get("dp_world_size")

@@ -9,12 +9,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
+from megatron_ds.errors import UserError
+
 from .kinds import Kind
 
 KINDS = tuple(Kind)
 
 
-class ScheduleError(ValueError):
+class ScheduleError(UserError, ValueError):
     """A schedule setting or op list breaks a rule; the message names the setting, value and rule."""
 
 

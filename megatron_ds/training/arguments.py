@@ -15,13 +15,18 @@ out; what is missing is derived, what is given must agree.
 import json
 import os
 
+from megatron_ds.errors import UserError
+from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.schedules import ScheduleError
+
+from .batch_schedule import BatchSizeSchedule
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 
 
-class ArgumentsError(ValueError):
+class ArgumentsError(UserError, ValueError):
     """A flag, or a flag/ds_config pair, that cannot work. The message says which and why."""
 
 
@@ -298,19 +303,13 @@ def merge_ds_config(args, ds_config):
             cfg[name] = section
     if args.bf16 and args.fp16:
         _err("--bf16 and --fp16 (or ds_config bf16/fp16 both enabled): choose one")
-    args.params_dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
     cfg.setdefault("steps_per_print", DS_DEFAULT_STEPS_PER_PRINT)
     cfg.setdefault("wall_clock_breakdown", False)
     try:  # the "pipeline" section (schedule and its keys) is checked by the engine's own rules
-        from megatron_ds.pipe.config import ConfigError, pipeline_settings
-    except ImportError:  # pragma: no cover - the pipe package imports deepspeed lazily only via build
-        pipeline_settings = None
-    if pipeline_settings is not None:
-        try:
-            args.pipeline_settings = pipeline_settings(cfg)
-        except ConfigError as e:
-            _err(f"{src}: {e}")
+        args.pipeline_settings = pipeline_settings(cfg)
+    except ConfigError as e:
+        _err(f"{src}: {e}")
     args.activation_checkpoint_interval = args.checkpoint_num_layers if args.checkpoint_activations else 0
     args.ds_config = cfg
 
@@ -318,7 +317,6 @@ def merge_ds_config(args, ds_config):
 def _check_schedule_over_rampup(args, settings, batch_sizes, step):
     """The engine plans its schedule anew for each micro-batch count: every count of the ramp must be one
     the schedule can run (bitpipe and interleaved need multiples of the pipeline size)."""
-    from megatron_ds.schedules import ScheduleError
     for gbs in batch_sizes:
         try:
             settings.build_schedule(args.pipeline_model_parallel_size, gbs // step)
@@ -352,7 +350,6 @@ def _validate_training_length(args):
         if settings is not None and not settings.stock:
             _check_schedule_over_rampup(args, settings, range(start, args.global_batch_size + 1, inc), step)
         args.rampup_batch_size = [start, inc, samples]
-    from .batch_schedule import BatchSizeSchedule
     args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)
     if args.train_samples is not None:
         args.train_iters = args.batch_schedule.iterations_for(args.train_samples)

@@ -12,25 +12,37 @@ dies half-way leaves `latest` pointing at the previous complete checkpoint.
 Client state: iteration, consumed train/valid samples and tokens (which fix the
 position of the data iterators: the sampler restarts at that sample), the RNG
 states of python/numpy/torch(/cuda) of this pipeline stage (data-parallel
-replicas share them), the arguments, and the vocabulary size. The lr schedule
-and the optimizer (ZeRO shards) are DeepSpeed's own part of the checkpoint.
+replicas share them), the arguments, the vocabulary size and the pipeline
+layout (sizes and chunk placement). The lr schedule and the optimizer (ZeRO
+shards) are DeepSpeed's own part of the checkpoint.
+
+Loading is decided here and only here (`plan_load`): the weights load under any
+layout; the lr schedule, DeepSpeed's step counters and the data position load
+unless --finetune; the optimizer state loads as DeepSpeed saved it under the same
+layout, and is re-cut parameter by parameter (zero_relayout.py) under another
+schedule, pipeline or data-parallel size, so a resumed run continues the same
+training whatever layout it resumes under.
 """
 import argparse
+import dataclasses
 import os
 
+from megatron_ds.data.dist_utils import print_rank_0
+from megatron_ds.errors import UserError
+from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
+
 from .initialize import get_rng_state
-from .logging_utils import print_rank_0
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
+from .zero_relayout import RelayoutError, restore_by_name
 
 CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "padded_vocab_size") + MODEL_FAMILY_ARGS
-TOPOLOGY_ARGS = ("pipeline_model_parallel_size", "data_parallel_size")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be loaded into this run; the message says why and what to do."""
 
 
@@ -66,6 +78,7 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         "args": _plain_args(args),
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size},
         "rng_state": get_rng_state(),
+        LAYOUT_KEY: pipeline_layout(engine),  # DeepSpeed's stock engine records none of its own
     }
     tag = tag_for(iteration)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
@@ -86,8 +99,8 @@ def read_latest_tag(load_dir):
         return f.read().strip()
 
 
-def _peek_client_state(load_dir, tag):
-    """Our keys from mp_rank_00_model_states.pt, read before DeepSpeed loads anything."""
+def read_saved_state(load_dir, tag):
+    """mp_rank_00_model_states.pt: our client state, the pipeline layout and DeepSpeed's sizes."""
     import torch
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
@@ -96,21 +109,42 @@ def _peek_client_state(load_dir, tag):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _check_compatible(args, saved_args, load_dir, load_optimizer):
-    if saved_args is None:
-        return
-    saved = vars(saved_args)
+def _check_model_shape(args, saved_args, load_dir):
+    saved = vars(saved_args) if saved_args is not None else {}
     for name in MODEL_ARGS:
         if name in saved and saved[name] != getattr(args, name, None):
             raise CheckpointError(f"checkpoint {load_dir} has {name}={saved[name]}, this run has "
                                   f"{getattr(args, name, None)}: the models differ")
-    if load_optimizer:
-        for name in TOPOLOGY_ARGS:
-            if name in saved and saved[name] != getattr(args, name):
-                raise CheckpointError(
-                    f"checkpoint {load_dir} was saved with {name}={saved[name]}, this run has {getattr(args, name)}; "
-                    "ZeRO optimizer shards only load into the same pipeline x data-parallel layout "
-                    "(use --no-load-optim or --finetune to load the weights alone)")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What of a checkpoint loads into this run.
+
+    weights: always (layer files are named by global layer index, so any layout loads them);
+    optimizer: "deepspeed" (the saved ZeRO shards, same layout only), "by_name" (re-cut from
+    the shards of every saved rank, any layout) or None (fresh); lr_scheduler and progress
+    (the iteration, the consumed samples and DeepSpeed's step counters) go together.
+    """
+    optimizer: str | None
+    progress: bool
+    reason: str
+
+
+def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage):
+    if finetune:
+        return LoadPlan(None, False, "--finetune: weights only, training starts at iteration 0")
+    if no_load_optim:
+        return LoadPlan(None, True, "--no-load-optim: weights, lr schedule and iteration; a fresh optimizer")
+    if saved_layout == layout:
+        return LoadPlan("deepspeed", True, "same pipeline layout: everything")
+    if zero_stage != 1:
+        raise CheckpointError(
+            f"the checkpoint's pipeline layout {saved_layout} differs from this run's {layout}: its optimizer "
+            f"state can be re-cut only from ZeRO-1 shards (this run has ZeRO stage {zero_stage}); pass "
+            "--no-load-optim to continue with a fresh optimizer, or --finetune to load the weights alone")
+    return LoadPlan("by_name", True, f"pipeline layout {saved_layout} -> {layout}: everything, the optimizer "
+                                     "state re-cut parameter by parameter")
 
 
 def load_checkpoint(engine, args):
@@ -126,22 +160,34 @@ def load_checkpoint(engine, args):
         print_rank_0(f"Unable to find latest file at {os.path.join(args.load, 'latest')}, "
                      "will not load any checkpoint and will start from random")
         return state
-    load_optimizer = not (args.no_load_optim or args.finetune)
+    load_optimizer = not (args.no_load_optim or args.finetune)  # the ZeRO shards are read either way below
     verify_manifest(os.path.join(args.load, tag), skip=lambda rel: not load_optimizer and "optim_states" in rel)
-    peek = _peek_client_state(args.load, tag)
-    _check_compatible(args, peek.get("args"), args.load, load_optimizer)
-    print_rank_0(f"loading checkpoint {tag} from {args.load}")
-    load_path, client_state = engine.load_checkpoint(
-        args.load, tag=tag, load_optimizer_states=load_optimizer,
-        load_lr_scheduler_states=not args.finetune, load_module_only=args.finetune)
-    if load_path is None:
-        raise CheckpointError(f"DeepSpeed could not load {tag} from {args.load}")
-    client_state = client_state or {}
-    if not args.finetune:
-        state["iteration"] = int(client_state.get("iteration", 0))
-        state["consumed_train_samples"] = int(client_state.get("consumed_train_samples", 0))
-        state["consumed_valid_samples"] = int(client_state.get("consumed_valid_samples", 0))
+    saved = read_saved_state(args.load, tag)
+    _check_model_shape(args, saved.get("args"), args.load)
+    plan = plan_load(saved_layout(saved), pipeline_layout(engine), finetune=args.finetune,
+                     no_load_optim=args.no_load_optim, zero_stage=engine.zero_optimization_stage())
+    print_rank_0(f"loading checkpoint {tag} from {args.load}: {plan.reason}")
+    client_state = restore(engine, args.load, tag, plan)
+    if plan.progress:
+        state["iteration"] = int(saved.get("iteration", 0))
+        state["consumed_train_samples"] = int(saved.get("consumed_train_samples", 0))
+        state["consumed_valid_samples"] = int(saved.get("consumed_valid_samples", 0))
         if not args.no_load_rng:
-            state["rng_state"] = client_state.get("rng_state")
+            state["rng_state"] = client_state.get("rng_state")  # this pipeline stage's own file
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state['iteration']}")
     return state
+
+
+def restore(engine, load_dir, tag, plan):
+    """Load `tag` into the engine as `plan` says; returns this stage's client state."""
+    load_path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=plan.optimizer == "deepspeed",
+        load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
+    if load_path is None:
+        raise CheckpointError(f"DeepSpeed could not load {tag} from {load_dir}")
+    if plan.optimizer == "by_name":
+        try:
+            restore_by_name(engine.optimizer, os.path.join(load_dir, tag))
+        except RelayoutError as e:
+            raise CheckpointError(f"checkpoint {load_dir}/{tag}: {e}") from e
+    return client_state or {}

@@ -11,25 +11,12 @@ import os
 import sys
 import time
 
-
-def rank_and_world():
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    except ImportError:  # pragma: no cover
-        pass
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+from megatron_ds.data.dist_utils import print_rank_0, rank_and_world
 
 
 def is_last_rank():
     rank, world = rank_and_world()
     return rank == world - 1
-
-
-def print_rank_0(message):
-    if rank_and_world()[0] == 0:
-        print(message, flush=True)
 
 
 def print_rank_last(message):

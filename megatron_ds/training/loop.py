@@ -15,12 +15,15 @@ import sys
 import time
 import warnings
 
+from megatron_ds.data.dist_utils import print_rank_0
+from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
+from megatron_ds.errors import UserError
+
 from . import timeouts
 from .arguments import ArgumentsError, parse_args, print_args
-from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
-from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, iteration_line, print_rank_0,
+from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
                             print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
 
 
@@ -260,7 +263,6 @@ class Trainer:
                                     tb_prefix="lm-loss-test")
 
     def close(self):
-        from .logging_utils import is_last_rank
         if is_last_rank() and self.args.loss_curve and self.train_points:
             path = write_loss_curve(self.args.loss_curve, self.train_points, self.valid_points,
                                     title=f"GPT {self.args.num_layers}L/{self.args.hidden_size}H, "
@@ -326,37 +328,18 @@ def pretrain(args):
     return trainer
 
 
-def _user_error_types():
-    types = [ArgumentsError]
-    for module, name in (("megatron_ds.pipe.config", "ConfigError"), ("megatron_ds.data.tokenizer", "TokenizerError"),
-                         ("megatron_ds.data.dataset_utils", "DataConfigError"),
-                         ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),
-                         ("megatron_ds.training.checkpointing", "CheckpointError")):
-        try:
-            types.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(types)
-
-
 def main(argv=None):
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     try:
-        args = parse_args(argv)
-    except ArgumentsError as e:
+        pretrain(parse_args(argv))
+    except UserError as e:
         if rank == 0:
             print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        pretrain(args)
-    except _user_error_types() as e:
-        if args.rank == 0:
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return e.exit_code
     except NonFiniteStop:
         return NONFINITE_EXIT_CODE
     except timeouts.CollectiveError as e:
-        timeouts.report_and_exit(e, args.rank)
+        timeouts.report_and_exit(e, rank)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -23,28 +23,47 @@ def _eval(engine, config):
     return float(engine.eval_batch(iter([micro_batch(EVAL_STEP, j, config.vocab_size) for j in range(GAS)])))
 
 
+def _step(engine, config, step):
+    engine.train_batch(iter([micro_batch(step, j, config.vocab_size) for j in range(GAS)]))
+
+
 def train_and_save(save_dir, schedule):
+    """Two steps, save, then a third: the eval losses after the save and after the third step."""
     engine, config = _engine(2, {"schedule": schedule})
     for step in range(2):
-        engine.train_batch(iter([micro_batch(step, j, config.vocab_size) for j in range(GAS)]))
+        _step(engine, config, step)
     engine.save_checkpoint(save_dir, tag="step2")
-    return _eval(engine, config)
+    saved = _eval(engine, config)
+    _step(engine, config, 2)
+    return saved, _eval(engine, config)
 
 
-def load_and_eval(save_dir):
+def load_and_continue(save_dir, optimizer):
+    """Load under 1f1b at PP=4 as checkpointing's plan says, eval, take the third step, eval."""
+    from megatron_ds.training.checkpointing import LoadPlan, restore
     engine, config = _engine(4, {"schedule": "1f1b"})
     before = _eval(engine, config)
-    engine.load_checkpoint(save_dir)
-    return before, _eval(engine, config)
+    restore(engine, save_dir, "step2", LoadPlan(optimizer, progress=True, reason="test"))
+    loaded, steps = _eval(engine, config), engine.global_steps
+    _step(engine, config, 2)
+    return before, loaded, steps, _eval(engine, config)
 
 
 @pytest.mark.parametrize("schedule", ["zbv", "bitpipe"])
 def test_pp2_checkpoint_loads_under_1f1b_pp4(tmp_path, schedule):
+    """Weights, DeepSpeed's step count and (re-cut by parameter name) Adam's state: the step after
+    the load equals the step the saving run took; with a fresh optimizer it does not."""
     saved = run_ranks(2, train_and_save, str(tmp_path), schedule)
     assert len(set(saved)) == 1
+    (at_save, after_step), = set(saved)
     files = sorted(p.name for p in (tmp_path / "step2").iterdir())
     assert [f for f in files if f.startswith("layer_")] == [f"layer_{i:02d}-model_states.pt" for i in range(LAYERS + 2)]
-    loaded = run_ranks(4, load_and_eval, str(tmp_path))
-    for before, after in loaded:
-        assert abs(after - saved[0]) <= 1e-5, (after, saved[0])
-        assert abs(before - saved[0]) > 1e-3  # the load really changed the weights
+    for before, loaded, steps, stepped in run_ranks(4, load_and_continue, str(tmp_path), "by_name"):
+        assert abs(loaded - at_save) <= 1e-5, (loaded, at_save)
+        assert abs(before - at_save) > 1e-3  # the load really changed the weights
+        assert steps == 2
+        assert abs(stepped - after_step) <= 1e-5 * abs(after_step), (stepped, after_step)
+    if schedule == "zbv":  # the control, once: Adam restarting from zero moments takes another step
+        for _, loaded, _, stepped in run_ranks(4, load_and_continue, str(tmp_path), None):
+            assert abs(loaded - at_save) <= 1e-5
+            assert abs(stepped - after_step) > 1e-3, (stepped, after_step)

@@ -44,4 +44,4 @@ def test_cli_is_deterministic_and_honours_max_docs(tmp_path):
     assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 100
     bad = subprocess.run([sys.executable, script, "--output", str(tmp_path / "nodir" / "c.jsonl")],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

@@ -143,7 +143,7 @@ def test_bad_input_is_one_clear_line_and_leaves_no_output(tmp_path, tool, case, 
         i = args.index("--vocab-file")
         del args[i:i + 2]
     run = run_tool(tool, *args)
-    assert run.returncode == 1
+    assert run.returncode == 2
     assert message in run.stderr
     assert "Traceback" not in run.stderr
     assert [n for n in os.listdir(tmp_path) if n.startswith("out")] == []
@@ -161,7 +161,7 @@ def test_wrong_flags_and_bad_merge_inputs(tmp_path, whole):
     open(broken + ".bin", "wb").write(open(prefix + ".bin", "rb").read())
     run = run_tool("merge_preprocessed_data.py", "--datasets", prefix, broken, "--output-prefix",
                    str(tmp_path / "m"))
-    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr
     assert f"{broken}.idx: index truncated" in run.stderr
     assert not os.path.exists(str(tmp_path / "m.bin")) and not os.path.exists(str(tmp_path / "m.bin.tmp"))
 

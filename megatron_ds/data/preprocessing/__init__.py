@@ -2,7 +2,8 @@
 
 The tools in tools/ are thin wrappers over these modules.
 """
+from megatron_ds.errors import UserError
 
 
-class PreprocessError(ValueError):
+class PreprocessError(UserError, ValueError):
     """Bad input or flags for preprocessing; the message names what and why."""

@@ -56,5 +56,5 @@ def main(argv=None):
         merge(args.datasets, args.output_prefix)
     except (IndexedDatasetError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return IndexedDatasetError.exit_code
     return 0

@@ -6,15 +6,14 @@ order (Pool.imap), so the output does not depend on --workers.
 import multiprocessing
 import sys
 
-from ..indexed_dataset import IndexedDatasetError, best_fitting_dtype, make_builder
-from ..tokenizer import TokenizerError, build_tokenizer
-from . import PreprocessError
+from megatron_ds.errors import UserError
+
+from ..indexed_dataset import best_fitting_dtype, make_builder
+from ..tokenizer import build_tokenizer
 from .args import check_args, output_prefix_for
 from .encoder import Encoder, encode_in_worker, set_worker_encoder
 from .progress import Progress
 from .reader import open_source
-
-EXPECTED_ERRORS = (PreprocessError, TokenizerError, IndexedDatasetError, OSError)
 
 
 def prepare(args):
@@ -101,15 +100,15 @@ def run(args):
 
 
 def main(argv=None, parser_factory=None, runner=None):
-    """CLI wrapper: expected errors become one line on stderr and exit status 1."""
+    """CLI wrapper: bad input (and unreadable/unwritable files) becomes one line on stderr and exit status 2."""
     from .args import build_parser
     parser = (parser_factory or (lambda: build_parser("Tokenize a corpus into Megatron .bin/.idx.")))()
     args = parser.parse_args(argv)
     try:
         (runner or run)(args)
-    except EXPECTED_ERRORS as e:
+    except (UserError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return UserError.exit_code
     except KeyboardInterrupt:
         print("interrupted; no output was written", file=sys.stderr)
         return 130

@@ -1,0 +1,113 @@
+"""Load ZeRO-1 optimizer state saved under another pipeline layout, parameter by parameter.
+
+DeepSpeed's ZeRO shards are flat slices of the parameters one pipeline rank held when it
+saved, so they only load into the same schedule placement, pipeline and data-parallel size.
+But every shard also names its parameters (`param_slice_mappings`: name -> slice of the
+shard) and the parameter names of a pipeline module are global (the layer index comes
+first), so the state of each parameter can be put back together from the shards of every
+saved rank and cut again for this rank's partition. This is what DeepSpeed's universal
+checkpoint does offline; here it happens at load time, for fp32 master weights and every
+optimizer state tensor (Adam's moments), with the optimizer's step count kept.
+
+The DeepSpeed 0.19 ZeRO stage 1/2 members used (private, checked on upgrade):
+`optimizer` (the wrapped torch optimizer, one flat fp32 parameter per group),
+`bit16_groups`, `single_partition_of_fp32_groups`, `param_names`, `_hp_optimizer_states_linked`,
+`_load_global_state`, and each model parameter's `_hp_mapping` (`lp_fragment_address`,
+`hp_fragment_address`); the shard file keys `optimizer_state_dict`, `base_optimizer_state`,
+`base_optimizer_state_step`, `single_partition_of_fp32_groups`, `param_slice_mappings`.
+"""
+import glob
+import os
+import re
+
+import torch
+
+FP32 = "fp32"  # our key for the master weights next to the optimizer's own state keys
+_SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
+
+
+class RelayoutError(ValueError):
+    """The saved shards cannot be mapped onto this run's parameters."""
+
+
+def shard_files(ckpt_dir):
+    """{(pipeline rank, data-parallel rank): path} of a checkpoint's ZeRO optimizer shards."""
+    found = {}
+    for path in glob.glob(os.path.join(ckpt_dir, "*zero_pp_rank_*optim_states.pt")):
+        m = _SHARD.search(os.path.basename(path))
+        if m:
+            found[(int(m.group(2)), int(m.group(1)))] = path
+    return found
+
+
+def _group_states(sd, group):
+    """(the optimizer's state dict of one group's flat partition, its step) from one shard."""
+    base = sd["base_optimizer_state"]
+    if isinstance(base, dict):  # DeepSpeed's default: the torch optimizer's own state_dict
+        state = base["state"][group]
+        return state, state.get("step")
+    return base[group], sd["base_optimizer_state_step"]  # elastic_checkpoint: a list of group states
+
+
+def gather_by_name(ckpt_dir):
+    """{parameter name: {state key: flat tensor}}, the optimizer step and one shard's own state dict.
+
+    A parameter cut between data-parallel ranks is the concatenation of its slices in
+    data-parallel order; one held by several pipeline ranks (tied embeddings) is taken once.
+    """
+    files = shard_files(ckpt_dir)
+    if not files:
+        raise RelayoutError(f"{ckpt_dir} holds no ZeRO optimizer shards (*zero_pp_rank_*optim_states.pt)")
+    params, step, first = {}, None, None
+    for pp in sorted({p for p, _ in files}):
+        pieces = {}
+        for dp in sorted(d for p, d in files if p == pp):
+            sd = torch.load(files[(pp, dp)], map_location="cpu", weights_only=False, mmap=True)
+            sd = sd["optimizer_state_dict"]
+            first = first or sd
+            for group, mapping in enumerate(sd["param_slice_mappings"]):
+                state, group_step = _group_states(sd, group)
+                step = group_step if step is None else step
+                flat = sd["single_partition_of_fp32_groups"][group]
+                tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
+                tensors[FP32] = flat
+                for name, addr in mapping.items():
+                    piece = {k: v.narrow(0, addr.start, addr.numel) for k, v in tensors.items()}
+                    pieces.setdefault(name, []).append(piece)
+        for name, parts in pieces.items():
+            params.setdefault(name, {k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+    return params, step, first
+
+
+def restore_by_name(zero, ckpt_dir):
+    """Fill this rank's ZeRO partitions (fp32 masters and optimizer state) from `ckpt_dir`'s shards."""
+    params, step, shard = gather_by_name(ckpt_dir)
+    zero._load_global_state(shard)  # loss scaler and clipping: the same on every shard
+    base = zero.optimizer
+    for group, lp_params in enumerate(zero.bit16_groups):
+        flat = zero.single_partition_of_fp32_groups[group]
+        keys = None
+        for lp in lp_params:
+            mapping = lp._hp_mapping
+            if mapping is None:  # no slice of this parameter in this data-parallel rank's partition
+                continue
+            name = zero.param_names[lp]
+            if name not in params:
+                raise RelayoutError(f"parameter {name} is not in the checkpoint's optimizer shards")
+            saved = params[name]
+            if saved[FP32].numel() != lp.numel():
+                raise RelayoutError(f"parameter {name} has {lp.numel()} elements, "
+                                    f"{saved[FP32].numel()} in the checkpoint")
+            if keys is None:
+                keys = [k for k in saved if k != FP32]
+                state = {k: torch.zeros_like(flat) for k in keys}  # zero in the alignment padding, as DeepSpeed has it
+            lp_addr, hp_addr = mapping.lp_fragment_address, mapping.hp_fragment_address
+            for key, dst in [(FP32, flat.data)] + [(k, state[k]) for k in keys]:
+                src = saved[key].narrow(0, lp_addr.start, lp_addr.numel)
+                dst.narrow(0, hp_addr.start, hp_addr.numel).copy_(src)
+        if keys is None:
+            continue
+        if step is not None:
+            state["step"] = step.clone() if torch.is_tensor(step) else step
+        base.state[flat] = state
+    zero._hp_optimizer_states_linked = False  # the model parameters' views of the state are relinked lazily

@@ -1,0 +1,31 @@
+"""Every bad-input error is a UserError: the entry points catch that one type and exit with 2."""
+import importlib
+
+import pytest
+
+from megatron_ds.errors import UserError
+
+ERRORS = [("megatron_ds.training.arguments", "ArgumentsError"), ("megatron_ds.pipe.config", "ConfigError"),
+          ("megatron_ds.schedules", "ScheduleError"), ("megatron_ds.data.tokenizer", "TokenizerError"),
+          ("megatron_ds.data.dataset_utils", "DataConfigError"),
+          ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),
+          ("megatron_ds.training.checkpointing", "CheckpointError"),
+          ("megatron_ds.data.preprocessing", "PreprocessError")]
+
+
+@pytest.mark.parametrize("module,name", ERRORS)
+def test_is_a_user_error(module, name):
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, UserError) and cls("x").exit_code == 2
+
+
+def test_pretrain_main_exits_2_on_a_user_error(capsys, monkeypatch):
+    from megatron_ds.data.dataset_utils import DataConfigError
+    from megatron_ds.training import loop
+    monkeypatch.setattr(loop, "parse_args", lambda argv: None)
+
+    def fail(args):
+        raise DataConfigError("--split 'x': bad")
+    monkeypatch.setattr(loop, "pretrain", fail)
+    assert loop.main([]) == 2
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: --split 'x': bad\n"
