@@ -2,7 +2,7 @@
 under ScheduleEngine with "1f1b", in one launch, iterations alternating so machine
 noise hits both alike. Prints the median time per iteration and their ratio.
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/engine_overhead.py --pp 2
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m bench.engine_overhead --pp 2
 """
 import argparse
 import os
@@ -10,14 +10,13 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import deepspeed
+import torch
+import torch.distributed as dist
 
-from megatron_ds.model import GPTConfig, position_ids_like  # noqa: E402
-from megatron_ds.pipe.build import build_pipeline_module, initialize_engine  # noqa: E402
+from megatron_ds.model import GPTConfig, position_ids_like
+from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
 
 
 def make_engine(config, pipeline, args):

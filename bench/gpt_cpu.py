@@ -13,8 +13,8 @@ On a 2-core machine p=4 ranks are oversubscribed: ranks compete for cores, so a 
 bubble is partly filled by another rank's work and schedules differ less than on p
 devices. The timed-layer bench (bench/schedules.py) measures the schedules themselves.
 
-    python bench/gpt_cpu.py                          # p=4, all schedules, about 30 minutes
-    python bench/gpt_cpu.py --engines zbv 1f1b --iterations 3
+    python -m bench.gpt_cpu                          # p=4, all schedules, about 30 minutes
+    python -m bench.gpt_cpu --engines zbv 1f1b --iterations 3
 """
 from __future__ import annotations
 
@@ -28,11 +28,8 @@ import threading
 import time
 import warnings
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from engines import DUALPIPEV, STOCK, engines  # noqa: E402
-from launch import launch  # noqa: E402
+from bench.engines import DUALPIPEV, STOCK, engines
+from bench.launch import launch
 
 ENGINES = engines()
 PAGE = os.sysconf("SC_PAGE_SIZE")

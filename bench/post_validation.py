@@ -13,9 +13,9 @@ alternating blocks of back-to-back iterations (no barrier inside a block, so an 
 its next iteration early); the table gives the median block of each and the median of the blocks'
 on/off ratios (each "on" block paired with the "off" block next to it).
 
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/post_validation.py
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 bench/post_validation.py --schedules zbv
-    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 bench/post_validation.py --ballast 30000 --optimizer-ms 40
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m bench.post_validation
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 4 -m bench.post_validation --schedules zbv
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m bench.post_validation --ballast 30000 --optimizer-ms 40
 
 The last form models the optimizer step's time by a sleep as the layers do (steadier on a busy CPU; the
 kept copy then costs next to nothing, as the copies of a small partition do).
@@ -26,18 +26,16 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import LayerSpec
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from deepspeed.pipe import LayerSpec  # noqa: E402
-
-from megatron_ds.model.timed import TimedCosts, TimedLayer, timed_loss  # noqa: E402
-from megatron_ds.pipe.build import initialize_engine, topology  # noqa: E402
-from megatron_ds.pipe.config import pipeline_settings  # noqa: E402
-from megatron_ds.pipe.module import ChunkedPipelineModule  # noqa: E402
-from megatron_ds.pipe.plan import PipelinePlan  # noqa: E402
+from megatron_ds.model.timed import TimedCosts, TimedLayer, timed_loss
+from megatron_ds.pipe.build import initialize_engine, topology
+from megatron_ds.pipe.config import pipeline_settings
+from megatron_ds.pipe.module import ChunkedPipelineModule
+from megatron_ds.pipe.plan import PipelinePlan
 
 
 class BallastLayer(TimedLayer):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Preprocessing throughput (MB/s of JSON input) for 1 and 2 workers on a generated corpus.
 
-    python bench/preprocess_throughput.py [--mb 16] [--workers 1 2] [--repeat 2] [--keep DIR]
+    python -m bench.preprocess_throughput [--mb 16] [--workers 1 2] [--repeat 2] [--keep DIR]
 
 The corpus is generated deterministically: documents of 200-6000 characters
 drawn, with a fixed seed, from the words and punctuation of Python's pydoc
@@ -23,11 +23,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.data.preprocessing import many_cores, pipeline  # noqa: E402
-from megatron_ds.data.preprocessing.args import build_parser  # noqa: E402
-from megatron_ds.data.tokenizer import default_gpt2_files  # noqa: E402
+from megatron_ds.data.preprocessing import many_cores, pipeline
+from megatron_ds.data.preprocessing.args import build_parser
+from megatron_ds.data.tokenizer import default_gpt2_files
 
 
 def generate_corpus(path, megabytes, seed=1234):

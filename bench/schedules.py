@@ -18,8 +18,8 @@ median over iterations); sim = makespan the simulator predicts for the same cost
 streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / DeepSpeed
 1F1B's. A schedule the engine refuses shows "n/a" and the reason.
 
-    python bench/schedules.py                        # p=4 and p=8, about 30 minutes
-    python bench/schedules.py --pp 4 --iterations 3 --tf-ms 40 --pictures docs/perf
+    python -m bench.schedules                        # p=4 and p=8, about 30 minutes
+    python -m bench.schedules --pp 4 --iterations 3 --tf-ms 40 --pictures docs/perf
 """
 from __future__ import annotations
 
@@ -32,12 +32,10 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench.engines import DUALPIPEV, STOCK, engines, unsupported
+from bench.launch import launch
 
-from engines import DUALPIPEV, STOCK, engines, unsupported  # noqa: E402
-from launch import launch  # noqa: E402
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
 HIDDEN, MBS, SEQ = 64, 2, 16
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1:0.5": (1.0, 1.0, 0.5)}
@@ -164,7 +162,7 @@ def merge(results, part):
 
 def simulated(name, p, m, tf, tb, tw):
     """(makespan, bubble ratio) the simulator predicts for `name` with these stage costs."""
-    from ds_replay import replay
+    from bench.ds_replay import replay
     from megatron_ds.pipe.config import pipeline_settings
     from megatron_ds.schedules import simulate
     if name in (STOCK, DUALPIPEV):

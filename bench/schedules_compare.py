@@ -4,7 +4,7 @@ Prints the `python -m megatron_ds.schedules compare` table for p in {4, 8} and
 m in {p, 2p, 4p}, for TF:TB:TW = 1:1:1 and 1:1:0.5 (pure simulation, no GPU).
 Memory is in micro-batch activations of one 1F1B stage (W keeps half of them).
 
-    python bench/schedules_compare.py [--p2p-latency 0.05] [--seq-splits 4]
+    python -m bench.schedules_compare [--p2p-latency 0.05] [--seq-splits 4]
 """
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ds.schedules.compare import compare_rows, format_table  # noqa: E402
+from megatron_ds.schedules.compare import compare_rows, format_table
 
 
 def main() -> None:

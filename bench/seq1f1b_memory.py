@@ -16,7 +16,7 @@ with the ratio to 1F1B's on the same rank. Theory: rank r holds p-r micro-batche
 (a balanced split makes the first segments longer), read off the op order the engine runs
 (capped at 1F1B's token count per rank: without the cap the last rank held 1.18 at k=4).
 
-    python bench/seq1f1b_memory.py --pp 4 --seq-length 2048
+    python -m bench.seq1f1b_memory --pp 4 --seq-length 2048
 """
 import argparse
 import os
@@ -24,10 +24,9 @@ import re
 import resource
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.multiprocessing as mp
 
 MB = 2 ** 20
 

@@ -8,9 +8,8 @@ The logic lives in megatron_ds/data/default_corpus.py.
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
-from megatron_ds.data.default_corpus import main  # noqa: E402
+from megatron_ds.data.default_corpus import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,11 +17,9 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ds.schedules import ScheduleError, simulate  # noqa: E402
-from megatron_ds.schedules.render import plot_measured  # noqa: E402
-from megatron_ds.schedules.timeline import load_iteration, measure, median_costs, merge, to_schedule  # noqa: E402
+from megatron_ds.schedules import ScheduleError, simulate
+from megatron_ds.schedules.render import plot_measured
+from megatron_ds.schedules.timeline import load_iteration, measure, median_costs, merge, to_schedule
 
 
 def main(argv=None) -> int:

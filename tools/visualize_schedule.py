@@ -10,10 +10,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ds.schedules import CATALOG, Schedule, ScheduleError, build_schedule, simulate  # noqa: E402
-from megatron_ds.schedules.render import ascii_timeline, plot_timeline, summary_table  # noqa: E402
+from megatron_ds.schedules import CATALOG, Schedule, ScheduleError, build_schedule, simulate
+from megatron_ds.schedules.render import ascii_timeline, plot_timeline, summary_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""bench/schedules.py end to end at toy size: every engine's launch, the traces, the analysis, the tables
+"""bench.schedules end to end at toy size: every engine's launch, the traces, the analysis, the tables
 and the pictures. Structure only - the timings of a loaded test machine prove nothing."""
 import json
 import os
@@ -14,10 +14,11 @@ ENGINES = ["1f1b", "zbv", "seq1f1b k=2"]
 
 @pytest.mark.timeout(900)
 def test_schedules_bench_runs_every_engine_and_writes_tables_and_pictures(tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "bench", "schedules.py"), "--pp", "2", "--tf-ms", "4",
+    cmd = [sys.executable, "-m", "bench.schedules", "--pp", "2", "--tf-ms", "4",
            "--iterations", "1", "--warmup", "0", "--engines", *ENGINES, "--out", str(tmp_path / "out"),
            "--pictures", str(tmp_path / "pics"), "--picture-setting", "p2_m4_1-1-1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=850, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=850, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert sorted(results["tables"]) == ["p2_m2_1-1-0.5", "p2_m2_1-1-1", "p2_m4_1-1-0.5", "p2_m4_1-1-1"]

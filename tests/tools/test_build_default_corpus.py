@@ -9,6 +9,7 @@ import sys
 from megatron_ds.data import default_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=ROOT)  # what `pip install .` gives a tool run as a script
 
 
 def test_corpus_is_json_lines_of_unique_english_prose(tmp_path):
@@ -36,12 +37,12 @@ def test_cli_is_deterministic_and_honours_max_docs(tmp_path):
     digests = []
     for name in ("a.jsonl", "b.jsonl"):
         run = subprocess.run([sys.executable, script, "--output", str(tmp_path / name), "--max-docs", "100"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=ENV)
         assert run.returncode == 0, run.stderr
         assert "Wrote 100 documents" in run.stderr
         digests.append(hashlib.sha256((tmp_path / name).read_bytes()).hexdigest())
     assert digests[0] == digests[1]
     assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 100
     bad = subprocess.run([sys.executable, script, "--output", str(tmp_path / "nodir" / "c.jsonl")],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=ENV)
     assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr

@@ -13,6 +13,7 @@ from megatron_ds.data.preprocessing import many_cores, merge, pipeline
 from megatron_ds.data.tokenizer import default_gpt2_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ENV = dict(os.environ, PYTHONPATH=ROOT)  # what `pip install .` gives a tool run as a script
 
 
 def corpus_texts():
@@ -75,7 +76,7 @@ def test_whole_corpus_and_merged_shards_are_byte_identical(whole, tmp_path):
     merged = str(tmp_path / "merged")
     script = os.path.join(ROOT, "tools", "merge_preprocessed_data.py")
     run = subprocess.run([sys.executable, script, "--datasets", *shards, "--output-prefix", merged],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60, env=ENV)
     assert run.returncode == 0, run.stderr
     assert f"Merged 3 datasets to {merged}" in run.stdout
     assert same_dataset(prefix, merged)
@@ -108,7 +109,7 @@ def test_several_json_keys_give_one_dataset_each(tmp_path):
 
 def run_tool(name, *args):
     script = os.path.join(ROOT, "tools", name)
-    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60, env=ENV)
 
 
 def test_progress_reports_documents_and_megabytes_per_second(whole, tmp_path):

@@ -1,0 +1,60 @@
+"""pyproject.toml: the wheel installs into a fresh venv, `import megatron_ds` works from any folder,
+and the console entry points run.
+
+The venv gets this interpreter's packages through a .pth file (torch and DeepSpeed are not
+installed twice) and megatron_ds only from the wheel: --no-deps, --no-index, --no-build-isolation.
+"""
+import os
+import shutil
+import site
+import subprocess
+import sys
+import venv
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ("megatron-ds-pretrain", "megatron-ds-preprocess", "megatron-ds-preprocess-many-cores",
+           "megatron-ds-merge", "megatron-ds-default-corpus", "megatron-ds-schedules")
+
+
+def _run(*cmd, cwd):
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0, f"{cmd}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(900)
+def test_wheel_installs_and_imports_from_another_folder(tmp_path):
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info next to the sources
+    shutil.copytree(os.path.join(ROOT, "megatron_ds"), src / "megatron_ds",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), src / name)
+    _run(sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q", "-w",
+         str(tmp_path / "dist"), cwd=src)
+    wheel, = (tmp_path / "dist").glob("megatron_ds-*.whl")
+
+    env = tmp_path / "venv"
+    venv.create(env, with_pip=False)
+    python = env / "bin" / "python"
+    purelib = _run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
+    with open(os.path.join(purelib.strip(), "deps.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
+    _run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
+         str(wheel), cwd=tmp_path)
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = _run(str(python), "-c", "import megatron_ds.training.checkpointing as c; print(c.__file__)",
+                 cwd=elsewhere)
+    assert where.splitlines()[-1].startswith(purelib.strip()), where  # (DeepSpeed prints a warning first)
+    for script in SCRIPTS:
+        assert (env / "bin" / script).exists(), script
+    assert "zbv" in _run(str(env / "bin" / "megatron-ds-schedules"), "compare", "--pp", "4", "--micro-batches", "8",
+                         cwd=elsewhere)
+    assert "--pipeline-model-parallel-size" in _run(str(env / "bin" / "megatron-ds-pretrain"), "--help",
+                                                    cwd=elsewhere)
+    assert "--output-prefix" in _run(str(env / "bin" / "megatron-ds-preprocess"), "--help", cwd=elsewhere)
