@@ -5,11 +5,8 @@ noise hits both alike. Prints the median time per iteration and their ratio.
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 -m bench.engine_overhead --pp 2
 """
 import argparse
-import os
 import statistics
-import sys
 import time
-
 
 import deepspeed
 import torch

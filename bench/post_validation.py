@@ -1,6 +1,6 @@
 """Optimizer post-validation: time per iteration with "pipeline.post_validation" off and on.
 
-A pipeline of timed layers (megatron_ds.model.timed: they sleep set times in forward, input-gradient
+A pipeline of timed layers (megatron_ds.testing.timed: they sleep set times in forward, input-gradient
 and weight-gradient backward, so p ranks on a small CPU behave like p devices) with a "ballast"
 parameter per layer that only the optimizer works on: the optimizer step is real work (ZeRO-1 flatten, AdamW, copies) of a chosen
 size. Under ZB-V and ZB-H2 the ranks finish their last op at different times (rank 0 first); without
@@ -21,9 +21,7 @@ The last form models the optimizer step's time by a sleep as the layers do (stea
 kept copy then costs next to nothing, as the copies of a small partition do).
 """
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import deepspeed
@@ -31,7 +29,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec
 
-from megatron_ds.model.timed import TimedCosts, TimedLayer, timed_loss
+from megatron_ds.testing.timed import TimedCosts, TimedLayer, timed_loss
 from megatron_ds.pipe.build import initialize_engine, topology
 from megatron_ds.pipe.config import pipeline_settings
 from megatron_ds.pipe.module import ChunkedPipelineModule
@@ -39,7 +37,7 @@ from megatron_ds.pipe.plan import PipelinePlan
 
 
 class BallastLayer(TimedLayer):
-    """megatron_ds.model.timed's TimedLayer plus `ballast` parameters that only the optimizer works on:
+    """megatron_ds.testing.timed's TimedLayer plus `ballast` parameters that only the optimizer works on:
     they get a zero gradient in the first forward of each iteration, so ZeRO reduces and flattens them
     and AdamW steps them (real work of a chosen size) while forward and backward stay timed sleeps."""
 

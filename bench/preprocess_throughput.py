@@ -19,10 +19,8 @@ import random
 import re
 import resource
 import shutil
-import sys
 import tempfile
 import time
-
 
 from megatron_ds.data.preprocessing import many_cores, pipeline
 from megatron_ds.data.preprocessing.args import build_parser

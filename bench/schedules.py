@@ -1,6 +1,6 @@
 """Every pipeline schedule side by side with DeepSpeed's stock 1F1B and DualPipeV, on timed layers.
 
-The model is 2p TimedLayers (megatron_ds/model/timed.py): each sleeps its share of TF, TB
+The model is 2p TimedLayers (megatron_ds/testing/timed.py): each sleeps its share of TF, TB
 and TW per 1F1B stage while real tensors flow and real gloo messages travel, so p ranks on
 a 2-core machine behave like p devices with the chosen costs. For each p, every engine (ours
 through megatron_ds.pipe.build, DeepSpeed's stock PipelineEngine and its DualPipeVEngine)
@@ -70,7 +70,7 @@ def build_engine(name, p, costs, trace_dir):
     import torch
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from megatron_ds.model import GPTConfig
-    from megatron_ds.model.timed import timed_layer_specs, timed_loss
+    from megatron_ds.testing.timed import timed_layer_specs, timed_loss
     from megatron_ds.pipe.build import build_pipeline_module, deepspeed_engine_class, initialize_engine, topology
     from megatron_ds.pipe.config import ConfigError
     from megatron_ds.pipe.trace import TracedDualPipeVEngine, Tracer
@@ -99,7 +99,7 @@ def worker(p, opts, out_root):
     import deepspeed
     import torch
     import torch.distributed as dist
-    from megatron_ds.model.timed import TimedCosts
+    from megatron_ds.testing.timed import TimedCosts
 
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.utils.logger.setLevel(logging.ERROR)

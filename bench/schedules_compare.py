@@ -9,9 +9,6 @@ Memory is in micro-batch activations of one 1F1B stage (W keeps half of them).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-
 
 from megatron_ds.schedules.compare import compare_rows, format_table
 

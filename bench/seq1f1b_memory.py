@@ -22,8 +22,6 @@ import argparse
 import os
 import re
 import resource
-import sys
-
 
 import torch
 import torch.multiprocessing as mp

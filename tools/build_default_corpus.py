@@ -5,9 +5,7 @@ Python's pydoc topics and standard-library docstrings, one JSON line per
 document with a "text" key, the same bytes on every run of one Python version.
 The logic lives in megatron_ds/data/default_corpus.py.
 """
-import os
 import sys
-
 
 from megatron_ds.data.default_corpus import main
 

@@ -3,9 +3,7 @@
 
 The logic lives in megatron_ds/data/preprocessing/pipeline.py; run with --help for the flags.
 """
-import os
 import sys
-
 
 from megatron_ds.data.preprocessing.pipeline import main
 

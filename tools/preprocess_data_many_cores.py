@@ -3,9 +3,7 @@
 
 The logic lives in megatron_ds/data/preprocessing/many_cores.py; run with --help for the flags.
 """
-import os
 import sys
-
 
 from megatron_ds.data.preprocessing.many_cores import main
 

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from megatron_ds.schedules import CATALOG, Schedule, ScheduleError, build_schedule, simulate

@@ -18,7 +18,7 @@ import socket
 import subprocess
 
 
-def _free_port():
+def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -55,7 +55,7 @@ def set_launcher_env(local_rank_flag=None, env=None):
     if "RANK" not in env:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         env.setdefault("MASTER_ADDR", "127.0.0.1")
-        env.setdefault("MASTER_PORT", str(_free_port()))
+        env.setdefault("MASTER_PORT", str(free_port()))
     if "LOCAL_RANK" not in env:
         env["LOCAL_RANK"] = str(local_rank_flag if local_rank_flag is not None else 0)
     env.setdefault("MASTER_ADDR", "127.0.0.1")

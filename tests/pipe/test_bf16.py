@@ -1,7 +1,7 @@
 """bf16 with ZeRO-1: our 1f1b reproduces DeepSpeed's stock engine bit for bit, and the
 zero-bubble V schedule trains to the fp32 reference's losses within bf16 precision."""
 from tests.gpt_harness import engine_rank_runs, reference_run, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 STEPS, GAS = 3, 4
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 STEPS, CLIP = 3, 0.5
 PIPELINES = [{"schedule": "bitpipe"}]

@@ -3,7 +3,7 @@
 import pytest
 
 from tests.gpt_harness import EVAL_STEP, ds_config, micro_batch, optimizer_for, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 GAS, LAYERS = 4, 8
 

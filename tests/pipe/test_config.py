@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 
 def test_defaults_mean_the_stock_engine():

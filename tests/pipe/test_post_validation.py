@@ -12,7 +12,7 @@ import math
 import torch
 
 from tests.gpt_harness import ds_config, layer_key, micro_batch, optimizer_for, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 STEPS, GAS, LR = 4, 4, 0.1
 # Unclipped global grad norms of the 4 steps (lr 0.1 overshoots on step 1): about 1.21, 1.41, 0.94, 0.86 at

@@ -4,7 +4,7 @@ at PP=2, PP=4 and PP=2 x DP=2 with ZeRO-1 (fp32)."""
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 STEPS = 3
 SCHEDULES = [{"schedule": "1f1b"}, {"schedule": "gpipe"}, {"schedule": "interleaved", "virtual_stages": 2},

@@ -7,7 +7,7 @@ import pytest
 from megatron_ds.pipe.plan import segment_lengths
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 STEPS, GAS, SEQ = 3, 4, 64
 # Segment-wise gradients differ from the full sequence's by fp32 summation order (~1e-8); AdamW's

@@ -2,7 +2,7 @@
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, engine_rank_run, reference_run, tiny_config
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 STEPS, GAS = 3, 4
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.multiproc import _free_port
+from megatron_ds.training.initialize import free_port
 from tests.training.corpus import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,7 +30,7 @@ def _srun_like(nproc, cmd, env, cwd, timeout):
     """What `srun --ntasks N python pretrain_gpt.py ...` gives each task: SLURM_* variables only."""
     env = {k: v for k, v in env.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(SLURM_NTASKS=str(nproc), SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.update(SLURM_NTASKS=str(nproc), SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen(cmd, cwd=cwd, env=dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
     outs, rc = [], 0
@@ -65,7 +65,7 @@ def launch(tmp_path, name, *extra, launcher="torchrun", nproc=2, timeout=600, ds
               if isinstance(ds_config, str) else str(ds_config),
               "--metrics-file", str(metrics), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    port = str(_free_port())
+    port = str(free_port())
     if launcher == "srun":
         rc, out = _srun_like(nproc, [sys.executable] + script, env, tmp_path, timeout)
     else:

@@ -10,6 +10,7 @@ from megatron_ds.errors import UserError
 
 from ..indexed_dataset import best_fitting_dtype, make_builder
 from ..tokenizer import build_tokenizer
+from . import PreprocessError
 from .args import check_args, output_prefix_for
 from .encoder import Encoder, encode_in_worker, set_worker_encoder
 from .progress import Progress

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .linear import WeightGradStore, _accumulate
+from megatron_ds.model.linear import WeightGradStore, _accumulate
 
 
 MAX_CARRY = 0.01  # seconds of lateness a sleep may make up for
