@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tests.multiproc import _free_port
+from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOOLS = os.path.join(ROOT, "tools")
@@ -56,7 +56,7 @@ def train(cwd, name, schedule, flags, nproc, timeout=900):
                    "pipeline": {"schedule": schedule, "partition_method": "type:transformer"}}, f)
     metrics = os.path.join(cwd, f"{name}.jsonl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags,
+           "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags,
            "--log-interval", "1", "--deepspeed", "--deepspeed_config", ds_config, "--metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -6,8 +6,8 @@ from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.schedules import CATALOG, Op, Schedule, ScheduleError, ScheduleSpec
 from megatron_ds.schedules import placement
 from megatron_ds.schedules.catalog import ANY
+from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import assert_matches_reference, engine_rank_run, reference_run, tiny_config
-from tests.multiproc import run_ranks
 
 
 def serial(pp, m, virtual_stages):

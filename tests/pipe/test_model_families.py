@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_ds.model import GPTModel, LMHead, gpt_layer_specs
+from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import (assert_matches_reference, engine_rank_run, micro_batch, reference_run,
                                tiny_config)
-from tests.multiproc import run_ranks
 
 STEPS, GAS, LAYERS = 2, 4, 4
 LR = 1e-3  # Seq1F1B's segment-wise gradients differ in summation order; see test_seq1f1b.py

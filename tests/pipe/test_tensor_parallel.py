@@ -4,9 +4,9 @@ first-step gradient and every weight after the steps, gathered over the TP ranks
 global gradient norm, so DeepSpeed's clipping counts each slice once). One launch for every case."""
 import pytest
 
+from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import (assert_matches_reference, capture_grads_before_reduce, ds_config, layer_key,
                                micro_batch, optimizer_for, reference_run, tiny_config)
-from tests.multiproc import run_ranks
 
 PP, TP, STEPS, GAS, LAYERS, LR, CLIP = 2, 2, 2, 4, 4, 1e-3, 0.05
 FAMILIES = {

@@ -16,8 +16,8 @@ import zlib
 
 import pytest
 
+from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.training import manifest
-from tests.multiproc import run_ranks
 from tools import fault_injection as fi
 
 

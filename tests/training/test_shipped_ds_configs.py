@@ -14,8 +14,9 @@ import socket
 
 import pytest
 
+from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.training.arguments import parse_args
-from tests.multiproc import _free_port, run_ranks
+from megatron_ds.training.initialize import free_port
 from tests.training.corpus import write_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def _train_each(argvs, sync_dir):
         path = os.path.join(sync_dir, f"port{i}")
         if os.environ["RANK"] == "0":
             with open(path + ".tmp", "w") as fh:
-                fh.write(str(_free_port()))
+                fh.write(str(free_port()))
             os.replace(path + ".tmp", path)
         deadline = time.monotonic() + 300
         while not os.path.exists(path) and time.monotonic() < deadline:

@@ -4,7 +4,7 @@ import datetime
 import re
 import time
 
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 
 def _absent_peer():

@@ -1,7 +1,7 @@
 """One launch per world size, shared by every multi-rank test of the package (ranks.run_all)."""
 import pytest
 
-from tests.multiproc import run_ranks
+from megatron_ds.testing.launcher import run_ranks
 
 from .ranks import run_all
 
