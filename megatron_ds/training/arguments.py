@@ -168,16 +168,34 @@ def _err(msg):
     raise ArgumentsError(msg)
 
 
+# What parse_args computes from the flags, the launcher's environment and the ds_config. Each is
+# written once, in validate_args or merge_ds_config (the _check_* functions only raise); model_args,
+# fork_flags, observability and initialize add their own.
+DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size", "micro_batch_size",
+           "global_batch_size", "gradient_accumulation_steps", "clip_grad", "zero_stage", "bf16", "fp16",
+           "pipeline_settings", "activation_checkpoint_interval", "ds_config", "rampup_batch_size",
+           "batch_schedule", "train_iters", "train_samples", "lr_decay_steps", "lr_warmup_steps",
+           "save_interval", "loss_curve")
+
+
 def validate_args(args):
-    _validate_model(args)
-    _validate_parallel(args)
-    ds_config = apply_fork_flags(args, read_ds_config(args.deepspeed_config))
-    merge_ds_config(args, ds_config)
+    """Check the flags and derive DERIVED, in the order each needs the ones before."""
+    _check_model(args)
+    _check_parallel(args)
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.data_parallel_size = args.world_size // args.pipeline_model_parallel_size
+    merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
     check_schedule_shape(args)
     check_observability_args(args)
-    _validate_training_length(args)
-    _validate_lr(args)
-    _validate_data_and_io(args)
+    args.rampup_batch_size = _rampup(args)
+    args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)
+    args.train_iters, args.train_samples = _training_length(args)
+    args.lr_decay_steps, args.lr_warmup_steps = _lr_steps(args)
+    _check_data_and_io(args)
+    if args.save and args.save_interval is None:
+        args.save_interval = args.train_iters  # Megatron requires it; saving at the end is what users expect
+    if args.loss_curve is None and args.tensorboard_dir:
+        args.loss_curve = os.path.join(args.tensorboard_dir, "loss_curve.png")
 
 
 def _positive(args, *names):
@@ -187,7 +205,7 @@ def _positive(args, *names):
             _err(f"--{name.replace('_', '-')} must be positive, got {value}")
 
 
-def _validate_model(args):
+def _check_model(args):
     _positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length", "ffn_hidden_size",
               "max_position_embeddings", "micro_batch_size", "global_batch_size", "train_iters",
               "train_samples", "log_interval", "eval_interval", "save_interval", "exit_interval",
@@ -195,9 +213,7 @@ def _validate_model(args):
     if args.hidden_size % args.num_attention_heads:
         _err(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
              f"{args.num_attention_heads}")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.max_position_embeddings < args.seq_length:
+    if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         _err(f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length {args.seq_length}")
     for name in ("hidden_dropout", "attention_dropout"):
         if not 0.0 <= getattr(args, name) < 1.0:
@@ -207,7 +223,7 @@ def _validate_model(args):
     validate_model_args(args)
 
 
-def _validate_parallel(args):
+def _check_parallel(args):
     if args.tensor_model_parallel_size != 1:
         _err(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: only 1 is supported "
              "(pipeline and data parallelism only)")
@@ -218,7 +234,6 @@ def _validate_parallel(args):
     if args.num_layers < pp:
         _err(f"--num-layers {args.num_layers} is smaller than --pipeline-model-parallel-size {pp}: "
              "every pipeline stage needs at least one transformer layer")
-    args.data_parallel_size = args.world_size // pp
 
 
 def read_ds_config(path):
@@ -248,15 +263,31 @@ def _pick(args, flag, flag_value, key, config_value, default):
 
 
 def merge_ds_config(args, ds_config):
-    """Reconcile the flags with the ds_config; fill what is missing. Sets args.ds_config."""
+    """Reconcile the flags with the ds_config: each setting may come from either, given twice it must
+    agree, and the result is written to both (args.X and the dict DeepSpeed gets, args.ds_config)."""
     src = args.deepspeed_config or "(no --deepspeed_config)"
     for key in ("optimizer", "scheduler"):
         if key in ds_config:
             _err(f"ds_config \"{key}\" in {src}: remove it; pretrain_gpt.py builds the optimizer and the "
                  "lr schedule from --optimizer/--lr/--adam-*/--lr-decay-* (Megatron-DeepSpeed convention)")
-    dp = args.data_parallel_size
     cfg = dict(ds_config)
+    args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = _merge_batch(args, cfg, src)
+    args.clip_grad = _merge_clipping(args, cfg)
+    args.zero_stage = _merge_zero(args, cfg)
+    args.bf16, args.fp16 = _merge_precision(args, cfg, src)
+    cfg.setdefault("steps_per_print", DS_DEFAULT_STEPS_PER_PRINT)
+    cfg.setdefault("wall_clock_breakdown", False)
+    try:  # the "pipeline" section (schedule and its keys) is checked by the engine's own rules
+        args.pipeline_settings = pipeline_settings(cfg)
+    except ConfigError as e:
+        _err(f"{src}: {e}")
+    args.activation_checkpoint_interval = args.checkpoint_num_layers if args.checkpoint_activations else 0
+    args.ds_config = cfg
 
+
+def _merge_batch(args, cfg, src):
+    """(micro-batch, global batch, gradient accumulation steps): global = micro x steps x data-parallel."""
+    dp = args.data_parallel_size
     mbs = _pick(args, "--micro-batch-size", args.micro_batch_size, "train_micro_batch_size_per_gpu",
                 cfg.get("train_micro_batch_size_per_gpu"), None)
     if mbs is None:
@@ -277,41 +308,42 @@ def merge_ds_config(args, ds_config):
     if cfg_gas is not None and cfg_gas != gas:
         _err(f"ds_config \"gradient_accumulation_steps\" = {cfg_gas} in {src} disagrees with global batch "
              f"{gbs} / (micro-batch {mbs} x data-parallel {dp}) = {gas}")
-    args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = mbs, gbs, gas
     cfg.update(train_micro_batch_size_per_gpu=mbs, train_batch_size=gbs, gradient_accumulation_steps=gas)
+    return mbs, gbs, gas
 
+
+def _merge_clipping(args, cfg):
     clip = _pick(args, "--clip-grad", args.clip_grad, "gradient_clipping", cfg.get("gradient_clipping"), 1.0)
-    args.clip_grad = cfg["gradient_clipping"] = float(clip)
+    cfg["gradient_clipping"] = float(clip)
+    return float(clip)
 
+
+def _merge_zero(args, cfg):
     zero = dict(cfg.get("zero_optimization") or {})
     stage = _pick(args, "--zero-stage", args.zero_stage, "zero_optimization.stage", zero.get("stage"), 1)
     if stage not in (0, 1):
         _err(f"ZeRO stage {stage} (--zero-stage / ds_config \"zero_optimization.stage\"): DeepSpeed's pipeline "
              "engine supports stages 0 and 1 only")
-    zero["stage"] = args.zero_stage = stage
+    zero["stage"] = stage
     cfg["zero_optimization"] = zero
+    return stage
 
+
+def _merge_precision(args, cfg, src):
+    """(bf16, fp16): a flag turns its ds_config section on; a section turned off refuses the flag."""
+    on = {}
     for name in ("bf16", "fp16"):
         section = dict(cfg.get(name) or {})
         enabled = section.get("enabled")
         if getattr(args, name) and enabled is False:
             _err(f"--{name} disagrees with ds_config \"{name}.enabled\" = false in {src}")
-        on = bool(getattr(args, name) or enabled)
-        setattr(args, name, on)
-        if on or name in cfg:
-            section["enabled"] = on
+        on[name] = bool(getattr(args, name) or enabled)
+        if on[name] or name in cfg:
+            section["enabled"] = on[name]
             cfg[name] = section
-    if args.bf16 and args.fp16:
+    if on["bf16"] and on["fp16"]:
         _err("--bf16 and --fp16 (or ds_config bf16/fp16 both enabled): choose one")
-
-    cfg.setdefault("steps_per_print", DS_DEFAULT_STEPS_PER_PRINT)
-    cfg.setdefault("wall_clock_breakdown", False)
-    try:  # the "pipeline" section (schedule and its keys) is checked by the engine's own rules
-        args.pipeline_settings = pipeline_settings(cfg)
-    except ConfigError as e:
-        _err(f"{src}: {e}")
-    args.activation_checkpoint_interval = args.checkpoint_num_layers if args.checkpoint_activations else 0
-    args.ds_config = cfg
+    return on["bf16"], on["fp16"]
 
 
 def _check_schedule_over_rampup(args, settings, batch_sizes, step):
@@ -325,41 +357,46 @@ def _check_schedule_over_rampup(args, settings, batch_sizes, step):
                  f"which schedule {settings.schedule!r} cannot run: {exc}")
 
 
-def _validate_training_length(args):
+def _rampup(args):
+    """--rampup-batch-size as [START, INCREMENT, SAMPLES] (None without it), checked against the batch."""
     if (args.train_iters is None) == (args.train_samples is None):
         _err("give exactly one of --train-iters and --train-samples")
-    if args.rampup_batch_size is not None:
-        try:
-            start, inc, samples = _int_list(args.rampup_batch_size)
-        except ValueError:
-            _err(f"--rampup-batch-size {' '.join(args.rampup_batch_size)}: three integers START INCREMENT SAMPLES")
-        if args.train_iters is not None:
-            _err("--rampup-batch-size needs sample-based training (--train-samples), as in Megatron")
-        step = args.micro_batch_size * args.data_parallel_size
-        if start <= 0 or inc <= 0 or samples <= 0:
-            _err(f"--rampup-batch-size {start} {inc} {samples}: all three must be positive")
-        if start > args.global_batch_size:
-            _err(f"--rampup-batch-size start {start} exceeds the global batch size {args.global_batch_size}")
-        if (args.global_batch_size - start) % inc:
-            _err(f"--rampup-batch-size: global batch {args.global_batch_size} - start {start} must be a "
-                 f"multiple of the increment {inc}")
-        if start % step or inc % step:
-            _err(f"--rampup-batch-size start {start} and increment {inc} must be multiples of micro-batch "
-                 f"{args.micro_batch_size} x data-parallel {args.data_parallel_size} = {step}")
-        settings = getattr(args, "pipeline_settings", None)
-        if settings is not None and not settings.stock:
-            _check_schedule_over_rampup(args, settings, range(start, args.global_batch_size + 1, inc), step)
-        args.rampup_batch_size = [start, inc, samples]
-    args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)
-    if args.train_samples is not None:
-        args.train_iters = args.batch_schedule.iterations_for(args.train_samples)
-        if args.train_iters < 1:
-            _err(f"--train-samples {args.train_samples} is less than one global batch ({args.global_batch_size})")
-    else:
-        args.train_samples = args.batch_schedule.samples_after(args.train_iters)
+    if args.rampup_batch_size is None:
+        return None
+    try:
+        start, inc, samples = _int_list(args.rampup_batch_size)
+    except ValueError:
+        _err(f"--rampup-batch-size {' '.join(args.rampup_batch_size)}: three integers START INCREMENT SAMPLES")
+    if args.train_iters is not None:
+        _err("--rampup-batch-size needs sample-based training (--train-samples), as in Megatron")
+    step = args.micro_batch_size * args.data_parallel_size
+    if start <= 0 or inc <= 0 or samples <= 0:
+        _err(f"--rampup-batch-size {start} {inc} {samples}: all three must be positive")
+    if start > args.global_batch_size:
+        _err(f"--rampup-batch-size start {start} exceeds the global batch size {args.global_batch_size}")
+    if (args.global_batch_size - start) % inc:
+        _err(f"--rampup-batch-size: global batch {args.global_batch_size} - start {start} must be a "
+             f"multiple of the increment {inc}")
+    if start % step or inc % step:
+        _err(f"--rampup-batch-size start {start} and increment {inc} must be multiples of micro-batch "
+             f"{args.micro_batch_size} x data-parallel {args.data_parallel_size} = {step}")
+    if not args.pipeline_settings.stock:
+        _check_schedule_over_rampup(args, args.pipeline_settings, range(start, args.global_batch_size + 1, inc), step)
+    return [start, inc, samples]
 
 
-def _validate_lr(args):
+def _training_length(args):
+    """(train_iters, train_samples): the one given, and the other from the batch schedule."""
+    if args.train_samples is None:
+        return args.train_iters, args.batch_schedule.samples_after(args.train_iters)
+    iters = args.batch_schedule.iterations_for(args.train_samples)
+    if iters < 1:
+        _err(f"--train-samples {args.train_samples} is less than one global batch ({args.global_batch_size})")
+    return iters, args.train_samples
+
+
+def _lr_steps(args):
+    """(decay, warm-up) of the lr schedule in samples, as Megatron's AnnealingLR counts them."""
     if args.lr is None:
         _err("--lr is required")
     if args.lr < 0 or args.min_lr < 0 or args.min_lr > args.lr:
@@ -391,10 +428,10 @@ def _validate_lr(args):
         warmup = args.lr_warmup_samples or args.lr_warmup_iters * gbs
     if args.lr_decay_style != "constant" and warmup >= decay:
         _err(f"lr warm-up ({warmup:g} samples) must end before the decay does ({decay:g} samples)")
-    args.lr_decay_steps, args.lr_warmup_steps = int(decay), int(warmup)
+    return int(decay), int(warmup)
 
 
-def _validate_data_and_io(args):
+def _check_data_and_io(args):
     if not args.data_path:
         _err("--data-path is required (a preprocessed PREFIX, without .bin/.idx)")
     if len(args.data_path) > 1 and len(args.data_path) % 2:
@@ -419,10 +456,6 @@ def _validate_data_and_io(args):
     for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):
         if path and not os.path.isfile(path):
             _err(f"{flag} {path}: file not found")
-    if args.save and args.save_interval is None:
-        args.save_interval = args.train_iters  # Megatron requires it; saving at the end is what users expect
-    if args.loss_curve is None and args.tensorboard_dir:
-        args.loss_curve = os.path.join(args.tensorboard_dir, "loss_curve.png")
 
 
 def print_args(args, write=print):

@@ -129,3 +129,13 @@ def test_rampup_refuses_a_micro_batch_count_the_schedule_cannot_run(tmp_path):
         _rampup(tmp_path, "bitpipe", 4, 2)  # 6 micro-batches: not a multiple of pp=4
     assert "global batch 6 = 6 micro-batches per pipeline" in str(e.value) and "bitpipe" in str(e.value)
     assert _rampup(tmp_path, "bitpipe", 4, 4).rampup_batch_size == [4, 4, 40]
+
+
+def test_every_derived_value_is_computed_once_by_parse_args(tmp_path):
+    from megatron_ds.training.arguments import DERIVED
+    args = parse("--micro-batch-size", "2", "--save", "ckpt", "--tensorboard-dir", "tb",
+                 "--pipeline-model-parallel-size", "2")
+    missing = [name for name in DERIVED if getattr(args, name, None) is None]
+    assert missing == ["rampup_batch_size"], missing  # None: no ramp-up was asked for
+    assert (args.max_position_embeddings, args.save_interval, args.train_samples) == (16, 10, 40)
+    assert args.loss_curve == "tb/loss_curve.png" and (args.lr_decay_steps, args.lr_warmup_steps) == (40, 0)
