@@ -200,14 +200,14 @@ def test_a_key_that_yields_no_or_mostly_empty_documents_is_an_error(tmp_path, to
     texts = corpus_texts()[:20]
     inp = write_jsonl(tmp_path / "c.jsonl", texts, extra={"title": ""})
     run = run_tool(tool, *flags(inp, str(tmp_path / "out"), "--json-keys", "title", "--workers", "2"))
-    assert run.returncode == 1 and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr
     assert f"--input {inp}: --json-keys 'title' yields 0 documents (20 record(s), all empty)" in run.stderr
     (tmp_path / "none.jsonl").write_text("\n")
     run = run_tool(tool, *flags(str(tmp_path / "none.jsonl"), str(tmp_path / "out")))
     assert run.returncode == 1 and "yields 0 documents (the input holds no records)" in run.stderr
     half = write_jsonl(tmp_path / "half.jsonl", [t if i % 2 else "" for i, t in enumerate(texts)])
     run = run_tool(tool, *flags(half, str(tmp_path / "out"), "--workers", "2"))
-    assert run.returncode == 1
+    assert run.returncode == 2
     assert (f"--input {half}: --json-keys 'text' is empty in 11 of 20 records (55% > --max-empty-fraction 0.1)"
             in run.stderr)
     assert [n for n in os.listdir(tmp_path) if n.startswith("out")] == []
