@@ -2,23 +2,19 @@
 """Blending indices (which dataset each blended sample comes from): our numpy build, the same loaded from
 its .npz cache (what every launch after the first does), and megatron-core's C++ helper when importable.
 
-    python bench/blending_indices.py [--sizes 1000000 4000000] [--datasets 3 10 40]
+    python -m bench.blending_indices [--sizes 1000000 4000000] [--datasets 3 10 40]
 
 Weights are drawn once per row (fixed seed). Prints seconds (best of 3) and checks that the arrays equal
 megatron-core's where it is installed (pip install megatron-core; its helpers_cpp may compile on import).
 """
 import argparse
-import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_ds.data.blendable_dataset import cached_blending_indices  # noqa: E402
-from megatron_ds.data.helpers import build_blending_indices  # noqa: E402
+from megatron_ds.data.blendable_dataset import cached_blending_indices
+from megatron_ds.data.helpers import build_blending_indices
 
 
 def mcore_helper():

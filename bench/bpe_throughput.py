@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPT-2 BPE encoding speed, cold cache: our GPT2BPETokenizer vs HF `tokenizers` on the same files.
 
-    python bench/bpe_throughput.py [--mb 2] [--repeat 3]
+    python -m bench.bpe_throughput [--mb 2] [--repeat 3]
 
 Each repeat builds a fresh tokenizer (an empty cache, as in a new preprocessing run) and encodes the
 documents one by one, as tools/preprocess_data.py does; HF also gets encode_batch_fast (Rayon threads
@@ -11,14 +11,10 @@ CPU second (this process, all threads; what does not depend on the machine's loa
 best of --repeat, and checks every id list is equal.
 """
 import argparse
-import os
 import random
-import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_ds.data.tokenizer import GPT2BPETokenizer, default_gpt2_files  # noqa: E402
+from megatron_ds.data.tokenizer import GPT2BPETokenizer, default_gpt2_files
 
 
 def prose(megabytes):

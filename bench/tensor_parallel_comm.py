@@ -14,22 +14,18 @@ b x s x h activation per collective, fp32 here):
 An all-reduce moves about twice an all-gather's bytes per rank (ring: 2(t-1)/t vs (t-1)/t
 of the tensor), so both variants move the same volume. Prints a table; never a timed test.
 
-  python bench/tensor_parallel_comm.py [--tp 2 4] [--batch 2 --seq 16 --hidden 64 --heads 8]
+  python -m bench.tensor_parallel_comm [--tp 2 4] [--batch 2 --seq 16 --hidden 64 --heads 8]
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-from launch import launch  # noqa: E402
-from megatron_ds.model import GPTConfig, TransformerLayer  # noqa: E402
-from megatron_ds.model.tensor_parallel import CommCounter, initialize_model_parallel  # noqa: E402
+from bench.launch import launch
+from megatron_ds.model import GPTConfig, TransformerLayer
+from megatron_ds.model.tensor_parallel import CommCounter, initialize_model_parallel
 
 
 RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (t-1)/t of the full tensor

@@ -3,9 +3,10 @@
 Each failure is one ParallelConfigError naming the flags and the rule broken; the
 training front end turns it into exit code 2 before any process group starts.
 """
+from megatron_ds.errors import UserError
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(UserError, ValueError):
     pass
 
 
