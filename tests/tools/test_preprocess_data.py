@@ -204,7 +204,7 @@ def test_a_key_that_yields_no_or_mostly_empty_documents_is_an_error(tmp_path, to
     assert f"--input {inp}: --json-keys 'title' yields 0 documents (20 record(s), all empty)" in run.stderr
     (tmp_path / "none.jsonl").write_text("\n")
     run = run_tool(tool, *flags(str(tmp_path / "none.jsonl"), str(tmp_path / "out")))
-    assert run.returncode == 1 and "yields 0 documents (the input holds no records)" in run.stderr
+    assert run.returncode == 2 and "yields 0 documents (the input holds no records)" in run.stderr
     half = write_jsonl(tmp_path / "half.jsonl", [t if i % 2 else "" for i, t in enumerate(texts)])
     run = run_tool(tool, *flags(half, str(tmp_path / "out"), "--workers", "2"))
     assert run.returncode == 2
