@@ -19,6 +19,7 @@ from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_
 from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
+from .parallel_args import add_parallel_args, apply_parallel_args
 
 
 class ArgumentsError(ValueError):
@@ -129,7 +130,6 @@ def build_parser():
 
     g = p.add_argument_group("parallelism and DeepSpeed")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -142,6 +142,7 @@ def build_parser():
     add_fork_args(p)
     add_nonfinite_args(p)
     add_observability_args(p)
+    add_parallel_args(p)
     return p
 
 
@@ -203,9 +204,6 @@ def _validate_model(args):
 
 
 def _validate_parallel(args):
-    if args.tensor_model_parallel_size != 1:
-        _err(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: only 1 is supported "
-             "(pipeline and data parallelism only)")
     pp = args.pipeline_model_parallel_size
     if pp < 1 or args.world_size % pp:
         _err(f"--pipeline-model-parallel-size {pp} must divide the world size {args.world_size} "
@@ -213,7 +211,7 @@ def _validate_parallel(args):
     if args.num_layers < pp:
         _err(f"--num-layers {args.num_layers} is smaller than --pipeline-model-parallel-size {pp}: "
              "every pipeline stage needs at least one transformer layer")
-    args.data_parallel_size = args.world_size // pp
+    apply_parallel_args(args)  # TP x PP against the world and the model split; sets data_parallel_size
 
 
 def read_ds_config(path):
@@ -267,7 +265,8 @@ def merge_ds_config(args, ds_config):
     gbs = gbs if gbs is not None else (cfg_gbs if cfg_gbs is not None else mbs * dp)
     if gbs % (mbs * dp):
         _err(f"global batch size {gbs} is not divisible by micro-batch size {mbs} x data-parallel size {dp} "
-             f"(world {args.world_size} / pipeline {args.pipeline_model_parallel_size})")
+             f"(world {args.world_size} / (pipeline {args.pipeline_model_parallel_size} x tensor "
+             f"{args.tensor_model_parallel_size}))")
     gas = gbs // (mbs * dp)
     if cfg_gas is not None and cfg_gas != gas:
         _err(f"ds_config \"gradient_accumulation_steps\" = {cfg_gas} in {src} disagrees with global batch "

@@ -27,7 +27,7 @@ CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "padded_vocab_size") + MODEL_FAMILY_ARGS
-TOPOLOGY_ARGS = ("pipeline_model_parallel_size", "data_parallel_size")
+TOPOLOGY_ARGS = ("pipeline_model_parallel_size", "tensor_model_parallel_size", "data_parallel_size")
 
 
 class CheckpointError(RuntimeError):
@@ -109,7 +109,7 @@ def _check_compatible(args, saved_args, load_dir, load_optimizer):
             if name in saved and saved[name] != getattr(args, name):
                 raise CheckpointError(
                     f"checkpoint {load_dir} was saved with {name}={saved[name]}, this run has {getattr(args, name)}; "
-                    "ZeRO optimizer shards only load into the same pipeline x data-parallel layout "
+                    "ZeRO optimizer shards only load into the same pipeline x tensor x data-parallel layout "
                     "(use --no-load-optim or --finetune to load the weights alone)")
 
 
