@@ -24,6 +24,7 @@ from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_
 from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
+from .parallel_args import add_parallel_args, check_parallel_args
 
 
 class ArgumentsError(UserError, ValueError):
@@ -134,7 +135,6 @@ def build_parser():
 
     g = p.add_argument_group("parallelism and DeepSpeed")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl when CUDA is available, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
@@ -147,6 +147,7 @@ def build_parser():
     add_fork_args(p)
     add_nonfinite_args(p)
     add_observability_args(p)
+    add_parallel_args(p)
     return p
 
 
@@ -183,7 +184,7 @@ def validate_args(args):
     _check_model(args)
     _check_parallel(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    args.data_parallel_size = args.world_size // args.pipeline_model_parallel_size
+    args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
     check_schedule_shape(args)
     check_observability_args(args)
@@ -224,9 +225,6 @@ def _check_model(args):
 
 
 def _check_parallel(args):
-    if args.tensor_model_parallel_size != 1:
-        _err(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: only 1 is supported "
-             "(pipeline and data parallelism only)")
     pp = args.pipeline_model_parallel_size
     if pp < 1 or args.world_size % pp:
         _err(f"--pipeline-model-parallel-size {pp} must divide the world size {args.world_size} "
@@ -234,6 +232,7 @@ def _check_parallel(args):
     if args.num_layers < pp:
         _err(f"--num-layers {args.num_layers} is smaller than --pipeline-model-parallel-size {pp}: "
              "every pipeline stage needs at least one transformer layer")
+    check_parallel_args(args)  # TP x PP against the world and the model split
 
 
 def read_ds_config(path):
@@ -303,7 +302,8 @@ def _merge_batch(args, cfg, src):
     gbs = gbs if gbs is not None else (cfg_gbs if cfg_gbs is not None else mbs * dp)
     if gbs % (mbs * dp):
         _err(f"global batch size {gbs} is not divisible by micro-batch size {mbs} x data-parallel size {dp} "
-             f"(world {args.world_size} / pipeline {args.pipeline_model_parallel_size})")
+             f"(world {args.world_size} / (pipeline {args.pipeline_model_parallel_size} x tensor "
+             f"{args.tensor_model_parallel_size}))")
     gas = gbs // (mbs * dp)
     if cfg_gas is not None and cfg_gas != gas:
         _err(f"ds_config \"gradient_accumulation_steps\" = {cfg_gas} in {src} disagrees with global batch "

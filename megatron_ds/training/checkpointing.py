@@ -115,6 +115,11 @@ def _check_model_shape(args, saved_args, load_dir):
         if name in saved and saved[name] != getattr(args, name, None):
             raise CheckpointError(f"checkpoint {load_dir} has {name}={saved[name]}, this run has "
                                   f"{getattr(args, name, None)}: the models differ")
+    saved_tp, tp = saved.get("tensor_model_parallel_size", 1), args.tensor_model_parallel_size
+    if saved_tp != tp:
+        raise CheckpointError(f"checkpoint {load_dir} was saved with --tensor-model-parallel-size {saved_tp}, this "
+                              f"run has {tp}: its layer files are split {saved_tp} ways, and loading them into "
+                              "another tensor-parallel size is not supported yet")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,9 +32,8 @@ REPLACED = {
     "--seq1f1b-balance-method": '--pipe-sp-strategy (ds_config "pipeline.seq_split_method")',
     "--virtual-pipeline-model-parallel-size": '--num-layers-per-virtual-pipeline-stage N (ds_config "pipeline": '
                                               '{"schedule": "interleaved", "virtual_stages": V})',
-    "--partition-activations": "not offered: it splits activations across tensor-parallel ranks "
-                               "(--tensor-model-parallel-size is 1 here)",
-    "--sequence-parallel": "not offered: it needs tensor parallelism (--tensor-model-parallel-size is 1 here)",
+    "--partition-activations": "not offered: the recomputed layers keep whole activations on every "
+                               "tensor-parallel rank",
     "--train-micro-batch-size-per-gpu": '--micro-batch-size (ds_config "train_micro_batch_size_per_gpu")',
     "--gradient-accumulation-steps": '--global-batch-size (ds_config "gradient_accumulation_steps")',
     "--wandb-project": "not offered: use --tensorboard-dir or --metrics-file",

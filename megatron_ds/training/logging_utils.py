@@ -49,7 +49,8 @@ class Timers:
 
 
 def tflops(args, batch_size, seconds_per_iteration):
-    """Model TFLOPs per GPU/process, BigScience's formula (3 passes, 4 with activation recompute)."""
+    """Model TFLOPs per GPU/process, BigScience's formula (3 passes, 4 with activation recompute).
+    The world is TP x PP x DP processes, so tensor parallelism is divided out too."""
     if seconds_per_iteration <= 0:
         return 0.0
     s, h, L, V = args.seq_length, args.hidden_size, args.num_layers, args.padded_vocab_size

@@ -50,8 +50,10 @@ def build_optimizer(module, args):
 
 
 def model_config(args):
+    import dataclasses
     from .model_args import gpt_config_from_args
-    return gpt_config_from_args(args)
+    return dataclasses.replace(gpt_config_from_args(args), tensor_model_parallel_size=args.tensor_model_parallel_size,
+                               sequence_parallel=args.sequence_parallel)
 
 
 def setup_model_and_optimizer(args):
@@ -266,6 +268,7 @@ class Trainer:
         if is_last_rank() and self.args.loss_curve and self.train_points:
             path = write_loss_curve(self.args.loss_curve, self.train_points, self.valid_points,
                                     title=f"GPT {self.args.num_layers}L/{self.args.hidden_size}H, "
+                                          f"TP={self.args.tensor_model_parallel_size} "
                                           f"PP={self.args.pipeline_model_parallel_size} "
                                           f"DP={self.args.data_parallel_size}")
             print(f"loss curve written to {path}", flush=True)
@@ -278,7 +281,9 @@ def pretrain(args):
     import torch.distributed as dist
     from megatron_ds.data.tokenizer import build_tokenizer
     from .checkpointing import load_checkpoint
+    from megatron_ds.model.tensor_parallel import model_parallel_manual_seed
     from .initialize import initialize_distributed, set_random_seed, set_rng_state
+    from .parallel_args import rank_coordinates
 
     start = time.time()
     # DeepSpeed broadcasts tied weights inside autograd; torch warns once per rank that c10d has no autograd
@@ -287,8 +292,10 @@ def pretrain(args):
     verbose = apply_log_level(args, args.rank)
     rank, _, _ = initialize_distributed(args)
     codecarbon = CodeCarbon(args.codecarbon_dir, args.codecarbon_country_iso_code, args.local_rank)
-    pipeline_rank = rank // args.data_parallel_size  # DeepSpeed's ['pipe', 'data'] topology, data fastest
-    set_random_seed(args.seed, pipeline_rank)
+    pipeline_rank, _, tensor_rank = rank_coordinates(args, rank)
+    seed = set_random_seed(args.seed, pipeline_rank)
+    # dropout inside split regions (heads) draws from a stream per tensor rank
+    model_parallel_manual_seed(seed, tensor_rank, "cuda" if args.distributed_backend == "nccl" else "cpu")
     build_tokenizer(args)  # sets args.padded_vocab_size
     if rank == 0 and verbose:
         print_args(args)
@@ -300,7 +307,9 @@ def pretrain(args):
     timeouts.label_groups(engine.grid)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
-        print(f" > number of parameters on (pipeline stage, rank) ({engine.stage_id}, {rank}): {params}", flush=True)
+        tensor_rank = engine.grid.get_slice_parallel_rank()
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({tensor_rank}, "
+              f"{engine.stage_id}), global rank {rank}: {params}", flush=True)
     loading = time.time()
     state = load_checkpoint(engine, args)
     if args.load:

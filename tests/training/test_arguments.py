@@ -126,9 +126,9 @@ def test_rampup_with_a_named_schedule(tmp_path):
 
 def test_rampup_refuses_a_micro_batch_count_the_schedule_cannot_run(tmp_path):
     with pytest.raises(ArgumentsError) as e:
-        _rampup(tmp_path, "bitpipe", 4, 2)  # 6 micro-batches: not a multiple of pp=4
-    assert "global batch 6 = 6 micro-batches per pipeline" in str(e.value) and "bitpipe" in str(e.value)
-    assert _rampup(tmp_path, "bitpipe", 4, 4).rampup_batch_size == [4, 4, 40]
+        _rampup(tmp_path, "interleaved", 10, 3, virtual_stages=2)  # 13 micro-batches: not 3 equal rounds at pp=4
+    assert "global batch 13 = 13 micro-batches per pipeline" in str(e.value) and "interleaved" in str(e.value)
+    assert _rampup(tmp_path, "interleaved", 4, 4, virtual_stages=2).rampup_batch_size == [4, 4, 40]
 
 
 def test_every_derived_value_is_computed_once_by_parse_args(tmp_path):

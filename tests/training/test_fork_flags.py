@@ -127,9 +127,9 @@ def test_megatron_lm_and_ds_aliases(capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--zero-bubble-v-schedule", "--num-layers", "6"],
      "schedule 'zbv' cuts the model into 4 virtual stages: --num-layers 6 must be a multiple of 4"),
-    (["--enable-bitpipe-schedule", "--global-batch-size", "6"],
-     "bitpipe needs micro_batches to be a multiple of pp"),
-    (["--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "6"],
+    (["--enable-bitpipe-schedule", "--num-layers", "6"],
+     "schedule 'bitpipe' cuts the model into 4 virtual stages: --num-layers 6 must be a multiple of 4"),
+    (["--num-layers-per-virtual-pipeline-stage", "2", "--global-batch-size", "14"],
      "interleaved with virtual_stages=2 needs"),
     (["--pipe-sp-splits", "16", "--pipe-sp-strategy", "uniform_comp"],
      'ds_config "pipeline.seq_splits" = 16 with "seq_split_method": "balanced": seq_length=64 is too short'),

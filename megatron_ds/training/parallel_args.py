@@ -1,0 +1,68 @@
+"""Tensor-parallel flags and the (pipe, data, model) layout of the ranks.
+
+The ranks are laid out as DeepSpeed's PipeModelDataParallelTopology: axes (pipe, data,
+model), model fastest. Rank r is tensor rank r % TP, data rank (r // TP) % DP and
+pipeline stage r // (TP x DP), with DP = world / (PP x TP).
+
+The layout and the model split are checked at parse time (no torch, no process group),
+so a bad combination is one line and exit code 2 before anything starts.
+"""
+import importlib.util
+import os
+
+
+def _checks():
+    """megatron_ds.model.tensor_parallel's pure checks.py, loaded alone: importing it through its package
+    loads torch and DeepSpeed (seconds), which a bad flag should not wait for."""
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model", "tensor_parallel", "checks.py")
+    spec = importlib.util.spec_from_file_location("_megatron_ds_parallel_checks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def add_parallel_args(parser):
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="split heads, MLP and vocabulary over this many ranks (Megatron's tensor parallelism)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="also split the sequence outside attention and MLP (not wired into the pipeline "
+                        "engines yet: refused)")
+
+
+def _ffn_hidden_size(args):
+    """GPTConfig's default, without importing torch: 4h, or for SwiGLU 2/3 of that rounded down to 64."""
+    if args.ffn_hidden_size:
+        return args.ffn_hidden_size
+    if args.swiglu:
+        return max(64, int(4 * args.hidden_size * 2 / 3) // 64 * 64)
+    return 4 * args.hidden_size
+
+
+def check_parallel_args(args):
+    """Check TP x PP against the world and the model split (arguments.py derives data_parallel_size)."""
+    from .arguments import ArgumentsError
+    checks = _checks()
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    # Without --pad-vocab-size-to the tokenizer pads to a multiple of make_vocab_size_divisible_by x TP,
+    # which TP divides by construction; the size itself is known only once the tokenizer is loaded.
+    try:
+        checks.check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
+                              num_attention_heads=args.num_attention_heads, ffn_hidden_size=_ffn_hidden_size(args),
+                              padded_vocab_size=args.pad_vocab_size_to, num_key_value_heads=args.num_key_value_heads,
+                              sequence_parallel=args.sequence_parallel)
+    except checks.ParallelConfigError as e:
+        raise ArgumentsError(str(e)) from None
+    if args.sequence_parallel:
+        raise ArgumentsError("--sequence-parallel is not wired into the pipeline engines yet (the layers support "
+                             "it; the engine must all-reduce the norms' gradients and send sequence shards): "
+                             "leave it out")
+
+
+def rank_coordinates(args, rank):
+    """(pipeline stage, data-parallel rank, tensor-parallel rank) of `rank` in DeepSpeed's topology."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    topo = PipeModelDataParallelTopology(num_pp=args.pipeline_model_parallel_size,
+                                         num_mp=args.tensor_model_parallel_size, num_dp=args.data_parallel_size)
+    coord = topo.get_coord(rank)
+    return coord.pipe, coord.data, coord.model
