@@ -304,7 +304,7 @@ def pretrain(args):
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
     engine, lr_scheduler = setup_model_and_optimizer(args)
-    timeouts.label_groups(engine.grid)
+    timeouts.label_groups(engine.grid, engine.module)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
         tensor_rank = engine.grid.get_slice_parallel_rank()

@@ -45,13 +45,17 @@ class CollectiveError(RuntimeError):
 _state = {"timeout": None, "labels": {}, "inflight": {}, "lock": threading.Lock(), "installed": False}
 
 
-def label_groups(grid):
-    """Name DeepSpeed's groups by their role in error messages (its PipelineParallelGrid)."""
+def label_groups(grid, module=None):
+    """Name DeepSpeed's groups by their role in error messages (its PipelineParallelGrid, and the
+    tied-weight groups of the PipelineModule, e.g. embedding and LM head on the first and last stage)."""
     for attr, label in (("pp_proc_group", "pipeline"), ("dp_proc_group", "data-parallel"),
                         ("slice_proc_group", "model-parallel"), ("ds_model_proc_group", "model")):
         group = getattr(grid, attr, None)
         if group is not None:
             _state["labels"].setdefault(group, label)
+    for comm in (getattr(module, "tied_comms", None) or {}).values():
+        if comm.get("group") is not None:
+            _state["labels"].setdefault(comm["group"], "tied-weight")
 
 
 def _describe_group(group):
