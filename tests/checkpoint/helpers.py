@@ -34,6 +34,27 @@ def tiny_hf_gpt2(path, vocab_size=50257, n_positions=32, with_tokenizer=False, s
     return model
 
 
+def tiny_hf_family(family, path, num_layers=2):
+    """A random LLaMA (GQA: 4 heads, 2 K/V heads, untied, no biases) or BLOOM, hidden 32, every tensor
+    perturbed, saved with save_pretrained."""
+    import transformers
+    torch.manual_seed(0)
+    if family == "llama":  # grouped-query attention, untied head, no biases
+        config = transformers.LlamaConfig(vocab_size=50257, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.BloomConfig(vocab_size=50257, hidden_size=32, n_layer=num_layers, n_head=4,
+                                          bos_token_id=50256, eos_token_id=50256)
+        model = transformers.BloomForCausalLM(config)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make every tensor count
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval().save_pretrained(path)
+    return model
+
+
 def batch_loss(logits, batch):
     """Mean next-token cross-entropy of (b, s+1) token rows, logits from batch[:, :-1]."""
     return float(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))

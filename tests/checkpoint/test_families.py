@@ -6,32 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.checkpoint.helpers import hf_loss, tool
-
-
-def _tiny(family, path):
-    import transformers
-    torch.manual_seed(0)
-    if family == "llama":  # grouped-query attention, untied head, no biases
-        config = transformers.LlamaConfig(vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                          tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.BloomConfig(vocab_size=50257, hidden_size=32, n_layer=2, n_head=4,
-                                          bos_token_id=50256, eos_token_id=50256)
-        model = transformers.BloomForCausalLM(config)
-    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make every tensor count
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.eval().save_pretrained(path)
-    return model
+from tests.checkpoint.helpers import hf_loss, tiny_hf_family, tool
 
 
 @pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bloom", "BloomForCausalLM")])
 def test_family_round_trip_perplexity_and_greedy(tmp_path, family, cls):
     from transformers import AutoModelForCausalLM
-    source = _tiny(family, tmp_path / "hf")
+    source = tiny_hf_family(family, tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
     assert tool("checkpoint/import_hf.py", "--input", tmp_path / "hf", "--output", ckpt, "--seq-length", 32) == 0
     flags = (ckpt / "megatron_ds_args.txt").read_text().split()
