@@ -174,3 +174,16 @@ def assert_matches_reference(results, ref, *, atol=1e-5, check_weights=True):
                 if key in r["weights"]:
                     diff = (r["weights"][key] - w).abs().max().item()
                     assert diff <= atol, f"weight {key} after {len(ref_losses)} steps: max abs diff {diff:.3g}"
+
+
+def assert_schedules_match_reference(world, pp, gas, layers, pipelines, steps=3, timeout=600):
+    """One launch of `world` ranks runs every ds_config pipeline section in `pipelines` on a tiny GPT;
+    each must equal the single-process reference (assert_matches_reference)."""
+    from megatron_ds.testing.launcher import run_ranks
+    ref = reference_run(tiny_config(layers), world // pp, gas, steps)
+    per_rank = run_ranks(world, engine_rank_runs, pp, gas, steps, pipelines, num_layers=layers, timeout=timeout)
+    for i, pipeline in enumerate(pipelines):
+        try:
+            assert_matches_reference([r[i] for r in per_rank], ref)
+        except AssertionError as exc:
+            raise AssertionError(f"{pipeline}: {exc}") from None

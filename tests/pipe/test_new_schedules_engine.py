@@ -6,8 +6,7 @@ m >= 2p, the flexible interleaved/bitpipe cases need m not a multiple of p: they
 own launch where one gas cannot serve both."""
 import pytest
 
-from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
-from tests.multiproc import run_ranks
+from tests.gpt_harness import assert_schedules_match_reference
 
 STEPS = 3
 V_SCHEDULES = [{"schedule": "zbv-half"}, {"schedule": "zbv-min"}]
@@ -23,10 +22,4 @@ DUALPIPEV = [{"schedule": "dualpipev"}]
     (4, 2, 4, 4, DUALPIPEV),
 ], ids=["pp2-m3", "pp2-dualpipev", "pp4-m10", "pp2xdp2-m3", "pp2xdp2-dualpipev"])
 def test_new_schedules_match_reference(world, pp, gas, layers, pipelines):
-    ref = reference_run(tiny_config(layers), world // pp, gas, STEPS)
-    per_rank = run_ranks(world, engine_rank_runs, pp, gas, STEPS, pipelines, num_layers=layers, timeout=900)
-    for i, pipeline in enumerate(pipelines):
-        try:
-            assert_matches_reference([r[i] for r in per_rank], ref)
-        except AssertionError as exc:
-            raise AssertionError(f"{pipeline}: {exc}") from None
+    assert_schedules_match_reference(world, pp, gas, layers, pipelines, STEPS, timeout=900)

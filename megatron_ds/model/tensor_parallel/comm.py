@@ -74,13 +74,17 @@ def all_gather(x, dim, group):
     return out.movedim(0, dim)
 
 
+def _check_splits(x, dim, n):
+    if x.shape[dim] % n:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {n} tensor-parallel ranks")
+
+
 def reduce_scatter(x, dim, group):
     """This rank's piece along dim of the group's sum."""
     n = world_size(group)
     if n == 1:
         return x
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {n} tensor-parallel ranks")
+    _check_splits(x, dim, n)
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
     CommCounter.record("reduce_scatter", x)
@@ -93,6 +97,5 @@ def split(x, dim, group):
     n = world_size(group)
     if n == 1:
         return x
-    if x.shape[dim] % n:
-        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {n} tensor-parallel ranks")
+    _check_splits(x, dim, n)
     return x.chunk(n, dim)[rank(group)].contiguous()
