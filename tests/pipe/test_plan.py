@@ -48,7 +48,8 @@ def test_seq1f1b_segments_cut_tokens_and_messages():
 
 @pytest.mark.parametrize("kwargs, words", [
     (dict(pipeline={"schedule": "zbv"}, zero=0), ["ZeRO stage 1", "is 0"]),
-    (dict(pipeline={"schedule": "bitpipe"}, gas=6), ["bitpipe", "micro_batches=6", "multiple of pp"]),
+    (dict(pipeline={"schedule": "interleaved", "virtual_stages": 2}, gas=9),
+     ["interleaved", "micro_batches=9", "equal rounds"]),
     (dict(pipeline={"schedule": "interleaved", "virtual_stages": 3}), ["--num-layers 8", "multiple of 12"]),
     (dict(pipeline={"schedule": "seq1f1b", "seq_splits": 3, "seq_split_method": "even"}),
      ["seq_splits", "--seq-length 64", "multiple"]),
