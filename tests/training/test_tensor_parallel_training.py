@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.multiproc import _free_port
+from megatron_ds.training.initialize import free_port
 from tests.training.corpus import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +31,7 @@ def _launch(tmp_path, name, nproc, *extra):
               "--vocab-file", vocab, "--merge-file", merges, "--log-interval", "1", "--eval-iters", "0",
               "--metrics-file", str(metrics), "--distributed-backend", "gloo", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(_free_port()), *script]
+           "--master_port", str(free_port()), *script]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
