@@ -295,7 +295,7 @@ def pretrain(args):
     pipeline_rank, _, tensor_rank = rank_coordinates(args, rank)
     seed = set_random_seed(args.seed, pipeline_rank)
     # dropout inside split regions (heads) draws from a stream per tensor rank
-    model_parallel_manual_seed(seed, tensor_rank, "cuda" if args.distributed_backend == "nccl" else "cpu")
+    model_parallel_manual_seed(seed, tensor_rank)
     build_tokenizer(args)  # sets args.padded_vocab_size
     if rank == 0 and verbose:
         print_args(args)

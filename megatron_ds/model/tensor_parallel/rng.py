@@ -1,4 +1,4 @@
-"""Named RNG states for tensor-parallel dropout (Megatron's CudaRNGStatesTracker), on CPU or CUDA.
+"""The RNG streams of tensor-parallel dropout, in DeepSpeed's CudaRNGStatesTracker (CPU or CUDA).
 
 Replicated regions (the residual stream without sequence parallelism) must drop the same
 elements on every tensor-parallel rank, so they draw from the default generator, seeded
@@ -6,77 +6,29 @@ alike on those ranks. Partitioned regions (attention heads, sequence-parallel sh
 must drop different elements, so they draw inside `tracker.fork()` from a state seeded
 per tensor-parallel rank. A fork leaves the default generator where it was.
 """
-from contextlib import contextmanager
-
 import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718  # Megatron's, so seeds match its runs
 
 
-def _get_state(device):
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_state(device, state):
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
-
-
-class RNGStatesTracker:
-
-    def __init__(self):
-        self.states = {}  # name -> (device, state)
-
-    def reset(self):
-        self.states = {}
-
-    def add(self, name, seed, device="cpu"):
-        if name in self.states:
-            raise ValueError(f"RNG state {name} already exists")
-        device = torch.device(device)
-        self.states[name] = (device, torch.Generator(device).manual_seed(seed).get_state())
-
-    def get_states(self):
-        """A copy to restore with set_states (activation recomputation replays the same masks)."""
-        return {name: (device, state.clone()) for name, (device, state) in self.states.items()}
-
-    def set_states(self, states):
-        self.states = {name: (device, state.clone()) for name, (device, state) in states.items()}
-
-    @contextmanager
-    def fork(self, name=MODEL_PARALLEL_RNG):
-        if name not in self.states:
-            raise ValueError(f"RNG state {name} is not added (call model_parallel_manual_seed first)")
-        device, state = self.states[name]
-        saved = _get_state(device)
-        _set_state(device, state)
-        try:
-            yield
-        finally:
-            self.states[name] = (device, _get_state(device))
-            _set_state(device, saved)
-
-
-_TRACKER = RNGStatesTracker()
-
-
 def get_rng_tracker():
-    return _TRACKER
+    """DeepSpeed's tracker (its accelerator's generator: CPU here, CUDA on GPUs), because DeepSpeed's
+    activation checkpointing saves and restores exactly that one: a recomputed layer replays the masks
+    of its forward."""
+    return get_cuda_rng_tracker()
 
 
-def model_parallel_manual_seed(seed, tensor_parallel_rank, device="cpu"):
-    """Default generator: `seed` (alike on a tensor-parallel group); the tracker's model-parallel
+def model_parallel_manual_seed(seed, tensor_parallel_rank):
+    """Default generators: `seed` (alike on a tensor-parallel group); the tracker's model-parallel
     state: seed + 2718 + tensor-parallel rank (distinct within the group)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(seed)
-    else:
-        torch.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tensor_parallel_rank, device)
+    torch.manual_seed(seed)
+    get_accelerator().manual_seed(seed)
+    tracker = get_rng_tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tensor_parallel_rank)
 
 
 def partitioned_dropout(x, p, training):
@@ -84,7 +36,7 @@ def partitioned_dropout(x, p, training):
     own mask, from the tracker's model-parallel state."""
     if not training or p == 0.0:
         return x
-    with _TRACKER.fork():
+    with get_rng_tracker().fork(MODEL_PARALLEL_RNG):
         return torch.nn.functional.dropout(x, p, training=True)
 
 
