@@ -2,7 +2,8 @@
 
 Each schedule runs in its own launch (fresh processes, so the memory figures are its own):
 p ranks, ZeRO-1, AdamW, fp32, random tokens; --rounds launches per schedule, every other
-round in reverse order. iteration = median wall time of train_batch on rank 0 (after a
+round in reverse order; with --tp, every engine at each tensor-parallel size (pp x tp ranks,
+data parallel 1). iteration = median wall time of train_batch on rank 0 (after a
 barrier) in the best launch (the least disturbed by other work on the machine);
 tokens/s = m * micro-batch * sequence * dp / iteration;
 peak RSS = the process's high-water mark (ru_maxrss) per rank; train = the highest RSS
@@ -15,6 +16,7 @@ devices. The timed-layer bench (bench/schedules.py) measures the schedules thems
 
     python -m bench.gpt_cpu                          # p=4, all schedules, about 30 minutes
     python -m bench.gpt_cpu --engines zbv 1f1b --iterations 3
+    python -m bench.gpt_cpu --pp 2 --tp 1 2 --engines zbv   # iteration time at TP=1 and TP=2
 """
 from __future__ import annotations
 
@@ -71,13 +73,16 @@ def build(name, opts):
     from megatron_ds.schedules import ScheduleError
 
     config = GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
-                       num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"])
+                       num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"],
+                       tensor_model_parallel_size=opts["tp"])
     ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
     if ENGINES[name]:
         ds_config["pipeline"] = dict(ENGINES[name])
     if name == DUALPIPEV:
+        if opts["tp"] > 1:
+            return config, "DeepSpeed's DualPipeV takes no tensor parallelism here"
         module = DualPipeVModule(layers=gpt_layer_specs(config), loss_fn=gpt_loss, topology=topology(opts["pp"]),
                                  partition_method="type:transformer")
         engine, _, _, _ = deepspeed.initialize(model=module, config=ds_config, model_parameters=module.parameters())
@@ -128,6 +133,19 @@ def worker(name, opts):
     return {"times": times, "losses": losses, "init_s": init_s, "memory": every, "dp": engine.dp_world_size}
 
 
+def run_table(args, opts):
+    """{(engine, tp): [launch result]}: every engine at every TP size, every other round reversed."""
+    cells = [(name, tp) for tp in args.tp for name in args.engines]
+    runs = {cell: [] for cell in cells}
+    for rnd in range(args.rounds):  # every other round in reverse order, so drifting load hits all alike
+        for name, tp in (cells if rnd % 2 == 0 else cells[::-1]):
+            if runs[name, tp] and "na" in runs[name, tp][0]:
+                continue
+            print(f"round {rnd + 1}: {name} TP={tp} ...", file=sys.stderr, flush=True)
+            runs[name, tp].append(launch(args.pp * tp, worker, name, {**opts, "tp": tp}, timeout=1800))
+    return runs
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=4)
@@ -140,6 +158,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1],
+                    help="tensor-parallel sizes: each engine runs at each, on pp x tp processes")
     ap.add_argument("--rounds", type=int, default=2, help="launches per schedule; the best one counts")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="NAME",
                     help=f"subset of: {', '.join(ENGINES)}")
@@ -151,38 +171,37 @@ def main(argv=None):
     load = os.getloadavg()
     cores = os.cpu_count()
     print(f"# bench/gpt_cpu.py: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
-          f"vocab {args.vocab}; p={args.pp}, m={args.gas}, micro-batch {args.mbs}; ZeRO-1 AdamW fp32; "
+          f"vocab {args.vocab}; p={args.pp}, TP={'/'.join(map(str, args.tp))}, m={args.gas}, micro-batch {args.mbs}; "
+          f"ZeRO-1 AdamW fp32; "
           f"median of {args.iterations} iterations after {args.warmup} warm-up, best of {args.rounds} launches")
-    print(f"# {args.pp} processes on {cores} CPU cores" + (" (oversubscribed: ranks compete for cores)"
-                                                           if args.pp > cores else "")
+    procs = args.pp * max(args.tp)
+    print(f"# up to {procs} processes on {cores} CPU cores" + (" (oversubscribed: ranks compete for cores)"
+                                                               if procs > cores else "")
           + f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
-    runs = {name: [] for name in args.engines}
-    for rnd in range(args.rounds):  # every other round in reverse order, so drifting load hits all alike
-        for name in (args.engines if rnd % 2 == 0 else args.engines[::-1]):
-            if runs[name] and "na" in runs[name][0]:
-                continue
-            print(f"round {rnd + 1}: {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(launch(args.pp, worker, name, opts, timeout=1800))
+    runs = run_table(args, opts)
     # A launch's figure is its median iteration; the best launch is the one least disturbed from outside.
-    best = {name: min(statistics.median(r["times"]) for r in rs) for name, rs in runs.items() if "na" not in rs[0]}
+    best = {cell: min(statistics.median(r["times"]) for r in rs) for cell, rs in runs.items() if "na" not in rs[0]}
     mb = 1024 * 1024
-    print("\n| schedule | iteration (s) | per launch (s) | tokens/s | tokens/s vs DS 1F1B | peak RSS per rank (MB) | "
-          "train RSS per rank (MB) | loss |")
-    print("|---|---:|---|---:|---:|---|---|---:|")
-    for name, rs in runs.items():
+    print("\n| schedule | TP | iteration (s) | per launch (s) | tokens/s | tokens/s vs DS 1F1B | speed vs TP=1 | "
+          "peak RSS per rank (MB) | train RSS per rank (MB) | loss |")
+    print("|---|---:|---:|---|---:|---:|---:|---|---|---:|")
+    for (name, tp), rs in runs.items():
         if "na" in rs[0]:
-            print(f"| {name} | n/a: {rs[0]['na']} | | | | | | |")
+            print(f"| {name} | {tp} | n/a: {rs[0]['na']} | | | | | | | |")
             continue
-        it = best[name]
+        it = best[name, tp]
+        vs_tp1 = f"{best[name, 1] / it:.3f}" if (name, 1) in best else ""
         tokens = args.gas * args.mbs * args.seq * rs[0]["dp"]
         ranks = range(len(rs[0]["memory"]))
         peak = " ".join(f"{max(r['memory'][k]['peak'] for r in rs) / mb:.0f}" for k in ranks)
         train = " ".join(f"{max(r['memory'][k]['train'] for r in rs) / mb:.0f}" for k in ranks)
         launches = " ".join(f"{statistics.median(r['times']):.2f}" for r in rs)
-        print(f"| {name} | {it:.3f} | {launches} | {tokens / it:.0f} | {best[STOCK] / it:.3f} | {peak} | {train} | "
+        print(f"| {name} | {tp} | {it:.3f} | {launches} | {tokens / it:.0f} | {best[STOCK, tp] / it:.3f} | {vs_tp1} | "
+              f"{peak} | {train} | "
               f"{rs[0]['losses'][-1]:.4f} |")
     load = os.getloadavg()
-    print(f"\n# tokens/s vs DS 1F1B = this tokens/s / DS 1F1B tokens/s; memory: the highest over launches; load average "
+    print(f"\n# tokens/s vs DS 1F1B = this tokens/s / DS 1F1B tokens/s (same TP); speed vs TP=1 = the schedule's "
+          f"iteration at TP=1 / this one; memory: the highest over launches; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
     return 0
 
