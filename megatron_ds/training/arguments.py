@@ -25,6 +25,7 @@ from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .parallel_args import add_parallel_args, check_parallel_args
+from .universal import add_universal_args, apply_universal
 
 
 class ArgumentsError(UserError, ValueError):
@@ -148,6 +149,7 @@ def build_parser():
     add_nonfinite_args(p)
     add_observability_args(p)
     add_parallel_args(p)
+    add_universal_args(p)
     return p
 
 
@@ -186,6 +188,7 @@ def validate_args(args):
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
+    apply_universal(args, args.ds_config, _err)
     check_schedule_shape(args)
     check_observability_args(args)
     args.rampup_batch_size = _rampup(args)

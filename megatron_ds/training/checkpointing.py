@@ -21,11 +21,16 @@ layout; the lr schedule, DeepSpeed's step counters and the data position load
 unless --finetune; the optimizer state loads as DeepSpeed saved it under the same
 layout, and is re-cut parameter by parameter (zero_relayout.py) under another
 schedule, pipeline or data-parallel size, so a resumed run continues the same
-training whatever layout it resumes under.
+training whatever layout it resumes under. Another tensor-parallel size goes through
+DeepSpeed's universal checkpoint (universal.py): every checkpoint carries the
+`universal_checkpoint_info` its converter needs, and a run with --universal-checkpoint
+loads the converted folder (SAVE/latest_universal) under any TP x PP x DP.
 """
 import argparse
 import dataclasses
 import os
+
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.errors import UserError
@@ -34,6 +39,7 @@ from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
+from .universal import LATEST as LATEST_UNIVERSAL, conversion_command
 from .zero_relayout import RelayoutError, restore_by_name
 
 CHECKPOINT_VERSION = 3.0
@@ -79,6 +85,7 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size},
         "rng_state": get_rng_state(),
         LAYOUT_KEY: pipeline_layout(engine),  # DeepSpeed's stock engine records none of its own
+        UNIVERSAL_CHECKPOINT_INFO: universal_info(args),
     }
     tag = tag_for(iteration)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
@@ -91,8 +98,15 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
 
 
-def read_latest_tag(load_dir):
-    path = os.path.join(load_dir, "latest")
+def universal_info(args):
+    """What DeepSpeed's ds_to_universal needs to know of the model (Megatron-DeepSpeed's client state key)."""
+    from megatron_ds.model.universal_info import universal_checkpoint_info
+    from .loop import model_config
+    return universal_checkpoint_info(model_config(args), args.padded_vocab_size)
+
+
+def read_latest_tag(load_dir, universal=False):
+    path = os.path.join(load_dir, LATEST_UNIVERSAL if universal else "latest")
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -109,34 +123,59 @@ def read_saved_state(load_dir, tag):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _check_model_shape(args, saved_args, load_dir):
+def _check_model_shape(args, saved_args, load_dir, universal):
+    """The same model; under --universal-checkpoint the vocabulary may be padded further (the padding
+    follows the TP size), as DeepSpeed's loader adds zero rows."""
     saved = vars(saved_args) if saved_args is not None else {}
     for name in MODEL_ARGS:
-        if name in saved and saved[name] != getattr(args, name, None):
-            raise CheckpointError(f"checkpoint {load_dir} has {name}={saved[name]}, this run has "
-                                  f"{getattr(args, name, None)}: the models differ")
-    saved_tp, tp = saved.get("tensor_model_parallel_size", 1), args.tensor_model_parallel_size
-    if saved_tp != tp:
-        raise CheckpointError(f"checkpoint {load_dir} was saved with --tensor-model-parallel-size {saved_tp}, this "
-                              f"run has {tp}: its layer files are split {saved_tp} ways, and loading them into "
-                              "another tensor-parallel size is not supported yet")
+        if name not in saved or saved[name] == getattr(args, name, None):
+            continue
+        if name == "padded_vocab_size" and universal and args.padded_vocab_size > saved[name]:
+            continue
+        raise CheckpointError(f"checkpoint {load_dir} has {name}={saved[name]}, this run has "
+                              f"{getattr(args, name, None)}: the models differ"
+                              + ("; keep the vocabulary padding (--pad-vocab-size-to)"
+                                 if name == "padded_vocab_size" else ""))
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadPlan:
     """What of a checkpoint loads into this run.
 
-    weights: always (layer files are named by global layer index, so any layout loads them);
+    weights: always (layer files are named by global layer index, so any pipeline layout loads
+    them; universal: from the whole parameters, any TP x PP x DP);
     optimizer: "deepspeed" (the saved ZeRO shards, same layout only), "by_name" (re-cut from
-    the shards of every saved rank, any layout) or None (fresh); lr_scheduler and progress
-    (the iteration, the consumed samples and DeepSpeed's step counters) go together.
+    the shards of every saved rank, same TP size), "universal" (DeepSpeed cuts the whole
+    parameters' state, any layout) or None (fresh); lr_scheduler and progress (the iteration,
+    the consumed samples and DeepSpeed's step counters) go together; rng: the saved RNG states
+    (python, numpy, torch and the TP tracker's) are this rank's own.
     """
     optimizer: str | None
     progress: bool
     reason: str
+    universal: bool = False
+    rng: bool = True
 
 
-def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage):
+def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, universal=False, checkpoint=None):
+    """`saved_layout`/`layout`: pipeline_layout's dict plus "tp"; `checkpoint` (the step folder) names
+    the conversion command in a refusal."""
+    saved_tp, tp = saved_layout.get("tp", 1), layout.get("tp", 1)
+    if universal:
+        if zero_stage != 1:
+            raise CheckpointError(f"--universal-checkpoint loads into ZeRO stage 1 (DeepSpeed's universal loader "
+                                  f"for the pipeline engine); this run has ZeRO stage {zero_stage}")
+        what = "weights only" if finetune else "weights, lr schedule and iteration" if no_load_optim \
+            else "everything"
+        return LoadPlan(None if finetune or no_load_optim else "universal", not finetune,
+                        f"universal checkpoint, layout {saved_layout} -> {layout}: {what}", universal=True,
+                        rng=saved_layout == layout)
+    if saved_tp != tp:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} was saved with --tensor-model-parallel-size {saved_tp}, this run has {tp}: "
+            f"its layer and optimizer files are split {saved_tp} ways. Convert it to a universal checkpoint "
+            f"({conversion_command(*os.path.split(checkpoint or 'SAVE/global_stepN'))}) and resume with "
+            "--universal-checkpoint")
     if finetune:
         return LoadPlan(None, False, "--finetune: weights only, training starts at iteration 0")
     if no_load_optim:
@@ -147,7 +186,8 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage):
         raise CheckpointError(
             f"the checkpoint's pipeline layout {saved_layout} differs from this run's {layout}: its optimizer "
             f"state can be re-cut only from ZeRO-1 shards (this run has ZeRO stage {zero_stage}); pass "
-            "--no-load-optim to continue with a fresh optimizer, or --finetune to load the weights alone")
+            "--no-load-optim to continue with a fresh optimizer, or --finetune to load the weights alone, or "
+            "convert it to a universal checkpoint and resume with --universal-checkpoint")
     return LoadPlan("by_name", True, f"pipeline layout {saved_layout} -> {layout}: everything, the optimizer "
                                      "state re-cut parameter by parameter")
 
@@ -160,7 +200,8 @@ def load_checkpoint(engine, args):
     state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0, "rng_state": None}
     if not args.load:
         return state
-    tag = read_latest_tag(args.load)
+    universal = engine.load_universal_checkpoint()
+    tag = read_latest_tag(args.load, universal)
     if tag is None:
         print_rank_0(f"Unable to find latest file at {os.path.join(args.load, 'latest')}, "
                      "will not load any checkpoint and will start from random")
@@ -168,16 +209,20 @@ def load_checkpoint(engine, args):
     load_optimizer = not (args.no_load_optim or args.finetune)  # the ZeRO shards are read either way below
     verify_manifest(os.path.join(args.load, tag), skip=lambda rel: not load_optimizer and "optim_states" in rel)
     saved = read_saved_state(args.load, tag)
-    _check_model_shape(args, saved.get("args"), args.load)
-    plan = plan_load(saved_layout(saved), pipeline_layout(engine), finetune=args.finetune,
-                     no_load_optim=args.no_load_optim, zero_stage=engine.zero_optimization_stage())
+    _check_model_shape(args, saved.get("args"), args.load, universal)
+    saved_tp = getattr(saved.get("args"), "tensor_model_parallel_size", 1)
+    plan = plan_load({**saved_layout(saved), "tp": saved_tp},
+                     {**pipeline_layout(engine), "tp": args.tensor_model_parallel_size},
+                     finetune=args.finetune, no_load_optim=args.no_load_optim,
+                     zero_stage=engine.zero_optimization_stage(), universal=universal,
+                     checkpoint=os.path.join(args.load, tag))
     print_rank_0(f"loading checkpoint {tag} from {args.load}: {plan.reason}")
     client_state = restore(engine, args.load, tag, plan)
     if plan.progress:
         state["iteration"] = int(saved.get("iteration", 0))
         state["consumed_train_samples"] = int(saved.get("consumed_train_samples", 0))
         state["consumed_valid_samples"] = int(saved.get("consumed_valid_samples", 0))
-        if not args.no_load_rng:
+        if not args.no_load_rng and plan.rng:
             state["rng_state"] = client_state.get("rng_state")  # this pipeline stage's own file
     print_rank_0(f"  successfully loaded checkpoint from {args.load} at iteration {state['iteration']}")
     return state
@@ -186,13 +231,21 @@ def load_checkpoint(engine, args):
 def restore(engine, load_dir, tag, plan):
     """Load `tag` into the engine as `plan` says; returns this stage's client state."""
     load_path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=plan.optimizer == "deepspeed",
+        load_dir, tag=tag, load_optimizer_states=plan.optimizer in ("deepspeed", "universal"),
         load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {tag} from {load_dir}")
+    if plan.universal and plan.optimizer is None:
+        fresh_optimizer(engine.optimizer)
     if plan.optimizer == "by_name":
         try:
             restore_by_name(engine.optimizer, os.path.join(load_dir, tag))
         except RelayoutError as e:
             raise CheckpointError(f"checkpoint {load_dir}/{tag}: {e}") from e
     return client_state or {}
+
+
+def fresh_optimizer(zero):
+    """Forget the optimizer state DeepSpeed's universal loader restores with the weights (it always does)."""
+    zero.optimizer.state.clear()
+    zero._hp_optimizer_states_linked = False

@@ -127,10 +127,13 @@ def set_random_seed(seed, pipeline_rank=0):
 
 
 def get_rng_state():
+    """python, numpy, torch (and cuda) and the tensor-parallel tracker's states (Megatron's
+    rng_tracker_states: dropout in split regions draws from it)."""
     import numpy as np
     import torch
+    from megatron_ds.model.tensor_parallel import get_rng_tracker
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state()}
+             "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": get_rng_tracker().get_states()}
     if torch.cuda.is_available():
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
@@ -144,3 +147,6 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch_rng_state"])
     if "cuda_rng_state" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
+    if state.get("rng_tracker_states"):  # absent in checkpoints saved before it was
+        from megatron_ds.model.tensor_parallel import get_rng_tracker
+        get_rng_tracker().set_states(state["rng_tracker_states"])

@@ -1,0 +1,94 @@
+"""How each parameter of the GPT pipeline is split over tensor-parallel ranks, in the terms of
+DeepSpeed's universal checkpoint (deepspeed/checkpoint/constants.py, ds_to_universal.py).
+
+Written into every checkpoint's model states (`universal_checkpoint_info`, as
+Megatron-DeepSpeed does); ds_to_universal reads it to merge the TP slices of each parameter
+(fp32 master, exp_avg, exp_avg_sq) into the whole tensor, and DeepSpeed's ZeRO-1 loader
+(universal_checkpoint.load_hp_checkpoint_state) cuts it again for the TP size that loads it.
+The patterns are regexes over the PipelineModule's parameter names, whose first part is the
+global layer index (gpt.py): 0 embedding, 1..L transformer layers, L+1 final norm, L+2 the
+untied LM head; a tied head shares "tied_modules.embed.*" with the embedding.
+
+- replicated: the same on every TP rank (norms, learned positions, row-parallel biases);
+- row-parallel: split along the input dimension (c_proj weights);
+- QKV: [q; k; v] with grouped K/V heads, each rank holding its slice of each section
+  (layers.shard with sections), so its own widths per section (SUB_PARAM_SHARD_WIDTHS);
+- SwiGLU's c_fc: [gate; up], each rank its slice of both (two sub-params, cat dim 0);
+- vocabulary: the word embedding and the LM head. The whole padded vocabulary is kept
+  (ORIGINAL_VOCAB_SIZE = the saved padded size): the padding rows are trained parameters
+  that enter the softmax, so dropping them would change the model. A run that loads it
+  with a larger padding gets zero rows added (DeepSpeed's loader); a smaller one is refused.
+"""
+import re
+
+from deepspeed.checkpoint import constants as C
+
+LAYER = r"\d+"
+
+
+def parameter_names(config):
+    """{global parameter name: (kind, sub-param sizes or None)} of the whole model, TP-independent."""
+    L, bias = config.num_layers, config.add_bias_linear
+    norm = ["weight"] if config.normalization == "rmsnorm" else ["weight", "bias"]
+    embed = "tied_modules.embed" if config.tied_head else "0"
+    names = {f"{embed}.wte.weight": ("vocab", None)}
+    if config.position_embedding_type == "learned_absolute":
+        names[f"{embed}.wpe.weight"] = ("replicated", None)
+    if config.embed_layernorm:
+        names.update({f"{embed}.ln_emb.{p}": ("replicated", None) for p in norm})
+    q = config.hidden_size
+    kv = (config.num_key_value_heads or config.num_attention_heads) * config.head_dim
+    ffn = config.ffn_hidden_size
+    layer = {f"ln_{i}.{p}": ("replicated", None) for i in (1, 2) for p in norm}
+    layer.update({"attn.c_attn.weight": ("qkv", (q, kv, kv)), "attn.c_proj.weight": ("row", None),
+                  "mlp.c_fc.weight": ("swiglu", None) if config.swiglu else ("column", None),
+                  "mlp.c_proj.weight": ("row", None)})
+    if bias:
+        layer.update({"attn.c_attn.bias": ("qkv", (q, kv, kv)), "attn.c_proj.bias": ("replicated", None),
+                      "mlp.c_fc.bias": ("swiglu", None) if config.swiglu else ("column", None),
+                      "mlp.c_proj.bias": ("replicated", None)})
+    for i in range(1, L + 1):
+        names.update({f"{i}.{n}": kind for n, kind in layer.items()})
+    names.update({f"{L + 1}.{p}": ("replicated", None) for p in norm})
+    if not config.tied_head:
+        names[f"{L + 2}.weight"] = ("vocab", None)
+    return names
+
+
+def _pattern(name):
+    """A transformer layer's parameter: any layer index; the others: their exact name."""
+    head, _, rest = name.partition(".")
+    if rest.startswith(("ln_1", "ln_2", "attn.", "mlp.")):
+        return rf"^{LAYER}\.{re.escape(rest)}$"
+    return rf"^{re.escape(name)}$"
+
+
+def universal_checkpoint_info(config, padded_vocab_size):
+    """The UNIVERSAL_CHECKPOINT_INFO dict for a model of `config` (its tensor_model_parallel_size
+    is the TP size the checkpoint is saved with)."""
+    tp = config.tensor_model_parallel_size
+    kinds = {}
+    sub_params = {}
+    for name, (kind, sections) in parameter_names(config).items():
+        pattern = _pattern(name)
+        kinds.setdefault(kind, [])
+        if pattern not in kinds[kind]:
+            kinds[kind].append(pattern)
+        if sections:
+            sub_params[pattern] = sections
+    info = {
+        C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        C.ORIGINAL_VOCAB_SIZE: padded_vocab_size,
+        C.PADDED_VOCAB_SIZE: padded_vocab_size,
+        C.VOCABULARY_PARAMETER_PATTERNS: kinds.get("vocab", []),
+        C.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [p for p in kinds.get("vocab", []) if "tied_modules" in p],
+        C.TP_REPLICATED_PARAMETER_PATTERNS: kinds.get("replicated", []),
+        C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: kinds.get("row", []),
+        C.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: kinds.get("swiglu", []),
+        C.PARAMETER_WITH_SUB_PARAMS: [
+            {"patterns": [pattern], "shape": (tuple(sections), -1) if pattern.endswith(r"weight$") else
+             (tuple(sections),), "partition_dim": 0} for pattern, sections in sub_params.items()],
+        C.SUB_PARAM_SHARD_WIDTHS: {pattern: [[s // tp] * tp for s in sections]
+                                   for pattern, sections in sub_params.items()},
+    }
+    return info
