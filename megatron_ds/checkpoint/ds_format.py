@@ -6,9 +6,13 @@ state dict (one file per layer whatever the schedule, pipeline size, data-parall
 size or BitPipe replica count: data-parallel rank 0 of replica 0 writes it), and
 SAVE/TAG/mp_rank_00_model_states.pt holds DeepSpeed's state and our client state
 (the run's arguments), SAVE/TAG/manifest.json every file's size and CRC-32 (checked
-before reading). Optimizer shards are not read or written here.
+before reading). Optimizer shards are not read or written here. With tensor parallelism
+each layer has one file per TP rank, layer_XX-model_YY-model_states.pt, which are merged
+here into the whole (TP size 1) tensors by the split model/universal_info.py declares.
 """
+import glob
 import os
+import re
 from collections import OrderedDict
 
 from . import ToolError
@@ -18,6 +22,41 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 
 def layer_file(idx):
     return f"layer_{idx:02d}-model_states.pt"
+
+
+def tp_layer_files(tag_dir, idx):
+    """[layer_XX-model_YY-model_states.pt paths in TP rank order] (empty without tensor parallelism)."""
+    pattern = re.compile(rf"layer_{idx:02d}-model_(\d+)-model_states\.pt$")
+    found = {}
+    for path in glob.glob(os.path.join(tag_dir, f"layer_{idx:02d}-model_*-model_states.pt")):
+        m = pattern.search(os.path.basename(path))
+        if m:
+            found[int(m.group(1))] = path
+    if found and sorted(found) != list(range(len(found))):
+        raise ToolError(f"{tag_dir}: layer {idx} has the files of tensor-parallel ranks {sorted(found)}, "
+                        f"not 0..{len(found) - 1}")
+    return [found[r] for r in range(len(found))]
+
+
+def merge_tp(pieces, kind, sections):
+    """The whole tensor from every TP rank's slice, as the parallel layers cut it."""
+    import torch
+    from megatron_ds.model.tensor_parallel.layers import unshard
+    if kind == "replicated":
+        return pieces[0]
+    if kind == "row":
+        return torch.cat(pieces, 1)
+    return unshard(pieces, 0, list(sections) if sections else None)  # column, vocab, qkv, swiglu
+
+
+def _read_layer(tag_dir, idx, splits):
+    """{local name: tensor} of global layer idx: its file, or its TP ranks' files merged."""
+    paths = tp_layer_files(tag_dir, idx)
+    if not paths:
+        return _load(os.path.join(tag_dir, layer_file(idx)))
+    shards = [_load(p) for p in paths]
+    return {name: merge_tp([sd[name] for sd in shards], *splits.get((idx, name), ("replicated", None)))
+            for name in shards[0]}
 
 
 def checkpoint_tag_dir(load_dir):
@@ -67,11 +106,13 @@ def load_into(model, tag_dir):
 
     The model takes the files' dtype (a bf16 run saves bf16 weights)."""
     import torch
+    from megatron_ds.model.universal_info import layer_parameters
     params = model.named_parameters_by_layer()
+    splits = layer_parameters(model.config)
     files = {}
     for idx, name in params:
         if idx not in files:
-            files[idx] = _load(os.path.join(tag_dir, layer_file(idx)))
+            files[idx] = _read_layer(tag_dir, idx, splits)
     dtypes = {t.dtype for sd in files.values() for t in sd.values() if torch.is_floating_point(t)}
     if len(dtypes) == 1:
         model.to(dtypes.pop())

@@ -26,33 +26,40 @@ from deepspeed.checkpoint import constants as C
 LAYER = r"\d+"
 
 
-def parameter_names(config):
-    """{global parameter name: (kind, sub-param sizes or None)} of the whole model, TP-independent."""
+def layer_parameters(config):
+    """{(global layer index, local name): (kind, sections or None)} of the whole model, TP-independent.
+
+    kind: "replicated", "row" (split along dim 1), "column" (dim 0), "vocab" (dim 0, padded
+    vocabulary), "qkv" and "swiglu" (dim 0, each rank its slice of every section)."""
     L, bias = config.num_layers, config.add_bias_linear
     norm = ["weight"] if config.normalization == "rmsnorm" else ["weight", "bias"]
-    embed = "tied_modules.embed" if config.tied_head else "0"
-    names = {f"{embed}.wte.weight": ("vocab", None)}
+    out = {(0, "wte.weight"): ("vocab", None)}
     if config.position_embedding_type == "learned_absolute":
-        names[f"{embed}.wpe.weight"] = ("replicated", None)
+        out[(0, "wpe.weight")] = ("replicated", None)
     if config.embed_layernorm:
-        names.update({f"{embed}.ln_emb.{p}": ("replicated", None) for p in norm})
+        out.update({(0, f"ln_emb.{p}"): ("replicated", None) for p in norm})
     q = config.hidden_size
     kv = (config.num_key_value_heads or config.num_attention_heads) * config.head_dim
     ffn = config.ffn_hidden_size
+    fc = ("swiglu", (ffn, ffn)) if config.swiglu else ("column", None)
     layer = {f"ln_{i}.{p}": ("replicated", None) for i in (1, 2) for p in norm}
     layer.update({"attn.c_attn.weight": ("qkv", (q, kv, kv)), "attn.c_proj.weight": ("row", None),
-                  "mlp.c_fc.weight": ("swiglu", None) if config.swiglu else ("column", None),
-                  "mlp.c_proj.weight": ("row", None)})
+                  "mlp.c_fc.weight": fc, "mlp.c_proj.weight": ("row", None)})
     if bias:
         layer.update({"attn.c_attn.bias": ("qkv", (q, kv, kv)), "attn.c_proj.bias": ("replicated", None),
-                      "mlp.c_fc.bias": ("swiglu", None) if config.swiglu else ("column", None),
-                      "mlp.c_proj.bias": ("replicated", None)})
+                      "mlp.c_fc.bias": fc, "mlp.c_proj.bias": ("replicated", None)})
     for i in range(1, L + 1):
-        names.update({f"{i}.{n}": kind for n, kind in layer.items()})
-    names.update({f"{L + 1}.{p}": ("replicated", None) for p in norm})
+        out.update({(i, n): kind for n, kind in layer.items()})
+    out.update({(L + 1, p): ("replicated", None) for p in norm})
     if not config.tied_head:
-        names[f"{L + 2}.weight"] = ("vocab", None)
-    return names
+        out[(L + 2, "weight")] = ("vocab", None)
+    return out
+
+
+def parameter_names(config):
+    """{PipelineModule parameter name: (kind, sections)}: a tied embedding lives under tied_modules.embed."""
+    embed = "tied_modules.embed" if config.tied_head else "0"
+    return {f"{embed if idx == 0 else idx}.{name}": kind for (idx, name), kind in layer_parameters(config).items()}
 
 
 def _pattern(name):
@@ -74,7 +81,7 @@ def universal_checkpoint_info(config, padded_vocab_size):
         kinds.setdefault(kind, [])
         if pattern not in kinds[kind]:
             kinds[kind].append(pattern)
-        if sections:
+        if kind == "qkv":
             sub_params[pattern] = sections
     info = {
         C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
