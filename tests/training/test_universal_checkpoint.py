@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from tests.training.corpus import write_corpus
-from tests.training.test_resume import ROOT, launch
+from tests.training.test_resume import launch
 
 SAVE_AT, ITERS = 3, 8
 LLAMA = ("--num-layers", "4", "--num-attention-heads", "4", "--num-key-value-heads", "2", "--swiglu",
