@@ -5,6 +5,7 @@ One TP=2 x PP=2 run (4 ranks) is both the uninterrupted reference and, saving at
 checkpoint; DeepSpeed's own converter (python -m deepspeed.checkpoint.ds_to_universal) makes the
 universal folder; it resumes at PP=2 x DP=2 and at TP=1 x PP=1 (1 rank), the two launches side by
 side: iterations 4..8 equal the uninterrupted run's (rel 1e-5), with its consumed samples and lr.
+A third resume (TP=1, --no-load-optim) shows the optimizer state is what keeps the losses equal.
 The TP=1 run's final checkpoint and the TP=2 run's, exported to Hugging Face (TP shards merged),
 give the same logits.
 """
@@ -44,8 +45,9 @@ def runs(tmp_path_factory):
     _convert(ckpt / f"global_step{SAVE_AT}")
     assert (ckpt / "latest_universal").read_text() == f"global_step{SAVE_AT}_universal"
     resumes = {"pp2_dp2": dict(nproc=4, extra=()),
-               "tp1_pp1": dict(nproc=1, extra=("--pipeline-model-parallel-size", "1", "--save", str(tmp / "tp1")))}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+               "tp1_pp1": dict(nproc=1, extra=("--pipeline-model-parallel-size", "1", "--save", str(tmp / "tp1"))),
+               "tp1_fresh_adam": dict(nproc=1, extra=("--pipeline-model-parallel-size", "1", "--no-load-optim"))}
+    with concurrent.futures.ThreadPoolExecutor(len(resumes)) as pool:
         futures = {name: pool.submit(launch, tmp, name, "--load", str(ckpt), "--universal-checkpoint", *r["extra"],
                                      nproc=r["nproc"], hard=LLAMA) for name, r in resumes.items()}
         resumed = {name: f.result() for name, f in futures.items()}
@@ -67,6 +69,20 @@ def test_resume_under_another_layout_continues_the_run(runs, layout):
     print(f"{layout}: losses {[r['loss'] for r in records]}, uninterrupted {[r['loss'] for r in ref]}: "
           f"largest relative difference {worst:.2e}")
     assert worst < 1e-5, (records, ref)
+
+
+@pytest.mark.timeout(1800)
+def test_no_load_optim_keeps_the_weights_and_starts_adam_afresh(runs):
+    """--no-load-optim under --universal-checkpoint: iteration 4's loss (before its step) is the run's,
+    the next ones are not: the optimizer state the test above restores is what keeps them equal."""
+    records, out = runs["resumed"]["tp1_fresh_adam"]
+    assert "weights, lr schedule and iteration" in out
+    ref = runs["full"][SAVE_AT:]
+    assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in ref]
+    assert records[0]["loss"] == pytest.approx(ref[0]["loss"], rel=1e-6)
+    diff = abs(records[1]["loss"] - ref[1]["loss"]) / ref[1]["loss"]
+    print(f"fresh Adam: iteration {SAVE_AT + 2} loss differs from the run's by {diff:.2e} (relative)")
+    assert diff > 1e-5
 
 
 @pytest.mark.timeout(1800)
@@ -162,3 +178,19 @@ def test_ds_config_key_and_flag(tmp_path, monkeypatch):
     args = parse(None, "--universal-checkpoint")
     assert args.universal_checkpoint and args.ds_config["checkpoint"] == {"load_universal": True}
     assert not parse(False).universal_checkpoint
+
+
+def test_saved_rng_state_holds_the_tensor_parallel_tracker():
+    """A resume under the same layout replays the partitioned dropout masks too."""
+    import torch
+    from megatron_ds.model.tensor_parallel import model_parallel_manual_seed
+    from megatron_ds.model.tensor_parallel.rng import Dropout
+    from megatron_ds.training.initialize import get_rng_state, set_rng_state
+    model_parallel_manual_seed(7, tensor_parallel_rank=1)
+    drop = Dropout(0.5, partitioned=True)
+    drop(torch.ones(64))  # the tracker's stream moves on
+    state = get_rng_state()
+    first = drop(torch.ones(256))
+    model_parallel_manual_seed(7, tensor_parallel_rank=1)  # a fresh start, as a resumed run has
+    set_rng_state(state)
+    assert torch.equal(drop(torch.ones(256)), first)
