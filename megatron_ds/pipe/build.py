@@ -18,11 +18,12 @@ from megatron_ds.model import GPTConfig, gpt_layer_specs
 from megatron_ds.model.layers import loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
 
-from .config import ConfigError, pipeline_settings
+from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule
 from .plan import PipelinePlan
-from .trace import TracedPipelineEngine, Tracer
+from .sequence_parallel import SequenceParallelPipelineEngine, sequence_parallel_params
+from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
 
@@ -46,10 +47,10 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     config.num_layers and hidden_size still give their count and the activation shape."""
     settings = pipeline_settings(ds_config)
     tp = getattr(config, "tensor_model_parallel_size", 1)
+    if getattr(config, "sequence_parallel", False) and tp == 1:
+        raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
+                          "--tensor-model-parallel-size > 1")
     if tp > 1:
-        if config.sequence_parallel:
-            raise ConfigError("--sequence-parallel is not wired into the pipeline engines yet (the layers support "
-                              "it; the engine must all-reduce the norms' gradients and send sequence shards)")
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
     common = dict(layers=gpt_layer_specs(config) if layers is None else layers,
                   loss_fn=loss_fn or loss_function(config), topology=topology(pp, tp),
@@ -75,15 +76,18 @@ def deepspeed_engine_class(name: str, factory):
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None):
+    tracer = Tracer(pipeline_settings(ds_config).trace_dir)
+    sequence_parallel = bool(sequence_parallel_params(module))
+    if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
+        factory = functools.partial(ScheduleEngine, plan=module.plan, tracer=tracer)
+    else:  # the stock engine: DeepSpeed's own, or with the sequence-parallel gradient sum
+        if sequence_parallel:
+            ds_config = sequence_parallel_ds_config(ds_config)
+        traced, plain = ((TracedSequenceParallelPipelineEngine, SequenceParallelPipelineEngine) if sequence_parallel
+                         else (TracedPipelineEngine, PipelineEngine))
+        factory = functools.partial(traced, tracer=tracer) if tracer.trace_dir else plain
     kwargs = dict(model=module, config=ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                   model_parameters=model_parameters)
-    tracer = Tracer(pipeline_settings(ds_config).trace_dir)
-    if isinstance(module, ChunkedPipelineModule):
-        factory = functools.partial(ScheduleEngine, plan=module.plan, tracer=tracer)
-    elif tracer.trace_dir:  # the stock engine, traced
-        factory = functools.partial(TracedPipelineEngine, tracer=tracer)
-    else:
-        factory = PipelineEngine
     with deepspeed_engine_class("PipelineEngine", factory):
         engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine

@@ -93,3 +93,21 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         raise ConfigError(f'ds_config "pipeline.partition_method" = {settings.partition_method!r}: '
                           'use "uniform", "parameters" or "type:REGEX"')
     return settings
+
+
+def sequence_parallel_ds_config(ds_config: dict) -> dict:
+    """The ds_config for DeepSpeed's stock engine under --sequence-parallel: activations sent whole.
+
+    DeepSpeed's engine (pipe_partitioned, grad_partitioned: on by default with tensor parallelism) sends
+    each TP rank 1/TP of an activation it takes to be equal on the TP ranks, and all-gathers the pieces on
+    arrival; sequence shards differ from rank to rank, so each must travel whole. Torch-free: the flags'
+    parse-time check calls it too.
+    """
+    section = dict(ds_config.get("pipeline") or {})
+    on = [key for key in ("pipe_partitioned", "grad_partitioned") if section.get(key)]
+    if on:
+        raise ConfigError(f'ds_config "pipeline" {" and ".join(on)} = true with --sequence-parallel: DeepSpeed\'s '
+                          "engine would split each activation over the tensor-parallel ranks, which hold different "
+                          "sequence shards; set false or leave out")
+    section.update(pipe_partitioned=False, grad_partitioned=False)
+    return {**ds_config, "pipeline": section}

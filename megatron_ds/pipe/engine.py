@@ -23,6 +23,7 @@ from . import instructions as ins
 from .messages import incoming_key, message_key, outgoing
 from .p2p import P2P
 from .post_validation import PostValidation
+from .sequence_parallel import with_sequence_parallel_reduction
 from .trace import Tracer, through_tracer
 
 
@@ -33,7 +34,8 @@ class ScheduleEngine(PipelineEngine):
     """DeepSpeed's template methods it overrides: _train_schedule and _inference_schedule (the op
     lists), _exec_schedule (to bracket it with the tracer), _aggregate_total_loss, eval_batch,
     set_dataiterator, save_checkpoint (to record the layout), and _INSTRUCTION_MAP (DeepSpeed's own
-    handlers for the step's reductions and optimizer step, ours for the ops)."""
+    handlers for the step's reductions and optimizer step, ours for the ops; ReduceTiedGrads first sums
+    the sequence-parallel gradients over the TP group, see sequence_parallel.py)."""
 
     def __init__(self, *args, plan, tracer=None, **kwargs):
         self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py)
@@ -256,7 +258,7 @@ class ScheduleEngine(PipelineEngine):
         state[LAYOUT_KEY] = pipeline_layout(self)
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
 
-    _INSTRUCTION_MAP = through_tracer({
+    _INSTRUCTION_MAP = through_tracer(with_sequence_parallel_reduction({
         **PipelineEngine._INSTRUCTION_MAP,
         ins.LoadMicroBatches: _exec_load_micro_batches,
         ins.ForwardOp: _exec_forward_op,
@@ -265,7 +267,7 @@ class ScheduleEngine(PipelineEngine):
         ins.BackwardWeightOp: _exec_backward_weight_op,
         ins.FinishP2P: _exec_finish_p2p,
         ins.ReduceReplicaGrads: _exec_reduce_replica_grads,
-    })
+    }))
 
 
 def last_backward_ops(ops):

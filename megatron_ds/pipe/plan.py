@@ -65,6 +65,24 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list
         raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
 
 
+def sequence_shards(config, seq_length: int, lengths: list | None) -> int:
+    """How many sequence shards the residual stream is cut into: TP under --sequence-parallel, else 1.
+    Each shard must hold whole tokens: TP divides the sequence (and each Seq1F1B segment, which is split
+    on its own: its tokens are what a segment's op holds)."""
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if not getattr(config, "sequence_parallel", False) or tp == 1:
+        return 1
+    if seq_length % tp:
+        raise ConfigError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: "
+                          f"--seq-length {seq_length} must be a multiple of --tensor-model-parallel-size {tp}")
+    uneven = [n for n in lengths or [] if n % tp]
+    if uneven:
+        raise ConfigError(f'--sequence-parallel splits each Seq1F1B segment over the {tp} tensor-parallel ranks: '
+                          f'ds_config "pipeline.seq_splits" cuts --seq-length {seq_length} into {lengths}, and '
+                          f'{uneven} are not multiples of --tensor-model-parallel-size {tp}')
+    return tp
+
+
 @dataclass(frozen=True)
 class RankProgram:
     """What one rank runs for one batch size: its ops, the whole pipeline's messages, and for each
@@ -78,11 +96,13 @@ class RankProgram:
 class PipelinePlan:
 
     def __init__(self, settings: PipelineSettings, pp: int, micro_batch_size: int, micro_batches: int,
-                 seq_length: int, hidden_size: int, segment_lengths: list | None = None):
+                 seq_length: int, hidden_size: int, segment_lengths: list | None = None, sequence_shards: int = 1):
+        """`sequence_shards`: the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1."""
         self.settings, self.pp = settings, pp
         self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
         self.seq_length, self.hidden_size = seq_length, hidden_size
         self.segment_lengths = list(segment_lengths) if segment_lengths else None
+        self.sequence_shards = sequence_shards
         self._schedules: dict[int, Schedule] = {}
         self._programs: dict[tuple, RankProgram] = {}
         self.schedule = self.for_micro_batches(micro_batches)
@@ -106,7 +126,8 @@ class PipelinePlan:
         check_layers(schedule, config.num_layers)
         seq = seq_length or config.max_position_embeddings
         lengths = segment_lengths(settings, config, seq) if schedule.seq_splits > 1 else None
-        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths)
+        shards = sequence_shards(config, seq, lengths)
+        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards)
 
     @property
     def placement(self) -> list:
@@ -144,9 +165,10 @@ class PipelinePlan:
         return slice(start, start + self.segment_lengths[seq])
 
     def message_shape(self, key: tuple) -> tuple:
-        """(micro batch, tokens, hidden) of a message; its last field is the segment."""
+        """(micro batch, tokens, hidden) of a message; its last field is the segment. Under sequence
+        parallelism a message is this TP rank's shard of the tokens."""
         seq = self.segment_lengths[key[-1]] if self.segment_lengths else self.seq_length
-        return (self.micro_batch_size, seq, self.hidden_size)
+        return (self.micro_batch_size, seq // self.sequence_shards, self.hidden_size)
 
     def needs_data(self, rank: int) -> bool:
         """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica."""

@@ -38,6 +38,7 @@ from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import COMPUTE, FORMAT, P2P, STEP, THREADS, chrome_header, trace_path
 
 from .instructions import INSTRUCTION_TO_KIND
+from .sequence_parallel import SequenceParallelPipelineEngine
 
 # Instruction class name -> op kind, for our instructions and DeepSpeed's.
 COMPUTE_KINDS = {**INSTRUCTION_TO_KIND, "ForwardPass": Kind.F, "BackwardPass": Kind.BW}
@@ -217,4 +218,5 @@ def _traced(base):
 
 
 TracedPipelineEngine = _traced(PipelineEngine)    # TrainSchedule's 1F1B, the baseline
-TracedDualPipeVEngine = _traced(DualPipeVEngine)  # built by bench/schedules.py only
+TracedDualPipeVEngine = _traced(DualPipeVEngine)
+TracedSequenceParallelPipelineEngine = _traced(SequenceParallelPipelineEngine)  # built by bench/schedules.py only

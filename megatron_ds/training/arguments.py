@@ -24,7 +24,7 @@ from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_
 from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
-from .parallel_args import add_parallel_args, check_parallel_args
+from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
 from .universal import add_universal_args, apply_universal
 
 
@@ -190,6 +190,7 @@ def validate_args(args):
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
     apply_universal(args, args.ds_config, _err)
     check_schedule_shape(args)
+    check_sequence_parallel_ds_config(args)
     check_observability_args(args)
     args.rampup_batch_size = _rampup(args)
     args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)

@@ -228,7 +228,9 @@ def check_schedule_shape(args):
     # swiglu's smaller default FFN only moves balanced segment bounds; the build checks the exact size again
     sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                            max_position_embeddings=args.max_position_embeddings)
+                            max_position_embeddings=args.max_position_embeddings,
+                            tensor_model_parallel_size=args.tensor_model_parallel_size,
+                            sequence_parallel=args.sequence_parallel)
     try:
         PipelinePlan.from_config(sizes, args.ds_config, args.pipeline_model_parallel_size, args.data_parallel_size,
                                  args.seq_length)

@@ -26,8 +26,8 @@ def add_parallel_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="split heads, MLP and vocabulary over this many ranks (Megatron's tensor parallelism)")
     g.add_argument("--sequence-parallel", action="store_true",
-                   help="also split the sequence outside attention and MLP (not wired into the pipeline "
-                        "engines yet: refused)")
+                   help="also split the sequence outside attention and MLP over the tensor-parallel ranks "
+                        "(Megatron's sequence parallelism; pipeline messages carry the shards)")
 
 
 def _ffn_hidden_size(args):
@@ -53,10 +53,20 @@ def check_parallel_args(args):
                               sequence_parallel=args.sequence_parallel)
     except checks.ParallelConfigError as e:
         raise ArgumentsError(str(e)) from None
-    if args.sequence_parallel:
-        raise ArgumentsError("--sequence-parallel is not wired into the pipeline engines yet (the layers support "
-                             "it; the engine must all-reduce the norms' gradients and send sequence shards): "
-                             "leave it out")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise ArgumentsError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: "
+                             f"--seq-length {args.seq_length} must be a multiple of --tensor-model-parallel-size {tp}")
+
+
+def check_sequence_parallel_ds_config(args):
+    """DeepSpeed's stock engine must send sequence shards whole (pipe/config.py; the build applies it)."""
+    from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
+    from .arguments import ArgumentsError
+    if args.sequence_parallel and args.pipeline_settings.stock:
+        try:
+            sequence_parallel_ds_config(args.ds_config)
+        except ConfigError as e:
+            raise ArgumentsError(f"{args.deepspeed_config}: {e}") from None
 
 
 def rank_coordinates(args, rank):

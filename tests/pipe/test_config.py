@@ -58,3 +58,13 @@ def test_impossible_schedule_settings_are_refused_at_build(pipeline, layers, gas
     assert message is not None, f"{pipeline} with {layers} layers was accepted"
     for word in words:
         assert word in message, (word, message)
+
+
+def test_sequence_parallel_sends_stock_activations_whole():
+    from megatron_ds.pipe.config import sequence_parallel_ds_config
+    cfg = {"train_batch_size": 8, "pipeline": {"partition": "uniform"}}
+    assert sequence_parallel_ds_config(cfg) == {"train_batch_size": 8, "pipeline": {
+        "partition": "uniform", "pipe_partitioned": False, "grad_partitioned": False}}
+    assert cfg["pipeline"] == {"partition": "uniform"}  # a copy, not an edit
+    with pytest.raises(ConfigError, match='"pipeline" grad_partitioned = true with --sequence-parallel'):
+        sequence_parallel_ds_config({"pipeline": {"grad_partitioned": True}})

@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=64)
 
 
-def plan_for(pipeline, gas=8, mbs=2, zero=1, pp=4, dp=1, seq=None):
+def plan_for(pipeline, gas=8, mbs=2, zero=1, pp=4, dp=1, seq=None, tp=1, sp=False):
     ds_config = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
                  "zero_optimization": {"stage": zero}, "pipeline": pipeline}
-    return PipelinePlan.from_config(MODEL, ds_config, pp, dp, seq)
+    model = SimpleNamespace(**vars(MODEL), tensor_model_parallel_size=tp, sequence_parallel=sp)
+    return PipelinePlan.from_config(model, ds_config, pp, dp, seq)
 
 
 def test_one_plan_serves_module_and_engine():
@@ -46,7 +47,19 @@ def test_seq1f1b_segments_cut_tokens_and_messages():
     assert whole.segment(0) == slice(None) and whole.message_shape(("act", 0, 0, 0, 0)) == (2, 64, 32)
 
 
+def test_sequence_parallel_messages_carry_the_tensor_rank_shard():
+    assert plan_for({"schedule": "zbv"}, tp=4).message_shape(("act", 0, 0, 0, 0)) == (2, 64, 32)  # TP alone
+    assert plan_for({"schedule": "zbv"}, tp=4, sp=True).message_shape(("grad", 0, 3, 0, 0)) == (2, 16, 32)
+    seq = plan_for({"schedule": "seq1f1b", "seq_splits": 3}, tp=2, sp=True)
+    assert seq.segment_lengths == [16, 16, 32]  # balanced: each segment is split over the TP ranks on its own
+    assert [seq.message_shape(("act", 0, 0, 0, i)) for i in range(3)] == [(2, 8, 32), (2, 8, 32), (2, 16, 32)]
+
+
 @pytest.mark.parametrize("kwargs, words", [
+    (dict(pipeline={"schedule": "1f1b"}, seq=30, tp=4, sp=True),
+     ["--sequence-parallel", "--seq-length 30", "multiple of --tensor-model-parallel-size 4"]),
+    (dict(pipeline={"schedule": "seq1f1b", "seq_splits": 4, "seq_split_method": "even"}, seq=24, tp=4, sp=True),
+     ["Seq1F1B segment", "[6, 6, 6, 6]", "multiples of --tensor-model-parallel-size 4"]),
     (dict(pipeline={"schedule": "zbv"}, zero=0), ["ZeRO stage 1", "is 0"]),
     (dict(pipeline={"schedule": "interleaved", "virtual_stages": 2}, gas=9),
      ["interleaved", "micro_batches=9", "equal rounds"]),

@@ -1,24 +1,48 @@
-"""PP=2 x TP=2 (4 ranks): GPT-2 and LLaMA-style models split over two tensor-parallel ranks train
+"""Tensor parallelism on 4 ranks: GPT-2 and LLaMA-style models split over the tensor-parallel ranks train
 under the pipeline schedules exactly like the single-process reference (fp32, 1e-5: losses, every
-first-step gradient and every weight after the steps, gathered over the TP ranks; eval loss;
-global gradient norm, so DeepSpeed's clipping counts each slice once). One launch for every case."""
+first-step gradient and every weight after the steps, gathered over the TP ranks; eval loss; global
+gradient norm, so DeepSpeed's clipping counts each slice once). PP=2 x TP=2 under every named schedule,
+without and with --sequence-parallel (sequence shards between stages, norm and row-bias gradients summed
+over the TP group, B/W split included); with it also DeepSpeed's stock engine at PP=1 (what pretrain_gpt
+runs without a "pipeline.schedule"): TP=2 x DP=2 and TP=4. Each schedule sees both families. One launch
+for every case."""
+import functools
+import time
+
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import (assert_matches_reference, capture_grads_before_reduce, ds_config, layer_key,
                                micro_batch, optimizer_for, reference_run, tiny_config)
 
-PP, TP, STEPS, GAS, LAYERS, LR, CLIP = 2, 2, 2, 4, 4, 1e-3, 0.05
+WORLD, GAS, LAYERS, LR, CLIP = 4, 4, 4, 1e-3, 0.05
 FAMILIES = {
     "gpt2": {},
     "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
                   untie_embeddings_and_output_weights=True, add_bias_linear=False, ffn_hidden_size=48,
                   layernorm_epsilon=1e-6),
 }
-SCHEDULES = [{"schedule": "1f1b"}, {"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zb-h1"},
-             {"schedule": "zbv"}, {"schedule": "bitpipe"},
-             {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}]
-CASES = [("gpt2", s) for s in SCHEDULES] + [("llama", {"schedule": "1f1b"}), ("llama", {"schedule": "zbv"})]
+PP2_TP2 = dict(pp=2, tp=2, sp=False, steps=2)
+SP = dict(PP2_TP2, sp=True, steps=3)
+SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}
+CASES = [("gpt2", s, PP2_TP2) for s in (
+    {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zb-h1"},
+    {"schedule": "zb-h2"}, {"schedule": "zbv"}, {"schedule": "bitpipe"}, SEQ1F1B)] + [
+    ("llama", {"schedule": "1f1b"}, PP2_TP2), ("llama", {"schedule": "zbv"}, PP2_TP2),
+    # sequence parallel: the family each schedule has not met above
+    ("gpt2", {"schedule": "1f1b"}, SP), ("gpt2", {"schedule": "zbv"}, SP),
+    ("llama", {"schedule": "interleaved", "virtual_stages": 2}, SP), ("llama", {"schedule": "zb-h1"}, SP),
+    ("llama", {"schedule": "zb-h2"}, SP), ("llama", {"schedule": "bitpipe"}, SP), ("llama", SEQ1F1B, SP),
+    # DeepSpeed's stock engine (shards sent whole), also at one stage (LLaMA's 2 K/V heads do not split 4 ways)
+    ("gpt2", None, SP), ("llama", None, dict(pp=1, tp=2, sp=True, steps=3)),
+    ("gpt2", None, dict(pp=1, tp=4, sp=True, steps=3)),
+]
+
+
+def _case_id(case):
+    family, pipeline, layout = case
+    sp = "-sp" if layout["sp"] else ""
+    return f"{family}-{(pipeline or {'schedule': 'stock'})['schedule']}-pp{layout['pp']}tp{layout['tp']}{sp}"
 
 
 def _full(module, tensors, group):
@@ -32,23 +56,25 @@ def _full(module, tensors, group):
     return out
 
 
-def tp_engine_run(family, pipeline):
+def tp_engine_run(family, pipeline, layout):
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.model.tensor_parallel import get_parallel_state
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    config = tiny_config(LAYERS, **FAMILIES[family], tensor_model_parallel_size=TP)
-    dp = dist.get_world_size() // (PP * TP)
-    cfg = ds_config(PP, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)
-    module = build_pipeline_module(config, cfg, PP)
+    start = time.perf_counter()
+    pp, tp = layout["pp"], layout["tp"]
+    config = tiny_config(LAYERS, **FAMILIES[family], tensor_model_parallel_size=tp, sequence_parallel=layout["sp"])
+    dp = dist.get_world_size() // (pp * tp)
+    cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)
+    module = build_pipeline_module(config, cfg, pp)
     engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR))
     grads = []
-    capture_grads_before_reduce(engine, grads)
+    capture_grads_before_reduce(engine, grads)  # sequence-parallel gradients are summed over TP by then
     dp_rank = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
-    for step in range(STEPS):
+    for step in range(layout["steps"]):
         batches = iter([micro_batch(step, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
@@ -56,26 +82,48 @@ def tp_engine_run(family, pipeline):
     weights = _full(module, {layer_key(module, n): p.detach() for n, p in module.named_parameters()}, group)
     eval_batches = iter([micro_batch(99, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
     return dict(losses=losses, grads=_full(module, grads[0], group), weights=weights, dp_rank=dp_rank,
-                eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms)
+                eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms, engine=type(engine).__name__,
+                seconds=time.perf_counter() - start)
 
 
 def all_cases():
-    return [tp_engine_run(family, pipeline) for family, pipeline in CASES]
+    return [tp_engine_run(*case) for case in CASES]
 
 
 @pytest.fixture(scope="module")
 def tp_runs():
-    return run_ranks(PP * TP, all_cases, timeout=900)
+    return run_ranks(WORLD, all_cases, timeout=1200)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)),
-                         ids=[f"{family}-{p['schedule']}" for family, p in CASES])
-def test_pp2_tp2_equals_single_process_reference(tp_runs, index):
-    family, _ = CASES[index]
-    ref = reference_run(tiny_config(LAYERS, **FAMILIES[family]), 1, GAS, STEPS, clip=CLIP, lr=LR)
+@functools.lru_cache(maxsize=None)
+def _reference(family, dp, steps):
+    return reference_run(tiny_config(LAYERS, **FAMILIES[family]), dp, GAS, steps, clip=CLIP, lr=LR)
+
+
+def _max_diffs(results, ref):
+    """(max abs, max relative) difference over losses, gradients and weights (relative to the largest
+    entry of each reference tensor), for the report."""
+    import torch
+    pairs = [(torch.tensor(a), torch.tensor(b)) for r in results for a, b in zip(r["losses"], ref["losses"])]
+    pairs += [(r["weights"][k], w) for r in results for k, w in ref["weights"].items() if k in r["weights"]]
+    for key, g in ref["grads"].items():  # gradients before the data-parallel mean: one copy per DP rank
+        by_dp = {r["dp_rank"]: r["grads"][key] for r in results if key in r["grads"]}
+        pairs.append((sum(by_dp.values()) / len(by_dp), g))
+    diffs = [((a - b).abs().max().item(), b.abs().max().item()) for a, b in pairs]
+    return max(d for d, _ in diffs), max(d / m for d, m in diffs if m > 0)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_tensor_parallel_equals_single_process_reference(tp_runs, index):
+    family, pipeline, layout = CASES[index]
     results = [rank[index] for rank in tp_runs]
+    ref = _reference(family, WORLD // (layout["pp"] * layout["tp"]), layout["steps"])
     assert_matches_reference(results, ref)
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["grad_norms"], ref["grad_norms"])) < 1e-5, \
             (r["grad_norms"], ref["grad_norms"])
     assert ref["grad_norms"][0] > CLIP  # clipping is active, so a miscounted norm would change the weights
+    if pipeline is None:
+        assert results[0]["engine"] == ("SequenceParallelPipelineEngine" if layout["sp"] else "PipelineEngine")
+    print(_case_id(CASES[index]), "max abs/rel diff %.2e / %.2e" % _max_diffs(results, ref),
+          "%.1f s" % max(r["seconds"] for r in results))

@@ -64,8 +64,15 @@ def test_tp2_pp2_zbv_equals_one_process(tmp_path):
     (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6,
      "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4 must divide the world size 6 (the "
      "data-parallel size is world / (TP x PP))"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     "--sequence-parallel is not wired into the pipeline engines yet"),
+    (["--sequence-parallel"], 2,
+     "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs --tensor-model-parallel-size "
+     "> 1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "9"], 2,
+     "--sequence-parallel splits each sequence over the 2 tensor-parallel ranks: --seq-length 9 must be a multiple "
+     "of --tensor-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+      "--seq-length", "12", "--pipe-sp-splits", "4", "--pipe-sp-strategy", "even"], 4,
+     "--sequence-parallel splits each Seq1F1B segment over the 2 tensor-parallel ranks"),
 ])
 def test_bad_layout_exits_2_at_once(tmp_path, extra, world, message):
     cmd = [sys.executable, SCRIPT, *MODEL, "--data-path", "corpus", "--vocab-file", __file__, "--merge-file",
