@@ -65,12 +65,11 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list
         raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
 
 
-def sequence_shards(config, seq_length: int, lengths: list | None) -> int:
+def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: list | None = None) -> int:
     """How many sequence shards the residual stream is cut into: TP under --sequence-parallel, else 1.
     Each shard must hold whole tokens: TP divides the sequence (and each Seq1F1B segment, which is split
     on its own: its tokens are what a segment's op holds)."""
-    tp = getattr(config, "tensor_model_parallel_size", 1)
-    if not getattr(config, "sequence_parallel", False) or tp == 1:
+    if not sequence_parallel or tp == 1:
         return 1
     if seq_length % tp:
         raise ConfigError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: "
@@ -126,7 +125,8 @@ class PipelinePlan:
         check_layers(schedule, config.num_layers)
         seq = seq_length or config.max_position_embeddings
         lengths = segment_lengths(settings, config, seq) if schedule.seq_splits > 1 else None
-        shards = sequence_shards(config, seq, lengths)
+        shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
+                                 getattr(config, "sequence_parallel", False), seq, lengths)
         return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards)
 
     @property

@@ -53,16 +53,20 @@ def check_parallel_args(args):
                               sequence_parallel=args.sequence_parallel)
     except checks.ParallelConfigError as e:
         raise ArgumentsError(str(e)) from None
-    if args.sequence_parallel and args.seq_length % tp:
-        raise ArgumentsError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: "
-                             f"--seq-length {args.seq_length} must be a multiple of --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel:
+        from megatron_ds.pipe.config import ConfigError
+        from megatron_ds.pipe.plan import sequence_shards  # torch-free, like checks.py
+        try:
+            sequence_shards(tp, True, args.seq_length)
+        except ConfigError as e:
+            raise ArgumentsError(str(e)) from None
 
 
 def check_sequence_parallel_ds_config(args):
     """DeepSpeed's stock engine must send sequence shards whole (pipe/config.py; the build applies it)."""
-    from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
-    from .arguments import ArgumentsError
     if args.sequence_parallel and args.pipeline_settings.stock:
+        from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
+        from .arguments import ArgumentsError
         try:
             sequence_parallel_ds_config(args.ds_config)
         except ConfigError as e:

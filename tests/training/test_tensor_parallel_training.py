@@ -101,3 +101,14 @@ def test_batch_arithmetic_counts_data_parallel_as_world_over_tp_pp(tmp_path):
     # DeepSpeed's (pipe, data, model) order, model fastest
     assert [rank_coordinates(args, r) for r in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+
+
+def test_sequence_parallel_refuses_partitioned_stock_activations(tmp_path):
+    from megatron_ds.training.arguments import ArgumentsError, parse_args
+    write_corpus(str(tmp_path / "corpus"))
+    (tmp_path / "ds.json").write_text(json.dumps({"pipeline": {"pipe_partitioned": True}}))
+    flags = [*MODEL, "--data-path", str(tmp_path / "corpus"), "--vocab-file", __file__, "--merge-file", __file__,
+             "--tensor-model-parallel-size", "2", "--deepspeed", "--deepspeed_config", str(tmp_path / "ds.json")]
+    assert not parse_args(flags, env={"WORLD_SIZE": "2", "RANK": "0"}).sequence_parallel  # fine without SP
+    with pytest.raises(ArgumentsError, match="pipe_partitioned = true with --sequence-parallel"):
+        parse_args([*flags, "--sequence-parallel"], env={"WORLD_SIZE": "2", "RANK": "0"})
