@@ -31,7 +31,8 @@ CASES = [("gpt2", s, PP2_TP2) for s in (
     ("llama", {"schedule": "1f1b"}, PP2_TP2), ("llama", {"schedule": "zbv"}, PP2_TP2),
     # sequence parallel: the family each schedule has not met above
     ("gpt2", {"schedule": "1f1b"}, SP), ("gpt2", {"schedule": "zbv"}, SP),
-    ("llama", {"schedule": "interleaved", "virtual_stages": 2}, SP), ("llama", {"schedule": "zb-h1"}, SP),
+    ("llama", {"schedule": "interleaved", "virtual_stages": 2}, SP),
+    ("llama", {"schedule": "zb-h1", "post_validation": True}, SP),
     ("llama", {"schedule": "zb-h2"}, SP), ("llama", {"schedule": "bitpipe"}, SP), ("llama", SEQ1F1B, SP),
     # DeepSpeed's stock engine (shards sent whole), also at one stage (LLaMA's 2 K/V heads do not split 4 ways)
     ("gpt2", None, SP), ("llama", None, dict(pp=1, tp=2, sp=True, steps=3)),
@@ -41,8 +42,9 @@ CASES = [("gpt2", s, PP2_TP2) for s in (
 
 def _case_id(case):
     family, pipeline, layout = case
-    sp = "-sp" if layout["sp"] else ""
-    return f"{family}-{(pipeline or {'schedule': 'stock'})['schedule']}-pp{layout['pp']}tp{layout['tp']}{sp}"
+    pipeline = pipeline or {"schedule": "stock"}
+    extra = ("-post-validation" if pipeline.get("post_validation") else "") + ("-sp" if layout["sp"] else "")
+    return f"{family}-{pipeline['schedule']}-pp{layout['pp']}tp{layout['tp']}{extra}"
 
 
 def _full(module, tensors, group):
