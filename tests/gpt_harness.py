@@ -144,6 +144,7 @@ def engine_facts(engine):
     """What a test may want to know about the engine after the run (plain data)."""
     sync = getattr(engine.module, "replica_sync", None)
     return {"stage": engine.stage_id, "chunks": list(getattr(engine.module, "chunks", [])),
+            "parts": [int(b) for b in engine.module.parts],
             "replica_syncs": list(sync.launched) if sync else [],
             "last_backward_end": sync.last_backward_end if sync else None}
 
@@ -178,7 +179,7 @@ def assert_matches_reference(results, ref, *, atol=1e-5, check_weights=True):
 
 def assert_schedules_match_reference(world, pp, gas, layers, pipelines, steps=3, timeout=600):
     """One launch of `world` ranks runs every ds_config pipeline section in `pipelines` on a tiny GPT;
-    each must equal the single-process reference (assert_matches_reference)."""
+    each must equal the single-process reference (assert_matches_reference). Returns every rank's results."""
     from megatron_ds.testing.launcher import run_ranks
     ref = reference_run(tiny_config(layers), world // pp, gas, steps)
     per_rank = run_ranks(world, engine_rank_runs, pp, gas, steps, pipelines, num_layers=layers, timeout=timeout)
@@ -187,3 +188,4 @@ def assert_schedules_match_reference(world, pp, gas, layers, pipelines, steps=3,
             assert_matches_reference([r[i] for r in per_rank], ref)
         except AssertionError as exc:
             raise AssertionError(f"{pipeline}: {exc}") from None
+    return per_rank

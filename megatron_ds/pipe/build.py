@@ -20,7 +20,8 @@ from megatron_ds.model.tensor_parallel import ensure_model_parallel
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
-from .module import ChunkedPipelineModule
+from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
+from .partition import is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
 from .sequence_parallel import SequenceParallelPipelineEngine, sequence_parallel_params
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
@@ -58,6 +59,8 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                   activation_checkpoint_interval=activation_checkpoint_interval,
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
     if settings.stock:
+        if is_cost_method(settings.partition_method):
+            return CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         return PipelineModule(**common)
     plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length)
     return ChunkedPipelineModule(plan=plan, **common)

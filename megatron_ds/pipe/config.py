@@ -29,16 +29,19 @@ class PipelineSettings:
     split_backward: bool = False
     post_validation: bool = False
     partition_method: str = "type:transformer"
+    allow_padding_num_layers: bool = False
     trace_dir: Optional[str] = None
 
     @property
     def stock(self):
         return self.schedule == STOCK
 
-    def build_schedule(self, pp, micro_batches):
-        """This section's schedule for `pp` ranks and `micro_batches` (ScheduleError when impossible)."""
+    def build_schedule(self, pp, micro_batches, segment_lengths=None):
+        """This section's schedule for `pp` ranks and `micro_batches` (ScheduleError when impossible);
+        Seq1F1B's order capped by the `segment_lengths` of a sequence when given."""
         return build_schedule(self.schedule, pp, micro_batches, virtual_stages=self.virtual_stages,
-                              seq_splits=self.seq_splits, split_backward=self.split_backward)
+                              seq_splits=self.seq_splits, split_backward=self.split_backward,
+                              segment_lengths=segment_lengths)
 
 
 def _int_at_least(section, key, minimum):
@@ -63,7 +66,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
-    for key in ("split_backward", "post_validation"):
+    for key in ("split_backward", "post_validation", "allow_padding_num_layers"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     settings = PipelineSettings(
@@ -74,6 +77,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         split_backward=section.get("split_backward", False),
         post_validation=section.get("post_validation", False),
         partition_method=section.get("partition_method", "type:transformer"),
+        allow_padding_num_layers=section.get("allow_padding_num_layers", False),
         trace_dir=section.get("trace_dir"),
     )
     if not settings.stock:
@@ -89,9 +93,11 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if settings.post_validation and settings.stock:
         raise ConfigError('ds_config "pipeline.post_validation" = true needs a named "pipeline.schedule": '
                           "DeepSpeed's own engine validates before it steps")
-    if settings.partition_method not in ("uniform", "parameters") and not settings.partition_method.startswith("type:"):
-        raise ConfigError(f'ds_config "pipeline.partition_method" = {settings.partition_method!r}: '
-                          'use "uniform", "parameters" or "type:REGEX"')
+    method = settings.partition_method
+    if not isinstance(method, str) or (method not in ("uniform", "parameters", "flops")
+                                       and not method.startswith(("type:", "costs:"))):
+        raise ConfigError(f'ds_config "pipeline.partition_method" = {method!r}: use "uniform", "parameters", '
+                          '"type:REGEX", "flops", "costs:[c0, c1, ...]" or "costs:FILE.json"')
     return settings
 
 

@@ -13,6 +13,26 @@ from .config import ConfigError
 from .replicas import ReplicaSync
 
 
+def given_parts(module, parts, method):
+    """`parts` as the module's layer bounds, once they are known to cover its layer list."""
+    if parts[-1] != len(module._layer_specs):
+        raise ConfigError(f"partition_method {method!r} cut {parts[-1]} pipeline layers, but the model has "
+                          f"{len(module._layer_specs)}: the cost methods need the GPT's layer list")
+    return list(parts)
+
+
+class CostPartitionedPipelineModule(PipelineModule):
+    """DeepSpeed's PipelineModule (the stock engine's) with its stages cut by a cost method."""
+
+    def __init__(self, layers, parts, **kwargs):
+        self.given_parts = parts
+        super().__init__(layers, **kwargs)
+
+    def _partition_layers(self, method="uniform"):
+        self.parts = given_parts(self, self.given_parts, method)
+        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+
 class ChunkedPipelineModule(PipelineModule):
 
     def __init__(self, layers, plan, **kwargs):
@@ -30,14 +50,17 @@ class ChunkedPipelineModule(PipelineModule):
         return len(self.placement[0])
 
     def _partition_layers(self, method="uniform"):
-        # The parent cuts the layers into num_stages parts: make that the virtual-stage count
-        # for the call, then give num_stages back its DeepSpeed meaning (the pipeline size).
-        pp, self.num_stages = self.num_stages, self.num_virtual_stages
-        try:
-            super()._partition_layers(method)
-        finally:
-            self.num_stages = pp
-        self.parts = [int(b) for b in self.parts]  # DeepSpeed returns numpy ints
+        if self.plan.parts is not None:  # a cost method: the plan has cut them (pipe/partition.py)
+            self.parts = given_parts(self, self.plan.parts, method)
+        else:
+            # The parent cuts the layers into num_stages parts: make that the virtual-stage count
+            # for the call, then give num_stages back its DeepSpeed meaning (the pipeline size).
+            pp, self.num_stages = self.num_stages, self.num_virtual_stages
+            try:
+                super()._partition_layers(method)
+            finally:
+                self.num_stages = pp
+            self.parts = [int(b) for b in self.parts]  # DeepSpeed returns numpy ints
         empty = [s for s in range(self.num_virtual_stages) if self.parts[s] == self.parts[s + 1]]
         if empty:
             raise ConfigError(f"partition_method {method!r} leaves virtual stage(s) {empty} without layers "

@@ -12,13 +12,11 @@ from dataclasses import dataclass
 
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules.kinds import Kind
-from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
-from megatron_ds.schedules.token_cap import cap_tokens
+from megatron_ds.schedules.seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead
-
-SEGMENT_MULTIPLE = 8  # balanced Seq1F1B segment lengths are multiples of this (kernel-friendly)
+from .partition import cost_bounds, is_cost_method
 
 
 def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
@@ -36,11 +34,19 @@ def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
     return mbs, gas
 
 
-def check_layers(schedule: Schedule, num_layers: int) -> None:
+PADDING = '--allow-padding-num-layers (ds_config "pipeline.allow_padding_num_layers": true)'
+
+
+def check_layers(schedule: Schedule, num_layers: int, settings: PipelineSettings) -> None:
+    """Layer counts the partition method can cut into the schedule's virtual stages. The cost
+    methods ("flops", "costs:...") give stages unequal counts by design; pipe/partition.py checks them."""
+    if is_cost_method(settings.partition_method):
+        return
     stages = schedule.stages
-    if stages > schedule.pp and num_layers % stages:
+    if stages > schedule.pp and num_layers % stages and not settings.allow_padding_num_layers:
         raise ConfigError(f"schedule {schedule.name!r} cuts the model into {stages} virtual stages: "
-                          f"--num-layers {num_layers} must be a multiple of {stages}")
+                          f"--num-layers {num_layers} must be a multiple of {stages}, or give {PADDING} "
+                          "to let some virtual stages hold one layer less")
     if num_layers < stages:
         raise ConfigError(f"schedule {schedule.name!r} needs at least one transformer layer per virtual stage: "
                           f"--num-layers {num_layers} < {stages} stages")
@@ -95,9 +101,12 @@ class RankProgram:
 class PipelinePlan:
 
     def __init__(self, settings: PipelineSettings, pp: int, micro_batch_size: int, micro_batches: int,
-                 seq_length: int, hidden_size: int, segment_lengths: list | None = None, sequence_shards: int = 1):
-        """`sequence_shards`: the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1."""
-        self.settings, self.pp = settings, pp
+                 seq_length: int, hidden_size: int, segment_lengths: list | None = None, sequence_shards: int = 1,
+                 parts: list | None = None):
+        """`sequence_shards`: the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1.
+        `parts`: the layer bounds of the virtual stages under a cost partition method (None: DeepSpeed's
+        method cuts them when the module is built)."""
+        self.settings, self.pp, self.parts = settings, pp, parts
         self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
         self.seq_length, self.hidden_size = seq_length, hidden_size
         self.segment_lengths = list(segment_lengths) if segment_lengths else None
@@ -122,12 +131,15 @@ class PipelinePlan:
             schedule = settings.build_schedule(pp, gas)
         except ScheduleError as exc:
             raise ConfigError(f'ds_config "pipeline": {exc}') from None
-        check_layers(schedule, config.num_layers)
+        check_layers(schedule, config.num_layers, settings)
+        parts = None
+        if is_cost_method(settings.partition_method):
+            parts = cost_bounds(settings.partition_method, config, schedule.placement)
         seq = seq_length or config.max_position_embeddings
         lengths = segment_lengths(settings, config, seq) if schedule.seq_splits > 1 else None
         shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
                                  getattr(config, "sequence_parallel", False), seq, lengths)
-        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards)
+        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards, parts)
 
     @property
     def placement(self) -> list:
@@ -140,10 +152,8 @@ class PipelinePlan:
     def for_micro_batches(self, m: int) -> Schedule:
         """This run's schedule for `m` micro-batches (eval and batch ramp-up use other counts)."""
         if m not in self._schedules:
-            schedule = self.settings.build_schedule(self.pp, m)
-            if self.segment_lengths:  # unequal segments: hold no more tokens than 1F1B (schedules/token_cap.py)
-                schedule = cap_tokens(schedule, self.segment_lengths)
-            self._schedules[m] = schedule
+            # unequal segments: the generator holds no more tokens than 1F1B (schedules/token_cap.py)
+            self._schedules[m] = self.settings.build_schedule(self.pp, m, self.segment_lengths)
         return self._schedules[m]
 
     def program(self, rank: int, m: int, train: bool) -> RankProgram:

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 REPLACED = {
     "--zero-bubble-v-schedule-mem-setup": 'ds_config "pipeline": {"schedule": "zbv-half"} (half), '
                                           '"zbv-min" (min) or "zbv" (zb, --zero-bubble-v-schedule)',
-    "--allow-padding-num-layers": "not offered: --num-layers must be a multiple of the schedule's virtual stages",
     "--zero-bubble-pipeline-timers-start-iter": "not offered: schedules are fixed at start-up, not re-planned "
                                                 "from timers",
     "--zero-bubble-pipeline-timers-end-iter": "not offered: schedules are fixed at start-up, not re-planned "
@@ -78,6 +77,9 @@ def add_fork_args(parser):
     g.add_argument("--enable-optimizer-post-validation", action="store_true",
                    help='sail-sg: "pipeline.post_validation" = true')
     g.add_argument("--enable-bitpipe-schedule", action="store_true", help='BitPipe: "pipeline.schedule" = "bitpipe"')
+    g.add_argument("--allow-padding-num-layers", action="store_true",
+                   help='sail-sg: --num-layers need not be a multiple of the virtual stages; some hold one layer '
+                        'less ("pipeline.allow_padding_num_layers" = true)')
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help='Megatron-LM: "pipeline.schedule" = "interleaved", "virtual_stages" = '
                         "layers / (pipeline size x N)")
@@ -167,6 +169,8 @@ def apply_fork_flags(args, ds_config):
         pipe.set("seq_splits", args.pipe_sp_splits, f"--pipe-sp-splits {args.pipe_sp_splits}")
     if args.enable_optimizer_post_validation:
         pipe.set("post_validation", True, "--enable-optimizer-post-validation")
+    if args.allow_padding_num_layers:
+        pipe.set("allow_padding_num_layers", True, "--allow-padding-num-layers")
     _apply_recompute(args)
     if args.kill_switch_file is not None:
         if args.kill_switch_path not in (None, args.kill_switch_file):
@@ -221,17 +225,25 @@ def check_schedule_shape(args):
     """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
     segments): the pipeline plan the model build makes, made here before any rank starts (it is torch-free)."""
     from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
     from megatron_ds.pipe.plan import PipelinePlan
     settings = getattr(args, "pipeline_settings", None)
-    if settings is None or settings.stock:
+    if settings is None or (settings.stock and not is_cost_method(settings.partition_method)):
         return
-    # swiglu's smaller default FFN only moves balanced segment bounds; the build checks the exact size again
+    # swiglu's smaller default FFN only moves balanced segment bounds and "flops" cuts (the vocabulary is
+    # padded later); the build checks with the exact sizes again
     sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
                             max_position_embeddings=args.max_position_embeddings,
                             tensor_model_parallel_size=args.tensor_model_parallel_size,
-                            sequence_parallel=args.sequence_parallel)
+                            sequence_parallel=args.sequence_parallel,
+                            num_attention_heads=args.num_attention_heads,
+                            num_key_value_heads=getattr(args, "num_key_value_heads", None),
+                            swiglu=getattr(args, "swiglu", False))
     try:
+        if settings.stock:
+            stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)
+            return
         PipelinePlan.from_config(sizes, args.ds_config, args.pipeline_model_parallel_size, args.data_parallel_size,
                                  args.seq_length)
     except ConfigError as exc:

@@ -142,6 +142,25 @@ def test_schedule_shape_checked_at_parse_time(flags, message):
     assert message in str(info.value)
 
 
+def test_allow_padding_num_layers():
+    with pytest.raises(ArgumentsError) as info:
+        parse("--zero-bubble-v-schedule", "--num-layers", "6")
+    assert "--allow-padding-num-layers" in str(info.value)
+    assert pipeline("--zero-bubble-v-schedule", "--num-layers", "6", "--allow-padding-num-layers") == {
+        "schedule": "zbv", "allow_padding_num_layers": True}
+    with pytest.raises(ArgumentsError, match="disagrees with"):
+        parse("--allow-padding-num-layers", ds={"pipeline": {"schedule": "zbv", "allow_padding_num_layers": False}})
+
+
+def test_cost_partition_checked_at_parse_time():
+    """An impossible cost partition stops the parse, for our engine and DeepSpeed's own."""
+    for schedule in ("zbv", "deepspeed"):
+        with pytest.raises(ArgumentsError, match=r"3 costs for 11 pipeline layers"):
+            parse(ds={"pipeline": {"schedule": schedule, "partition_method": "costs:[1, 2, 3]"}})
+    section = pipeline(ds={"pipeline": {"schedule": "zbv", "partition_method": "flops"}})
+    assert section["partition_method"] == "flops"
+
+
 def test_bitpipe_needs_even_pipeline():
     with pytest.raises(ArgumentsError, match="bitpipe needs an even pipeline size"):
         parse_args(BASE[:-1] + ["3", "--enable-bitpipe-schedule", "--global-batch-size", "3",
@@ -157,14 +176,15 @@ def _cli(*extra):
 
 
 def test_cli_unknown_flags_and_shape_error_are_one_line_exit_2_fast():
-    rc, lines, _ = _cli("--zero-bubble-v-schedul", "--num-seq-splits", "4", "--allow-padding-num-layers")
+    rc, lines, _ = _cli("--zero-bubble-v-schedul", "--num-seq-splits", "4", "--zero-bubble-pipeline-timers-start-iter")
     assert rc == 2
     assert lines == [
         "pretrain_gpt.py: error: unrecognized argument --zero-bubble-v-schedul: did you mean --zero-bubble-v-schedule?",
         'pretrain_gpt.py: error: unrecognized argument --num-seq-splits: --pipe-sp-splits K (ds_config "pipeline": '
         '{"schedule": "seq1f1b", "seq_splits": K})',
-        "pretrain_gpt.py: error: unrecognized argument --allow-padding-num-layers: not offered: --num-layers must be "
-        "a multiple of the schedule's virtual stages"]
+        "pretrain_gpt.py: error: unrecognized argument --zero-bubble-pipeline-timers-start-iter: not offered: "
+        "schedules are fixed at start-up, not re-planned from timers"]
     rc, lines, seconds = _cli("--zero-bubble-v-schedule", "--num-layers", "6")
     assert rc == 2 and len(lines) == 1 and "--num-layers 6 must be a multiple of 4" in lines[0], lines
+    assert "--allow-padding-num-layers" in lines[0]
     assert seconds < 2.0, f"a schedule-shape error took {seconds:.2f} s"
