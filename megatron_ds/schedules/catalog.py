@@ -39,8 +39,10 @@ class ScheduleSpec:
     split_backward: str = NEVER
     check: Optional[Check] = None
 
-    def knobs(self, virtual_stages: int = 1, seq_splits: int = 1, split_backward: bool = False) -> dict:
-        """The generator's keyword arguments; refuses a knob this schedule does not take."""
+    def knobs(self, virtual_stages: int = 1, seq_splits: int = 1, split_backward: bool = False,
+              segment_lengths=None) -> dict:
+        """The generator's keyword arguments; refuses a knob this schedule does not take.
+        `segment_lengths` (tokens per segment) go with seq_splits: Seq1F1B caps its order by them."""
         out = {}
         if self.virtual_stages == ANY:
             out["virtual_stages"] = virtual_stages
@@ -51,6 +53,10 @@ class ScheduleSpec:
                                 f"virtual stages apply to {', '.join(takes('virtual_stages'))}")
         if self.seq_splits:
             out["seq_splits"] = seq_splits
+            if segment_lengths is not None:
+                out["segment_lengths"] = list(segment_lengths)
+        elif segment_lengths is not None:
+            raise ScheduleError(f"{self.name} does not take segment_lengths: it does not split the sequence")
         elif seq_splits != 1:
             raise ScheduleError(f"{self.name} does not take seq_splits={seq_splits}: sequence "
                                 f"splitting needs schedule {' or '.join(takes('seq_splits'))}")
@@ -130,14 +136,14 @@ def lookup(name: str) -> ScheduleSpec:
 
 
 def build_schedule(name: str, pp: int, micro_batches: int, *, virtual_stages: int = 1,
-                   seq_splits: int = 1, split_backward: bool = False) -> Schedule:
+                   seq_splits: int = 1, split_backward: bool = False, segment_lengths=None) -> Schedule:
     """Look the schedule up, check the settings, generate the per-rank op lists, validate them."""
     spec = lookup(name)
     for key, val in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages),
                      ("seq_splits", seq_splits)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ScheduleError(f"{name} needs a positive integer {key} ({key}={val!r})")
-    knobs = spec.knobs(virtual_stages, seq_splits, split_backward)
+    knobs = spec.knobs(virtual_stages, seq_splits, split_backward, segment_lengths)
     if spec.check:
         spec.check(pp, micro_batches, virtual_stages, seq_splits)
     schedule = spec.generate(pp, micro_batches, **knobs)

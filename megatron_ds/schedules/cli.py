@@ -10,6 +10,7 @@ from .compare import compare_rows, format_table
 from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
 from .render import ascii_timeline, summary_table
+from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths, segment_costs
 
 
 def _schedule_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,12 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (interleaved, seq1f1b-I)")
     p.add_argument("--seq-splits", type=int, default=1, help="sequence segments (seq1f1b)")
     p.add_argument("--split-backward", action="store_true", help="split the backward into B and W (seq1f1b)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="tokens per sequence (seq1f1b): the segments' lengths cap the order as the engine does")
+    p.add_argument("--seq-split-method", choices=["balanced", "even"], default="balanced",
+                   help='with --seq-length: as ds_config "pipeline.seq_split_method"')
+    p.add_argument("--hidden-size", type=int, default=None, help="with --seq-length and balanced: the model's")
+    p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x --hidden-size")
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -45,10 +52,25 @@ def _triple(text: str) -> tuple:
     return vals
 
 
+def _segment_lengths(args):
+    """Token counts of the segments, as pipe/plan.py cuts them (None without --seq-length)."""
+    if args.seq_length is None or args.seq_splits == 1:
+        return None
+    if args.seq_split_method == "even":
+        if args.seq_length % args.seq_splits:
+            raise ScheduleError(f"--seq-length {args.seq_length} must be a multiple of --seq-splits "
+                                f"{args.seq_splits} for the even split")
+        return even_segment_lengths(args.seq_length, args.seq_splits)
+    if args.hidden_size is None:
+        raise ScheduleError("--seq-length with the balanced split needs --hidden-size (segment FLOPs depend on it)")
+    return balanced_segment_lengths(args.seq_length, args.seq_splits, args.hidden_size, args.ffn_hidden_size,
+                                    SEGMENT_MULTIPLE)
+
+
 def _build(args) -> object:
     return build_schedule(args.schedule, args.pp, args.micro_batches,
                           virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
-                          split_backward=args.split_backward)
+                          split_backward=args.split_backward, segment_lengths=_segment_lengths(args))
 
 
 def _export(args) -> None:
@@ -62,7 +84,12 @@ def _export(args) -> None:
 
 def _show(args) -> None:
     costs = ModelCosts(args.tf, args.tb, args.tw, embed=args.embed_cost, head=args.head_cost)
-    res = evaluate(_build(args), costs, p2p_latency=args.p2p_latency)
+    sched = _build(args)
+    seq_costs = None
+    if sched.segment_lengths:  # a segment costs its FLOPs (bench/layer_costs.py), else its tokens
+        seq_costs = (segment_costs(sched.segment_lengths, args.hidden_size, args.ffn_hidden_size)
+                     if args.hidden_size else list(sched.segment_lengths))
+    res = evaluate(sched, costs, p2p_latency=args.p2p_latency, seq_costs=seq_costs)
     print(ascii_timeline(res, width=args.width))
     print()
     print(summary_table(res))

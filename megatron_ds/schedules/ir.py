@@ -67,6 +67,7 @@ class Schedule:
     seq_splits: int
     placement: list[list[int]]
     ranks: list[list[Op]] = field(default_factory=list)
+    segment_lengths: list[int] | None = None  # tokens of each sequence segment, when the generator was told
 
     @property
     def loss_stage(self) -> int:
@@ -107,12 +108,12 @@ class Schedule:
         return {op.mb: op.replica for _, _, op in self.ops()}
 
     def to_dict(self) -> dict:
-        return {
-            "schedule": self.name, "pp": self.pp, "micro_batches": self.micro_batches,
-            "replicas": self.replicas, "stages": self.stages, "seq_splits": self.seq_splits,
-            "placement": [list(row) for row in self.placement],
-            "ranks": [[op.to_dict() for op in lst] for lst in self.ranks],
-        }
+        head = {"schedule": self.name, "pp": self.pp, "micro_batches": self.micro_batches,
+                "replicas": self.replicas, "stages": self.stages, "seq_splits": self.seq_splits}
+        if self.segment_lengths is not None:
+            head["segment_lengths"] = list(self.segment_lengths)
+        return {**head, "placement": [list(row) for row in self.placement],
+                "ranks": [[op.to_dict() for op in lst] for lst in self.ranks]}
 
     def to_json(self, indent: int | None = None) -> str:
         if indent is None:
@@ -142,7 +143,9 @@ class Schedule:
                    replicas=int(d["replicas"]), stages=int(d["stages"]),
                    seq_splits=int(d["seq_splits"]),
                    placement=[[int(r) for r in row] for row in d["placement"]],
-                   ranks=[[Op.from_dict(o) for o in lst] for lst in d["ranks"]])
+                   ranks=[[Op.from_dict(o) for o in lst] for lst in d["ranks"]],
+                   segment_lengths=None if d.get("segment_lengths") is None
+                   else [int(n) for n in d["segment_lengths"]])
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":

@@ -16,6 +16,8 @@ from typing import Sequence
 
 from .ir import ScheduleError
 
+SEGMENT_MULTIPLE = 8  # balanced segment lengths the runtime uses are multiples of this (kernel-friendly)
+
 
 def _linear_flops_per_token(hidden: int, ffn: int | None) -> float:
     ffn = 4 * hidden if ffn is None else ffn

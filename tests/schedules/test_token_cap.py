@@ -34,3 +34,39 @@ def test_capped_seq1f1b_holds_no_more_tokens_than_1f1b(pp, m, k, hidden, split):
 def test_even_segments_leave_the_order_alone():
     plain = build_schedule("seq1f1b", 4, 8, seq_splits=4)
     assert cap_tokens(build_schedule("seq1f1b", 4, 8, seq_splits=4), [512] * 4).ranks == plain.ranks
+
+
+def test_generator_caps_and_the_cli_exports_the_engines_order(capsys):
+    """The cap lives in the seq1f1b generator: build_schedule with segment_lengths, the CLI export
+    with --seq-length/--hidden-size and the engine's plan (pipe/plan.py) give one op order."""
+    from types import SimpleNamespace
+
+    from megatron_ds.pipe.plan import PipelinePlan
+    from megatron_ds.schedules import Schedule
+    from megatron_ds.schedules.cli import main
+
+    lengths = balanced_segment_lengths(2048, 4, 256)
+    built = build_schedule("seq1f1b", 4, 8, seq_splits=4, segment_lengths=lengths)
+    assert built.ranks == cap_tokens(build_schedule("seq1f1b", 4, 8, seq_splits=4), lengths).ranks
+    assert built.ranks != build_schedule("seq1f1b", 4, 8, seq_splits=4).ranks
+    assert built.segment_lengths == lengths
+    assert main(["export", "--schedule", "seq1f1b", "--pp", "4", "--micro-batches", "8", "--seq-splits", "4",
+                 "--seq-length", "2048", "--hidden-size", "256"]) == 0
+    exported = Schedule.from_json(capsys.readouterr().out)
+    assert exported.segment_lengths == lengths and exported.ranks == built.ranks
+    config = SimpleNamespace(num_layers=4, hidden_size=256, ffn_hidden_size=1024, max_position_embeddings=2048)
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 1},
+          "pipeline": {"schedule": "seq1f1b", "seq_splits": 4}}
+    plan = PipelinePlan.from_config(config, ds, 4, 1)
+    assert plan.segment_lengths == lengths and plan.schedule.ranks == built.ranks
+    assert main(["show", "--schedule", "seq1f1b", "--pp", "4", "--micro-batches", "8", "--seq-splits", "4",
+                 "--seq-length", "2048", "--hidden-size", "256"]) == 0
+    assert "makespan" in capsys.readouterr().out
+
+
+def test_segment_lengths_refused_where_they_do_not_apply():
+    from megatron_ds.schedules import ScheduleError
+    with pytest.raises(ScheduleError, match="1f1b does not take segment_lengths"):
+        build_schedule("1f1b", 4, 8, segment_lengths=[4, 4])
+    with pytest.raises(ScheduleError, match="give seq_splits=4 positive token counts"):
+        build_schedule("seq1f1b", 4, 8, seq_splits=4, segment_lengths=[512, 512])
