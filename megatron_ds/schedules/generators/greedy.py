@@ -38,7 +38,18 @@ def list_schedule(skeleton: Schedule, work: Sequence[Sequence[Op]],
                      skeleton.stages, skeleton.seq_splits, skeleton.placement,
                      [list(w) for w in work])
     index = UnitIndex(probe)
-    end: dict[Op, float] = {}
+    # Readiness by counting: an op is ready at t once none of its dependencies is unscheduled
+    # and the last of them ends by t (what re-checking every dependency at every event gives).
+    dependents: dict[Op, list[Op]] = {}
+    unscheduled: dict[Op, int] = {}
+    ready_at: dict[Op, float] = {}
+    for w in work:
+        for op in w:
+            deps = index.deps(op)
+            unscheduled[op], ready_at[op] = len(deps), 0.0
+            for d in deps:
+                dependents.setdefault(d, []).append(op)
+    ends: list[float] = []   # a heap of the end times scheduled so far
     todo = [list(w) for w in work]
     state = State(skeleton.pp)
     events = [(0.0, r) for r in range(skeleton.pp) if todo[r]]
@@ -47,26 +58,30 @@ def list_schedule(skeleton: Schedule, work: Sequence[Sequence[Op]],
     while events:
         t, r = heapq.heappop(events)
         state.time = t
-        ready = [op for op in todo[r]
-                 if all(d in end and end[d] <= t for d in index.deps(op))]
+        ready = [op for op in todo[r] if not unscheduled[op] and ready_at[op] <= t]
         op = choose(r, ready, state) if ready else None
         if op is None:
-            later = [e for e in end.values() if e > t]
-            if later:
-                heapq.heappush(events, (min(later), r))
+            while ends and ends[0] <= t:
+                heapq.heappop(ends)
+            if ends:
+                heapq.heappush(events, (ends[0], r))
             else:
                 waiting.add(r)
             continue
         todo[r].remove(op)
-        end[op] = t + duration(op)
+        end = t + duration(op)
+        heapq.heappush(ends, end)
+        for nxt in dependents.get(op, ()):
+            unscheduled[nxt] -= 1
+            ready_at[nxt] = max(ready_at[nxt], end)
         state.done[r].append(op)
         if memory is not None:
             state.in_flight[r] += memory(op)
         if todo[r]:
-            heapq.heappush(events, (end[op], r))
+            heapq.heappush(events, (end, r))
         # Ranks that found nothing to wait for get another look once this op ends.
         for w in sorted(waiting):
-            heapq.heappush(events, (end[op], w))
+            heapq.heappush(events, (end, w))
         waiting.clear()
     stuck = [r for r in range(skeleton.pp) if todo[r]]
     if stuck:
