@@ -15,6 +15,11 @@ virtual stages, sequence splits with FLOP-balanced segments, B/W split) for --pp
 peak activation memory (micro-batches of one 1F1B stage) and iteration time / 1F1B's, fastest first.
 Communication is not modelled (--p2p-latency-ms adds a fixed latency per message).
 
+--costs-out FILE also times the embedding and the LM head with its loss (F + backward, for a
+--vocab-size vocabulary, tied unless --untie-embeddings-and-output-weights) and writes
+{"layer_costs": [ms of F+B+W of each pipeline layer: embedding, --num-layers transformer
+layers, final norm, head], ...}: the file "pipeline.partition_method" = "costs:FILE" balances.
+
     python bench/layer_costs.py --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
         --micro-batch-size 1 --pp 4 --micro-batches 16 --swiglu --normalization rmsnorm \\
         --position-embedding-type rope --num-key-value-heads 4 --bf16
@@ -55,6 +60,9 @@ def build_parser():
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    g.add_argument("--vocab-size", type=int, default=50304, help="for --costs-out: the padded vocabulary")
+    g.add_argument("--costs-out", default=None,
+                   help='write the per-layer costs as JSON for "pipeline.partition_method": "costs:FILE"')
     return parser
 
 
@@ -99,19 +107,28 @@ class Timer:
         return time.perf_counter() - t0
 
 
-def measure_layer(args):
-    """(TF, TB, TW, device name) in seconds: medians over args.repeats after args.warmup."""
+def setup(args, vocab_size=64):
+    """(GPTConfig, device, dtype) of the model the flags describe."""
     import torch
-    from megatron_ds.model import GPTConfig, TransformerLayer, WeightGradStore
+    from megatron_ds.model import GPTConfig
     from megatron_ds.training.model_args import MODEL_FAMILY_ARGS
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     family = {n: getattr(args, n) for n in MODEL_FAMILY_ARGS if getattr(args, n, None) is not None}
-    config = GPTConfig(vocab_size=64, hidden_size=args.hidden_size, num_layers=args.num_layers,
+    config = GPTConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=args.seq_length,
                        ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
                        attention_dropout=args.attention_dropout, **family)
+    return config, device, dtype
+
+
+def measure_layer(args):
+    """(TF, TB, TW, device name) in seconds: medians over args.repeats after args.warmup."""
+    import torch
+    from megatron_ds.model import TransformerLayer, WeightGradStore
+
+    config, device, dtype = setup(args)
     layer = TransformerLayer(config, 1).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
@@ -136,6 +153,50 @@ def measure_layer(args):
         layer.zero_grad(set_to_none=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return (*(statistics.median(times[k]) for k in "FBW"), f"{name} {str(dtype).replace('torch.', '')}")
+
+
+def measure_ends(args):
+    """Seconds of forward + backward of the embedding, the final norm and the LM head with its loss."""
+    import torch
+    from megatron_ds.model import Embedding, FinalNorm, LMHead, gpt_loss, position_ids_like
+    from megatron_ds.model.layers import lm_head
+
+    config, device, dtype = setup(args, args.vocab_size)
+    timer = Timer(device)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), generator=g).to(device)
+    labels = torch.randint(0, args.vocab_size, tokens.shape, generator=g).to(device)
+    shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
+    hidden = torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    embed = Embedding(config, 0).to(device=device, dtype=dtype)
+    norm = FinalNorm(config, 1).to(device=device, dtype=dtype)
+    head = (LMHead(config, 2).to(device=device, dtype=dtype) if config.untie_embeddings_and_output_weights
+            else lambda x: lm_head(embed, x))
+    steps = {"embedding": lambda: embed((tokens, position_ids_like(tokens))).backward(grad),
+             "norm": lambda: norm(hidden).backward(grad),
+             "head": lambda: gpt_loss(head(hidden), labels).backward()}
+    out = {}
+    for name, step in steps.items():
+        times = [timer(step) for _ in range(args.warmup + args.repeats)]
+        out[name] = statistics.median(times[args.warmup:])
+    return out
+
+
+def write_costs(args, tf, tb, tw, device):
+    """The per-layer costs file of "pipeline.partition_method": "costs:FILE" (written whole, then renamed)."""
+    import json
+    ends = measure_ends(args)
+    costs = [ends["embedding"]] + [tf + tb + tw] * args.num_layers + [ends["norm"], ends["head"]]
+    data = {"layer_costs": [round(c * 1e3, 6) for c in costs], "unit": "ms of forward + backward",
+            "layers": ["embedding"] + [f"transformer {i}" for i in range(1, args.num_layers + 1)]
+            + ["final norm", "head + loss"], "device": device, "vocab_size": args.vocab_size}
+    tmp = args.costs_out + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=1)
+    os.replace(tmp, args.costs_out)
+    print(f"\nembedding {ends['embedding'] * 1e3:.3f} ms, final norm {ends['norm'] * 1e3:.3f} ms, head + loss "
+          f"{ends['head'] * 1e3:.3f} ms (= {ends['head'] / (tf + tb + tw):.2f} layers): wrote {args.costs_out}")
 
 
 def schedule_rows(args, tf, tb, tw):
@@ -182,6 +243,8 @@ def main(argv=None):
         print(f"{label:<24}{makespan * 1e3:>14.3f}{bubble:>8.3f}{peak:>10.2f}{makespan / base:>8.3f}")
     for label, _, reason in (r for r in rows if r[1] is None):
         print(f"{label:<24}{'n/a':>14}  {reason}")
+    if args.costs_out:
+        write_costs(args, TF, TB, TW, device)
     return TF, TB, TW, rows
 
 

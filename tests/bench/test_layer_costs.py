@@ -35,3 +35,19 @@ def test_bad_model_flags_exit_2():
     with pytest.raises(SystemExit) as exc:
         layer_costs.main(TINY + ["--num-key-value-heads", "3"])
     assert exc.value.code == 2
+
+
+def test_costs_out_feeds_the_costs_partition(tmp_path, capsys):
+    """--costs-out writes one cost per pipeline layer; "costs:FILE" reads it and cuts by it."""
+    import json
+
+    from megatron_ds.pipe.partition import cost_bounds
+    from megatron_ds.schedules import placement
+
+    path = tmp_path / "costs.json"
+    layer_costs.main(TINY + ["--num-layers", "4", "--vocab-size", "4096", "--costs-out", str(path)])
+    data = json.loads(path.read_text())
+    assert len(data["layer_costs"]) == 4 + 3 and all(c > 0 for c in data["layer_costs"])
+    assert data["layers"][0] == "embedding" and data["layers"][-1] == "head + loss"
+    bounds = cost_bounds(f"costs:{path}", type("C", (), {"num_layers": 4})(), placement.v_shape(2))
+    assert bounds[0] == 0 and bounds[-1] == 7 and len(bounds) == 5
