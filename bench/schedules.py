@@ -43,8 +43,10 @@ RATIOS = {"1:1:1": (1.0, 1.0, 1.0), "1:1:0.5": (1.0, 1.0, 0.5)}
 ENGINES = engines(seq_splits=(2, 4), seq_split_method="even")
 
 
-def settings(p):
-    return [(m, ratio) for m in (p, 2 * p) for ratio in RATIOS]
+def settings(p, opts=None):
+    """(m, ratio) pairs: m = p and 2p unless opts["micro_batches"] names them, every ratio unless opts["ratios"]."""
+    opts = opts or {}
+    return [(m, ratio) for m in (opts.get("micro_batches") or (p, 2 * p)) for ratio in (opts.get("ratios") or RATIOS)]
 
 
 def slug(name):
@@ -120,7 +122,7 @@ def worker(p, opts, out_root):
     data = [((torch.randn(MBS, SEQ, HIDDEN, generator=g),), torch.randn(MBS, SEQ, HIDDEN, generator=g))
             for _ in range(2 * p)]
     per_layer = p / (2 * p) * opts["tf_ms"] / 1e3  # a 1F1B stage holds 2 of the 2p layers
-    for m, ratio in settings(p):
+    for m, ratio in settings(p, opts):
         key = setting_key(p, m, ratio)
         costs.tf, costs.tb, costs.tw = (x * per_layer for x in RATIOS[ratio])
         live = {n: e for n, e in built.items() if not unsupported(n, p, m)}
@@ -238,6 +240,21 @@ def summary(tables, column="vs_stock", title="iteration / DS 1F1B's"):
     return "\n".join(lines)
 
 
+DUALPIPEV_CLAIM = 0.946  # our DualPipeV's iteration must stay below this fraction of DeepSpeed 1F1B's
+
+
+def claims(tables):
+    """One line per setting: our dualpipev's iteration over DeepSpeed 1F1B's, measured in the same run."""
+    lines = []
+    for key, t in tables.items():
+        ours, base = t["rows"].get("dualpipev", {}), t["rows"].get(STOCK, {}).get("iteration")
+        if "iteration" in ours and base:
+            ratio = ours["iteration"] / base
+            lines.append(f"{key}: dualpipev / DS 1F1B = {ratio:.3f} ({'<' if ratio < DUALPIPEV_CLAIM else 'NOT <'} "
+                         f"{DUALPIPEV_CLAIM})")
+    return lines
+
+
 def pictures(tables, key, out_dir, tf_ms):
     """Measured-over-simulated timeline of every engine at one setting."""
     from megatron_ds.schedules import simulate
@@ -263,6 +280,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--tf-ms", type=float, default=100.0, help="TF of one 1F1B stage, milliseconds")
+    ap.add_argument("--micro-batches", type=int, nargs="+", default=None, help="default: p and 2p")
+    ap.add_argument("--ratios", nargs="+", default=None, choices=list(RATIOS), help="TF:TB:TW settings (default all)")
     ap.add_argument("--iterations", type=int, default=3, help="timed iterations per engine and setting")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations per engine and setting")
     ap.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="NAME",
@@ -277,7 +296,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if STOCK not in args.engines:
         args.engines.insert(0, STOCK)
-    opts = {"tf_ms": args.tf_ms, "iterations": args.iterations, "warmup": args.warmup, "engines": args.engines}
+    opts = {"tf_ms": args.tf_ms, "iterations": args.iterations, "warmup": args.warmup, "engines": args.engines,
+            "micro_batches": args.micro_batches, "ratios": args.ratios}
     started = time.time()
     load_before = os.getloadavg()
     print(f"# bench/schedules.py on {os.cpu_count()} CPU cores, load average {load_before[0]:.2f} "
@@ -299,6 +319,8 @@ def main(argv=None):
             if table["p"] == p:
                 print("\n" + markdown(table, args.tf_ms), flush=True)
     print("\n" + summary(tables) + "\n\n" + summary(tables, "meas_sim", "measured / simulated makespan"))
+    for line in claims(tables):
+        print(line)
     load_after = os.getloadavg()
     print(f"\n# done in {time.time() - started:.0f} s; load average {load_after[0]:.2f} {load_after[1]:.2f} "
           f"{load_after[2]:.2f} at end")
