@@ -7,7 +7,9 @@ of the next (at p=4, k=4, seq 2048: 2416 tokens, 1.18 micro-batches). `cap_token
 backward ops ahead of a forward, in their own order and only once their forward has run,
 until the forward fits under the rank's 1F1B amount, (p - r) micro-batches (one chunk per
 rank). Forwards keep their order and slots, so nothing another rank waits for comes later
-than a backward it would anyway wait behind.
+than a backward it would anyway wait behind. The seq1f1b generator applies it when it is given
+the segment lengths (the engine's plan gives them), so every reader of the schedule sees the
+capped order.
 """
 from __future__ import annotations
 

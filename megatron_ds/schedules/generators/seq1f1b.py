@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..kinds import BW, F
-from ..ir import Op, Schedule
+from ..ir import Op, Schedule, ScheduleError
 from .. import placement
-from ..ir import ScheduleError
 from ..token_cap import cap_tokens
 from .common import one_f_one_b, split_weights, units
 from .interleaved import interleaved
