@@ -33,7 +33,8 @@ LAYOUT_KEY = "megatron_ds_pipeline_layout"
 class ScheduleEngine(PipelineEngine):
     """DeepSpeed's template methods it overrides: _train_schedule and _inference_schedule (the op
     lists), _exec_schedule (to bracket it with the tracer), _aggregate_total_loss, eval_batch,
-    set_dataiterator, save_checkpoint (to record the layout), and _INSTRUCTION_MAP (DeepSpeed's own
+    set_dataiterator, save_checkpoint (to record the layout), _take_model_step (post-validation's
+    optimizer step, megatron_ds/pipe/post_validation.py), and _INSTRUCTION_MAP (DeepSpeed's own
     handlers for the step's reductions and optimizer step, ours for the ops; ReduceTiedGrads first sums
     the sequence-parallel gradients over the TP group, see sequence_parallel.py)."""
 
@@ -75,6 +76,16 @@ class ScheduleEngine(PipelineEngine):
 
     def _inference_schedule(self, micro_batches):
         return self._start(micro_batches, train=False)
+
+    def _take_model_step(self, lr_kwargs):
+        # DeepSpeed's step, overflow count and lr schedule, with post-validation's optimizer step
+        if self._post_validation is None:
+            return super()._take_model_step(lr_kwargs)
+        zero, self.optimizer = self.optimizer, self._post_validation.optimizer()
+        try:
+            return super()._take_model_step(lr_kwargs)
+        finally:
+            self.optimizer = zero
 
     # -- data ----------------------------------------------------------------------------------
     def set_dataiterator(self, iterator):

@@ -1,6 +1,8 @@
 """Optimizer post-validation (Zero Bubble PP, Sec. 4) for DeepSpeed's ZeRO-1 optimizer under a pipeline.
 
-`"pipeline": {"post_validation": true}` replaces the step of the engine's DeepSpeedZeroOptimizer.
+`"pipeline": {"post_validation": true}` replaces the step of the engine's DeepSpeedZeroOptimizer: ScheduleEngine's
+`_take_model_step` runs DeepSpeed's own with `PostValidation.optimizer()` in the optimizer's place, a view of the
+ZeRO optimizer whose `step` is this module's (the optimizer object itself is left as DeepSpeed built it).
 
 DeepSpeed's step (stage_1_and_2.py, `step`) opens with collectives over the data-parallel group and then
 the model-parallel group, which is the whole pipeline: the inf/nan flag and the squared gradient norm of
@@ -104,8 +106,23 @@ class ZeroInternals:
         self.opt._hp_optimizer_states_linked = False
 
 
+class StepView:
+    """The ZeRO optimizer as DeepSpeed's `_take_model_step` sees it under post-validation: every
+    attribute is the optimizer's (read through), `step` is post-validation's."""
+
+    def __init__(self, post_validation):
+        self._post_validation = post_validation
+
+    def step(self, closure=None):
+        return self._post_validation.step(closure)
+
+    def __getattr__(self, name):
+        return getattr(self._post_validation.opt, name)
+
+
 class PostValidation:
-    """Takes over `engine.optimizer.step`; `counts` says which path each step took.
+    """The step that stands in for the ZeRO optimizer's (through `optimizer()`, see ScheduleEngine's
+    `_take_model_step`); `counts` says which path each step took.
     `loss_sum()` is this rank's loss sum of the iteration, sent with the check."""
 
     def __init__(self, engine, loss_sum):
@@ -124,7 +141,10 @@ class PostValidation:
         self._arrival = self._copy = None  # seconds: launch to check, keeping the copy (running averages)
         self._spare = None  # the kept copy's buffers, reused every step
         self.counts = {"steps": 0, "optimistic": 0, "redone": 0, "rolled_back_skipped": 0, "skipped": 0}
-        opt.step = self.step
+
+    def optimizer(self):
+        """What DeepSpeed's step bookkeeping reads as `engine.optimizer` while this step runs."""
+        return StepView(self)
 
     # -- the step ----------------------------------------------------------------------------------
     @torch.no_grad()

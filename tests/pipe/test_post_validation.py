@@ -70,6 +70,7 @@ def run_case(pp, schedule, post_validation, clip, inf=False, bf16=False, shortcu
         engine._inf_at_step = INF_STEP
     if post_validation:
         engine._post_validation.shortcuts = shortcuts
+        assert "step" not in vars(engine.optimizer), "the ZeRO optimizer stays as DeepSpeed built it"
     dp_rank = engine.grid.get_data_parallel_rank()
     losses, norms, lrs, skipped, scales = [], [], [], [], []
     for step in range(STEPS):
