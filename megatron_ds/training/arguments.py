@@ -171,14 +171,22 @@ def _err(msg):
     raise ArgumentsError(msg)
 
 
-# What parse_args computes from the flags, the launcher's environment and the ds_config. Each is
-# written once, in validate_args or merge_ds_config (the _check_* functions only raise); model_args,
-# fork_flags, observability and initialize add their own.
+# Every attribute written onto the Namespace after argparse, new or a flag rewritten (an alias
+# resolved, a default filled in); nothing else is (tests/training/test_arguments.py checks). DERIVED:
+# by parse_args, in validate_args or merge_ds_config (the _check_* functions only raise) and the
+# functions they call in model_args, fork_flags and observability.
 DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size", "micro_batch_size",
            "global_batch_size", "gradient_accumulation_steps", "clip_grad", "zero_stage", "bf16", "fp16",
            "pipeline_settings", "activation_checkpoint_interval", "ds_config", "rampup_batch_size",
            "batch_schedule", "train_iters", "train_samples", "lr_decay_steps", "lr_warmup_steps",
-           "save_interval", "loss_curve")
+           "save_interval", "loss_curve",
+           "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
+           "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
+           "log_level_replica")  # observability: defaults to --log-level
+# Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
+# world_size again, from the launcher), setup_model_and_optimizer (the FFN size the model chose)
+# and data.tokenizer.build_tokenizer.
+DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "padded_vocab_size")
 
 
 def validate_args(args):

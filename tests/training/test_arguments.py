@@ -136,6 +136,63 @@ def test_every_derived_value_is_computed_once_by_parse_args(tmp_path):
     args = parse("--micro-batch-size", "2", "--save", "ckpt", "--tensorboard-dir", "tb",
                  "--pipeline-model-parallel-size", "2")
     missing = [name for name in DERIVED if getattr(args, name, None) is None]
-    assert missing == ["rampup_batch_size"], missing  # None: no ramp-up was asked for
+    assert missing == ["rampup_batch_size", "kill_switch_path"], missing  # None: neither was asked for
     assert (args.max_position_embeddings, args.save_interval, args.train_samples) == (16, 10, 40)
     assert args.loss_curve == "tb/loss_curve.png" and (args.lr_decay_steps, args.lr_warmup_steps) == (40, 0)
+
+
+@pytest.mark.parametrize("extra,aliases", [
+    (["--micro-batch-size", "2", "--save", "ckpt", "--tensorboard-dir", "tb"], set()),
+    (["--micro-batch-size", "2", "--glu-activation", "swiglu", "--use-rotary-position-embeddings",
+      "--group-query-attention", "--num-query-groups", "1", "--recompute-activations", "--recompute-num-layers",
+      "2", "--kill-switch-file", "stop", "--log-level", "info", "--enable-zbh1-pipeline",
+      "--pipeline-model-parallel-size", "2"],
+     {"swiglu", "position_embedding_type", "num_key_value_heads", "checkpoint_activations", "checkpoint_num_layers",
+      "kill_switch_path", "log_level_replica"}),
+])
+def test_parse_args_writes_only_declared_attributes(extra, aliases):
+    """Every attribute parse_args adds to argparse's Namespace, or changes, is declared in DERIVED."""
+    from megatron_ds.training.arguments import DERIVED, build_parser
+    parsed = vars(build_parser().parse_args(BASE + extra))
+    args = vars(parse(*extra))
+    written = {name for name, value in args.items() if name not in parsed or parsed[name] != value}
+    assert written - set(DERIVED) == set()
+    assert aliases <= written
+
+
+def _attributes_written(path):
+    """(name, line) of every `args.NAME = ...` (tuple targets too) and setattr(args, "NAME", ...) in a file."""
+    import ast
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "args":
+                        yield t.attr, node.lineno
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
+              and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"):
+            yield getattr(node.args[1], "value", "<computed>"), node.lineno
+
+
+def test_every_attribute_written_onto_args_is_declared():
+    """Source scan: the training path (megatron_ds/training/, the tokenizer) writes only DERIVED and
+    DERIVED_AT_START; the rest of the package (checkpoint tools reading a saved Namespace) writes only
+    those or flags."""
+    import glob
+    import os
+    import megatron_ds
+    from megatron_ds.training.arguments import DERIVED, DERIVED_AT_START, build_parser
+    root = os.path.dirname(megatron_ds.__file__)
+    declared = set(DERIVED) | set(DERIVED_AT_START)
+    flags = {action.dest for action in build_parser()._actions}
+    strict = {os.path.join(root, "data", "tokenizer.py")} | set(glob.glob(os.path.join(root, "training", "*.py")))
+    undeclared = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        if os.path.join("data", "preprocessing") in path:  # tools/preprocess_data.py's own parser
+            continue
+        allowed = declared if path in strict else declared | flags
+        undeclared += [f"{os.path.relpath(path, root)}:{line} args.{name}"
+                       for name, line in _attributes_written(path) if name not in allowed]
+    assert undeclared == [], "declare these in megatron_ds/training/arguments.py DERIVED / DERIVED_AT_START"
