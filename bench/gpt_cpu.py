@@ -31,7 +31,7 @@ import time
 import warnings
 
 from bench.engines import DUALPIPEV, STOCK, engines
-from bench.launch import launch
+from megatron_ds.testing.launcher import run_ranks
 
 ENGINES = engines()
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -142,7 +142,8 @@ def run_table(args, opts):
             if runs[name, tp] and "na" in runs[name, tp][0]:
                 continue
             print(f"round {rnd + 1}: {name} TP={tp} ...", file=sys.stderr, flush=True)
-            runs[name, tp].append(launch(args.pp * tp, worker, name, {**opts, "tp": tp}, timeout=1800))
+            runs[name, tp].append(run_ranks(args.pp * tp, worker, name, {**opts, "tp": tp}, timeout=1800,
+                                            quiet=True)[0])
     return runs
 
 

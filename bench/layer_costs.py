@@ -20,7 +20,7 @@ Communication is not modelled (--p2p-latency-ms adds a fixed latency per message
 {"layer_costs": [ms of F+B+W of each pipeline layer: embedding, --num-layers transformer
 layers, final norm, head], ...}: the file "pipeline.partition_method" = "costs:FILE" balances.
 
-    python bench/layer_costs.py --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
+    python -m bench.layer_costs --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
         --micro-batch-size 1 --pp 4 --micro-batches 16 --swiglu --normalization rmsnorm \\
         --position-embedding-type rope --num-key-value-heads 4 --bf16
 """
@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_ds.training.model_args import add_model_args, validate_model_args  # noqa: E402
+from megatron_ds.training.model_args import add_model_args, validate_model_args
 
 
 def build_parser():

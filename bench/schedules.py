@@ -33,7 +33,7 @@ import sys
 import time
 
 from bench.engines import DUALPIPEV, STOCK, engines, unsupported
-from bench.launch import launch
+from megatron_ds.testing.launcher import run_ranks
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 
@@ -308,12 +308,13 @@ def main(argv=None):
         print(f"p={p}: launching {p} ranks", file=sys.stderr, flush=True)
         out = os.path.join(args.out, f"p{p}")
         if args.one_launch:
-            results = launch(p, worker, p, opts, out, timeout=args.timeout)
+            results = run_ranks(p, worker, p, opts, out, timeout=args.timeout, quiet=True)[0]
         else:
             results = {"na": {}, "settings": {}, "init_s": {}}
             for name in args.engines:
                 print(f"  {name}", file=sys.stderr, flush=True)
-                merge(results, launch(p, worker, p, dict(opts, engines=[name]), out, timeout=args.timeout))
+                merge(results, run_ranks(p, worker, p, dict(opts, engines=[name]), out, timeout=args.timeout,
+                                         quiet=True)[0])
         tables.update(analyse(results, opts))
         for key, table in tables.items():
             if table["p"] == p:

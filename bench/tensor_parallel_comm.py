@@ -23,9 +23,9 @@ import sys
 
 import torch
 
-from bench.launch import launch
 from megatron_ds.model import GPTConfig, TransformerLayer
 from megatron_ds.model.tensor_parallel import CommCounter, initialize_model_parallel
+from megatron_ds.testing.launcher import run_ranks
 
 
 RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}  # x (t-1)/t of the full tensor
@@ -79,7 +79,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|")
     mismatches = 0
     for tp in a.tp:
-        counted = launch(tp, _rank, b, s, h, a.heads)
+        counted = run_ranks(tp, _rank, b, s, h, a.heads, timeout=3600, quiet=True)[0]
         for sp in (False, True):
             formula = megatron_formula(tp, sp, b, s, h)
             for key in sorted(set(formula) | set(counted[sp]), key=lambda k: (k[0] != "forward", k[1])):

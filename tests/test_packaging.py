@@ -58,3 +58,26 @@ def test_wheel_installs_and_imports_from_another_folder(tmp_path):
     assert "--pipeline-model-parallel-size" in _run(str(env / "bin" / "megatron-ds-pretrain"), "--help",
                                                     cwd=elsewhere)
     assert "--output-prefix" in _run(str(env / "bin" / "megatron-ds-preprocess"), "--help", cwd=elsewhere)
+
+
+def test_no_script_edits_sys_path():
+    """The package is imported as installed, or from the clone's root (`python -m`, pytest's
+    pythonpath, PYTHONPATH=.): no module, tool, benchmark or test changes sys.path itself."""
+    import ast
+    import glob
+    edits = []
+    for folder in ("megatron_ds", "tools", "bench", "tests", "scripts"):
+        for path in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True) + [
+                os.path.join(ROOT, "pretrain_gpt.py")]:
+            with open(path) as f:
+                tree = ast.parse(f.read(), path)
+            for node in ast.walk(tree):
+                # sys.path.insert(...) / .append / ..., and sys.path = ... / sys.path[...] = ...
+                target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else (
+                    node.targets[0] if isinstance(node, ast.Assign) else None)
+                if isinstance(target, ast.Subscript):
+                    target = target.value
+                if isinstance(target, ast.Attribute) and target.attr == "path" and \
+                        isinstance(target.value, ast.Name) and target.value.id == "sys":
+                    edits.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert sorted(set(edits)) == []

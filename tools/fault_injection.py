@@ -1,7 +1,7 @@
 """Inject faults into tiny pretrain_gpt.py runs and print a table of what was tried and how each ended.
 
-    python tools/fault_injection.py                 # every scenario (about 10 minutes on 2 cores)
-    python tools/fault_injection.py freeze restart  # some of them
+    python -m tools.fault_injection                 # every scenario (about 10 minutes on 2 cores)
+    python -m tools.fault_injection freeze restart  # some of them
 
 Each scenario trains a 2-layer GPT on 4 gloo ranks (pipeline 2 x data 2) on a random corpus and injects
 one fault, from outside (a signal to one worker, a damaged checkpoint file) or with
@@ -23,33 +23,26 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 
+from megatron_ds.training.initialize import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "MEGATRON_DS_FAULT_JOB"  # set in the workers' environment to find them among all processes
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def write_corpus(prefix, num_docs=60, seed=0):
     """A Megatron .bin/.idx corpus of random documents (the training tests' corpus)."""
-    sys.path.insert(0, ROOT)
     from tests.training.corpus import write_corpus as write
     return write(prefix, num_docs=num_docs, seed=seed)
 
 
 def gpt_args(workdir, *extra, train_iters=12, save_interval=2, bf16=False, schedule="1f1b"):
     """pretrain_gpt.py flags for a 2-layer GPT at PP=2 (our engine), saving to WORKDIR/ckpt and reading it back."""
-    sys.path.insert(0, ROOT)
     from megatron_ds.data.tokenizer import default_gpt2_files
     vocab, merges = default_gpt2_files()
     ckpt = os.path.join(workdir, "ckpt")
@@ -82,7 +75,7 @@ class Job:
         self.log_path = os.path.join(workdir, f"{name}.log")
         script = [os.path.join(ROOT, "pretrain_gpt.py"), *args]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **{MARK: self.tag})
-        port = str(_free_port())
+        port = str(free_port())
         self._log = open(self.log_path, "w")
         self.start = time.monotonic()
         if launcher == "torchrun":

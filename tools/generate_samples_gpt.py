@@ -16,9 +16,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool  # noqa: E402
+from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool
 
 
 def build_parser():

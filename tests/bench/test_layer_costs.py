@@ -1,14 +1,9 @@
 """bench/layer_costs.py at toy size: positive measured costs and a table row for every catalogue
 schedule variant. Structure only - timings on a loaded test machine prove nothing."""
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-
-import layer_costs  # noqa: E402
-from megatron_ds.schedules import CATALOG  # noqa: E402
+from bench import layer_costs
+from megatron_ds.schedules import CATALOG
 
 TINY = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32", "--pp", "2",
         "--micro-batches", "4", "--repeats", "2", "--warmup", "1", "--device", "cpu"]

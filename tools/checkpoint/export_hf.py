@@ -9,13 +9,10 @@ model.safetensors and the run's tokenizer, for AutoModelForCausalLM / AutoTokeni
 Logic: megatron_ds/checkpoint/export_hf.py.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)))
-
-from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool  # noqa: E402
-from megatron_ds.checkpoint.export_hf import export_hf  # noqa: E402
+from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool
+from megatron_ds.checkpoint.export_hf import export_hf
 
 
 def main(argv=None):

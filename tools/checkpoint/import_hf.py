@@ -10,13 +10,10 @@ GPT-2 BPE; --pad-vocab-size-to is the model's vocab_size unless a vocabulary fla
 Logic: megatron_ds/checkpoint/import_hf.py.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)))
-
-from megatron_ds.checkpoint.cli import run_tool  # noqa: E402
-from megatron_ds.checkpoint.import_hf import import_hf  # noqa: E402
+from megatron_ds.checkpoint.cli import run_tool
+from megatron_ds.checkpoint.import_hf import import_hf
 
 TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-name-or-path",
                    "--make-vocab-size-divisible-by", "--pad-vocab-size-to")
