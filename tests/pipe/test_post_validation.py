@@ -101,7 +101,8 @@ def refusal(pp):
 
 
 def rank_cases(pp, cases, check_refusal=False):
-    results = [run_case(pp, **case) for case in cases]
+    """run_case of each case at pipeline size `pp` (a case's own "pp" wins)."""
+    results = [run_case(**dict({"pp": pp}, **case)) for case in cases]
     return results + [refusal(pp)] if check_refusal else results
 
 
@@ -167,21 +168,19 @@ def test_post_validation_pp2():
     assert total["skipped"] > total["rolled_back_skipped"], total  # some rank skipped without stepping early
 
 
-def test_post_validation_pp2_dp2():
-    cases = _pairs("zbv", shortcuts=False, dp=2, combined=True)
-    per_rank = run_ranks(4, rank_cases, 2, cases, timeout=900)
-    for name, worst in _compare(per_rank, cases, atol=1e-6):
-        print(f"{name}: max abs weight difference {worst:.3g}")
-
-
-def test_post_validation_pp4_inf():
-    """Four stages (zbv: 8 chunks, two per rank): the inf on one rank is seen by all, every rank rolls back."""
-    cases = [dict(schedule="zbv", post_validation=pv, clip=CLIP_NEVER, inf=True, shortcuts=False, layers=8)
-             for pv in (False, True)]
-    per_rank = run_ranks(4, rank_cases, 4, cases, timeout=900)
-    for name, worst in _compare(per_rank, cases, atol=1e-6):
-        print(f"{name}: max abs weight difference {worst:.3g}")
-    total = _counts(per_rank, cases)
+def test_post_validation_pp2_dp2_and_pp4_inf():
+    """One launch of 4 ranks: PP=2 x DP=2 (clip on step 2, inf on step 3), then four stages (zbv: 8 chunks,
+    two per rank) where the inf on one rank is seen by all and every rank rolls back."""
+    dp2 = _pairs("zbv", shortcuts=False, dp=2, combined=True)
+    pp4 = [dict(schedule="zbv", post_validation=pv, clip=CLIP_NEVER, inf=True, shortcuts=False, layers=8, pp=4)
+           for pv in (False, True)]
+    per_rank = run_ranks(4, rank_cases, 2, dp2 + pp4, timeout=900)
+    for name, worst in _compare([r[:len(dp2)] for r in per_rank], dp2, atol=1e-6):
+        print(f"PP=2 x DP=2 {name}: max abs weight difference {worst:.3g}")
+    pp4_results = [r[len(dp2):] for r in per_rank]
+    for name, worst in _compare(pp4_results, pp4, atol=1e-6):
+        print(f"PP=4 {name}: max abs weight difference {worst:.3g}")
+    total = _counts(pp4_results, pp4)
     assert total["rolled_back_skipped"] == 4, total  # every rank stepped early on the inf step, then undid it
 
 
