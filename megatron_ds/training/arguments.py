@@ -174,7 +174,7 @@ def _err(msg):
 # Every attribute written onto the Namespace after argparse, new or a flag rewritten (an alias
 # resolved, a default filled in); nothing else is (tests/training/test_arguments.py checks). DERIVED:
 # by parse_args, in validate_args or merge_ds_config (the _check_* functions only raise) and the
-# functions they call in model_args, fork_flags and observability.
+# functions they call in model_args, fork_flags, observability and universal.
 DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size", "micro_batch_size",
            "global_batch_size", "gradient_accumulation_steps", "clip_grad", "zero_stage", "bf16", "fp16",
            "pipeline_settings", "activation_checkpoint_interval", "ds_config", "rampup_batch_size",
@@ -182,7 +182,8 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "save_interval", "loss_curve",
            "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
            "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
-           "log_level_replica")  # observability: defaults to --log-level
+           "log_level_replica",  # observability: defaults to --log-level
+           "universal_checkpoint")  # universal: merged with ds_config "checkpoint.load_universal"
 # Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
 # world_size again, from the launcher), setup_model_and_optimizer (the FFN size the model chose)
 # and data.tokenizer.build_tokenizer.
