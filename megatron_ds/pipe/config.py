@@ -9,11 +9,14 @@ from typing import Optional
 
 from megatron_ds.errors import UserError
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule
+from megatron_ds.schedules.auto import parse_bytes
 
 # Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
 DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                   "pipe_partitioned", "grad_partitioned", "use_reentrant"}
 STOCK = "deepspeed"
+AUTO = "auto"  # measure, then switch to the fastest schedule that fits "memory_budget" (pipe/auto.py)
+AUTO_KEYS = ("memory_budget", "timers_start_iter", "timers_end_iter")
 
 
 class ConfigError(UserError, ValueError):
@@ -31,10 +34,17 @@ class PipelineSettings:
     partition_method: str = "type:transformer"
     allow_padding_num_layers: bool = False
     trace_dir: Optional[str] = None
+    memory_budget: object = None   # "auto": micro-batches of one stage's activations, or "24GiB"
+    timers_start_iter: int = 1     # "auto" times iterations [start, end) of this process, then switches
+    timers_end_iter: int = 4
 
     @property
     def stock(self):
         return self.schedule == STOCK
+
+    @property
+    def auto(self):
+        return self.schedule == AUTO
 
     def build_schedule(self, pp, micro_batches, segment_lengths=None):
         """This section's schedule for `pp` ranks and `micro_batches` (ScheduleError when impossible);
@@ -60,9 +70,9 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if unknown:
         raise ConfigError(f'ds_config "pipeline" has unknown key(s) {unknown}; known: {sorted(ours | DEEPSPEED_KEYS)}')
     schedule = section.get("schedule", STOCK)
-    if schedule not in (STOCK, *CATALOG):
+    if schedule not in (STOCK, AUTO, *CATALOG):
         raise ConfigError(f'ds_config "pipeline.schedule" = {schedule!r}: unknown schedule; '
-                          f'choose one of {[STOCK, *CATALOG]}')
+                          f'choose one of {[STOCK, AUTO, *CATALOG]}')
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
@@ -79,8 +89,16 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         partition_method=section.get("partition_method", "type:transformer"),
         allow_padding_num_layers=section.get("allow_padding_num_layers", False),
         trace_dir=section.get("trace_dir"),
+        memory_budget=section.get("memory_budget"),
+        timers_start_iter=_int_at_least(section, "timers_start_iter", 0) if "timers_start_iter" in section else 1,
+        timers_end_iter=_int_at_least(section, "timers_end_iter", 1) if "timers_end_iter" in section else 4,
     )
-    if not settings.stock:
+    if settings.auto:
+        _check_auto(settings, section)
+    elif any(key in section for key in AUTO_KEYS):
+        raise ConfigError(f'ds_config "pipeline": {", ".join(k for k in AUTO_KEYS if k in section)} apply to '
+                          f'"schedule": "auto" only (it is {schedule!r})')
+    elif not settings.stock:
         for key in ("virtual_stages", "seq_splits", "split_backward"):  # one at a time: the message names it
             value = getattr(settings, key)
             try:
@@ -117,3 +135,21 @@ def sequence_parallel_ds_config(ds_config: dict) -> dict:
                           "sequence shards; set false or leave out")
     section.update(pipe_partitioned=False, grad_partitioned=False)
     return {**ds_config, "pipeline": section}
+
+
+def _check_auto(settings, section):
+    budget = settings.memory_budget
+    if budget is None:
+        raise ConfigError('ds_config "pipeline.schedule" = "auto" needs "memory_budget": peak activation memory '
+                          'per rank, in micro-batches of one stage\'s activations (e.g. 4) or bytes (e.g. "24GiB")')
+    numeric = isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
+    if not numeric and not (isinstance(budget, str) and (parse_bytes(budget) or 0) > 0):
+        raise ConfigError(f'ds_config "pipeline.memory_budget" = {json.dumps(budget)}: give a positive number '
+                          '(micro-batches of one stage\'s activations) or a size such as "24GiB" or "4096MB"')
+    if settings.timers_end_iter <= settings.timers_start_iter:
+        raise ConfigError(f'ds_config "pipeline.timers_end_iter" = {settings.timers_end_iter} must be greater than '
+                          f'"timers_start_iter" = {settings.timers_start_iter}: "auto" times at least one iteration')
+    for key in ("virtual_stages", "seq_splits", "split_backward"):
+        if key in section and section[key] != PipelineSettings.__dataclass_fields__[key].default:
+            raise ConfigError(f'ds_config "pipeline.{key}" = {json.dumps(section[key])}: "schedule": "auto" '
+                              "chooses the schedule and its knobs itself")

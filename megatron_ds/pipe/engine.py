@@ -20,6 +20,7 @@ from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
 
 from . import instructions as ins
+from .auto import AutoSwitch
 from .messages import incoming_key, message_key, outgoing
 from .p2p import P2P
 from .post_validation import PostValidation
@@ -54,6 +55,22 @@ class ScheduleEngine(PipelineEngine):
         self._loss_sum = None
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
                                  if plan.settings.post_validation else None)
+        self.auto = AutoSwitch(self, plan.auto) if plan.auto else None  # "schedule": "auto", until it switches
+        self.pending_switch = None  # its choice, when that needs another module (training/auto_switch.py)
+
+    def train_batch(self, data_iter=None):
+        if self.auto is None:
+            return super().train_batch(data_iter)
+        self.auto.before_step()
+        loss = super().train_batch(data_iter)
+        decision = self.auto.after_step()
+        if decision:
+            self.auto = None
+            if self.plan.places_alike(decision["choice"]["section"]):
+                self.plan.switch(decision["choice"]["section"])
+            else:
+                self.pending_switch = decision
+        return loss
 
     # -- schedule ------------------------------------------------------------------------------
     def _start(self, micro_batches, train):

@@ -8,9 +8,11 @@ is refused here, as a ConfigError naming the key, the value and the rule.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megatron_ds.schedules import Schedule, ScheduleError
+from megatron_ds.schedules import auto
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
 
@@ -89,6 +91,34 @@ def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: 
 
 
 @dataclass(frozen=True)
+class AutoPlan:
+    """`"schedule": "auto"`: the budget in memory units (schedules/auto.py), the timed iterations
+    [start, end) of this process, and the model's layer count (which candidates it can be cut for)."""
+    budget: float
+    timers: tuple
+    num_layers: int
+    budget_text: str
+
+
+def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int):
+    """(the settings of the schedule an "auto" run starts on, its AutoPlan); a budget no schedule
+    fits is refused here, with the smallest one that would."""
+    budget, text = settings.memory_budget, f"{settings.memory_budget}"
+    if isinstance(budget, str):
+        dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
+        unit = auto.unit_bytes(config.num_layers / pp, seq, mbs, config.hidden_size,
+                               getattr(config, "num_attention_heads", 1), dtype)
+        budget = auto.parse_bytes(budget) / unit
+        text = f"{settings.memory_budget} = {budget:.3g} micro-batches of {unit / 2 ** 20:.3g} MiB"
+    try:
+        start = auto.check_budget(budget, pp, gas, config.num_layers)
+    except ScheduleError as exc:
+        raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}') from None
+    concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
+    return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text)
+
+
+@dataclass(frozen=True)
 class RankProgram:
     """What one rank runs for one batch size: its ops, the whole pipeline's messages, and for each
     op the message whose receive to post when it starts."""
@@ -102,11 +132,12 @@ class PipelinePlan:
 
     def __init__(self, settings: PipelineSettings, pp: int, micro_batch_size: int, micro_batches: int,
                  seq_length: int, hidden_size: int, segment_lengths: list | None = None, sequence_shards: int = 1,
-                 parts: list | None = None):
+                 parts: list | None = None, auto_plan=None):
         """`sequence_shards`: the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1.
         `parts`: the layer bounds of the virtual stages under a cost partition method (None: DeepSpeed's
         method cuts them when the module is built)."""
         self.settings, self.pp, self.parts = settings, pp, parts
+        self.auto = auto_plan  # AutoPlan while "schedule": "auto" has not switched yet
         self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
         self.seq_length, self.hidden_size = seq_length, hidden_size
         self.segment_lengths = list(segment_lengths) if segment_lengths else None
@@ -127,6 +158,10 @@ class PipelinePlan:
             raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
                               f'{{"stage": 1}} (it is {zero_stage})')
         mbs, gas = micro_batches_per_step(ds_config, dp)
+        seq = seq_length or config.max_position_embeddings
+        auto_plan = None
+        if settings.auto:
+            settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
         try:
             schedule = settings.build_schedule(pp, gas)
         except ScheduleError as exc:
@@ -135,11 +170,10 @@ class PipelinePlan:
         parts = None
         if is_cost_method(settings.partition_method):
             parts = cost_bounds(settings.partition_method, config, schedule.placement)
-        seq = seq_length or config.max_position_embeddings
         lengths = segment_lengths(settings, config, seq) if schedule.seq_splits > 1 else None
         shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
                                  getattr(config, "sequence_parallel", False), seq, lengths)
-        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards, parts)
+        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards, parts, auto_plan)
 
     @property
     def placement(self) -> list:
@@ -155,6 +189,25 @@ class PipelinePlan:
             # unequal segments: the generator holds no more tokens than 1F1B (schedules/token_cap.py)
             self._schedules[m] = self.settings.build_schedule(self.pp, m, self.segment_lengths)
         return self._schedules[m]
+
+    def _settings_for(self, section: dict) -> PipelineSettings:
+        return dataclasses.replace(self.settings, virtual_stages=1, seq_splits=1, split_backward=False, **section)
+
+    def places_alike(self, section: dict) -> bool:
+        """Whether the schedule `section` names places the chunks as this plan's does."""
+        return self._settings_for(section).build_schedule(self.pp, self.micro_batches).placement == self.placement
+
+    def switch(self, section: dict) -> None:
+        """Run the schedule a ds_config "pipeline" `section` names from now on; it must place the
+        chunks as the module was cut (another placement needs a new module: training/auto_switch.py)."""
+        settings = self._settings_for(section)
+        schedule = settings.build_schedule(self.pp, self.micro_batches)
+        if schedule.placement != self.schedule.placement:
+            raise ValueError(f"{section} places chunks {schedule.placement}, the module holds {self.schedule.placement}")
+        self.settings, self.auto = settings, None
+        self._schedules.clear()
+        self._programs.clear()
+        self.schedule = self.for_micro_batches(self.micro_batches)
 
     def program(self, rank: int, m: int, train: bool) -> RankProgram:
         """Rank `rank`'s ops for `m` micro-batches; evaluation runs the forwards only."""

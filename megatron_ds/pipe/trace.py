@@ -51,20 +51,24 @@ class Tracer:
 
     def __init__(self, trace_dir: str | None = None):
         self.trace_dir = trace_dir
+        self.listener = None  # called with each recorded IterationTrace (schedule "auto" times ops so)
         self._current = None  # the IterationTrace being recorded
 
     @contextmanager
     def iteration(self, engine):
-        if not self.trace_dir or not torch.is_grad_enabled():
+        if not (self.trace_dir or self.listener) or not torch.is_grad_enabled():
             yield
             return
-        trace_dir, step = self.trace_dir, engine.global_steps
+        trace_dir, step, listener = self.trace_dir, engine.global_steps, self.listener
         self._current = IterationTrace(engine)
         try:
             yield
         finally:
             current, self._current = self._current, None
-        current.write(trace_dir, step)
+        if trace_dir:
+            current.write(trace_dir, step)
+        if listener:
+            listener(current)
 
     def instruction(self, name, fn, engine, kwargs):
         if torch.autograd._profiler_enabled():  # --profile: the op's name above its kernels in torch.profiler

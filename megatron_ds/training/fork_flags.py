@@ -17,10 +17,6 @@ from types import SimpleNamespace
 REPLACED = {
     "--zero-bubble-v-schedule-mem-setup": 'ds_config "pipeline": {"schedule": "zbv-half"} (half), '
                                           '"zbv-min" (min) or "zbv" (zb, --zero-bubble-v-schedule)',
-    "--zero-bubble-pipeline-timers-start-iter": "not offered: schedules are fixed at start-up, not re-planned "
-                                                "from timers",
-    "--zero-bubble-pipeline-timers-end-iter": "not offered: schedules are fixed at start-up, not re-planned "
-                                              "from timers",
     "--zero-bubble-adaptive-memory-limit-percentile": "not offered: use --zero-bubble-max-pending-backward "
                                                       "p (zb-h1) or 2p (zb-h2)",
     "--enable-zbh1-exact-semantics": 'use --enable-zbh1-pipeline with --enable-optimizer-post-validation '
@@ -87,6 +83,10 @@ def add_fork_args(parser):
                    help='Seq1F1B: "pipeline.schedule" = "seq1f1b", "seq_splits" = K')
     g.add_argument("--pipe-sp-strategy", choices=["uniform_comp", "average", "balanced", "even"], default=None,
                    help='Seq1F1B: "pipeline.seq_split_method" (uniform_comp = balanced, average = even)')
+    g.add_argument("--zero-bubble-pipeline-timers-start-iter", type=int, default=None,
+                   help='sail-sg: "pipeline.timers_start_iter" (schedule "auto": first timed iteration)')
+    g.add_argument("--zero-bubble-pipeline-timers-end-iter", type=int, default=None,
+                   help='sail-sg: "pipeline.timers_end_iter" (schedule "auto": switches after the iteration before it)')
     g.add_argument("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton", dest="use_flash_attn",
                    action="store_true", help="accepted; attention already uses scaled_dot_product_attention")
     g.add_argument("--recompute-activations", action="store_true",
@@ -167,6 +167,10 @@ def apply_fork_flags(args, ds_config):
         pipe.set("seq_split_method", method, f"--pipe-sp-strategy {args.pipe_sp_strategy}")
     if args.pipe_sp_splits is not None and args.pipe_sp_splits > 1:
         pipe.set("seq_splits", args.pipe_sp_splits, f"--pipe-sp-splits {args.pipe_sp_splits}")
+    for key in ("timers_start_iter", "timers_end_iter"):
+        value = getattr(args, f"zero_bubble_pipeline_{key}")
+        if value is not None:
+            pipe.set(key, value, f"--zero-bubble-pipeline-{key.replace('_', '-')} {value}")
     if args.enable_optimizer_post_validation:
         pipe.set("post_validation", True, "--enable-optimizer-post-validation")
     if args.allow_padding_num_layers:
@@ -235,11 +239,6 @@ def check_schedule_shape(args):
     sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
                             max_position_embeddings=args.max_position_embeddings,
-                            tensor_model_parallel_size=args.tensor_model_parallel_size,
-                            sequence_parallel=args.sequence_parallel,
-                            num_attention_heads=args.num_attention_heads,
-                            num_key_value_heads=getattr(args, "num_key_value_heads", None),
-                            swiglu=getattr(args, "swiglu", False))
     try:
         if settings.stock:
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)

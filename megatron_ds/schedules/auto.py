@@ -1,0 +1,172 @@
+"""`"schedule": "auto"`: pick the catalogued schedule with the smallest simulated makespan whose
+peak activation memory fits a budget (pure data; the engine side is megatron_ds/pipe/auto.py).
+
+Memory is in the simulator's unit: one micro-batch's activations on one 1F1B stage (1/p of the
+layers), with W keeping half of it (simulate.DEFAULT_ACT). A schedule's peak memory depends on its
+op order only, not on the op costs, so whether a candidate fits is known before anything is
+measured: a budget no candidate fits is refused at start-up with the smallest one that would.
+
+Candidates are every catalogue entry with its chunk-count variant (interleaved v=2) and its B/W
+split where optional, except Seq1F1B (its memory and costs depend on the segment lengths and the
+token cap; not offered yet). The run starts on the first of START that fits: a schedule that
+splits the backward, so that F, B and W are timed separately.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from .catalog import CATALOG, build_schedule
+from .costs import ModelCosts, evaluate
+from .ir import Schedule, ScheduleError
+
+START = ("zb-h1", "zbv", "zbv-half", "zbv-min")  # decreasing memory; all split B and W
+EXCLUDED = ("seq1f1b",)
+EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    knobs: tuple = ()  # sorted (key, value) pairs for build_schedule / the ds_config "pipeline" section
+
+    @property
+    def label(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.knobs)
+        return f"{self.schedule} {extra}".strip()
+
+    def build(self, pp: int, m: int) -> Schedule:
+        return build_schedule(self.schedule, pp, m, **dict(self.knobs))
+
+    def section(self) -> dict:
+        """The ds_config "pipeline" keys that select this candidate."""
+        return {"schedule": self.schedule, **dict(self.knobs)}
+
+
+def candidates(pp: int, m: int, num_layers: int) -> list[tuple[Candidate, Schedule]]:
+    """Every candidate that can run pp ranks, m micro-batches and num_layers layers."""
+    out = []
+    for name, spec in CATALOG.items():
+        if name in EXCLUDED:
+            continue
+        for _, knobs in spec.variants(virtual_stages=2, seq_splits=(1,), split=True):
+            cand = Candidate(name, tuple(sorted(knobs.items())))
+            try:
+                schedule = cand.build(pp, m)
+            except ScheduleError:
+                continue
+            if num_layers % schedule.stages and schedule.stages > pp or num_layers < schedule.stages:
+                continue  # pipe/plan.check_layers would refuse it
+            out.append((cand, schedule))
+    return out
+
+
+def peak_memory(schedule: Schedule) -> float:
+    return evaluate(schedule, ModelCosts()).peak_memory_max
+
+
+def memory_table(pp: int, m: int, num_layers: int) -> list[tuple[Candidate, float]]:
+    return [(c, peak_memory(s)) for c, s in candidates(pp, m, num_layers)]
+
+
+def check_budget(budget: float, pp: int, m: int, num_layers: int) -> Candidate:
+    """The schedule to start on; ScheduleError naming the smallest budget that fits when none does."""
+    table = memory_table(pp, m, num_layers)
+    fits = {c.schedule: c for c, mem in table if mem <= budget + EPS}
+    for name in START:
+        if name in fits:
+            return fits[name]
+    smallest = min(mem for _, mem in table)
+    start = min(mem for c, mem in table if c.schedule in START)
+    if fits:  # only schedules that fuse B and W fit: nothing to measure W with
+        raise ScheduleError(f"memory_budget {budget:g} fits no schedule that splits the backward "
+                            f"({', '.join(START)}), needed to time F, B and W; the smallest budget that "
+                            f"fits one is {start:g}")
+    best = min(table, key=lambda cm: cm[1])[0]
+    raise ScheduleError(f"memory_budget {budget:g} (micro-batches of one stage's activations) fits no "
+                        f"schedule at pp={pp}, {m} micro-batches; the smallest budget that fits is "
+                        f"{max(smallest, start):g} ({best.label} needs {smallest:g}, the start-up "
+                        f"schedule {start:g})")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Median op times per stage of the schedule the run started on (seconds), and the p2p time."""
+    f: list
+    b: list
+    w: list
+    p2p: float = 0.0
+
+
+def model_costs(measured: Measured, pp: int) -> ModelCosts:
+    """ModelCosts from per-stage times of equal layer counts: the layers cost what the interior
+    stages cost (the cheaper end stage when there are none), the ends' excess is the embedding's
+    (stage 0) and the LM head's (last stage)."""
+    stages = len(measured.f)
+    body, embed, head = [], [], []
+    for times in (measured.f, measured.b, measured.w):
+        inner = times[1:-1] or [min(times[0], times[-1])]
+        layer = statistics.median(inner)
+        body.append(layer * stages / pp)  # one 1F1B stage holds stages/pp of these
+        embed.append(max(0.0, times[0] - layer))
+        head.append(max(0.0, times[-1] - layer))
+    return ModelCosts(*body, embed=tuple(embed), head=tuple(head))
+
+
+def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0) -> list[dict]:
+    """Every candidate that fits, fastest first: {candidate, makespan, memory}."""
+    rows = []
+    for cand, schedule in candidates(pp, m, num_layers):
+        res = evaluate(schedule, costs, p2p_latency=p2p)
+        if res.peak_memory_max <= budget + EPS:
+            rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max})
+    return sorted(rows, key=lambda r: (r["makespan"], r["memory"]))
+
+
+def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured) -> dict:
+    """The choice as plain JSON-able data (what rank 0 broadcasts)."""
+    costs = model_costs(measured, pp)
+    rows = rank(pp, m, num_layers, budget, costs, measured.p2p)
+
+    def entry(row):
+        return {"label": row["candidate"].label, "section": row["candidate"].section(),
+                "makespan": row["makespan"], "memory": row["memory"]}
+    return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None,
+            "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),
+                                        "head": list(costs.head), "p2p": measured.p2p}}
+
+
+def describe(decision: dict) -> str:
+    c, r = decision["choice"], decision["runner_up"]
+    k = decision["costs"]
+    line = (f"auto schedule: {c['label']} (simulated makespan {c['makespan'] * 1e3:.1f} ms, peak memory "
+            f"{c['memory']:g} of budget {decision['budget']:g})")
+    line += (f"; runner-up {r['label']} ({r['makespan'] * 1e3:.1f} ms, memory {r['memory']:g})" if r
+             else "; no runner-up fits")
+    return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "
+                   f"TW={k['tw'] * 1e3:.2f} ms, head F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms, "
+                   f"p2p {k['p2p'] * 1e3:.3f} ms")
+
+
+BYTE_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+
+
+def parse_bytes(text: str) -> int | None:
+    """"24GiB", "1.5 GB", "4096B" -> bytes; None when `text` is no such string."""
+    t = text.strip().upper().replace(" ", "")
+    for unit in sorted(BYTE_UNITS, key=len, reverse=True):
+        if t.endswith(unit):
+            try:
+                return int(float(t[:-len(unit)]) * BYTE_UNITS[unit])
+            except ValueError:
+                return None
+    return None
+
+
+def unit_bytes(layers_per_stage: float, seq: int, mbs: int, hidden: int, heads: int, dtype_bytes: int) -> float:
+    """Bytes of one memory unit (one micro-batch's activations on one 1F1B stage): per layer
+    s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision, Korthikanti et al. 2022 ("Reducing activation
+    recomputation in large transformer models", eq. 1, no tensor/sequence parallelism), scaled by
+    the dtype's size. An estimate: it ignores the embedding's and the head's own activations."""
+    per_layer = seq * mbs * hidden * (34 + 5 * heads * seq / hidden) * dtype_bytes / 2
+    return per_layer * layers_per_stage
