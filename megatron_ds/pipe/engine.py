@@ -57,6 +57,7 @@ class ScheduleEngine(PipelineEngine):
                                  if plan.settings.post_validation else None)
         self.auto = AutoSwitch(self, plan.auto) if plan.auto else None  # "schedule": "auto", until it switches
         self.pending_switch = None  # its choice, when that needs another module (training/auto_switch.py)
+        self.auto_decision = None
 
     def train_batch(self, data_iter=None):
         if self.auto is None:
@@ -65,7 +66,7 @@ class ScheduleEngine(PipelineEngine):
         loss = super().train_batch(data_iter)
         decision = self.auto.after_step()
         if decision:
-            self.auto = None
+            self.auto, self.auto_decision = None, decision  # the trainer logs it and takes it back
             if self.plan.places_alike(decision["choice"]["section"]):
                 self.plan.switch(decision["choice"]["section"])
             else:

@@ -9,6 +9,7 @@ is refused here, as a ConfigError naming the key, the value and the rule.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatron_ds.schedules import Schedule, ScheduleError
@@ -103,17 +104,18 @@ class AutoPlan:
 def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int):
     """(the settings of the schedule an "auto" run starts on, its AutoPlan); a budget no schedule
     fits is refused here, with the smallest one that would."""
-    budget, text = settings.memory_budget, f"{settings.memory_budget}"
+    budget, text, unit = settings.memory_budget, f"{settings.memory_budget}", None
     if isinstance(budget, str):
         dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
         unit = auto.unit_bytes(config.num_layers / pp, seq, mbs, config.hidden_size,
                                getattr(config, "num_attention_heads", 1), dtype)
         budget = auto.parse_bytes(budget) / unit
-        text = f"{settings.memory_budget} = {budget:.3g} micro-batches of {unit / 2 ** 20:.3g} MiB"
+        text = f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes (estimate: schedules/auto.py)'
     try:
         start = auto.check_budget(budget, pp, gas, config.num_layers)
     except ScheduleError as exc:
-        raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}') from None
+        in_bytes = f" (x {unit:.0f} bytes = {math.ceil(exc.smallest * unit)} bytes)" if unit else ""
+        raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}{in_bytes}') from None
     concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
     return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text)
 

@@ -13,6 +13,7 @@ splits the backward, so that F, B and W are timed separately.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass
 
@@ -45,6 +46,11 @@ class Candidate:
 
 def candidates(pp: int, m: int, num_layers: int) -> list[tuple[Candidate, Schedule]]:
     """Every candidate that can run pp ranks, m micro-batches and num_layers layers."""
+    return list(_candidates(pp, m, num_layers))
+
+
+@functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8
+def _candidates(pp: int, m: int, num_layers: int) -> tuple:
     out = []
     for name, spec in CATALOG.items():
         if name in EXCLUDED:
@@ -58,7 +64,7 @@ def candidates(pp: int, m: int, num_layers: int) -> list[tuple[Candidate, Schedu
             if num_layers % schedule.stages and schedule.stages > pp or num_layers < schedule.stages:
                 continue  # pipe/plan.check_layers would refuse it
             out.append((cand, schedule))
-    return out
+    return tuple(out)
 
 
 def peak_memory(schedule: Schedule) -> float:
@@ -79,14 +85,17 @@ def check_budget(budget: float, pp: int, m: int, num_layers: int) -> Candidate:
     smallest = min(mem for _, mem in table)
     start = min(mem for c, mem in table if c.schedule in START)
     if fits:  # only schedules that fuse B and W fit: nothing to measure W with
-        raise ScheduleError(f"memory_budget {budget:g} fits no schedule that splits the backward "
+        exc = ScheduleError(f"memory_budget {budget:.4g} fits no schedule that splits the backward "
                             f"({', '.join(START)}), needed to time F, B and W; the smallest budget that "
                             f"fits one is {start:g}")
-    best = min(table, key=lambda cm: cm[1])[0]
-    raise ScheduleError(f"memory_budget {budget:g} (micro-batches of one stage's activations) fits no "
-                        f"schedule at pp={pp}, {m} micro-batches; the smallest budget that fits is "
-                        f"{max(smallest, start):g} ({best.label} needs {smallest:g}, the start-up "
-                        f"schedule {start:g})")
+    else:
+        best = min(table, key=lambda cm: cm[1])[0]
+        exc = ScheduleError(f"memory_budget {budget:.4g} (micro-batches of one stage's activations) fits no "
+                            f"schedule at pp={pp}, {m} micro-batches; the smallest budget that fits is "
+                            f"{max(smallest, start):g} ({best.label} needs {smallest:g}, the start-up "
+                            f"schedule {start:g})")
+    exc.smallest = max(smallest, start)
+    raise exc
 
 
 @dataclass(frozen=True)

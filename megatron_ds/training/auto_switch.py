@@ -55,3 +55,20 @@ def switch_engine(engine, build, save_dir=None):
         print(f"auto schedule: switched from {decision['start']} to {decision['choice']['label']} "
               "through a checkpoint (another chunk placement)", flush=True)
     return new
+
+
+def rebuild_trainer_engine(trainer):
+    """switch_engine for the pretraining loop: the new engine, lr schedule and settings go to `trainer`."""
+    from megatron_ds.pipe.build import pipeline_settings
+    from . import timeouts
+    from .loop import setup_model_and_optimizer
+    args = trainer.args
+
+    def build(ds_config):
+        args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
+        engine, trainer.lr_scheduler = setup_model_and_optimizer(args)
+        return engine
+
+    trainer.engine = switch_engine(trainer.engine, build, args.save)
+    timeouts.label_groups(trainer.engine.grid, trainer.engine.module)
+    trainer.current_gbs = None  # the new engine takes the batch size of the ramp-up again

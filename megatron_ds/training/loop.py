@@ -223,6 +223,8 @@ class Trainer:
                 self.valid_points.append((self.iteration, loss_v))
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
+            if getattr(engine, "auto_decision", None) is not None:
+                engine = self.take_auto_decision()
             exit_reason = self._should_exit() or self.nan_guard.stop_reason()
             if exit_reason:
                 break
@@ -231,6 +233,18 @@ class Trainer:
             bar.close()
         self.bar = None
         return exit_reason
+
+    def take_auto_decision(self):
+        """Log "schedule": "auto"'s choice; rebuild the engine when it places the chunks differently."""
+        from .auto_switch import rebuild_trainer_engine
+        from megatron_ds.schedules.auto import describe
+        decision, self.engine.auto_decision = self.engine.auto_decision, None
+        if self.tb.writer is not None:
+            self.tb.writer.add_text("auto-schedule", describe(decision), self.iteration)
+        if self.engine.pending_switch:
+            rebuild_trainer_engine(self)
+            self.nan_guard = NanGuard(self.args, self.engine, lambda: self.iteration + 1)
+        return self.engine
 
     def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
         args = self.args

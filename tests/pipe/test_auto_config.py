@@ -1,0 +1,92 @@
+"""`"schedule": "auto"` in the ds_config and on the command line: its keys are checked at start-up, the
+plan starts on a schedule that fits the budget, and a budget too small for every schedule stops
+pretrain_gpt.py with one line naming the smallest budget that fits, exit code 2."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan import PipelinePlan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SIZES = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=16,
+                        num_attention_heads=4)
+
+
+def cfg(**pipeline):
+    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 1},
+            "pipeline": pipeline}
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"schedule": "auto"}, 'needs "memory_budget"'),
+    ({"schedule": "auto", "memory_budget": -1}, "give a positive number"),
+    ({"schedule": "auto", "memory_budget": "lots"}, "give a positive number"),
+    ({"schedule": "auto", "memory_budget": 4, "virtual_stages": 2}, "chooses the schedule and its knobs itself"),
+    ({"schedule": "auto", "memory_budget": 4, "timers_start_iter": 3, "timers_end_iter": 3}, "must be greater"),
+    ({"schedule": "zbv", "memory_budget": 4}, 'apply to "schedule": "auto" only'),
+])
+def test_bad_auto_sections(section, message):
+    with pytest.raises(ConfigError, match=message):
+        pipeline_settings({"pipeline": section})
+
+
+def test_plan_starts_on_a_schedule_that_fits():
+    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=2), 4, 1)
+    assert plan.schedule.name == "zbv-min" and plan.auto.budget == 2 and plan.auto.timers == (1, 4)
+    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100, timers_end_iter=9), 4, 1)
+    assert plan.schedule.name == "zb-h1" and plan.auto.timers == (1, 9)
+    assert plan.places_alike({"schedule": "zb-h2"}) and not plan.places_alike({"schedule": "zbv"})
+    plan.switch({"schedule": "zb-h2"})
+    assert plan.schedule.name == "zb-h2" and plan.auto is None and plan.settings.schedule == "zb-h2"
+
+
+def test_budget_in_bytes():
+    # one unit at pp=4: 2 layers x 16*2*32*(34 + 5*4*16/32) * 4/2 bytes (fp32) = 180224 bytes
+    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget="540672B"), 4, 1)
+    assert plan.auto.budget == pytest.approx(3.0) and plan.schedule.name == "zbv-half"
+    with pytest.raises(ConfigError, match=r'"360447B" = 2 micro-batches of 180224 bytes .*the smallest budget that '
+                                          r'fits is 2 .* \(x 180224 bytes = 360448 bytes\)'):
+        PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget="360447B"), 4, 1)
+
+
+def test_too_small_budget():
+    with pytest.raises(ConfigError, match=r"memory_budget\" = 1: memory_budget 1 .*the smallest budget that fits is 2"):
+        PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=1), 4, 1)
+
+
+def test_fork_flags_set_the_timers(tmp_path, monkeypatch):
+    from megatron_ds.training.arguments import parse_args
+    monkeypatch.chdir(tmp_path)
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+    (tmp_path / "ds.json").write_text(json.dumps({"pipeline": {"schedule": "auto", "memory_budget": 8}}))
+    args = parse_args(["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+                       "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
+                       "--merge-file", __file__, "--micro-batch-size", "1", "--global-batch-size", "8",
+                       "--pipeline-model-parallel-size", "2", "--deepspeed_config", "ds.json",
+                       "--zero-bubble-pipeline-timers-start-iter", "2", "--zero-bubble-pipeline-timers-end-iter", "5"],
+                      env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert args.ds_config["pipeline"] == {"schedule": "auto", "memory_budget": 8, "timers_start_iter": 2,
+                                          "timers_end_iter": 5}
+
+
+def test_cli_refuses_a_budget_too_small_with_one_line(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"pipeline": {"schedule": "auto", "memory_budget": 1.5}}))
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"corpus{ext}").write_bytes(b"")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--num-layers", "8", "--hidden-size",
+                           "32", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+                           "--global-batch-size", "16", "--train-iters", "4", "--lr", "1e-3",
+                           "--data-path", str(tmp_path / "corpus"), "--vocab-file", __file__, "--merge-file", __file__,
+                           "--pipeline-model-parallel-size", "4", "--deepspeed_config", str(ds)],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4", RANK="0"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert 'memory_budget" = 1.5' in lines[0] and "the smallest budget that fits is 2 (zbv-min needs 2" in lines[0]

@@ -1,0 +1,66 @@
+"""schedules/auto.py: which schedules fit a memory budget, the start-up schedule, the refusal naming
+the smallest budget that fits, the costs model from per-stage times, and the choice."""
+import pytest
+
+from megatron_ds.schedules import ScheduleError, auto
+
+
+def test_memory_table_pp4():
+    table = {c.label: mem for c, mem in auto.memory_table(4, 8, 8)}
+    assert table == {"gpipe": 8.0, "1f1b": 4.0, "interleaved virtual_stages=2": 5.5, "zb-h1": 4.0, "zb-h2": 7.0,
+                     "zbv": 4.0, "bitpipe": 4.0, "zbv-half": 3.0, "zbv-min": 2.0, "dualpipev": 4.5}
+
+
+def test_candidates_follow_the_layer_count():
+    # 4 layers at pp=4: no schedule of 8 virtual stages can be cut
+    assert [c.label for c, _ in auto.candidates(4, 8, 4)] == ["gpipe", "1f1b", "zb-h1", "zb-h2"]
+
+
+@pytest.mark.parametrize("budget,start", [(100, "zb-h1"), (4, "zb-h1"), (3.5, "zbv-half"), (2, "zbv-min")])
+def test_start_schedule_is_the_first_split_one_that_fits(budget, start):
+    assert auto.check_budget(budget, 4, 8, 8).label == start
+
+
+def test_too_small_budget_names_the_smallest_that_fits():
+    with pytest.raises(ScheduleError, match=r"memory_budget 3 .*fits no schedule at pp=8, 16 micro-batches; "
+                                            r"the smallest budget that fits is 3.5 \(zbv-min needs 3.5"):
+        auto.check_budget(3, 8, 16, 16)
+    assert auto.check_budget(3.5, 8, 16, 16).label == "zbv-min"
+
+
+def test_model_costs_from_stage_times():
+    # pp=4 linear: interior stages 2 ms F; the last stage 3 ms (a 1 ms head), the first 2.5 ms (embedding)
+    m = auto.Measured(f=[2.5, 2.0, 2.0, 3.0], b=[2.0] * 4, w=[1.0] * 4)
+    costs = auto.model_costs(m, 4)
+    assert (costs.tf, costs.tb, costs.tw) == (2.0, 2.0, 1.0)
+    assert costs.embed == (0.5, 0.0, 0.0) and costs.head == (1.0, 0.0, 0.0)
+    # the same model timed under a V (8 stages of half the layers each)
+    v = auto.model_costs(auto.Measured(f=[1.5] + [1.0] * 6 + [2.0], b=[1.0] * 8, w=[0.5] * 8), 4)
+    assert (v.tf, v.tb, v.tw, v.embed, v.head) == (2.0, 2.0, 1.0, (0.5, 0.0, 0.0), (1.0, 0.0, 0.0))
+
+
+def test_choice_respects_the_budget_and_names_the_runner_up():
+    m = auto.Measured(f=[1.0] * 8, b=[1.0] * 8, w=[1.0] * 8)
+    big = auto.decide(8, 16, 16, 100, m)
+    assert big["choice"]["label"] == "zbv" and big["choice"]["makespan"] == pytest.approx(51.5)
+    assert big["runner_up"]["label"] == "dualpipev"  # ties on makespan go to the smaller memory
+    small = auto.decide(8, 16, 16, 5, m)
+    assert small["choice"]["label"] == "zbv-half" and small["choice"]["memory"] <= 5
+    assert small["runner_up"]["label"] == "zbv-min"
+    text = auto.describe(small)
+    assert "auto schedule: zbv-half" in text and "runner-up zbv-min" in text
+
+
+def test_heavy_head_moves_the_choice_off_the_v():
+    # a head as heavy as 4 stages' F and B: V schedules put it on rank 0 with the first stage
+    m = auto.Measured(f=[1.0, 1.0, 1.0, 5.0], b=[1.0, 1.0, 1.0, 5.0], w=[1.0] * 4)
+    rows = auto.rank(4, 8, 8, 100, auto.model_costs(m, 4))
+    assert rows[0]["candidate"].label != "zbv"
+    assert rows == sorted(rows, key=lambda r: r["makespan"])
+
+
+def test_bytes():
+    assert auto.parse_bytes("24GiB") == 24 * 2 ** 30 and auto.parse_bytes("1.5 GB") == 1_500_000_000
+    assert auto.parse_bytes("12") is None and auto.parse_bytes("GiB") is None
+    # s=16, b=2, h=32, a=4, fp32: 16*2*32*(34 + 5*4*16/32) * 2 bytes per layer, 2 layers
+    assert auto.unit_bytes(2, 16, 2, 32, 4, 4) == 16 * 2 * 32 * 44 * 2 * 2
