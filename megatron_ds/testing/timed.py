@@ -45,6 +45,8 @@ class TimedCosts:
     seq_length: int = 0  # full sequence length; 0: every call costs the whole micro-batch
     seq_dim: int = 1
     carry_overshoot: bool = False
+    head_f: float = 0.0  # TimedLoss only: seconds of the loss stage's head per micro-batch
+    head_b: float = 0.0
     late: float = 0.0  # how late the last sleep ended (carry_overshoot)
 
     def share(self, x) -> float:
@@ -124,6 +126,32 @@ def timed_loss(output, target):
         target, count = target
         return ((output - target) ** 2).sum() / count
     return ((output - target) ** 2).mean()
+
+
+class _HeadTime(torch.autograd.Function):
+    """The loss passes through unchanged, taking costs.head_f in forward and costs.head_b in backward."""
+
+    @staticmethod
+    def forward(ctx, loss, costs, share, start):
+        ctx.costs, ctx.share = costs, share
+        costs.sleep_until(start + costs.head_f * share)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.costs.sleep(ctx.costs.head_b * ctx.share)
+        return grad, None, None, None
+
+
+class TimedLoss:
+    """timed_loss with an LM head's cost: a heavier last stage (costs.head_f / head_b per micro-batch)."""
+
+    def __init__(self, costs: TimedCosts):
+        self.costs = costs
+
+    def __call__(self, output, target):
+        start = time.perf_counter()
+        return _HeadTime.apply(timed_loss(output, target), self.costs, self.costs.share(output), start)
 
 
 def timed_layer_specs(num_layers: int, hidden: int, costs: TimedCosts):
