@@ -59,20 +59,30 @@ def test_too_small_budget():
         PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=1), 4, 1)
 
 
-def test_fork_flags_set_the_timers(tmp_path, monkeypatch):
+def parse(tmp_path, monkeypatch, *extra, length=("--train-iters", "10")):
     from megatron_ds.training.arguments import parse_args
     monkeypatch.chdir(tmp_path)
     for ext in (".bin", ".idx"):
         (tmp_path / f"corpus{ext}").write_bytes(b"")
     (tmp_path / "ds.json").write_text(json.dumps({"pipeline": {"schedule": "auto", "memory_budget": 8}}))
-    args = parse_args(["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-                       "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
+    return parse_args(["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+                       "--lr", "1e-3", *length, "--data-path", "corpus", "--vocab-file", __file__,
                        "--merge-file", __file__, "--micro-batch-size", "1", "--global-batch-size", "8",
-                       "--pipeline-model-parallel-size", "2", "--deepspeed_config", "ds.json",
-                       "--zero-bubble-pipeline-timers-start-iter", "2", "--zero-bubble-pipeline-timers-end-iter", "5"],
+                       "--pipeline-model-parallel-size", "2", "--deepspeed_config", "ds.json", *extra],
                       env={"WORLD_SIZE": "2", "RANK": "0"})
+
+
+def test_fork_flags_set_the_timers(tmp_path, monkeypatch):
+    args = parse(tmp_path, monkeypatch, "--zero-bubble-pipeline-timers-start-iter", "2",
+                 "--zero-bubble-pipeline-timers-end-iter", "5")
     assert args.ds_config["pipeline"] == {"schedule": "auto", "memory_budget": 8, "timers_start_iter": 2,
                                           "timers_end_iter": 5}
+
+
+def test_rampup_is_refused(tmp_path, monkeypatch):
+    from megatron_ds.training.arguments import ArgumentsError
+    with pytest.raises(ArgumentsError, match="a batch-size ramp-up is not offered with it"):
+        parse(tmp_path, monkeypatch, "--rampup-batch-size", "4", "2", "16", length=("--train-samples", "64"))
 
 
 def test_cli_refuses_a_budget_too_small_with_one_line(tmp_path):

@@ -1,9 +1,10 @@
 """`"schedule": "auto"` on ScheduleEngine: it times two iterations on its start-up schedule (zb-h1),
 decides, switches, and the run equals the single-process reference through the switch: losses of
 3 steps, every gradient of the first step, the weights after 3 optimizer steps and the eval loss,
-fp32 1e-5. One launch runs four cases: the engine's own choice, and three forced choices that
-cover both switch paths: zb-h2 (same placement: a schedule swap), zbv (V placement) and bitpipe
-(two replicas) through the checkpoint rebuild (training/auto_switch.py)."""
+fp32 1e-5. At PP=2 one launch runs four cases: the engine's own choice, and three forced choices
+that cover both switch paths: zb-h2 (same placement: a schedule swap), zbv (V placement) and
+bitpipe (two replicas) through the checkpoint rebuild (training/auto_switch.py). At PP=2 x DP=2
+(ZeRO-1 shards re-cut across the switch): the own choice and zbv."""
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, reference_run, tiny_config
@@ -67,12 +68,12 @@ def auto_rank_run(pp, gas, steps, forced_labels):
     return out
 
 
-@pytest.mark.parametrize("world,pp", [(2, 2)], ids=["pp2"])
-def test_auto_switch_matches_reference(world, pp):
+@pytest.mark.parametrize("world,pp,forced", [(2, 2, FORCED), (4, 2, [None, "zbv"])], ids=["pp2", "pp2xdp2"])
+def test_auto_switch_matches_reference(world, pp, forced):
     from megatron_ds.testing.launcher import run_ranks
     ref = reference_run(tiny_config(LAYERS), world // pp, GAS, STEPS)
-    per_rank = run_ranks(world, auto_rank_run, pp, GAS, STEPS, FORCED, timeout=900)
-    for i, label in enumerate(FORCED):
+    per_rank = run_ranks(world, auto_rank_run, pp, GAS, STEPS, forced, timeout=900)
+    for i, label in enumerate(forced):
         results = [r[i] for r in per_rank]
         for r in results:
             assert r["start"] == "zb-h1" and not r["auto_left"] and r["global_steps"] == STEPS
