@@ -17,6 +17,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op
+from megatron_ds.schedules.auto import schedule_maker
 from megatron_ds.schedules.kinds import Kind
 
 from . import instructions as ins
@@ -68,7 +69,7 @@ class ScheduleEngine(PipelineEngine):
         if decision:
             self.auto, self.auto_decision = None, decision  # the trainer logs it and takes it back
             if self.plan.places_alike(decision["choice"]["section"]):
-                self.plan.switch(decision["choice"]["section"])
+                self.plan.switch(decision["choice"]["section"], schedule_maker(decision["choice"]))
             else:
                 self.pending_switch = decision
         return loss

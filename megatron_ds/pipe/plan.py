@@ -146,6 +146,7 @@ class PipelinePlan:
         self.sequence_shards = sequence_shards
         self._schedules: dict[int, Schedule] = {}
         self._programs: dict[tuple, RankProgram] = {}
+        self._make = None
         self.schedule = self.for_micro_batches(micro_batches)
 
     @classmethod
@@ -188,8 +189,10 @@ class PipelinePlan:
     def for_micro_batches(self, m: int) -> Schedule:
         """This run's schedule for `m` micro-batches (eval and batch ramp-up use other counts)."""
         if m not in self._schedules:
-            # unequal segments: the generator holds no more tokens than 1F1B (schedules/token_cap.py)
-            self._schedules[m] = self.settings.build_schedule(self.pp, m, self.segment_lengths)
+            if self._make:  # a searched schedule (schedules/auto.py), after "auto" switched to it
+                self._schedules[m] = self._make(self.pp, m)
+            else:  # unequal segments: the generator holds no more tokens than 1F1B (schedules/token_cap.py)
+                self._schedules[m] = self.settings.build_schedule(self.pp, m, self.segment_lengths)
         return self._schedules[m]
 
     def _settings_for(self, section: dict) -> PipelineSettings:
@@ -199,14 +202,15 @@ class PipelinePlan:
         """Whether the schedule `section` names places the chunks as this plan's does."""
         return self._settings_for(section).build_schedule(self.pp, self.micro_batches).placement == self.placement
 
-    def switch(self, section: dict) -> None:
-        """Run the schedule a ds_config "pipeline" `section` names from now on; it must place the
-        chunks as the module was cut (another placement needs a new module: training/auto_switch.py)."""
+    def switch(self, section: dict, make=None) -> None:
+        """Run the schedule a ds_config "pipeline" `section` names from now on (or `make(pp, m)`'s,
+        a searched one placed as `section`'s); it must place the chunks as the module was cut
+        (another placement needs a new module: training/auto_switch.py)."""
         settings = self._settings_for(section)
-        schedule = settings.build_schedule(self.pp, self.micro_batches)
+        schedule = make(self.pp, self.micro_batches) if make else settings.build_schedule(self.pp, self.micro_batches)
         if schedule.placement != self.schedule.placement:
             raise ValueError(f"{section} places chunks {schedule.placement}, the module holds {self.schedule.placement}")
-        self.settings, self.auto = settings, None
+        self.settings, self.auto, self._make = settings, None, make
         self._schedules.clear()
         self._programs.clear()
         self.schedule = self.for_micro_batches(self.micro_batches)

@@ -17,9 +17,13 @@ import functools
 import statistics
 from dataclasses import dataclass
 
+from . import placement
 from .catalog import CATALOG, build_schedule
 from .costs import ModelCosts, evaluate
-from .ir import Schedule, ScheduleError
+from .generators.greedy import merge_queues
+from .ir import Op, Schedule, ScheduleError
+from .kinds import B, F, W
+from .validate import validate
 
 START = ("zb-h1", "zbv", "zbv-half", "zbv-min")  # decreasing memory; all split B and W
 EXCLUDED = ("seq1f1b",)
@@ -122,23 +126,64 @@ def model_costs(measured: Measured, pp: int) -> ModelCosts:
     return ModelCosts(*body, embed=tuple(embed), head=tuple(head))
 
 
-def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0) -> list[dict]:
-    """Every candidate that fits, fastest first: {candidate, makespan, memory}."""
+def zb_search(pp: int, m: int, cap: float, f: list, b: list, w: list) -> Schedule:
+    """Zero-bubble's heuristic for a memory limit and measured costs (ZB-H2's list scheduling,
+    generators/zero_bubble.py, played out with the per-stage times `f`, `b`, `w` instead of unit
+    ones): when a rank is free it runs its next B if ready, else its next F if the activations it
+    holds stay within `cap` (F adds 1, B frees 1/2, W the other 1/2: the simulator's memory), else
+    a W. ZB-H1 is cap = p at unit costs, ZB-H2 about 2p - 1."""
+    skeleton = Schedule(f"zb-search cap={cap:g}", pp, m, 1, pp, 1, placement.linear(pp), [])
+    fwd, bwd, wgt = ([[Op(k, 0, r, mb) for mb in range(m)] for r in range(pp)] for k in (F, B, W))
+    times = {F: f, B: b, W: w}
+    skeleton.ranks = merge_queues(skeleton, fwd, bwd, lambda op: times[op.kind][op.stage], [cap] * pp,
+                                  weights=wgt, w_caps=[pp - 1 + r for r in range(pp)],
+                                  footprint={F: 1.0, B: -0.5, W: -0.5})
+    validate(skeleton)
+    return skeleton
+
+
+def searched(pp: int, m: int, budget: float, costs: ModelCosts) -> list[tuple[Candidate, Schedule, dict]]:
+    """zb_search at the budget and every whole memory limit from p up to it (at most 2p - 1)."""
+    f, b, w = costs.per_stage(Schedule("probe", pp, m, 1, pp, 1, placement.linear(pp), []))
+    top = min(budget, 2 * pp - 1)
+    out = []
+    for cap in sorted({top, *range(pp, int(top) + 1)}):
+        try:
+            schedule = zb_search(pp, m, cap, f, b, w)
+        except ScheduleError:
+            continue
+        out.append((Candidate("zb-search", (("cap", cap),)), schedule, {"cap": cap, "f": f, "b": b, "w": w}))
+    return out
+
+
+def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0,
+         search: bool = False) -> list[dict]:
+    """Every candidate that fits, fastest first: {candidate, makespan, memory, search}; `search`
+    adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m)."""
+    pool = [(c, s, None) for c, s in candidates(pp, m, num_layers)] + (searched(pp, m, budget, costs) if search else [])
     rows = []
-    for cand, schedule in candidates(pp, m, num_layers):
+    for cand, schedule, args in pool:
         res = evaluate(schedule, costs, p2p_latency=p2p)
         if res.peak_memory_max <= budget + EPS:
-            rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max})
-    return sorted(rows, key=lambda r: (r["makespan"], r["memory"]))
+            rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max, "search": args})
+    return sorted(rows, key=lambda r: (r["makespan"], r["memory"], r["search"] is not None))
+
+
+def schedule_maker(choice: dict):
+    """None for a catalogued choice (the ds_config section builds it), else (pp, m) -> its schedule."""
+    args = choice.get("search")
+    return None if args is None else (lambda pp, m: zb_search(pp, m, **args))
 
 
 def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured) -> dict:
     """The choice as plain JSON-able data (what rank 0 broadcasts)."""
     costs = model_costs(measured, pp)
-    rows = rank(pp, m, num_layers, budget, costs, measured.p2p)
+    linear = len(measured.f) == pp  # searched schedules are linear: a swap from a linear start
+    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear)
 
     def entry(row):
-        return {"label": row["candidate"].label, "section": row["candidate"].section(),
+        section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()  # zb-h1's placement
+        return {"label": row["candidate"].label, "section": section, "search": row["search"],
                 "makespan": row["makespan"], "memory": row["memory"]}
     return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None,
             "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),

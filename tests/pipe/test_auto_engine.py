@@ -1,16 +1,17 @@
 """`"schedule": "auto"` on ScheduleEngine: it times two iterations on its start-up schedule (zb-h1),
 decides, switches, and the run equals the single-process reference through the switch: losses of
 3 steps, every gradient of the first step, the weights after 3 optimizer steps and the eval loss,
-fp32 1e-5. At PP=2 one launch runs four cases: the engine's own choice, and three forced choices
-that cover both switch paths: zb-h2 (same placement: a schedule swap), zbv (V placement) and
-bitpipe (two replicas) through the checkpoint rebuild (training/auto_switch.py). At PP=2 x DP=2
+fp32 1e-5. At PP=2 one launch runs five cases: the engine's own choice, and three forced choices
+that cover both switch paths: zb-h2 and the searched zb-search cap=3 (same placement: a schedule
+swap), zbv (V placement) and bitpipe (two replicas) through the checkpoint rebuild
+(training/auto_switch.py). At PP=2 x DP=2
 (ZeRO-1 shards re-cut across the switch): the own choice and zbv."""
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, reference_run, tiny_config
 
 STEPS, LAYERS, GAS = 3, 4, 4
-FORCED = [None, "zb-h2", "zbv", "bitpipe"]
+FORCED = [None, "zb-h2", "zbv", "bitpipe", "zb-search cap=3"]
 BUDGET = 4  # every candidate fits at pp=2, m=4 (gpipe needs 4)
 
 
@@ -20,10 +21,11 @@ def forcing(label):
 
     def choose(pp, m, layers, budget, measured):
         decision = auto.decide(pp, m, layers, budget, measured)
-        rows = auto.rank(pp, m, layers, budget, auto.model_costs(measured, pp), measured.p2p)
+        rows = auto.rank(pp, m, layers, budget, auto.model_costs(measured, pp), measured.p2p, search=True)
         row = next(r for r in rows if r["candidate"].label == label)
-        decision["choice"] = {"label": label, "section": row["candidate"].section(), "makespan": row["makespan"],
-                              "memory": row["memory"]}
+        section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()
+        decision["choice"] = {"label": label, "section": section, "search": row["search"],
+                              "makespan": row["makespan"], "memory": row["memory"]}
         return decision
     return choose
 
@@ -79,7 +81,8 @@ def test_auto_switch_matches_reference(world, pp, forced):
             assert r["start"] == "zb-h1" and not r["auto_left"] and r["global_steps"] == STEPS
             if label:
                 assert r["now"] == label
-                assert r["rebuilt_at"] == (None if label == "zb-h2" else 1), (label, r["rebuilt_at"])
+                swap = label in ("zb-h2", "zb-search cap=3")
+                assert r["rebuilt_at"] == (None if swap else 1), (label, r["rebuilt_at"])
         try:
             assert_matches_reference(results, ref)
         except AssertionError as exc:

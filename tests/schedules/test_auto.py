@@ -64,3 +64,19 @@ def test_bytes():
     assert auto.parse_bytes("12") is None and auto.parse_bytes("GiB") is None
     # s=16, b=2, h=32, a=4, fp32: 16*2*32*(34 + 5*4*16/32) * 2 bytes per layer, 2 layers
     assert auto.unit_bytes(2, 16, 2, 32, 4, 4) == 16 * 2 * 32 * 44 * 2 * 2
+
+
+
+def test_search_fills_the_memory_between_zb_h1_and_zb_h2():
+    # p=4, m=8, TF:TB:TW = 1:1:0.5: ZB-H1 needs 4 units and takes 24.5, ZB-H2 7 units and 23.0
+    costs = auto.model_costs(auto.Measured(f=[1.0] * 4, b=[1.0] * 4, w=[0.5] * 4), 4)
+    found = {c.label: (s, args) for c, s, args in auto.searched(4, 8, 5, costs)}
+    assert list(found) == ["zb-search cap=4", "zb-search cap=5"]
+    for label, cap, makespan in (("zb-search cap=4", 4, 24.5), ("zb-search cap=5", 5, 23.0)):
+        res = auto.evaluate(found[label][0], costs)
+        assert res.peak_memory_max <= cap and res.makespan == pytest.approx(makespan)
+    # within budget 5 only the search reaches ZB-H2's makespan on the linear placement
+    rows = auto.rank(4, 8, 4, 5, costs, search=True)  # 4 layers: linear schedules only
+    assert rows[0]["candidate"].label == "zb-search cap=5" and rows[0]["makespan"] == pytest.approx(23.0)
+    assert auto.schedule_maker({"search": rows[0]["search"]})(4, 8).ranks == found["zb-search cap=5"][0].ranks
+    assert rows[1]["candidate"].label in ("zb-h1", "zb-search cap=4")
