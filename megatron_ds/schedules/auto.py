@@ -8,8 +8,9 @@ measured: a budget no candidate fits is refused at start-up with the smallest on
 
 Candidates are every catalogue entry with its chunk-count variant (interleaved v=2) and its B/W
 split where optional, except Seq1F1B (its memory and costs depend on the segment lengths and the
-token cap; not offered yet). The run starts on the first of START that fits: a schedule that
-splits the backward, so that F, B and W are timed separately.
+token cap; not offered yet), plus, once costs are measured on a linear start, `zb_search`:
+zero-bubble's heuristic at memory limits between ZB-H1's and ZB-H2's. The run starts on the first
+of START that fits: a schedule that splits the backward, so that F, B and W are timed separately.
 """
 from __future__ import annotations
 
