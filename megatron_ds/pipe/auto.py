@@ -35,19 +35,27 @@ class AutoSwitch:
         self.engine, self.auto_plan = engine, auto_plan
         self.calls = 0  # training iterations this process has run
         self.times = {}  # (kind name, stage) -> [seconds]
-        self.decision = None
 
-    def before_step(self):
+    def train_batch(self, run):
+        """`run()` (the engine's train_batch), timed inside the window; after its last iteration,
+        decide and swap the schedule, or leave the choice in `engine.pending_switch`."""
         start, end = self.auto_plan.timers
-        self.engine.tracer.listener = self.record if start <= self.calls < end else None
-
-    def after_step(self):
-        self.engine.tracer.listener = None
+        eng = self.engine
+        eng.tracer.listener = self.record if start <= self.calls < end else None
+        try:
+            loss = run()
+        finally:
+            eng.tracer.listener = None
         self.calls += 1
-        if self.calls == self.auto_plan.timers[1]:
-            self.decision = self.decide()
-            return self.decision
-        return None
+        if self.calls == end:
+            decision = self.decide()
+            eng.auto, eng.auto_decision = None, decision  # the trainer logs it and takes it back
+            choice = decision["choice"]
+            if eng.plan.places_alike(choice["section"]):
+                eng.plan.switch(choice["section"], auto.schedule_maker(choice))
+            else:
+                eng.pending_switch = decision
+        return loss
 
     def record(self, trace):
         for _, tid, start, end, args in trace.events:

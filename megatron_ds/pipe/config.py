@@ -57,8 +57,8 @@ class PipelineSettings:
                               segment_lengths=segment_lengths)
 
 
-def _int_at_least(section, key, minimum):
-    value = section.get(key, minimum)
+def _int_at_least(section, key, minimum, default=None):
+    value = section.get(key, minimum if default is None else default)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f'ds_config "pipeline.{key}" = {value!r}: must be an integer >= {minimum}')
     return value
@@ -93,8 +93,8 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         allow_padding_num_layers=section.get("allow_padding_num_layers", False),
         trace_dir=section.get("trace_dir"),
         memory_budget=section.get("memory_budget"),
-        timers_start_iter=_int_at_least(section, "timers_start_iter", 0) if "timers_start_iter" in section else 1,
-        timers_end_iter=_int_at_least(section, "timers_end_iter", 1) if "timers_end_iter" in section else 4,
+        timers_start_iter=_int_at_least(section, "timers_start_iter", 0, default=1),
+        timers_end_iter=_int_at_least(section, "timers_end_iter", 1, default=4),
     )
     if settings.auto:
         _check_auto(settings, section)

@@ -17,7 +17,6 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op
-from megatron_ds.schedules.auto import schedule_maker
 from megatron_ds.schedules.kinds import Kind
 
 from . import instructions as ins
@@ -63,16 +62,7 @@ class ScheduleEngine(PipelineEngine):
     def train_batch(self, data_iter=None):
         if self.auto is None:
             return super().train_batch(data_iter)
-        self.auto.before_step()
-        loss = super().train_batch(data_iter)
-        decision = self.auto.after_step()
-        if decision:
-            self.auto, self.auto_decision = None, decision  # the trainer logs it and takes it back
-            if self.plan.places_alike(decision["choice"]["section"]):
-                self.plan.switch(decision["choice"]["section"], schedule_maker(decision["choice"]))
-            else:
-                self.pending_switch = decision
-        return loss
+        return self.auto.train_batch(lambda: super(ScheduleEngine, self).train_batch(data_iter))
 
     # -- schedule ------------------------------------------------------------------------------
     def _start(self, micro_batches, train):
