@@ -239,6 +239,11 @@ def check_schedule_shape(args):
     sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
                             ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
                             max_position_embeddings=args.max_position_embeddings,
+                            tensor_model_parallel_size=args.tensor_model_parallel_size,
+                            sequence_parallel=args.sequence_parallel,
+                            num_attention_heads=args.num_attention_heads,
+                            num_key_value_heads=getattr(args, "num_key_value_heads", None),
+                            swiglu=getattr(args, "swiglu", False))
     try:
         if settings.stock:
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)

@@ -176,14 +176,15 @@ def _cli(*extra):
 
 
 def test_cli_unknown_flags_and_shape_error_are_one_line_exit_2_fast():
-    rc, lines, _ = _cli("--zero-bubble-v-schedul", "--num-seq-splits", "4", "--zero-bubble-pipeline-timers-start-iter")
+    rc, lines, _ = _cli("--zero-bubble-v-schedul", "--num-seq-splits", "4",
+                        "--zero-bubble-adaptive-memory-limit-percentile")
     assert rc == 2
     assert lines == [
         "pretrain_gpt.py: error: unrecognized argument --zero-bubble-v-schedul: did you mean --zero-bubble-v-schedule?",
         'pretrain_gpt.py: error: unrecognized argument --num-seq-splits: --pipe-sp-splits K (ds_config "pipeline": '
         '{"schedule": "seq1f1b", "seq_splits": K})',
-        "pretrain_gpt.py: error: unrecognized argument --zero-bubble-pipeline-timers-start-iter: not offered: "
-        "schedules are fixed at start-up, not re-planned from timers"]
+        "pretrain_gpt.py: error: unrecognized argument --zero-bubble-adaptive-memory-limit-percentile: not offered: "
+        "use --zero-bubble-max-pending-backward p (zb-h1) or 2p (zb-h2)"]
     rc, lines, seconds = _cli("--zero-bubble-v-schedule", "--num-layers", "6")
     assert rc == 2 and len(lines) == 1 and "--num-layers 6 must be a multiple of 4" in lines[0], lines
     assert "--allow-padding-num-layers" in lines[0]
