@@ -12,6 +12,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from bench.options import add_model_args
 from megatron_ds.model import GPTConfig, position_ids_like
 from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
 
@@ -37,12 +38,7 @@ def batches(config, args, step):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--gas", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=4)
+    add_model_args(parser, pp=2, gas=8, micro_batch_size=4, seq_length=128, hidden_size=256, num_layers=4)
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()

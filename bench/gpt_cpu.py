@@ -31,6 +31,7 @@ import time
 import warnings
 
 from bench.engines import DUALPIPEV, STOCK, engines
+from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
 
 ENGINES = engines()
@@ -149,14 +150,8 @@ def run_table(args, opts):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pp", type=int, default=4)
-    ap.add_argument("--gas", type=int, default=8, help="micro-batches per iteration (m)")
-    ap.add_argument("--mbs", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=2048)
+    add_model_args(ap, pp=4, gas=8, micro_batch_size=2, seq_length=256, hidden_size=256, num_layers=8,
+                   num_attention_heads=8, vocab_size=2048)
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
@@ -167,12 +162,14 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if STOCK not in args.engines:
         args.engines.insert(0, STOCK)
-    opts = {k: getattr(args, k) for k in ("pp", "gas", "mbs", "seq", "hidden", "layers", "heads", "vocab",
-                                         "iterations", "warmup")}
+    opts = {k: getattr(args, k) for k in ("pp", "gas", "iterations", "warmup")}
+    opts.update(mbs=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, layers=args.num_layers,
+                heads=args.num_attention_heads, vocab=args.vocab_size)
     load = os.getloadavg()
     cores = os.cpu_count()
-    print(f"# bench/gpt_cpu.py: GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
-          f"vocab {args.vocab}; p={args.pp}, TP={'/'.join(map(str, args.tp))}, m={args.gas}, micro-batch {args.mbs}; "
+    print(f"# bench/gpt_cpu.py: GPT {opts['layers']} layers, hidden {opts['hidden']}, {opts['heads']} heads, "
+          f"seq {opts['seq']}, vocab {opts['vocab']}; p={args.pp}, TP={'/'.join(map(str, args.tp))}, m={args.gas}, "
+          f"micro-batch {opts['mbs']}; "
           f"ZeRO-1 AdamW fp32; "
           f"median of {args.iterations} iterations after {args.warmup} warm-up, best of {args.rounds} launches")
     procs = args.pp * max(args.tp)
@@ -192,7 +189,7 @@ def main(argv=None):
             continue
         it = best[name, tp]
         vs_tp1 = f"{best[name, 1] / it:.3f}" if (name, 1) in best else ""
-        tokens = args.gas * args.mbs * args.seq * rs[0]["dp"]
+        tokens = args.gas * opts["mbs"] * opts["seq"] * rs[0]["dp"]
         ranks = range(len(rs[0]["memory"]))
         peak = " ".join(f"{max(r['memory'][k]['peak'] for r in rs) / mb:.0f}" for k in ranks)
         train = " ".join(f"{max(r['memory'][k]['train'] for r in rs) / mb:.0f}" for k in ranks)

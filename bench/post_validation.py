@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec
 
+from bench.options import add_model_args
 from megatron_ds.testing.timed import TimedCosts, TimedLayer, timed_loss
 from megatron_ds.pipe.build import initialize_engine, topology
 from megatron_ds.pipe.config import pipeline_settings
@@ -110,9 +111,7 @@ def gather(value):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedules", default="zbv,zb-h2,1f1b")
-    parser.add_argument("--gas", type=int, default=8)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--seq-length", type=int, default=16)
+    add_model_args(parser, gas=8, micro_batch_size=2, seq_length=16)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers-per-rank", type=int, default=2)
     parser.add_argument("--tf", type=float, default=0.015, help="seconds per layer and micro-batch")

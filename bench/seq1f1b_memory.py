@@ -26,6 +26,8 @@ import resource
 import torch
 import torch.multiprocessing as mp
 
+from bench.options import add_model_args
+
 MB = 2 ** 20
 
 
@@ -108,7 +110,7 @@ def rank_main(rank, args, pipeline, port, queue):
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     deepspeed.init_distributed(dist_backend="gloo")
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                       num_attention_heads=args.heads, max_position_embeddings=args.seq_length)
+                       num_attention_heads=args.num_attention_heads, max_position_embeddings=args.seq_length)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.gas,
                  "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9, "pipeline": pipeline,
                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
@@ -174,13 +176,8 @@ def tokens_in_flight_ratio(pp, m, k, lengths, rank):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--gas", type=int, default=8)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=512)
+    add_model_args(parser, pp=4, gas=8, seq_length=2048, hidden_size=256, num_attention_heads=4, num_layers=4,
+                   vocab_size=512)
     parser.add_argument("--splits", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--method", choices=["balanced", "even"], default="balanced")
     args = parser.parse_args()
@@ -189,7 +186,7 @@ def main():
         (f"seq1f1b k={k}", {"schedule": "seq1f1b", "seq_splits": k, "seq_split_method": args.method}, k)
         for k in args.splits]
     results = {name: run(args, pipeline) for name, pipeline, _ in configs}
-    print(f"\npp={p} m={args.gas} mbs=1 seq={args.seq_length} hidden={args.hidden_size} heads={args.heads} "
+    print(f"\npp={p} m={args.gas} mbs=1 seq={args.seq_length} hidden={args.hidden_size} heads={args.num_attention_heads} "
           f"layers={args.num_layers} vocab={args.vocab_size}, fp32 on CPU, second iteration measured")
     for name, _, k in configs[1:]:
         print(f"  {name} {args.method} segments: {results[name][0]['lengths']}")
