@@ -28,8 +28,8 @@ import sys
 import time
 
 from bench.engines import engines
-from bench.launch import launch
 from bench.schedules import HIDDEN, MBS, ROOT, SEQ, ds_config, slug
+from megatron_ds.testing.launcher import run_ranks
 
 # (TF, TB, TW, head) per 1F1B stage, relative to TF; head: the LM head's F and B, in stages
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0, 0.0), "1:1:0.5": (1.0, 1.0, 0.5, 0.0), "1:1:1 heavy last": (1.0, 1.0, 1.0, 1.0)}
@@ -208,15 +208,15 @@ def main(argv=None):
         runs = {}
         for name in named:
             print(f"p={p}: {name}", file=sys.stderr, flush=True)
-            runs[name] = launch(p, worker, p, dict(opts, engine=name, ratios=list(RATIOS)),
-                                os.path.join(args.out, f"p{p}"), timeout=args.timeout)
+            runs[name] = run_ranks(p, worker, p, dict(opts, engine=name, ratios=list(RATIOS)),
+                                   os.path.join(args.out, f"p{p}"), timeout=args.timeout, quiet=True)[0]
         for budget in budgets(p):
             name = auto_name(budget)
             runs[name] = {}
             for ratio in RATIOS:  # a fresh decision per setting: one launch each
                 print(f"p={p}: {name}, {ratio}", file=sys.stderr, flush=True)
-                runs[name].update(launch(p, worker, p, dict(opts, engine=name, ratios=[ratio]),
-                                         os.path.join(args.out, f"p{p}"), timeout=args.timeout))
+                runs[name].update(run_ranks(p, worker, p, dict(opts, engine=name, ratios=[ratio]),
+                                            os.path.join(args.out, f"p{p}"), timeout=args.timeout, quiet=True)[0])
         tables = analyse(p, runs, args.tf_ms)
         for ratio, rows in tables.items():
             print("\n" + markdown(p, ratio, rows, args.tf_ms), flush=True)
