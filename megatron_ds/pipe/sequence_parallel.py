@@ -16,13 +16,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def sequence_parallel_params(module):
-    """The module's parameters marked `sequence_parallel`, each once."""
-    seen, out = set(), []
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
+    """The module's parameters marked `sequence_parallel` (parameters() yields a shared one once)."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
 
 
 def reduce_sequence_parallel_grads(engine):

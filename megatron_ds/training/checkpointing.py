@@ -39,7 +39,7 @@ from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
-from .universal import LATEST as LATEST_UNIVERSAL, conversion_command
+from .universal import LATEST as LATEST_UNIVERSAL, conversion_command, read_tag
 from .zero_relayout import RelayoutError, restore_by_name
 
 CHECKPOINT_VERSION = 3.0
@@ -106,11 +106,7 @@ def universal_info(args):
 
 
 def read_latest_tag(load_dir, universal=False):
-    path = os.path.join(load_dir, LATEST_UNIVERSAL if universal else "latest")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return f.read().strip()
+    return read_tag(load_dir, LATEST_UNIVERSAL if universal else "latest")
 
 
 def read_saved_state(load_dir, tag):

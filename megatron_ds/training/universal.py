@@ -33,25 +33,24 @@ def conversion_command(load_dir, tag=None):
             f"--output_folder {step}_universal")
 
 
-def _latest_tag(load_dir):
-    path = os.path.join(load_dir, "latest")
-    if os.path.isfile(path):
-        with open(path) as f:
-            return f.read().strip()
-    return None
+def read_tag(load_dir, pointer="latest"):
+    """The tag a pointer file (`latest`, `latest_universal`) of load_dir names; None when it is missing."""
+    path = os.path.join(load_dir, pointer)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
 
 
 def check_universal_folder(load_dir):
     """'' when load_dir holds a converted checkpoint, else what is wrong and the command that fixes it."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.isfile(path):
+    path, tag = os.path.join(load_dir, LATEST), read_tag(load_dir, LATEST)
+    if tag is None:
         return (f"--universal-checkpoint: {load_dir} holds no universal checkpoint ({path} is missing); "
-                f"convert the saved step first: {conversion_command(load_dir, _latest_tag(load_dir))}")
-    with open(path) as f:
-        tag = f.read().strip()
+                f"convert the saved step first: {conversion_command(load_dir, read_tag(load_dir))}")
     state = os.path.join(load_dir, tag, "zero", "optimizer_state.pt")
     if not os.path.isfile(state):
-        source = tag[:-len("_universal")] if tag.endswith("_universal") else _latest_tag(load_dir)
+        source = tag[:-len("_universal")] if tag.endswith("_universal") else read_tag(load_dir)
         return (f"--universal-checkpoint: {os.path.join(load_dir, tag)} (named by {path}) is not a universal "
                 f"checkpoint ({state} is missing); convert the saved step: {conversion_command(load_dir, source)}")
     return ""
