@@ -33,9 +33,11 @@ from megatron_ds.testing.launcher import run_ranks
 
 # (TF, TB, TW, head) per 1F1B stage, relative to TF; head: the LM head's F and B, in stages
 RATIOS = {"1:1:1": (1.0, 1.0, 1.0, 0.0), "1:1:0.5": (1.0, 1.0, 0.5, 0.0), "1:1:1 heavy last": (1.0, 1.0, 1.0, 1.0)}
-NAMED = engines(seq_splits=(2,), seq_split_method="even")
+NAMED = engines(seq_splits=(2, 4), seq_split_method="even")  # timed layers cost a segment its tokens' share
 NAMED.pop("DS 1F1B (stock)")
 NAMED.pop("DS DualPipeV")
+NAMED.update({f"{name} B/W": {**sec, "split_backward": True} for name, sec in NAMED.items()
+              if sec["schedule"] == "seq1f1b"})  # the Seq1F1B variants "auto" weighs
 WINDOW = (1, 3)  # timed iterations of the auto engine before it switches
 
 
@@ -50,7 +52,7 @@ def auto_name(budget):
 def section(name, p, m):
     if name.startswith("auto"):
         return {"schedule": "auto", "memory_budget": float(name.split("=")[1]), "timers_start_iter": WINDOW[0],
-                "timers_end_iter": WINDOW[1]}
+                "timers_end_iter": WINDOW[1], "seq_split_method": "even"}
     return NAMED[name]
 
 

@@ -3,11 +3,14 @@
 The run starts on the schedule pipe/plan.start_auto picked (one that splits B and W and fits the
 budget). During this process's training iterations [timers_start_iter, timers_end_iter) the
 engine's tracer hands every recorded iteration here (no files are written unless trace_dir is
-set): each compute op's time, from when its input had arrived to its end. After the window every
-rank sends its median F, B and W time per stage to rank 0, adjacent ranks time a ping-pong of one
-activation message (the p2p time), and rank 0 simulates every candidate that fits the budget
-(schedules/auto.py), logs the choice and the runner-up, and broadcasts the choice (one small
-object). A choice that places the chunks as the module is cut is a schedule swap, done here; any
+set): each compute op's time, from when its input had arrived to its end, and the runtime's time
+between ops. Every second iteration of the window runs the plan's probe instead, when it has one:
+the same placement with the micro-batch cut into another number of Seq1F1B segments, so that
+rank 0 can tell each op's fixed time from its per-token time (schedules/auto.separate). After the
+window every rank sends its medians per (kind, stage, op size, segment) to rank 0, adjacent ranks
+time a ping-pong of one activation message (the p2p time), and rank 0 simulates every candidate
+that fits the budget (schedules/auto.py), logs the choice and the runner-up, and broadcasts the
+choice (one small object). A choice that places the chunks as the module is cut is a schedule swap, done here; any
 other needs the module rebuilt, which the owner of the engine does (training/auto_switch.py) when
 `engine.pending_switch` is set.
 """
@@ -29,27 +32,37 @@ PING_REPEATS = 5
 class AutoSwitch:
     """Owned by a ScheduleEngine whose plan has an AutoPlan; see the module docstring."""
 
-    choose = staticmethod(auto.decide)  # rank 0's decision: decide(pp, m, num_layers, budget, Measured)
+    choose = staticmethod(auto.decide)  # rank 0's decision: decide(pp, m, num_layers, budget, Measured, cuts)
 
     def __init__(self, engine, auto_plan):
         self.engine, self.auto_plan = engine, auto_plan
         self.calls = 0  # training iterations this process has run
-        self.times = {}  # (kind name, stage) -> [seconds]
+        self.times = {}  # (kind name, stage, seq_splits, seq) -> [seconds]
+        self.gaps = []  # the runtime's seconds between two compute ops, per op, one entry per iteration
+        self.start_section = {"schedule": engine.plan.settings.schedule, "seq_splits": engine.plan.settings.seq_splits,
+                              "split_backward": engine.plan.settings.split_backward}
 
     def train_batch(self, run):
-        """`run()` (the engine's train_batch), timed inside the window; after its last iteration,
-        decide and swap the schedule, or leave the choice in `engine.pending_switch`."""
+        """`run()` (the engine's train_batch), timed inside the window (every second iteration on the
+        probe); after its last iteration, decide and swap the schedule, or leave the choice in
+        `engine.pending_switch`."""
         start, end = self.auto_plan.timers
         eng = self.engine
-        eng.tracer.listener = self.record if start <= self.calls < end else None
+        timed = start <= self.calls < end
+        probing = timed and self.auto_plan.probe is not None and (self.calls - start) % 2 == 1
+        eng.tracer.listener = self.record if timed else None
+        if probing:
+            eng.plan.switch(self.auto_plan.probe)
         try:
             loss = run()
         finally:
             eng.tracer.listener = None
+            if probing:
+                eng.plan.switch(self.start_section)
         self.calls += 1
         if self.calls == end:
             decision = self.decide()
-            eng.auto, eng.auto_decision = None, decision  # the trainer logs it and takes it back
+            eng.auto, eng.auto_decision, eng.plan.auto = None, decision, None  # the trainer logs it, takes it back
             choice = decision["choice"]
             if eng.plan.places_alike(choice["section"]):
                 eng.plan.switch(choice["section"], auto.schedule_maker(choice))
@@ -58,21 +71,29 @@ class AutoSwitch:
         return loss
 
     def record(self, trace):
-        for _, tid, start, end, args in trace.events:
-            if tid == COMPUTE and args["kind"] in (Kind.F, Kind.B, Kind.W):
-                self.times.setdefault((args["kind"].name, args["stage"]), []).append(end - start)
+        k = self.engine.plan.schedule.seq_splits
+        compute = [(start, end, args) for _, tid, start, end, args in trace.events if tid == COMPUTE]
+        for start, end, args in compute:
+            if args["kind"] in (Kind.F, Kind.B, Kind.W):
+                self.times.setdefault((args["kind"].name, args["stage"], k, args["seq"]), []).append(end - start)
+        if compute:
+            first, last = min(c[0] for c in compute), max(c[1] for c in compute)
+            waits = sum(min(e, last) - max(s, first) for _, tid, s, e, _ in trace.events  # p2p and step events
+                        if tid != COMPUTE and e > first and s < last)
+            self.gaps.append(max(0.0, last - first - sum(e - s for s, e, _ in compute) - waits) / len(compute))
 
     def decide(self) -> dict:
         eng = self.engine
         medians = {key: statistics.median(v) for key, v in self.times.items()}
         ping = ping_pong(eng, eng.plan.activation_shape, eng._dtype, eng.device)
+        gap = statistics.median(self.gaps) if self.gaps else 0.0
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((medians, ping), gathered, dst=0)
+        dist.gather_object((medians, ping, gap), gathered, dst=0)
         box = [None]
         if dist.get_rank() == 0:
             measured = merge(gathered, eng.plan.schedule.stages)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
-                                 self.auto_plan.budget, measured)
+                                 self.auto_plan.budget, measured, self.auto_plan.cuts)
             box[0]["start"] = eng.plan.schedule.name
             print(auto.describe(box[0]), flush=True)
         dist.broadcast_object_list(box, src=0)
@@ -80,18 +101,25 @@ class AutoSwitch:
 
 
 def merge(gathered, stages: int) -> auto.Measured:
-    """Per stage, the median over the ranks that ran it (data-parallel replicas) of their medians."""
-    per = {}
-    pings = []
-    for medians, ping in gathered:
+    """Per (kind, stage, op size, segment), the median over the ranks that ran it (data-parallel
+    replicas) of their medians; a micro-batch's time per op size is the sum over its segments."""
+    per, pings, gaps = {}, [], []
+    for medians, ping, gap in gathered:
         pings += ping
+        gaps.append(gap)
         for key, t in medians.items():
             per.setdefault(key, []).append(t)
-    missing = [(k, s) for k in "FBW" for s in range(stages) if (k, s) not in per]
-    if missing:
-        raise RuntimeError(f'"schedule": "auto" timed no op of {missing}: time at least one training iteration')
-    f, b, w = ([statistics.median(per[(k, s)]) for s in range(stages)] for k in "FBW")
-    return auto.Measured(f, b, w, statistics.median(pings) if pings else 0.0)
+    totals = {}
+    for kind, stage, k, seq in per:
+        totals.setdefault(k, {}).setdefault((kind, stage), {})[seq] = statistics.median(per[(kind, stage, k, seq)])
+    for k, by_op in totals.items():
+        missing = [(kind, s) for kind in "FBW" for s in range(stages) if len(by_op.get((kind, s), ())) != k]
+        if missing:
+            raise RuntimeError(f'"schedule": "auto" timed no op of {missing} (seq_splits={k}): time at least one '
+                               "training iteration")
+    sums = {k: tuple([sum(by_op[(kind, s)].values()) for s in range(stages)] for kind in "FBW")
+            for k, by_op in totals.items()}
+    return auto.separate(sums, statistics.median(gaps), statistics.median(pings) if pings else 0.0)
 
 
 def ping_pong(engine, shape, dtype, device, repeats: int = PING_REPEATS) -> list:

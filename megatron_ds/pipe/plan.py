@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.kinds import Kind
-from megatron_ds.schedules.seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
+from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
+                                             segment_costs)
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead
@@ -94,11 +95,32 @@ def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: 
 @dataclass(frozen=True)
 class AutoPlan:
     """`"schedule": "auto"`: the budget in memory units (schedules/auto.py), the timed iterations
-    [start, end) of this process, and the model's layer count (which candidates it can be cut for)."""
+    [start, end) of this process, the model's layer count (which candidates it can be cut for), the
+    Seq1F1B cuts of its sequence, and the schedule of other op sizes the window alternates with (a
+    ds_config "pipeline" section; None: the start-up schedule only)."""
     budget: float
     timers: tuple
     num_layers: int
     budget_text: str
+    cuts: tuple = ()
+    probe: dict | None = None
+
+
+def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
+    """The run's sequence cut as the engine would cut it for Seq1F1B (the settings' seq_split_method),
+    at each segment count of auto.SEQ_SPLITS the sequence allows (under --sequence-parallel: each
+    segment a multiple of TP)."""
+    tp, sp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "sequence_parallel", False)
+    cuts = []
+    for k in auto.SEQ_SPLITS:
+        try:
+            lengths = segment_lengths(dataclasses.replace(settings, seq_splits=k), config, seq)
+            sequence_shards(tp, sp, seq, lengths)
+        except ConfigError:
+            continue
+        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None))
+        cuts.append(auto.Cut(k, tuple(lengths), tuple(costs)))
+    return tuple(cuts)
 
 
 def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int):
@@ -111,13 +133,16 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
                                getattr(config, "num_attention_heads", 1), dtype)
         budget = auto.parse_bytes(budget) / unit
         text = f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes (estimate: schedules/auto.py)'
+    cuts = seq1f1b_cuts(settings, config, seq)
     try:
-        start = auto.check_budget(budget, pp, gas, config.num_layers)
+        start = auto.check_budget(budget, pp, gas, config.num_layers, cuts)
     except ScheduleError as exc:
         in_bytes = f" (x {unit:.0f} bytes = {math.ceil(exc.smallest * unit)} bytes)" if unit else ""
         raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}{in_bytes}') from None
     concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
-    return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text)
+    probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts)
+    return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text,
+                              cuts, probe.section() if probe else None)
 
 
 @dataclass(frozen=True)
@@ -147,6 +172,7 @@ class PipelinePlan:
         self._schedules: dict[int, Schedule] = {}
         self._programs: dict[tuple, RankProgram] = {}
         self._make = None
+        self._cuts = {c.k: list(c.lengths) for c in auto_plan.cuts} if auto_plan else {}  # for switch()
         self.schedule = self.for_micro_batches(micro_batches)
 
     @classmethod
@@ -196,7 +222,8 @@ class PipelinePlan:
         return self._schedules[m]
 
     def _settings_for(self, section: dict) -> PipelineSettings:
-        return dataclasses.replace(self.settings, virtual_stages=1, seq_splits=1, split_backward=False, **section)
+        return dataclasses.replace(self.settings, **{"virtual_stages": 1, "seq_splits": 1, "split_backward": False,
+                                                     **section})
 
     def places_alike(self, section: dict) -> bool:
         """Whether the schedule `section` names places the chunks as this plan's does."""
@@ -205,12 +232,15 @@ class PipelinePlan:
     def switch(self, section: dict, make=None) -> None:
         """Run the schedule a ds_config "pipeline" `section` names from now on (or `make(pp, m)`'s,
         a searched one placed as `section`'s); it must place the chunks as the module was cut
-        (another placement needs a new module: training/auto_switch.py)."""
+        (another placement needs a new module: training/auto_switch.py). A Seq1F1B section cuts the
+        sequence as "auto" weighed it."""
         settings = self._settings_for(section)
-        schedule = make(self.pp, self.micro_batches) if make else settings.build_schedule(self.pp, self.micro_batches)
+        lengths = self._cuts[settings.seq_splits] if settings.seq_splits > 1 else None
+        schedule = (make(self.pp, self.micro_batches) if make
+                    else settings.build_schedule(self.pp, self.micro_batches, lengths))
         if schedule.placement != self.schedule.placement:
             raise ValueError(f"{section} places chunks {schedule.placement}, the module holds {self.schedule.placement}")
-        self.settings, self.auto, self._make = settings, None, make
+        self.settings, self._make, self.segment_lengths = settings, make, lengths
         self._schedules.clear()
         self._programs.clear()
         self.schedule = self.for_micro_batches(self.micro_batches)

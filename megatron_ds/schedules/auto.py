@@ -7,10 +7,12 @@ op order only, not on the op costs, so whether a candidate fits is known before 
 measured: a budget no candidate fits is refused at start-up with the smallest one that would.
 
 Candidates are every catalogue entry with its chunk-count variant (interleaved v=2) and its B/W
-split where optional, except Seq1F1B (its memory and costs depend on the segment lengths and the
-token cap; not offered yet), plus, once costs are measured on a linear start, `zb_search`:
-zero-bubble's heuristic at memory limits between ZB-H1's and ZB-H2's. The run starts on the first
-of START that fits: a schedule that splits the backward, so that F, B and W are timed separately.
+split where optional; Seq1F1B at each segment count of the run's `Cut`s (its segments hold their
+tokens' share of the memory and cost their FLOPs' share of the time; its order is the token-capped
+one the engine runs); plus, once costs are measured on a linear start, `zb_search`: zero-bubble's
+heuristic at memory limits between ZB-H1's and ZB-H2's. The run starts on the first of START that
+fits: a schedule that splits the backward, so that F, B and W are timed separately (a segment's
+times add up to its micro-batch's).
 """
 from __future__ import annotations
 
@@ -26,9 +28,19 @@ from .ir import Op, Schedule, ScheduleError
 from .kinds import B, F, W
 from .validate import validate
 
-START = ("zb-h1", "zbv", "zbv-half", "zbv-min")  # decreasing memory; all split B and W
-EXCLUDED = ("seq1f1b",)
+START = ("zb-h1", "seq1f1b seq_splits=2 split_backward=True", "seq1f1b seq_splits=4 split_backward=True",
+         "zbv", "zbv-half", "zbv-min")  # all split B and W; linear ones first (they can swap in place), by memory
+SEQ_SPLITS = (2, 4)  # the segment counts Seq1F1B is weighed at
 EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The run's sequence cut into k Seq1F1B segments: their token counts and relative costs
+    (seq_split.segment_costs: FLOPs), as the engine would cut it (pipe/plan.segment_lengths)."""
+    k: int
+    lengths: tuple
+    costs: tuple
 
 
 @dataclass(frozen=True)
@@ -41,29 +53,29 @@ class Candidate:
         extra = " ".join(f"{k}={v}" for k, v in self.knobs)
         return f"{self.schedule} {extra}".strip()
 
-    def build(self, pp: int, m: int) -> Schedule:
-        return build_schedule(self.schedule, pp, m, **dict(self.knobs))
-
     def section(self) -> dict:
         """The ds_config "pipeline" keys that select this candidate."""
         return {"schedule": self.schedule, **dict(self.knobs)}
 
 
-def candidates(pp: int, m: int, num_layers: int) -> list[tuple[Candidate, Schedule]]:
-    """Every candidate that can run pp ranks, m micro-batches and num_layers layers."""
-    return list(_candidates(pp, m, num_layers))
+def candidates(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tuple[Candidate, Schedule]]:
+    """Every candidate that can run pp ranks, m micro-batches and num_layers layers; Seq1F1B at
+    the segment counts of `cuts` (none: no Seq1F1B)."""
+    return list(_candidates(pp, m, num_layers, tuple(cuts)))
 
 
 @functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8
-def _candidates(pp: int, m: int, num_layers: int) -> tuple:
+def _candidates(pp: int, m: int, num_layers: int, cuts: tuple) -> tuple:
+    lengths = {c.k: list(c.lengths) for c in cuts}
     out = []
     for name, spec in CATALOG.items():
-        if name in EXCLUDED:
+        splits = tuple(lengths) if spec.seq_splits else (1,)
+        if not splits:
             continue
-        for _, knobs in spec.variants(virtual_stages=2, seq_splits=(1,), split=True):
+        for _, knobs in spec.variants(virtual_stages=2, seq_splits=splits, split=True):
             cand = Candidate(name, tuple(sorted(knobs.items())))
             try:
-                schedule = cand.build(pp, m)
+                schedule = build_schedule(name, pp, m, **knobs, segment_lengths=lengths.get(knobs.get("seq_splits")))
             except ScheduleError:
                 continue
             if num_layers % schedule.stages and schedule.stages > pp or num_layers < schedule.stages:
@@ -76,19 +88,19 @@ def peak_memory(schedule: Schedule) -> float:
     return evaluate(schedule, ModelCosts()).peak_memory_max
 
 
-def memory_table(pp: int, m: int, num_layers: int) -> list[tuple[Candidate, float]]:
-    return [(c, peak_memory(s)) for c, s in candidates(pp, m, num_layers)]
+def memory_table(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tuple[Candidate, float]]:
+    return [(c, peak_memory(s)) for c, s in candidates(pp, m, num_layers, cuts)]
 
 
-def check_budget(budget: float, pp: int, m: int, num_layers: int) -> Candidate:
+def check_budget(budget: float, pp: int, m: int, num_layers: int, cuts: tuple = ()) -> Candidate:
     """The schedule to start on; ScheduleError naming the smallest budget that fits when none does."""
-    table = memory_table(pp, m, num_layers)
-    fits = {c.schedule: c for c, mem in table if mem <= budget + EPS}
-    for name in START:
-        if name in fits:
-            return fits[name]
+    table = memory_table(pp, m, num_layers, cuts)
+    fits = {c.label: c for c, mem in table if mem <= budget + EPS}
+    for label in START:
+        if label in fits:
+            return fits[label]
     smallest = min(mem for _, mem in table)
-    start = min(mem for c, mem in table if c.schedule in START)
+    start = min(mem for c, mem in table if c.label in START)
     if fits:  # only schedules that fuse B and W fit: nothing to measure W with
         exc = ScheduleError(f"memory_budget {budget:.4g} fits no schedule that splits the backward "
                             f"({', '.join(START)}), needed to time F, B and W; the smallest budget that "
@@ -103,13 +115,45 @@ def check_budget(budget: float, pp: int, m: int, num_layers: int) -> Candidate:
     raise exc
 
 
+def probe(start: Candidate, budget: float, pp: int, m: int, num_layers: int, cuts: tuple = ()) -> Candidate | None:
+    """A Seq1F1B B/W schedule placed as the linear `start` whose ops are another size, that fits the
+    budget (the most segments): the timing window alternates the two so that each op's fixed time
+    can be told from its per-token time (`separate`). None: no such schedule."""
+    if start.label not in START[:3]:
+        return None
+    own = dict(start.knobs).get("seq_splits", 1)
+    fits = [c for c, mem in memory_table(pp, m, num_layers, cuts) if mem <= budget + EPS and c.schedule == "seq1f1b"
+            and dict(c.knobs).get("split_backward") and c.knobs != start.knobs and dict(c.knobs)["seq_splits"] != own]
+    return max(fits, key=lambda c: dict(c.knobs)["seq_splits"], default=None)
+
+
 @dataclass(frozen=True)
 class Measured:
-    """Median op times per stage of the schedule the run started on (seconds), and the p2p time."""
+    """Per stage, the time of F, B and W on one whole micro-batch less the fixed part every op
+    pays (seconds); that fixed part per op of each kind, `op_overhead`; and the p2p time."""
     f: list
     b: list
     w: list
     p2p: float = 0.0
+    op_overhead: tuple = (0.0, 0.0, 0.0)
+    op_sizes: tuple = (1,)  # the segment counts the micro-batches were timed at
+
+
+def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
+    """Measured from per-stage micro-batch times {k: (f, b, w)} taken with the micro-batch cut into k
+    ops: T_k = T + k*c per stage, so two op sizes give each kind's fixed time c (median over the
+    stages, never below 0) and the rest T. With one size c is unknown and taken as 0. `gap`, the
+    runtime's time between ops, is added to every kind's c."""
+    ks = sorted(totals)
+    lo, hi = ks[0], ks[-1]
+    out, fixed = [], []
+    for i in range(3):
+        c = 0.0
+        if hi != lo:
+            c = max(0.0, statistics.median((x - y) / (hi - lo) for x, y in zip(totals[hi][i], totals[lo][i])))
+        out.append([max(0.0, t - lo * c) for t in totals[lo][i]])
+        fixed.append(c + gap)
+    return Measured(*out, p2p=p2p, op_overhead=tuple(fixed), op_sizes=tuple(ks))
 
 
 def model_costs(measured: Measured, pp: int) -> ModelCosts:
@@ -124,7 +168,7 @@ def model_costs(measured: Measured, pp: int) -> ModelCosts:
         body.append(layer * stages / pp)  # one 1F1B stage holds stages/pp of these
         embed.append(max(0.0, times[0] - layer))
         head.append(max(0.0, times[-1] - layer))
-    return ModelCosts(*body, embed=tuple(embed), head=tuple(head))
+    return ModelCosts(*body, embed=tuple(embed), head=tuple(head), op_overhead=tuple(measured.op_overhead))
 
 
 def zb_search(pp: int, m: int, cap: float, f: list, b: list, w: list) -> Schedule:
@@ -145,7 +189,8 @@ def zb_search(pp: int, m: int, cap: float, f: list, b: list, w: list) -> Schedul
 
 def searched(pp: int, m: int, budget: float, costs: ModelCosts) -> list[tuple[Candidate, Schedule, dict]]:
     """zb_search at the budget and every whole memory limit from p up to it (at most 2p - 1)."""
-    f, b, w = costs.per_stage(Schedule("probe", pp, m, 1, pp, 1, placement.linear(pp), []))
+    f, b, w = ([t + fixed for t in times] for times, fixed in
+               zip(costs.per_stage(Schedule("linear", pp, m, 1, pp, 1, placement.linear(pp), [])), costs.op_overhead))
     top = min(budget, 2 * pp - 1)
     out = []
     for cap in sorted({top, *range(pp, int(top) + 1)}):
@@ -158,13 +203,15 @@ def searched(pp: int, m: int, budget: float, costs: ModelCosts) -> list[tuple[Ca
 
 
 def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0,
-         search: bool = False) -> list[dict]:
+         search: bool = False, cuts: tuple = ()) -> list[dict]:
     """Every candidate that fits, fastest first: {candidate, makespan, memory, search}; `search`
     adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m)."""
-    pool = [(c, s, None) for c, s in candidates(pp, m, num_layers)] + (searched(pp, m, budget, costs) if search else [])
+    pool = [(c, s, None) for c, s in candidates(pp, m, num_layers, cuts)]
+    pool += searched(pp, m, budget, costs) if search else []
+    shares = {c.k: c.costs for c in cuts}
     rows = []
     for cand, schedule, args in pool:
-        res = evaluate(schedule, costs, p2p_latency=p2p)
+        res = evaluate(schedule, costs, p2p_latency=p2p, seq_costs=shares.get(schedule.seq_splits))
         if res.peak_memory_max <= budget + EPS:
             rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max, "search": args})
     return sorted(rows, key=lambda r: (r["makespan"], r["memory"], r["search"] is not None))
@@ -176,11 +223,11 @@ def schedule_maker(choice: dict):
     return None if args is None else (lambda pp, m: zb_search(pp, m, **args))
 
 
-def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured) -> dict:
+def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, cuts: tuple = ()) -> dict:
     """The choice as plain JSON-able data (what rank 0 broadcasts)."""
     costs = model_costs(measured, pp)
     linear = len(measured.f) == pp  # searched schedules are linear: a swap from a linear start
-    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear)
+    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear, cuts=cuts)
 
     def entry(row):
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()  # zb-h1's placement
@@ -188,7 +235,8 @@ def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured) 
                 "makespan": row["makespan"], "memory": row["memory"]}
     return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None,
             "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),
-                                        "head": list(costs.head), "p2p": measured.p2p}}
+                                        "head": list(costs.head), "p2p": measured.p2p,
+                                        "op_overhead": list(costs.op_overhead), "op_sizes": list(measured.op_sizes)}}
 
 
 def describe(decision: dict) -> str:
@@ -200,6 +248,8 @@ def describe(decision: dict) -> str:
              else "; no runner-up fits")
     return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "
                    f"TW={k['tw'] * 1e3:.2f} ms, head F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms, "
+                   f"fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
+                   f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}), "
                    f"p2p {k['p2p'] * 1e3:.3f} ms")
 
 

@@ -7,6 +7,8 @@ the LM head with its loss as extra (F, B, W) times on the first and the last sta
 replica. A 50k-token vocabulary makes the head as heavy as several layers, and under the V
 schedules (zbv, dualpipev) rank 0 holds both it and the embedding. `evaluate` is what a
 schedule chooser needs: build each candidate, evaluate it on the same ModelCosts, compare.
+`op_overhead` is the fixed time (F, B, W) each op pays whatever its size: it makes schedules of
+many small ops (sequence segments, V chunks) dearer than their shares of the work.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ class ModelCosts:
     tw: float = 1.0
     embed: Triple = (0.0, 0.0, 0.0)   # (F, B, W) of the embedding, on stage 0
     head: Triple = (0.0, 0.0, 0.0)    # (F, B, W) of the LM head and loss, on the last stage
+    op_overhead: Triple = (0.0, 0.0, 0.0)  # (F, B, W) time every op pays on top of its share
 
     def per_stage(self, schedule: Schedule) -> tuple[list[float], list[float], list[float]]:
         """(tf, tb, tw) lists, one entry per stage of a replica, as simulate() takes them."""
@@ -40,4 +43,4 @@ class ModelCosts:
 
 def evaluate(schedule: Schedule, costs: ModelCosts, **kwargs) -> SimResult:
     """simulate() with the model's costs cut to this schedule's stages (kwargs: simulate's)."""
-    return simulate(schedule, *costs.per_stage(schedule), **kwargs)
+    return simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead, **kwargs)

@@ -5,9 +5,12 @@ Costs follow DESIGN.md: tf, tb, tw are the times of one op on one 1F1B stage (1/
 model, whole sequence). An op of a schedule with S stages per replica costs p/S of that, and a
 sequence segment its share of the micro-batch (1/k, or seq_costs normalized). A cost given as
 a list is per stage of the replica and used as is (to model e.g. a heavier loss stage).
+`op_overhead` (F, B, W) is a fixed time every op pays whatever its size (launches, the runtime's
+own work): it is what makes many small ops (segments, chunks) dearer than their share.
 
 Activation memory, in units of one micro-batch's activations on one 1F1B stage: F holds M_B
-until the input-gradient backward, which keeps M_W of it for W; BW frees all of it.
+until the input-gradient backward, which keeps M_W of it for W; BW frees all of it. A sequence
+segment holds its tokens' share (1/k when the schedule does not carry its segment lengths).
 """
 from __future__ import annotations
 
@@ -46,10 +49,11 @@ class SimResult:
 
 def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0, *,
              p2p_latency: float = 0.0, seq_costs: Sequence[float] | None = None,
-             act_size: ActSize = None, check: bool = True) -> SimResult:
+             act_size: ActSize = None, check: bool = True,
+             op_overhead: tuple = (0.0, 0.0, 0.0)) -> SimResult:
     if check:
         validate(schedule)
-    duration = _duration_fn(schedule, tf, tb, tw, seq_costs)
+    duration = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead)
     index = UnitIndex(schedule)
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
@@ -104,14 +108,15 @@ def _seq_shares(schedule: Schedule, seq_costs: Sequence[float] | None) -> list[f
     return [c / total for c in seq_costs]
 
 
-def _duration_fn(schedule, tf, tb, tw, seq_costs) -> Callable[[Op], float]:
+def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead) -> Callable[[Op], float]:
     f = _per_stage(tf, schedule, "tf")
     b = _per_stage(tb, schedule, "tb")
     w = _per_stage(tw, schedule, "tw")
     share = _seq_shares(schedule, seq_costs)
     base = {kind: [cf * x + cb * y + cw * z for x, y, z in zip(f, b, w)]
             for kind in Kind for cf, cb, cw in [kind.traits.cost]}
-    return lambda op: base[op.kind][op.stage] * share[op.seq]
+    fixed = {kind: sum(c * o for c, o in zip(kind.traits.cost, op_overhead)) for kind in Kind}
+    return lambda op: base[op.kind][op.stage] * share[op.seq] + fixed[op.kind]
 
 
 def _memory_fn(schedule: Schedule, act_size: ActSize) -> Callable[[Op], float]:
@@ -125,13 +130,23 @@ def _memory_fn(schedule: Schedule, act_size: ActSize) -> Callable[[Op], float]:
             m_b, m_w = float(act_size), float(act_size) * DEFAULT_ACT[1] / DEFAULT_ACT[0]
         else:
             m_b, m_w = (float(x) for x in act_size)
-        scale = schedule.pp / schedule.stages / schedule.seq_splits
-        sizes = lambda _op: (m_b * scale, m_w * scale)  # noqa: E731
+        scale = schedule.pp / schedule.stages
+        share = _token_shares(schedule)
+        sizes = lambda op: (m_b * scale * share[op.seq], m_w * scale * share[op.seq])  # noqa: E731
     def delta(op: Op) -> float:
         m_b, m_w = sizes(op)
         per_b, per_w = op.kind.traits.memory
         return per_b * m_b + per_w * m_w
     return delta
+
+
+def _token_shares(schedule: Schedule) -> list[float]:
+    """Each sequence segment's share of a micro-batch's activations: its tokens' share when the
+    schedule knows its segment lengths (they hold activations per token), else 1/k."""
+    lengths = schedule.segment_lengths
+    if lengths is None or len(lengths) != schedule.seq_splits:
+        return [1.0 / schedule.seq_splits] * schedule.seq_splits
+    return [n / sum(lengths) for n in lengths]
 
 
 def _summarize(schedule, start, end, sent, delta) -> SimResult:

@@ -1,27 +1,32 @@
-"""`"schedule": "auto"` on ScheduleEngine: it times two iterations on its start-up schedule (zb-h1),
-decides, switches, and the run equals the single-process reference through the switch: losses of
-3 steps, every gradient of the first step, the weights after 3 optimizer steps and the eval loss,
-fp32 1e-5. At PP=2 one launch runs five cases: the engine's own choice, and three forced choices
-that cover both switch paths: zb-h2 and the searched zb-search cap=3 (same placement: a schedule
-swap), zbv (V placement) and bitpipe (two replicas) through the checkpoint rebuild
-(training/auto_switch.py). At PP=2 x DP=2
-(ZeRO-1 shards re-cut across the switch): the own choice and zbv."""
+"""`"schedule": "auto"` on ScheduleEngine: it times two iterations, the first on its start-up schedule
+(zb-h1), the second on its probe (the same placement, the micro-batch cut into 4 Seq1F1B segments),
+decides, switches, and the run equals the single-process reference through the probe and the
+switch: losses of 3 steps, every gradient of the first step, the weights after 3 optimizer steps and
+the eval loss, fp32 1e-5. At PP=2 one launch runs seven cases: the engine's own choice; forced
+choices that cover both switch paths: zb-h2, the searched zb-search cap=3 and Seq1F1B with 2
+segments (same placement: a schedule swap; Seq1F1B's cuts the sequence from then on), zbv (V
+placement) and bitpipe (two replicas) through the checkpoint rebuild (training/auto_switch.py); and
+a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 segments and probes 4). At PP=2 x DP=2 (ZeRO-1 shards
+re-cut across the switch): the own choice and zbv."""
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, reference_run, tiny_config
 
 STEPS, LAYERS, GAS = 3, 4, 4
-FORCED = [None, "zb-h2", "zbv", "bitpipe", "zb-search cap=3"]
 BUDGET = 4  # every candidate fits at pp=2, m=4 (gpipe needs 4)
+SEQ1F1B = "seq1f1b seq_splits=2 split_backward=True"
+SWAPS = ("zb-h2", "zb-search cap=3", SEQ1F1B)  # placed as zb-h1
+CASES = [(None, BUDGET), ("zb-h2", BUDGET), ("zbv", BUDGET), ("bitpipe", BUDGET), ("zb-search cap=3", BUDGET),
+         (SEQ1F1B, BUDGET), (None, 1.5)]  # 1.5: Seq1F1B (2 segments: 1.5 units, 4: 1.25) or zb-search cap=1.5
 
 
 def forcing(label):
     """A rank-0 decision that ranks the candidates as usual, then picks `label`."""
     from megatron_ds.schedules import auto
 
-    def choose(pp, m, layers, budget, measured):
-        decision = auto.decide(pp, m, layers, budget, measured)
-        rows = auto.rank(pp, m, layers, budget, auto.model_costs(measured, pp), measured.p2p, search=True)
+    def choose(pp, m, layers, budget, measured, cuts):
+        decision = auto.decide(pp, m, layers, budget, measured, cuts)
+        rows = auto.rank(pp, m, layers, budget, auto.model_costs(measured, pp), measured.p2p, search=True, cuts=cuts)
         row = next(r for r in rows if r["candidate"].label == label)
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()
         decision["choice"] = {"label": label, "section": section, "search": row["search"],
@@ -30,7 +35,7 @@ def forcing(label):
     return choose
 
 
-def auto_rank_run(pp, gas, steps, forced_labels):
+def auto_rank_run(pp, gas, steps, cases):
     import deepspeed
     import torch.distributed as dist
     from megatron_ds.pipe.auto import AutoSwitch
@@ -47,42 +52,54 @@ def auto_rank_run(pp, gas, steps, forced_labels):
         return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters()))
 
     out = []
-    for label in forced_labels:
+    for label, budget in cases:
         AutoSwitch.choose = staticmethod(forcing(label) if label else auto.decide)
-        pipeline = {"schedule": "auto", "memory_budget": BUDGET, "timers_start_iter": 0, "timers_end_iter": 2}
+        pipeline = {"schedule": "auto", "memory_budget": budget, "timers_start_iter": 0, "timers_end_iter": 2,
+                    "seq_split_method": "even"}
         engine = build(ds_config(pp, dp, gas, pipeline=pipeline))
-        start = engine.plan.schedule.name
-        grads, losses, switched_at = [], [], None
+        start, probe = (engine.plan.schedule.name, engine.plan.schedule.seq_splits), engine.plan.auto.probe
+        grads, losses, switched_at, decision = [], [], None, None
         capture_grads_before_reduce(engine, grads)
         dp_rank = engine.grid.get_data_parallel_rank()
         for step in range(steps):
             batches = iter([micro_batch(step, dp_rank * gas + j) for j in range(gas)])
             losses.append(float(engine.train_batch(batches)))
+            decision = decision or engine.auto_decision
             if engine.pending_switch:
                 engine = switch_engine(engine, build)
                 switched_at = step
         weights = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
         eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j) for j in range(gas)])
         eval_loss = float(engine.eval_batch(eval_batches))
+        now = engine.plan.schedule
         out.append(dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
-                        start=start, now=engine.plan.schedule.name, rebuilt_at=switched_at,
-                        global_steps=engine.global_steps, auto_left=engine.auto is not None))
+                        start=start, probe=probe, now=(now.name, now.seq_splits), rebuilt_at=switched_at,
+                        global_steps=engine.global_steps, auto_left=engine.auto is not None,
+                        overhead=decision["costs"]["op_overhead"], op_sizes=decision["costs"]["op_sizes"],
+                        choice=decision["choice"]))
     return out
 
 
-@pytest.mark.parametrize("world,pp,forced", [(2, 2, FORCED), (4, 2, [None, "zbv"])], ids=["pp2", "pp2xdp2"])
-def test_auto_switch_matches_reference(world, pp, forced):
+@pytest.mark.parametrize("world,pp,cases", [(2, 2, CASES), (4, 2, [(None, BUDGET), ("zbv", BUDGET)])],
+                         ids=["pp2", "pp2xdp2"])
+def test_auto_switch_matches_reference(world, pp, cases):
     from megatron_ds.testing.launcher import run_ranks
     ref = reference_run(tiny_config(LAYERS), world // pp, GAS, STEPS)
-    per_rank = run_ranks(world, auto_rank_run, pp, GAS, STEPS, forced, timeout=900)
-    for i, label in enumerate(forced):
+    per_rank = run_ranks(world, auto_rank_run, pp, GAS, STEPS, cases, timeout=900)
+    for i, (label, budget) in enumerate(cases):
         results = [r[i] for r in per_rank]
         for r in results:
-            assert r["start"] == "zb-h1" and not r["auto_left"] and r["global_steps"] == STEPS
+            small = budget < 2
+            assert r["start"] == (("seq1f1b", 2) if small else ("zb-h1", 1)), r["start"]
+            assert r["probe"] == {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True}
+            assert not r["auto_left"] and r["global_steps"] == STEPS
+            assert len(r["overhead"]) == 3 and min(r["overhead"]) > 0  # the runtime's time between ops, at least
+            assert r["op_sizes"] == ([2, 4] if small else [1, 4])  # the start-up schedule's and the probe's
+            if small:  # Seq1F1B, or zero-bubble's search under a cap below p
+                assert r["choice"]["memory"] <= budget and r["now"][0] == r["choice"]["label"].split(" seq_splits")[0]
             if label:
-                assert r["now"] == label
-                swap = label in ("zb-h2", "zb-search cap=3")
-                assert r["rebuilt_at"] == (None if swap else 1), (label, r["rebuilt_at"])
+                assert r["now"] == ((label.split()[0], 2) if label == SEQ1F1B else (label, 1))
+                assert r["rebuilt_at"] == (None if label in SWAPS else 1), (label, r["rebuilt_at"])
         try:
             assert_matches_reference(results, ref)
         except AssertionError as exc:

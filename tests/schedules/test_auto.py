@@ -80,3 +80,60 @@ def test_search_fills_the_memory_between_zb_h1_and_zb_h2():
     assert rows[0]["candidate"].label == "zb-search cap=5" and rows[0]["makespan"] == pytest.approx(23.0)
     assert auto.schedule_maker({"search": rows[0]["search"]})(4, 8).ranks == found["zb-search cap=5"][0].ranks
     assert rows[1]["candidate"].label in ("zb-h1", "zb-search cap=4")
+
+
+def even_cuts(seq=16, hidden=64, ks=(2, 4)):
+    from megatron_ds.schedules.seq_split import even_segment_lengths, segment_costs
+    return tuple(auto.Cut(k, tuple(even_segment_lengths(seq, k)), tuple(segment_costs(even_segment_lengths(seq, k),
+                                                                                     hidden))) for k in ks)
+
+
+def test_seq1f1b_candidates_follow_the_cuts():
+    table = {c.label: mem for c, mem in auto.memory_table(4, 8, 8, even_cuts())}
+    # rank 0 holds p + k - 1 segments of 1/k: 5/2 and 7/4 micro-batches
+    assert table["seq1f1b seq_splits=2"] == 2.5 and table["seq1f1b seq_splits=4"] == 1.75
+    assert table["seq1f1b seq_splits=4 split_backward=True"] == 1.75
+    assert not any(label.startswith("seq1f1b") for label in {c.label for c, _ in auto.memory_table(4, 8, 8)})
+    # a budget only Seq1F1B fits: it starts there; linear starts come first, by memory
+    assert auto.check_budget(1.8, 4, 8, 8, even_cuts()).label == "seq1f1b seq_splits=4 split_backward=True"
+    assert auto.check_budget(3, 4, 8, 8, even_cuts()).label == "seq1f1b seq_splits=2 split_backward=True"
+
+
+def test_probe_is_a_linear_schedule_of_another_op_size_that_fits():
+    cuts = even_cuts()
+    start = auto.check_budget(100, 4, 8, 8, cuts)
+    assert auto.probe(start, 100, 4, 8, 8, cuts).label == "seq1f1b seq_splits=4 split_backward=True"
+    two = auto.check_budget(3, 4, 8, 8, cuts)
+    assert auto.probe(two, 3, 4, 8, 8, cuts).label == "seq1f1b seq_splits=4 split_backward=True"
+    four = auto.check_budget(1.8, 4, 8, 8, cuts)
+    assert auto.probe(four, 1.8, 4, 8, 8, cuts) is None  # 2 segments need 2.5
+    assert auto.probe(auto.check_budget(100, 4, 8, 8), 100, 4, 8, 8) is None  # no cuts: nothing to probe with
+
+
+def test_separate_tells_fixed_from_per_token_time():
+    # per stage T = (4, 4, 6), B 2, W 1; fixed per op F 0.5, B 0.25, W 0: timed whole (k=1) and in 4 segments
+    t = {"f": [4.0, 4.0, 6.0], "b": [2.0] * 3, "w": [1.0] * 3}
+    fixed = (0.5, 0.25, 0.0)
+    totals = {k: tuple([x + k * c for x in t[kind]] for kind, c in zip("fbw", fixed)) for k in (1, 4)}
+    m = auto.separate(totals, gap=0.125, p2p=0.01)
+    assert m.f == pytest.approx(t["f"]) and m.b == pytest.approx(t["b"]) and m.w == pytest.approx(t["w"])
+    assert m.op_overhead == pytest.approx((0.625, 0.375, 0.125)) and m.p2p == 0.01 and m.op_sizes == (1, 4)
+    one = auto.separate({2: totals[1]})  # one op size: the fixed time cannot be told apart
+    assert one.op_overhead == (0.0, 0.0, 0.0) and one.f == totals[1][0]
+
+
+def test_seq1f1b_under_a_small_budget_with_as_many_segments_as_its_fixed_op_time_pays_for():
+    # p=4, m=8, 1:1:0.5 at budget 3: ZB-V-Half (3 units) against Seq1F1B (2.5 and 1.75 units)
+    cuts = even_cuts()
+    lean = auto.decide(4, 8, 8, 3, auto.Measured([1.0] * 4, [1.0] * 4, [0.5] * 4), cuts)
+    assert lean["choice"]["label"] == "seq1f1b seq_splits=4 split_backward=True"
+    assert lean["choice"]["makespan"] == pytest.approx(21.18, abs=0.01) and lean["choice"]["memory"] == 1.75
+    assert lean["choice"]["section"] == {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True}
+    # 0.1 of a stage's F per op: 4 segments' 96 ops per rank cost more than they save, 2 segments (48) do not
+    costly = auto.Measured([1.0] * 4, [1.0] * 4, [0.5] * 4, op_overhead=(0.1, 0.1, 0.1))
+    heavy = auto.decide(4, 8, 8, 3, costly, cuts)
+    assert heavy["choice"]["label"] == "seq1f1b seq_splits=2 split_backward=True"
+    assert heavy["choice"]["makespan"] >= 22.32 + 48 * 0.1  # every one of a rank's 48 ops pays it, or more
+    assert "fixed per op F/B/W=100.00/100.00/100.00 ms (micro-batches timed whole)" in auto.describe(heavy)
+    # without cuts (a sequence too short to split) the V is the best that fits
+    assert auto.decide(4, 8, 8, 3, costly)["choice"]["label"] == "zbv-half"

@@ -70,3 +70,25 @@ def test_rejects_invalid_schedule():
     s.ranks[0].reverse()
     with pytest.raises(ScheduleError, match="before its dependency"):
         simulate(s)
+
+
+def test_op_overhead_is_paid_per_op_whatever_its_size():
+    # 1 rank, 1 micro-batch, TF=TB=2: one F+BW costs 4; cut into 2 segments, 4 ops pay 4 fixed times
+    whole = simulate(build_schedule("1f1b", 1, 1), tf=2, tb=2, tw=0, op_overhead=(0.5, 0.25, 0.0))
+    cut = simulate(build_schedule("seq1f1b", 1, 1, seq_splits=2), tf=2, tb=2, tw=0, op_overhead=(0.5, 0.25, 0.0))
+    assert whole.makespan == pytest.approx(4 + 0.75) and cut.makespan == pytest.approx(4 + 1.5)
+    # a split backward: B pays TB's fixed time, W its own; BW both
+    split = simulate(build_schedule("zb-h1", 1, 1), tf=1, tb=1, tw=1, op_overhead=(0.0, 0.25, 0.5))
+    assert [split.end[op] - split.start[op] for op in split.schedule.ranks[0]] == [1.0, 1.25, 1.5]
+
+
+def test_segments_hold_their_tokens_share_of_memory():
+    # 1 rank, k=2 segments of 12 and 4 tokens: both forwards held, 0.75 + 0.25 at the peak
+    known = build_schedule("seq1f1b", 1, 1, seq_splits=2, segment_lengths=[12, 4])
+    assert simulate(known).peak_memory == [pytest.approx(1.0)]
+    assert simulate(known, act_size=(1.0, 0.0)).peak_memory == [pytest.approx(1.0)]
+    # p=2, m=2: rank 0 runs F(0,0) F(0,1) F(1,0) before its first backward: 12+4+12 tokens = 1.75 micro-batches,
+    # where counting segments as halves says 1.5
+    two = build_schedule("seq1f1b", 2, 2, seq_splits=2, segment_lengths=[12, 4])
+    plain = build_schedule("seq1f1b", 2, 2, seq_splits=2)
+    assert simulate(two).peak_memory == [1.75, 1.0] and simulate(plain).peak_memory == [1.5, 1.0]
