@@ -60,24 +60,45 @@ def test_wheel_installs_and_imports_from_another_folder(tmp_path):
     assert "--output-prefix" in _run(str(env / "bin" / "megatron-ds-preprocess"), "--help", cwd=elsewhere)
 
 
+def _parsed(*folders):
+    """(path relative to the root, AST) of every .py file under `folders` and of pretrain_gpt.py."""
+    import ast
+    import glob
+    paths = [os.path.join(ROOT, "pretrain_gpt.py")]
+    for folder in folders:
+        paths += glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True)
+    for path in paths:
+        with open(path) as f:
+            yield os.path.relpath(path, ROOT), ast.parse(f.read(), path)
+
+
 def test_no_script_edits_sys_path():
     """The package is imported as installed, or from the clone's root (`python -m`, pytest's
     pythonpath, PYTHONPATH=.): no module, tool, benchmark or test changes sys.path itself."""
     import ast
-    import glob
     edits = []
-    for folder in ("megatron_ds", "tools", "bench", "tests", "scripts"):
-        for path in glob.glob(os.path.join(ROOT, folder, "**", "*.py"), recursive=True) + [
-                os.path.join(ROOT, "pretrain_gpt.py")]:
-            with open(path) as f:
-                tree = ast.parse(f.read(), path)
-            for node in ast.walk(tree):
-                # sys.path.insert(...) / .append / ..., and sys.path = ... / sys.path[...] = ...
-                target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else (
-                    node.targets[0] if isinstance(node, ast.Assign) else None)
-                if isinstance(target, ast.Subscript):
-                    target = target.value
-                if isinstance(target, ast.Attribute) and target.attr == "path" and \
-                        isinstance(target.value, ast.Name) and target.value.id == "sys":
-                    edits.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    for path, tree in _parsed("megatron_ds", "tools", "bench", "tests", "scripts"):
+        for node in ast.walk(tree):
+            # sys.path.insert(...) / .append / ..., and sys.path = ... / sys.path[...] = ...
+            target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else (
+                node.targets[0] if isinstance(node, ast.Assign) else None)
+            if isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and target.attr == "path" and \
+                    isinstance(target.value, ast.Name) and target.value.id == "sys":
+                edits.append(f"{path}:{node.lineno}")
     assert sorted(set(edits)) == []
+
+
+def test_nothing_outside_tests_imports_tests():
+    """tests/ is not installed and not importable from another folder: the package, tools and benchmarks
+    take what they share with the tests from megatron_ds.testing."""
+    import ast
+    imports = []
+    for path, tree in _parsed("megatron_ds", "tools", "bench", "scripts"):
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            if any(name == "tests" or name.startswith("tests.") for name in names):
+                imports.append(f"{path}:{node.lineno}")
+    assert imports == []

@@ -29,16 +29,11 @@ import tempfile
 import time
 import uuid
 
+from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARK = "MEGATRON_DS_FAULT_JOB"  # set in the workers' environment to find them among all processes
-
-
-def write_corpus(prefix, num_docs=60, seed=0):
-    """A Megatron .bin/.idx corpus of random documents (the training tests' corpus)."""
-    from tests.training.corpus import write_corpus as write
-    return write(prefix, num_docs=num_docs, seed=seed)
 
 
 def gpt_args(workdir, *extra, train_iters=12, save_interval=2, bf16=False, schedule="1f1b"):

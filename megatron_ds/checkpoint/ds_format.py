@@ -15,6 +15,8 @@ import os
 import re
 from collections import OrderedDict
 
+from megatron_ds.training.universal import read_tag
+
 from . import ToolError
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -64,11 +66,15 @@ def checkpoint_tag_dir(load_dir):
     if not os.path.isdir(load_dir):
         raise ToolError(f"{load_dir}: no such checkpoint folder")
     latest = os.path.join(load_dir, "latest")
-    if not os.path.isfile(latest):
+    try:
+        tag = read_tag(load_dir)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ToolError(f"{latest}: unreadable ({e}); it should hold the tag of the newest complete step") from None
+    if tag is None:
         raise ToolError(f"{latest}: missing; a checkpoint folder names its newest complete step in 'latest' "
                         "(pretrain_gpt.py --save writes it last)")
-    with open(latest) as f:
-        tag = f.read().strip()
+    if not tag:  # else SAVE itself would pass for the tag's folder
+        raise ToolError(f"{latest}: empty; it should hold the tag of the newest complete step")
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise ToolError(f"{latest} names {tag!r}, but {tag_dir} does not exist")

@@ -1,4 +1,5 @@
-"""Support shared by tests/ and bench/: the multi-process launcher and the timed layers.
+"""Support shared by tests/, bench/ and tools/: the multi-process launcher, the timed layers and a
+tiny random .bin/.idx corpus.
 
 Nothing in data/, model/, pipe/, schedules/ or training/ imports this package.
 """

@@ -3,7 +3,9 @@
 Each rank gets the torch.distributed environment of a launcher (MASTER_ADDR/PORT, RANK,
 LOCAL_RANK, WORLD_SIZE) and one thread. A rank that raises fails the launch with its
 traceback; a launch that outlives `timeout` is killed (a hang is a failure, never a stuck
-test or benchmark), and so are the ranks when the parent gets SIGTERM.
+test or benchmark). SIGINT or SIGTERM to the parent stops its ranks (SIGTERM, then SIGKILL
+after a few seconds) and then the parent: SIGINT raises KeyboardInterrupt, SIGTERM goes on to
+the handler it had before (by default the process ends), so no further launch starts.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -34,45 +37,107 @@ def _entry(rank, world_size, port, fn, args, kwargs, queue, env, quiet):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def _exit(signum, frame):
-    raise SystemExit(128 + signum)
+class _Signals:
+    """SIGINT and SIGTERM noted, not raised, while ranks run: the launch loop checks between steps,
+    so a signal never leaves a rank half-started or unowned. restore() puts the previous handlers back."""
+
+    def __init__(self):
+        self.received, self.previous = None, {}
+        if threading.current_thread() is threading.main_thread():  # only there can Python set handlers
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(signum) is not signal.SIG_IGN:  # e.g. SIGINT in a background job
+                    self.previous[signum] = signal.signal(signum, self._note)
+
+    def _note(self, signum, frame):
+        self.received = self.received or signum
+
+    def check(self):
+        if self.received:
+            raise _Stopped
+
+    def restore(self):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+
+    def pass_on(self, procs):
+        """After the ranks are gone: stop this process as the signal would have."""
+        name = signal.Signals(self.received).name
+        print(f"run_ranks: {name}: stopped rank processes {[p.pid for p in procs if p.pid is not None]}",
+              file=sys.stderr, flush=True)
+        if self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.raise_signal(self.received)  # the previous handler's turn; the default ends the process
+        raise SystemExit(f"run_ranks: {name}: exiting")  # it returned
+
+
+class _Stopped(BaseException):
+    """A signal arrived: unwinds the launch loop to the clean-up."""
+
+
+def _stop(procs, grace):
+    """Wait up to `grace` s for the started ranks to exit, SIGTERM the rest, SIGKILL those alive 5 s later."""
+    started = [p for p in procs if p.pid is not None]
+    _join(started, grace)
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+    _join(started, 5)
+    for p in started:
+        if p.is_alive():
+            p.kill()
+    _join(started, 5)
+
+
+def _join(procs, seconds):
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _collect(procs, queue, timeout, signals):
+    """({rank: result}, [error texts]) as the ranks report, until all did, one died silently or time is up."""
+    import torch
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < len(procs) and time.monotonic() < deadline:
+        signals.check()
+        if queue.empty():
+            if any(p.exitcode not in (None, 0) for p in procs):
+                time.sleep(1.0)  # a rank died without a report (killed, segfault): drain, then stop
+                if queue.empty():
+                    break
+            time.sleep(0.05)
+            continue
+        rank, ok, value = queue.get()
+        if ok:
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+            deadline = min(deadline, time.monotonic() + 15)  # peers of a failed rank may block forever
+    return results, errors
 
 
 def run_ranks(world_size, fn, *args, timeout=300, env=None, quiet=False, **kwargs):
     """[fn(*args, **kwargs) on rank r for r in range(world_size)]; fn must be importable (spawn)."""
-    import torch
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, kwargs, queue, env or {}, quiet),
                          daemon=True) for r in range(world_size)]
     results, errors = {}, []
-    previous = signal.signal(signal.SIGTERM, _exit)  # so that the ranks die with us
+    signals = _Signals()
     try:
         for p in procs:
+            signals.check()
             p.start()
-        deadline = time.monotonic() + timeout
-        while len(results) + len(errors) < world_size and time.monotonic() < deadline:
-            if queue.empty():
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    time.sleep(1.0)  # a rank died without a report (killed, segfault): drain, then stop
-                    if queue.empty():
-                        break
-                time.sleep(0.05)
-                continue
-            rank, ok, value = queue.get()
-            if ok:
-                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-                deadline = min(deadline, time.monotonic() + 15)  # peers of a failed rank may block forever
+        results, errors = _collect(procs, queue, timeout, signals)
+    except _Stopped:
+        pass
     finally:
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=5 if len(results) == world_size else 0)
-                if p.is_alive():
-                    p.kill()
-        signal.signal(signal.SIGTERM, previous)
+        _stop(procs, grace=5 if len(results) == world_size else 0)
+        signals.restore()
+    if signals.received:
+        signals.pass_on(procs)
     if errors:
         raise RuntimeError("\n".join(errors))
     if len(results) < world_size:

@@ -95,6 +95,15 @@ def test_checkpoint_without_latest_or_layer_file(tmp_path, ckpt, capsys):
     os.remove(broken / "latest")
     _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
            says=[str(broken / "latest"), "missing"])
+    (broken / "latest").write_text("\n")  # else --load itself would pass for the step's folder
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(broken / "latest"), "empty"])
+    (broken / "latest").write_bytes(b"\xff\xfe\x00global_step0")
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(broken / "latest"), "unreadable"])
+    (broken / "latest").write_text("global_step9")
+    _fails(capsys, EXPORT, "--load", broken, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(broken / "latest"), "'global_step9'", "does not exist"])
     _fails(capsys, EXPORT, "--load", tmp_path / "nowhere", "--output", tmp_path / "hf", out=tmp_path / "hf",
            says=[str(tmp_path / "nowhere"), "no such checkpoint folder"])
     broken = _copy(ckpt, tmp_path / "no_layer")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from megatron_ds.testing.corpus import write_corpus
 from tests.checkpoint.helpers import (batch_loss, gpt2_files, hf_loss, stack_samples, tiny_hf_gpt2, tool,
                                       train)
-from tests.training.corpus import write_corpus
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--hidden-dropout", "0", "--attention-dropout", "0"]

@@ -7,8 +7,8 @@ and lr schedule, the same samples)."""
 import pytest
 import torch
 
+from megatron_ds.testing.corpus import write_corpus
 from tests.checkpoint.helpers import hf_loss, stack_samples, tiny_hf_family, tool, train
-from tests.training.corpus import write_corpus
 
 MBS, GBS, ITERS = 2, 8, 3
 

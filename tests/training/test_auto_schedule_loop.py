@@ -4,7 +4,7 @@ differently), and every iteration's loss equals a run on a fixed schedule (fp32;
 another chunk placement each rank draws other dropout masks, as on a resume under another schedule)."""
 import json
 
-from tests.training.corpus import write_corpus
+from megatron_ds.testing.corpus import write_corpus
 from tests.training.test_resume import launch
 
 NO_DROPOUT = ("--train-iters", "5", "--num-layers", "4", "--hidden-dropout", "0", "--attention-dropout", "0")

@@ -16,6 +16,7 @@ import zlib
 
 import pytest
 
+from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.training import manifest
 from tools import fault_injection as fi
@@ -23,7 +24,7 @@ from tools import fault_injection as fi
 
 @pytest.fixture
 def workdir(tmp_path):
-    fi.write_corpus(str(tmp_path / "corpus"))
+    write_corpus(str(tmp_path / "corpus"))
     return str(tmp_path)
 
 

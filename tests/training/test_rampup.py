@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tests.training.corpus import write_corpus
+from megatron_ds.testing.corpus import write_corpus
 from tests.training.test_resume import ROOT, launch
 
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
+from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.training.initialize import free_port
-from tests.training.corpus import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

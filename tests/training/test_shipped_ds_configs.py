@@ -14,10 +14,10 @@ import socket
 
 import pytest
 
+from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.training.arguments import parse_args
 from megatron_ds.training.initialize import free_port
-from tests.training.corpus import write_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.training.initialize import free_port
-from tests.training.corpus import write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "pretrain_gpt.py")

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.training.corpus import write_corpus
+from megatron_ds.testing.corpus import write_corpus
 from tests.training.test_resume import launch
 
 SAVE_AT, ITERS = 3, 8

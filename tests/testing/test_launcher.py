@@ -1,0 +1,83 @@
+"""run_ranks (megatron_ds/testing/launcher.py) under SIGTERM and SIGINT: a caller that would launch
+again and again stops at once, its rank processes gone, the previous handlers back in place.
+The two cases run side by side (rank start-up is most of the time)."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, time
+    from megatron_ds.testing.launcher import run_ranks
+
+    def sleeper(folder):
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        try:
+            for i in range(3):
+                try:
+                    run_ranks(2, sleeper, sys.argv[1], timeout=600)
+                except (Exception, SystemExit) as e:  # as pytest takes a test's SystemExit: that test failed, go on
+                    print(f"launch {i} failed ({e!r}), launching again", flush=True)
+        except KeyboardInterrupt:
+            print("SIGINT handler restored:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+            raise
+""")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def test_sigterm_and_sigint_stop_the_ranks_and_the_caller(tmp_path):
+    script = tmp_path / "launch.py"
+    script.write_text(SCRIPT)
+    procs, folders = {}, {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        folders[signum] = tmp_path / signum.name
+        folders[signum].mkdir()
+        procs[signum] = subprocess.Popen([sys.executable, str(script), str(folders[signum])], cwd=ROOT, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    ranks, ended = {}, {}
+    try:
+        deadline = time.monotonic() + 180
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            for signum, folder in folders.items():
+                if signum not in ranks and len(os.listdir(folder)) == 2:
+                    ranks[signum] = [int(name) for name in os.listdir(folder)]
+                    procs[signum].send_signal(signum)
+                    ended[signum] = time.monotonic()
+            time.sleep(0.1)
+        for signum, proc in procs.items():
+            out, err = proc.communicate(timeout=60)
+            ended[signum] = (time.monotonic() - ended[signum], out, err)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+        for folder in folders.values():  # a failed test leaves no rank behind either
+            for pid in map(int, os.listdir(folder)):
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+    for signum, (took, out, err) in ended.items():
+        assert took < 20, (signum, took)  # a sleeping rank ends at SIGTERM; no need for the SIGKILL 5 s later
+        assert [pid for pid in ranks[signum] if _alive(pid)] == [], signum
+        assert len(os.listdir(folders[signum])) == 2 and "launching again" not in out, out  # no further launch
+        assert f"run_ranks: {signum.name}: stopped rank processes" in err, err
+    # SIGTERM: the default handler, restored and passed on, ends the process as SIGTERM does
+    assert procs[signal.SIGTERM].returncode == -signal.SIGTERM, ended[signal.SIGTERM][2]
+    # SIGINT: KeyboardInterrupt, which ends Python with SIGINT
+    took, out, err = ended[signal.SIGINT]
+    assert "SIGINT handler restored: True" in out and err.rstrip().endswith("KeyboardInterrupt"), (out, err)
+    assert procs[signal.SIGINT].returncode == -signal.SIGINT, err
