@@ -159,6 +159,7 @@ def device_name() -> str:
 def prepare(args):
     """Before the model is built: None unless "schedule": "auto"; else its AutoResume, and when --load
     holds a decision still valid, args.ds_config / args.pipeline_settings select the chosen schedule."""
+    import torch.distributed as dist
     from megatron_ds.data.dist_utils import print_rank_0
     from megatron_ds.pipe.auto import chosen_ds_config
     from megatron_ds.pipe.config import pipeline_settings
@@ -172,12 +173,18 @@ def prepare(args):
     plan = PipelinePlan.from_config(config, args.ds_config, args.pipeline_model_parallel_size,
                                     args.data_parallel_size, args.seq_length)
     key = run_key(plan, config, args.ds_config, device_name(), args.activation_checkpoint_interval)
-    tag = read_latest_tag(args.load, args.universal_checkpoint) if args.load else None
-    if tag is None:
+    if not args.load:
         return AutoResume(key)
-    record, line = resume_choice(os.path.join(args.load, tag), key, remeasure=settings.remeasure,
-                                 universal=args.universal_checkpoint, finetune=args.finetune)
-    print_rank_0(line)
+    box = [(None, None)]
+    if dist.get_rank() == 0:  # one reading for all: every rank must build the same schedule
+        tag = read_latest_tag(args.load, args.universal_checkpoint)
+        if tag is not None:
+            box[0] = resume_choice(os.path.join(args.load, tag), key, remeasure=settings.remeasure,
+                                   universal=args.universal_checkpoint, finetune=args.finetune)
+    dist.broadcast_object_list(box, src=0)
+    record, line = box[0]
+    if line:
+        print_rank_0(line)
     if record is not None:
         args.ds_config = chosen_ds_config(args.ds_config, record["decision"])
         args.pipeline_settings = pipeline_settings(args.ds_config)
