@@ -16,7 +16,7 @@ DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_i
                   "pipe_partitioned", "grad_partitioned", "use_reentrant"}
 STOCK = "deepspeed"
 AUTO = "auto"  # measure, then switch to the fastest schedule that fits "memory_budget" (pipe/auto.py)
-AUTO_KEYS = ("memory_budget", "timers_start_iter", "timers_end_iter")
+AUTO_KEYS = ("memory_budget", "timers_start_iter", "timers_end_iter", "remeasure")
 
 
 class ConfigError(UserError, ValueError):
@@ -37,6 +37,7 @@ class PipelineSettings:
     memory_budget: object = None   # "auto": micro-batches of one stage's activations, or "24GiB"
     timers_start_iter: int = 1     # "auto" times iterations [start, end) of this process, then switches
     timers_end_iter: int = 4
+    remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
 
     @property
     def stock(self):
@@ -79,7 +80,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
-    for key in ("split_backward", "post_validation", "allow_padding_num_layers"):
+    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     settings = PipelineSettings(
@@ -95,6 +96,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         memory_budget=section.get("memory_budget"),
         timers_start_iter=_int_at_least(section, "timers_start_iter", 0, default=1),
         timers_end_iter=_int_at_least(section, "timers_end_iter", 1, default=4),
+        remeasure=section.get("remeasure", False),
     )
     if settings.auto:
         _check_auto(settings, section)

@@ -72,8 +72,10 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples):
+def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, auto_record=None):
+    """`auto_record`: "schedule": "auto"'s decision (training/auto_resume.py), None before it decides."""
     import torch.distributed as dist
+    from .auto_resume import write_record
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     client_state = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -89,6 +91,8 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     }
     tag = tag_for(iteration)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+    if dist.get_rank() == 0:
+        write_record(os.path.join(args.save, tag), auto_record)
     dist.barrier()  # every rank's files are on disk before `latest` names them
     write_manifest(os.path.join(args.save, tag))
     if dist.get_rank() == 0:

@@ -19,7 +19,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError
 
-from . import timeouts
+from . import auto_resume, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
@@ -120,6 +120,7 @@ class Trainer:
         self.last_saved = self.iteration if same_dir and self.iteration > 0 else None
         self.start_time = time.time()
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
+        self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_resume.py)
 
     # ---- pieces
 
@@ -137,7 +138,8 @@ class Trainer:
         if not self.args.save or self.last_saved == self.iteration:
             return
         self.timers.start("save-checkpoint")
-        save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid)
+        save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
+                        self.auto.record(self.engine, self.iteration) if self.auto else None)
         self.timers.stop("save-checkpoint")
         self.last_saved = self.iteration
         self.codecarbon.flush()
@@ -238,6 +240,8 @@ class Trainer:
         """Log "schedule": "auto"'s choice; rebuild the engine when it places the chunks differently."""
         from .auto_switch import rebuild_trainer_engine
         from megatron_ds.schedules.auto import describe
+        if self.auto:
+            self.auto.record(self.engine, self.iteration)
         decision, self.engine.auto_decision = self.engine.auto_decision, None
         if self.tb.writer is not None:
             self.tb.writer.add_text("auto-schedule", describe(decision), self.iteration)
@@ -317,7 +321,10 @@ def pretrain(args):
     train_ds, valid_ds, test_ds = build_datasets(args)
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
+    auto = auto_resume.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
     engine, lr_scheduler = setup_model_and_optimizer(args)
+    if auto:
+        auto.after_build(engine)
     timeouts.label_groups(engine.grid, engine.module)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
@@ -329,6 +336,7 @@ def pretrain(args):
     if args.load:
         print_rank_0(f"    load-checkpoint time: {time.time() - loading:.2f} s")
     trainer = Trainer(args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds, codecarbon)
+    trainer.auto = auto
     if state["rng_state"] is not None:
         set_rng_state(state["rng_state"])  # last: nothing built after this draws from the global RNGs
     dist.barrier()

@@ -51,10 +51,11 @@ HARD = ("--rampup-batch-size", "2", "2", "16", "--train-samples", "36",
 
 
 def launch(tmp_path, name, *extra, launcher="torchrun", nproc=2, timeout=600, ds_config="ds_config_1f1b_stock.json",
-           hard=HARD):
+           hard=HARD, entry=None):
+    """`entry`: a script run in place of pretrain_gpt.py (which takes the same flags)."""
     vocab, merges = _gpt2_files()
     metrics = tmp_path / f"{name}.jsonl"
-    script = [os.path.join(ROOT, "pretrain_gpt.py"),
+    script = [entry or os.path.join(ROOT, "pretrain_gpt.py"),
               "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
               "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", *hard,
               "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-samples", "4",
