@@ -31,6 +31,7 @@ WHAT = {
     "num_attention_heads": "--num-attention-heads", "tp": "--tensor-model-parallel-size",
     "sequence_parallel": "--sequence-parallel", "recompute": "activation checkpointing interval",
     "dtype": "precision", "device": "device", "candidates": "candidate schedules",
+    "cuts": "Seq1F1B segment lengths",
 }
 
 
@@ -46,7 +47,9 @@ def run_key(plan, config, ds_config: dict, device: str, recompute: int = 0) -> d
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
             "recompute": recompute,
             "dtype": dtype, "device": device,
-            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, plan.auto.num_layers))}
+            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, plan.auto.num_layers,
+                                                                      plan.auto.cuts)),
+            "cuts": [list(c.lengths) for c in plan.auto.cuts]}
 
 
 def _same(a, b) -> bool:

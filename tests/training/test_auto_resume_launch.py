@@ -9,7 +9,7 @@ says why in one line, and its losses equal A's (1e-5: it may choose another sche
 import json
 import re
 
-from tests.training.corpus import write_corpus
+from megatron_ds.testing.corpus import write_corpus
 from tests.training.test_auto_schedule_loop import config
 from tests.training.test_resume import ROOT, launch
 
