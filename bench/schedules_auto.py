@@ -3,11 +3,12 @@
 The rows of bench/schedules.py (its model, ds_config and timed layers: 2p TimedLayers, 2 per 1F1B
 stage) at m = 2p, for TF:TB:TW = 1:1:1, 1:1:0.5 and 1:1:1 with a heavy last stage (a timed LM head
 on the loss stage costing one more stage's F and B: megatron_ds.testing.timed.TimedLoss), and two
-budgets per p: p (1F1B's peak activation memory) and p/2 + 1 (ZB-V-Half's). Named schedules run
-when they fit the larger budget (simulated peak memory, schedules/auto.py's unit), one launch each
-for every setting; each auto row is its own launch per setting: it times iterations 1-2 on its
-start-up schedule, decides, switches (a rebuild through a checkpoint when the placement changes),
-runs one warm-up iteration, then the timed ones.
+budgets per p: p (1F1B's peak activation memory) and p/2 + 1 (ZB-V-Half's). Named schedules (with
+Seq1F1B at 2 and 4 even segments, with and without the B/W split, as "auto" weighs it) run when they
+fit the larger budget (simulated peak memory, schedules/auto.py's unit), one launch each for every
+setting; each auto row is its own launch per setting: it times iterations 1-2 (the start-up
+schedule, then its probe of another op size), decides, switches (a rebuild through a checkpoint
+when the placement changes), runs one warm-up iteration, then the timed ones.
 
 Columns: iteration = median wall time of train_batch on rank 0 (after a barrier); bubble = measured
 from the traces; sim = simulated makespan of the schedule with these costs (per stage, head
