@@ -10,12 +10,13 @@ rank 0 can tell each op's fixed time from its per-token time (schedules/auto.sep
 window every rank sends its medians per (kind, stage, op size, segment) to rank 0, adjacent ranks
 time a ping-pong of one activation message (the p2p time), and rank 0 simulates every candidate
 that fits the budget (schedules/auto.py), logs the choice and the runner-up, and broadcasts the
-choice (one small object). A choice that places the chunks as the module is cut is a schedule swap, done here; any
-other needs the module rebuilt, which the owner of the engine does (training/auto_switch.py) when
-`engine.pending_switch` is set.
+choice (one small object). A choice that places the chunks as the module is cut is a schedule
+swap, done here; any other needs the module rebuilt, which the owner of the engine does
+(training/auto_switch.py) when `engine.pending_switch` is set.
 """
 from __future__ import annotations
 
+import socket
 import statistics
 import time
 
@@ -23,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.schedules import auto
+from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
-from megatron_ds.schedules.timeline import COMPUTE
+from megatron_ds.schedules.timeline import COMPUTE, P2P
 
 PING_REPEATS = 5
 
@@ -39,6 +41,8 @@ class AutoSwitch:
         self.calls = 0  # training iterations this process has run
         self.times = {}  # (kind name, stage, seq_splits, seq) -> [seconds]
         self.gaps = []  # the runtime's seconds between two compute ops, per op, one entry per iteration
+        self.ops = []  # per timed iteration: {Op: (start, end, start of the receive wait it ended, or None)}
+        self.schedules = []  # the schedule each timed iteration ran
         self.start_section = {"schedule": engine.plan.settings.schedule, "seq_splits": engine.plan.settings.seq_splits,
                               "split_backward": engine.plan.settings.split_backward}
 
@@ -76,6 +80,10 @@ class AutoSwitch:
         for start, end, args in compute:
             if args["kind"] in (Kind.F, Kind.B, Kind.W):
                 self.times.setdefault((args["kind"].name, args["stage"], k, args["seq"]), []).append(end - start)
+        waits = {end: start for name, tid, start, end, _ in trace.events if tid == P2P and name.startswith("recv")}
+        self.ops.append({Op(a["kind"], a["replica"], a["stage"], a["mb"], a["seq"]): (start, end, waits.get(start))
+                         for start, end, a in compute})
+        self.schedules.append(self.engine.plan.schedule)
         if compute:
             first, last = min(c[0] for c in compute), max(c[1] for c in compute)
             waits = sum(min(e, last) - max(s, first) for _, tid, s, e, _ in trace.events  # p2p and step events
@@ -87,11 +95,12 @@ class AutoSwitch:
         medians = {key: statistics.median(v) for key, v in self.times.items()}
         ping = ping_pong(eng, eng.plan.activation_shape, eng._dtype, eng.device)
         gap = statistics.median(self.gaps) if self.gaps else 0.0
+        traced = (socket.gethostname(), eng.grid.get_data_parallel_rank(), self.ops)
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((medians, ping, gap), gathered, dst=0)
+        dist.gather_object((medians, ping, gap, traced), gathered, dst=0)
         box = [None]
         if dist.get_rank() == 0:
-            measured = merge(gathered, eng.plan.schedule.stages)
+            measured = merge(gathered, eng.plan.schedule.stages, self.schedules)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
                                  self.auto_plan.budget, measured, self.auto_plan.cuts)
             box[0]["start"] = eng.plan.schedule.name
@@ -100,15 +109,18 @@ class AutoSwitch:
         return box[0]
 
 
-def merge(gathered, stages: int) -> auto.Measured:
+def merge(gathered, stages: int, schedules: list) -> auto.Measured:
     """Per (kind, stage, op size, segment), the median over the ranks that ran it (data-parallel
-    replicas) of their medians; a micro-batch's time per op size is the sum over its segments."""
+    replicas) of their medians; a micro-batch's time per op size is the sum over its segments. The
+    p2p time: the median message latency the traces show (`schedules[i]` ran timed iteration i),
+    when every rank is on one host (one clock), else the ping-pong's."""
     per, pings, gaps = {}, [], []
-    for medians, ping, gap in gathered:
+    for medians, ping, gap, _ in gathered:
         pings += ping
         gaps.append(gap)
         for key, t in medians.items():
             per.setdefault(key, []).append(t)
+    latencies = traced_latencies([t for *_, t in gathered], schedules)
     totals = {}
     for kind, stage, k, seq in per:
         totals.setdefault(k, {}).setdefault((kind, stage), {})[seq] = statistics.median(per[(kind, stage, k, seq)])
@@ -119,7 +131,23 @@ def merge(gathered, stages: int) -> auto.Measured:
                                "training iteration")
     sums = {k: tuple([sum(by_op[(kind, s)].values()) for s in range(stages)] for kind in "FBW")
             for k, by_op in totals.items()}
-    return auto.separate(sums, statistics.median(gaps), statistics.median(pings) if pings else 0.0)
+    p2p = statistics.median(latencies) if latencies else statistics.median(pings) if pings else 0.0
+    return auto.separate(sums, statistics.median(gaps), p2p)
+
+
+def traced_latencies(traced: list, schedules: list) -> list:
+    """Message latencies of every timed iteration of every pipeline replica; none across hosts."""
+    if len({host for host, _, _ in traced}) != 1:
+        return []
+    out = []
+    for i, schedule in enumerate(schedules):
+        for dp in {dp for _, dp, _ in traced}:
+            timed = {}
+            for _, d, ops in traced:
+                if d == dp:
+                    timed.update(ops[i])
+            out += auto.message_latencies(schedule, timed)
+    return out
 
 
 def ping_pong(engine, shape, dtype, device, repeats: int = PING_REPEATS) -> list:

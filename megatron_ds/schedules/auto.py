@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from . import placement
 from .catalog import CATALOG, build_schedule
 from .costs import ModelCosts, evaluate
+from .deps import UnitIndex
 from .generators.greedy import merge_queues
 from .ir import Op, Schedule, ScheduleError
 from .kinds import B, F, W
@@ -154,6 +155,23 @@ def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
         out.append([max(0.0, t - lo * c) for t in totals[lo][i]])
         fixed.append(c + gap)
     return Measured(*out, p2p=p2p, op_overhead=tuple(fixed), op_sizes=tuple(ks))
+
+
+def message_latencies(schedule: Schedule, timed: dict) -> list:
+    """The p2p latencies one traced iteration shows: `timed` maps each op of `schedule` that ran
+    (on the ranks of one pipeline replica, one host's clock) to (start, end, wait start or None).
+    An op that waited on a message from the moment `wait start` until it began counts when its
+    sender finished after the wait had begun: then start - the sender's end is what the message
+    took, wake-up included (simulate's p2p_latency; a ping-pong of hot ranks sees less)."""
+    index = UnitIndex(schedule)
+    out = []
+    for op, (start, _, waited_from) in timed.items():
+        if waited_from is None or op not in index.where:
+            continue
+        senders = [timed[d][1] for d in index.deps(op) if d in timed and index.is_message(d, op)]
+        if senders and max(senders) > waited_from:
+            out.append(start - max(senders))
+    return out
 
 
 def model_costs(measured: Measured, pp: int) -> ModelCosts:

@@ -137,3 +137,17 @@ def test_seq1f1b_under_a_small_budget_with_as_many_segments_as_its_fixed_op_time
     assert "fixed per op F/B/W=100.00/100.00/100.00 ms (micro-batches timed whole)" in auto.describe(heavy)
     # without cuts (a sequence too short to split) the V is the best that fits
     assert auto.decide(4, 8, 8, 3, costly)["choice"]["label"] == "zbv-half"
+
+
+def test_message_latencies_from_a_traced_iteration():
+    from megatron_ds.schedules import Op, build_schedule
+    s = build_schedule("1f1b", 2, 2)
+    f = lambda st, mb: Op("F", 0, st, mb)  # noqa: E731
+    bw = lambda st, mb: Op("BW", 0, st, mb)  # noqa: E731
+    timed = {f(0, 0): (0.0, 1.0, None), f(0, 1): (1.0, 2.0, None),
+             f(1, 0): (1.3, 2.3, 0.5),  # waited from 0.5, F(0, 0) ended at 1.0: 0.3
+             bw(1, 0): (2.3, 4.3, None),  # its forward is local
+             f(1, 1): (4.3, 5.3, 4.3),  # F(0, 1) ended at 2.0, before the wait began: says nothing
+             bw(0, 0): (4.5, 6.5, 2.0),  # BW(1, 0) ended at 4.3: 0.2
+             bw(1, 1): (5.3, 7.3, None), bw(0, 1): (7.4, 9.4, 7.0)}  # 0.1
+    assert auto.message_latencies(s, timed) == pytest.approx([0.3, 0.2, 0.1])
