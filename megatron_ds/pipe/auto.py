@@ -101,6 +101,8 @@ class AutoSwitch:
         box = [None]
         if dist.get_rank() == 0:
             measured = merge(gathered, eng.plan.schedule.stages, self.schedules)
+            measured = auto.calibrate(measured, eng.num_stages, traced_runs([t for *_, t in gathered], self.schedules),
+                                      self.auto_plan.cuts)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
                                  self.auto_plan.budget, measured, self.auto_plan.cuts)
             box[0]["start"] = eng.plan.schedule.name
@@ -135,19 +137,30 @@ def merge(gathered, stages: int, schedules: list) -> auto.Measured:
     return auto.separate(sums, statistics.median(gaps), p2p)
 
 
-def traced_latencies(traced: list, schedules: list) -> list:
-    """Message latencies of every timed iteration of every pipeline replica; none across hosts."""
+def replica_iterations(traced: list, schedules: list):
+    """(schedule, {Op: (start, end, wait start)}) of every timed iteration of every pipeline
+    replica, put together from its ranks' records; nothing when the ranks span hosts (clocks)."""
     if len({host for host, _, _ in traced}) != 1:
-        return []
-    out = []
+        return
     for i, schedule in enumerate(schedules):
-        for dp in {dp for _, dp, _ in traced}:
+        for dp in sorted({dp for _, dp, _ in traced}):
             timed = {}
             for _, d, ops in traced:
                 if d == dp:
                     timed.update(ops[i])
-            out += auto.message_latencies(schedule, timed)
-    return out
+            yield schedule, timed
+
+
+def traced_latencies(traced: list, schedules: list) -> list:
+    """Message latencies of every timed iteration of every pipeline replica."""
+    return [t for schedule, timed in replica_iterations(traced, schedules)
+            for t in auto.message_latencies(schedule, timed)]
+
+
+def traced_runs(traced: list, schedules: list) -> list:
+    """(schedule, makespan: first op's start to last op's end) of each timed iteration and replica."""
+    return [(schedule, max(e for _, e, _ in timed.values()) - min(s for s, _, _ in timed.values()))
+            for schedule, timed in replica_iterations(traced, schedules) if timed]
 
 
 def ping_pong(engine, shape, dtype, device, repeats: int = PING_REPEATS) -> list:

@@ -16,6 +16,7 @@ times add up to its micro-batch's).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 from dataclasses import dataclass
@@ -138,6 +139,7 @@ class Measured:
     p2p: float = 0.0
     op_overhead: tuple = (0.0, 0.0, 0.0)
     op_sizes: tuple = (1,)  # the segment counts the micro-batches were timed at
+    op_residual: float = 0.0  # of op_overhead, what `calibrate` added
 
 
 def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
@@ -172,6 +174,29 @@ def message_latencies(schedule: Schedule, timed: dict) -> list:
         if senders and max(senders) > waited_from:
             out.append(start - max(senders))
     return out
+
+
+def ops_per_rank(schedule: Schedule) -> int:
+    return max(len(ops) for ops in schedule.ranks)
+
+
+def calibrate(measured: Measured, pp: int, runs: list, cuts: tuple = ()) -> Measured:
+    """`measured` with what the simulator still misses per op added to every op's fixed time.
+    `runs`: (schedule, makespan) of the timed iterations, the makespan traced (first op's start
+    to last op's end). With two op counts per rank among them (the start-up schedule and its
+    probe), the traced-less-simulated residual that grows with the ops per rank, b per op
+    (never below 0), is what the op times alone do not show (on CPU ranks: each wake-up on a
+    message; jitter that a lockstep order accumulates). Otherwise `measured` as it is."""
+    costs, shares = model_costs(measured, pp), {c.k: c.costs for c in cuts}
+    residuals = {}
+    for schedule, makespan in runs:
+        sim = evaluate(schedule, costs, p2p_latency=measured.p2p, seq_costs=shares.get(schedule.seq_splits))
+        residuals.setdefault(ops_per_rank(schedule), []).append(makespan - sim.makespan)
+    if len(residuals) < 2:
+        return measured
+    lo, hi = min(residuals), max(residuals)
+    b = max(0.0, (statistics.median(residuals[hi]) - statistics.median(residuals[lo])) / (hi - lo))
+    return dataclasses.replace(measured, op_overhead=tuple(c + b for c in measured.op_overhead), op_residual=b)
 
 
 def model_costs(measured: Measured, pp: int) -> ModelCosts:
@@ -254,7 +279,8 @@ def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, 
     return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None,
             "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),
                                         "head": list(costs.head), "p2p": measured.p2p,
-                                        "op_overhead": list(costs.op_overhead), "op_sizes": list(measured.op_sizes)}}
+                                        "op_overhead": list(costs.op_overhead), "op_sizes": list(measured.op_sizes),
+                                        "op_residual": measured.op_residual}}
 
 
 def describe(decision: dict) -> str:
@@ -267,7 +293,8 @@ def describe(decision: dict) -> str:
     return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "
                    f"TW={k['tw'] * 1e3:.2f} ms, head F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms, "
                    f"fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
-                   f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}), "
+                   f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}; "
+                   f"{k['op_residual'] * 1e3:.2f} ms of it from the traced makespans), "
                    f"p2p {k['p2p'] * 1e3:.3f} ms")
 
 

@@ -134,7 +134,8 @@ def test_seq1f1b_under_a_small_budget_with_as_many_segments_as_its_fixed_op_time
     heavy = auto.decide(4, 8, 8, 3, costly, cuts)
     assert heavy["choice"]["label"] == "seq1f1b seq_splits=2 split_backward=True"
     assert heavy["choice"]["makespan"] >= 22.32 + 48 * 0.1  # every one of a rank's 48 ops pays it, or more
-    assert "fixed per op F/B/W=100.00/100.00/100.00 ms (micro-batches timed whole)" in auto.describe(heavy)
+    assert ("fixed per op F/B/W=100.00/100.00/100.00 ms (micro-batches timed whole; 0.00 ms of it from the traced "
+            "makespans)") in auto.describe(heavy)
     # without cuts (a sequence too short to split) the V is the best that fits
     assert auto.decide(4, 8, 8, 3, costly)["choice"]["label"] == "zbv-half"
 
@@ -151,3 +152,21 @@ def test_message_latencies_from_a_traced_iteration():
              bw(0, 0): (4.5, 6.5, 2.0),  # BW(1, 0) ended at 4.3: 0.2
              bw(1, 1): (5.3, 7.3, None), bw(0, 1): (7.4, 9.4, 7.0)}  # 0.1
     assert auto.message_latencies(s, timed) == pytest.approx([0.3, 0.2, 0.1])
+
+
+def test_calibrate_adds_what_the_simulator_misses_per_op():
+    cuts = even_cuts()
+    measured = auto.Measured([1.0] * 4, [1.0] * 4, [0.5] * 4, p2p=0.01, op_overhead=(0.02, 0.02, 0.01))
+    start = dict(auto.candidates(4, 8, 8, cuts))[auto.Candidate("seq1f1b", (("seq_splits", 2), ("split_backward", True)))]
+    probe = dict(auto.candidates(4, 8, 8, cuts))[auto.Candidate("seq1f1b", (("seq_splits", 4), ("split_backward", True)))]
+    costs = auto.model_costs(measured, 4)
+    shares = {c.k: c.costs for c in cuts}
+    sim = [auto.evaluate(s, costs, p2p_latency=0.01, seq_costs=shares[s.seq_splits]).makespan for s in (start, probe)]
+    assert (auto.ops_per_rank(start), auto.ops_per_rank(probe)) == (48, 96)
+    # traced = simulated + 0.3 (the step, the same for all) + 0.005 per op of the busiest rank
+    runs = [(s, t + 0.3 + 0.005 * auto.ops_per_rank(s)) for s, t in zip((start, probe, start), sim + sim[:1])]
+    fitted = auto.calibrate(measured, 4, runs, cuts)
+    assert fitted.op_residual == pytest.approx(0.005) and fitted.op_overhead == pytest.approx((0.025, 0.025, 0.015))
+    assert auto.calibrate(measured, 4, runs[:1], cuts) == measured  # one op count: nothing to fit
+    faster = [(s, t - 0.001 * auto.ops_per_rank(s)) for s, t in zip((start, probe), sim)]
+    assert auto.calibrate(measured, 4, faster, cuts).op_residual == 0  # never below 0
