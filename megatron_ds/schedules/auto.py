@@ -30,8 +30,8 @@ from .ir import Op, Schedule, ScheduleError
 from .kinds import B, F, W
 from .validate import validate
 
-START = ("zb-h1", "seq1f1b seq_splits=2 split_backward=True", "seq1f1b seq_splits=4 split_backward=True",
-         "zbv", "zbv-half", "zbv-min")  # all split B and W; linear ones first (they can swap in place), by memory
+LINEAR_START = ("zb-h1", "seq1f1b seq_splits=2 split_backward=True", "seq1f1b seq_splits=4 split_backward=True")
+START = LINEAR_START + ("zbv", "zbv-half", "zbv-min")  # all split B and W; linear ones first (they swap in place)
 SEQ_SPLITS = (2, 4)  # the segment counts Seq1F1B is weighed at
 EPS = 1e-9
 
@@ -121,11 +121,11 @@ def probe(start: Candidate, budget: float, pp: int, m: int, num_layers: int, cut
     """A Seq1F1B B/W schedule placed as the linear `start` whose ops are another size, that fits the
     budget (the most segments): the timing window alternates the two so that each op's fixed time
     can be told from its per-token time (`separate`). None: no such schedule."""
-    if start.label not in START[:3]:
+    if start.label not in LINEAR_START:
         return None
     own = dict(start.knobs).get("seq_splits", 1)
     fits = [c for c, mem in memory_table(pp, m, num_layers, cuts) if mem <= budget + EPS and c.schedule == "seq1f1b"
-            and dict(c.knobs).get("split_backward") and c.knobs != start.knobs and dict(c.knobs)["seq_splits"] != own]
+            and dict(c.knobs).get("split_backward") and dict(c.knobs)["seq_splits"] != own]
     return max(fits, key=lambda c: dict(c.knobs)["seq_splits"], default=None)
 
 

@@ -23,7 +23,7 @@ AutoSwitch.choose = staticmethod(forcing("zbv"))
 from megatron_ds.training.loop import main
 sys.exit(main())
 """
-MEASURED = re.compile(r"^auto schedule: \S+ \(simulated makespan", re.M)  # schedules/auto.describe: it timed
+MEASURED = re.compile(r"^auto schedule: [^(]+ \(simulated makespan", re.M)  # schedules/auto.describe: it timed
 
 
 def losses(records, after):
