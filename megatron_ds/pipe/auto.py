@@ -6,7 +6,7 @@ engine's tracer hands every recorded iteration here (no files are written unless
 set): each compute op's time, from when its input had arrived to its end, and the runtime's time
 between ops. Every second iteration of the window runs the plan's probe instead, when it has one:
 the same placement with the micro-batch cut into another number of Seq1F1B segments, so that
-rank 0 can tell each op's fixed time from its per-token time (schedules/auto.separate). After the
+rank 0 can tell each op's fixed time from its per-token time (schedules/measurement.separate). After the
 window every rank sends its medians per (kind, stage, op size, segment) to rank 0, adjacent ranks
 time a ping-pong of one activation message (the p2p time), and rank 0 simulates every candidate
 that fits the budget (schedules/auto.py), logs the choice and the runner-up, and broadcasts the
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.schedules import auto
+from megatron_ds.schedules import measurement
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
@@ -101,7 +102,7 @@ class AutoSwitch:
         box = [None]
         if dist.get_rank() == 0:
             measured = merge(gathered, eng.plan.schedule.stages, self.schedules)
-            measured = auto.calibrate(measured, eng.num_stages, traced_runs([t for *_, t in gathered], self.schedules),
+            measured = measurement.calibrate(measured, eng.num_stages, traced_runs([t for *_, t in gathered], self.schedules),
                                       self.auto_plan.cuts)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
                                  self.auto_plan.budget, measured, self.auto_plan.cuts)
@@ -111,7 +112,7 @@ class AutoSwitch:
         return box[0]
 
 
-def merge(gathered, stages: int, schedules: list) -> auto.Measured:
+def merge(gathered, stages: int, schedules: list) -> measurement.Measured:
     """Per (kind, stage, op size, segment), the median over the ranks that ran it (data-parallel
     replicas) of their medians; a micro-batch's time per op size is the sum over its segments. The
     p2p time: the median message latency the traces show (`schedules[i]` ran timed iteration i),
@@ -134,7 +135,7 @@ def merge(gathered, stages: int, schedules: list) -> auto.Measured:
     sums = {k: tuple([sum(by_op[(kind, s)].values()) for s in range(stages)] for kind in "FBW")
             for k, by_op in totals.items()}
     p2p = statistics.median(latencies) if latencies else statistics.median(pings) if pings else 0.0
-    return auto.separate(sums, statistics.median(gaps), p2p)
+    return measurement.separate(sums, statistics.median(gaps), p2p)
 
 
 def replica_iterations(traced: list, schedules: list):
@@ -154,7 +155,7 @@ def replica_iterations(traced: list, schedules: list):
 def traced_latencies(traced: list, schedules: list) -> list:
     """Message latencies of every timed iteration of every pipeline replica."""
     return [t for schedule, timed in replica_iterations(traced, schedules)
-            for t in auto.message_latencies(schedule, timed)]
+            for t in measurement.message_latencies(schedule, timed)]
 
 
 def traced_runs(traced: list, schedules: list) -> list:

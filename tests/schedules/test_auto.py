@@ -110,18 +110,6 @@ def test_probe_is_a_linear_schedule_of_another_op_size_that_fits():
     assert auto.probe(auto.check_budget(100, 4, 8, 8), 100, 4, 8, 8) is None  # no cuts: nothing to probe with
 
 
-def test_separate_tells_fixed_from_per_token_time():
-    # per stage T = (4, 4, 6), B 2, W 1; fixed per op F 0.5, B 0.25, W 0: timed whole (k=1) and in 4 segments
-    t = {"f": [4.0, 4.0, 6.0], "b": [2.0] * 3, "w": [1.0] * 3}
-    fixed = (0.5, 0.25, 0.0)
-    totals = {k: tuple([x + k * c for x in t[kind]] for kind, c in zip("fbw", fixed)) for k in (1, 4)}
-    m = auto.separate(totals, gap=0.125, p2p=0.01)
-    assert m.f == pytest.approx(t["f"]) and m.b == pytest.approx(t["b"]) and m.w == pytest.approx(t["w"])
-    assert m.op_overhead == pytest.approx((0.625, 0.375, 0.125)) and m.p2p == 0.01 and m.op_sizes == (1, 4)
-    one = auto.separate({2: totals[1]})  # one op size: the fixed time cannot be told apart
-    assert one.op_overhead == (0.0, 0.0, 0.0) and one.f == totals[1][0]
-
-
 def test_seq1f1b_under_a_small_budget_with_as_many_segments_as_its_fixed_op_time_pays_for():
     # p=4, m=8, 1:1:0.5 at budget 3: ZB-V-Half (3 units) against Seq1F1B (2.5 and 1.75 units)
     cuts = even_cuts()
@@ -138,35 +126,3 @@ def test_seq1f1b_under_a_small_budget_with_as_many_segments_as_its_fixed_op_time
             "makespans)") in auto.describe(heavy)
     # without cuts (a sequence too short to split) the V is the best that fits
     assert auto.decide(4, 8, 8, 3, costly)["choice"]["label"] == "zbv-half"
-
-
-def test_message_latencies_from_a_traced_iteration():
-    from megatron_ds.schedules import Op, build_schedule
-    s = build_schedule("1f1b", 2, 2)
-    f = lambda st, mb: Op("F", 0, st, mb)  # noqa: E731
-    bw = lambda st, mb: Op("BW", 0, st, mb)  # noqa: E731
-    timed = {f(0, 0): (0.0, 1.0, None), f(0, 1): (1.0, 2.0, None),
-             f(1, 0): (1.3, 2.3, 0.5),  # waited from 0.5, F(0, 0) ended at 1.0: 0.3
-             bw(1, 0): (2.3, 4.3, None),  # its forward is local
-             f(1, 1): (4.3, 5.3, 4.3),  # F(0, 1) ended at 2.0, before the wait began: says nothing
-             bw(0, 0): (4.5, 6.5, 2.0),  # BW(1, 0) ended at 4.3: 0.2
-             bw(1, 1): (5.3, 7.3, None), bw(0, 1): (7.4, 9.4, 7.0)}  # 0.1
-    assert auto.message_latencies(s, timed) == pytest.approx([0.3, 0.2, 0.1])
-
-
-def test_calibrate_adds_what_the_simulator_misses_per_op():
-    cuts = even_cuts()
-    measured = auto.Measured([1.0] * 4, [1.0] * 4, [0.5] * 4, p2p=0.01, op_overhead=(0.02, 0.02, 0.01))
-    start = dict(auto.candidates(4, 8, 8, cuts))[auto.Candidate("seq1f1b", (("seq_splits", 2), ("split_backward", True)))]
-    probe = dict(auto.candidates(4, 8, 8, cuts))[auto.Candidate("seq1f1b", (("seq_splits", 4), ("split_backward", True)))]
-    costs = auto.model_costs(measured, 4)
-    shares = {c.k: c.costs for c in cuts}
-    sim = [auto.evaluate(s, costs, p2p_latency=0.01, seq_costs=shares[s.seq_splits]).makespan for s in (start, probe)]
-    assert (auto.ops_per_rank(start), auto.ops_per_rank(probe)) == (48, 96)
-    # traced = simulated + 0.3 (the step, the same for all) + 0.005 per op of the busiest rank
-    runs = [(s, t + 0.3 + 0.005 * auto.ops_per_rank(s)) for s, t in zip((start, probe, start), sim + sim[:1])]
-    fitted = auto.calibrate(measured, 4, runs, cuts)
-    assert fitted.op_residual == pytest.approx(0.005) and fitted.op_overhead == pytest.approx((0.025, 0.025, 0.015))
-    assert auto.calibrate(measured, 4, runs[:1], cuts) == measured  # one op count: nothing to fit
-    faster = [(s, t - 0.001 * auto.ops_per_rank(s)) for s, t in zip((start, probe), sim)]
-    assert auto.calibrate(measured, 4, faster, cuts).op_residual == 0  # never below 0
