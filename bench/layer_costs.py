@@ -203,7 +203,8 @@ def schedule_rows(args, tf, tb, tw):
 
     rows = []
     for spec in CATALOG.values():
-        for note, knobs in spec.variants(virtual_stages=args.virtual_stages, seq_splits=tuple(args.seq_splits)):
+        for note, knobs in spec.variants(virtual_stages=args.virtual_stages, seq_splits=tuple(args.seq_splits),
+                                         op_costs=(tf, tb, tw)):
             label = f"{spec.name} {note}".strip()
             try:
                 schedule = build_schedule(spec.name, args.pp, args.micro_batches, **knobs)
@@ -238,6 +239,8 @@ def main(argv=None):
     print(f"{'schedule':<24}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}")
     for label, makespan, bubble, peak in done:
         print(f"{label:<24}{makespan * 1e3:>14.3f}{bubble:>8.3f}{peak:>10.2f}{makespan / base:>8.3f}")
+    print(f'\n"costed" rows: ds_config "pipeline": {{"schedule": "zbv-half", "op_costs": '
+          f'[{TF * 1e3:.3g}, {TB * 1e3:.3g}, {TW * 1e3:.3g}]}} (or zbv-min) runs that order')
     for label, _, reason in (r for r in rows if r[1] is None):
         print(f"{label:<24}{'n/a':>14}  {reason}")
     if args.costs_out:

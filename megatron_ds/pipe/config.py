@@ -38,6 +38,7 @@ class PipelineSettings:
     timers_start_iter: int = 1     # "auto" times iterations [start, end) of this process, then switches
     timers_end_iter: int = 4
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
+    op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
 
     @property
     def stock(self):
@@ -55,13 +56,23 @@ class PipelineSettings:
                                 "ramp-up is not offered with it")
         return build_schedule(self.schedule, pp, micro_batches, virtual_stages=self.virtual_stages,
                               seq_splits=self.seq_splits, split_backward=self.split_backward,
-                              segment_lengths=segment_lengths)
+                              segment_lengths=segment_lengths, op_costs=self.op_costs)
 
 
 def _int_at_least(section, key, minimum, default=None):
     value = section.get(key, minimum if default is None else default)
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(f'ds_config "pipeline.{key}" = {value!r}: must be an integer >= {minimum}')
+    return value
+
+
+def _op_costs(section):
+    value = section.get("op_costs")
+    if value is not None and not (isinstance(value, (list, tuple)) and len(value) == 3 and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in value)):
+        raise ConfigError(f'ds_config "pipeline.op_costs" = {json.dumps(value)}: give [TF, TB, TW], three positive '
+                          "times of a layer's forward, input-gradient and weight-gradient passes "
+                          "(python -m bench.layer_costs measures them)")
     return value
 
 
@@ -97,6 +108,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         timers_start_iter=_int_at_least(section, "timers_start_iter", 0, default=1),
         timers_end_iter=_int_at_least(section, "timers_end_iter", 1, default=4),
         remeasure=section.get("remeasure", False),
+        op_costs=_op_costs(section),
     )
     if settings.auto:
         _check_auto(settings, section)
@@ -104,14 +116,14 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         raise ConfigError(f'ds_config "pipeline": {", ".join(k for k in AUTO_KEYS if k in section)} apply to '
                           f'"schedule": "auto" only (it is {schedule!r})')
     elif not settings.stock:
-        for key in ("virtual_stages", "seq_splits", "split_backward"):  # one at a time: the message names it
+        for key in ("virtual_stages", "seq_splits", "split_backward", "op_costs"):  # one at a time: the message names it
             value = getattr(settings, key)
             try:
                 CATALOG[schedule].knobs(**{key: value})
             except ScheduleError as exc:
                 raise ConfigError(f'ds_config "pipeline.{key}" = {json.dumps(value)}: {exc}') from None
-    elif settings.virtual_stages > 1 or settings.seq_splits > 1 or settings.split_backward:
-        raise ConfigError('ds_config "pipeline": virtual_stages, seq_splits and split_backward need a named '
+    elif settings.virtual_stages > 1 or settings.seq_splits > 1 or settings.split_backward or settings.op_costs:
+        raise ConfigError('ds_config "pipeline": virtual_stages, seq_splits, split_backward and op_costs need a named '
                           '"pipeline.schedule"; DeepSpeed\'s own engine runs plain 1F1B')
     if settings.post_validation and settings.stock:
         raise ConfigError('ds_config "pipeline.post_validation" = true needs a named "pipeline.schedule": '
@@ -154,7 +166,7 @@ def _check_auto(settings, section):
     if settings.timers_end_iter <= settings.timers_start_iter:
         raise ConfigError(f'ds_config "pipeline.timers_end_iter" = {settings.timers_end_iter} must be greater than '
                           f'"timers_start_iter" = {settings.timers_start_iter}: "auto" times at least one iteration')
-    for key in ("virtual_stages", "seq_splits", "split_backward"):
+    for key in ("virtual_stages", "seq_splits", "split_backward", "op_costs"):
         if key in section and section[key] != PipelineSettings.__dataclass_fields__[key].default:
             raise ConfigError(f'ds_config "pipeline.{key}" = {json.dumps(section[key])}: "schedule": "auto" '
                               "chooses the schedule and its knobs itself")

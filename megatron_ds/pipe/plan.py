@@ -223,7 +223,7 @@ class PipelinePlan:
 
     def _settings_for(self, section: dict) -> PipelineSettings:
         return dataclasses.replace(self.settings, **{"virtual_stages": 1, "seq_splits": 1, "split_backward": False,
-                                                     **section})
+                                                     "op_costs": None, **section})
 
     def places_alike(self, section: dict) -> bool:
         """Whether the schedule `section` names places the chunks as this plan's does."""

@@ -10,7 +10,8 @@ Candidates are every catalogue entry with its chunk-count variant (interleaved v
 split where optional; Seq1F1B at each segment count of the run's `Cut`s (its segments hold their
 tokens' share of the memory and cost their FLOPs' share of the time; its order is the token-capped
 one the engine runs); plus, once costs are measured on a linear start, `zb_search`: zero-bubble's
-heuristic at memory limits between ZB-H1's and ZB-H2's. The run starts on the first of START that
+heuristic at memory limits between ZB-H1's and ZB-H2's, and V-Half and V-Min built for the measured
+costs (`costed`). The run starts on the first of START that
 fits: a schedule that splits the backward, so that F, B and W are timed separately (a segment's
 times add up to its micro-batch's).
 """
@@ -78,10 +79,15 @@ def _candidates(pp: int, m: int, num_layers: int, cuts: tuple) -> tuple:
                 schedule = build_schedule(name, pp, m, **knobs, segment_lengths=lengths.get(knobs.get("seq_splits")))
             except ScheduleError:
                 continue
-            if num_layers % schedule.stages and schedule.stages > pp or num_layers < schedule.stages:
-                continue  # pipe/plan.check_layers would refuse it
-            out.append((cand, schedule))
+            if runs(schedule, num_layers):
+                out.append((cand, schedule))
     return tuple(out)
+
+
+def runs(schedule: Schedule, num_layers: int) -> bool:
+    """Whether pipe/plan.check_layers lets `num_layers` layers run it."""
+    stages = schedule.stages
+    return num_layers >= stages and not (num_layers % stages and stages > schedule.pp)
 
 
 def peak_memory(schedule: Schedule) -> float:
@@ -158,11 +164,32 @@ def searched(pp: int, m: int, budget: float, costs: ModelCosts) -> list[tuple[Ca
     return out
 
 
+def costed(pp: int, m: int, num_layers: int, costs: ModelCosts) -> list[tuple[Candidate, Schedule, None]]:
+    """The schedules whose op order depends on the costs (V-Half, V-Min), built for the measured
+    ones: a layer's TF, TB, TW with each op's fixed time (a chunk op pays it once), relative."""
+    op = [t + 2 * fixed for t, fixed in zip((costs.tf, costs.tb, costs.tw), costs.op_overhead)]
+    if len(set(op)) == 1:
+        return []  # the catalogue's own order is built for equal costs
+    op_costs = tuple(round(3 * t / sum(op), 3) for t in op)
+    out = []
+    for name, spec in CATALOG.items():
+        if not spec.op_costs:
+            continue
+        try:
+            schedule = build_schedule(name, pp, m, op_costs=op_costs)
+        except ScheduleError:
+            continue
+        if runs(schedule, num_layers):
+            out.append((Candidate(name, (("op_costs", op_costs),)), schedule, None))
+    return out
+
+
 def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0,
          search: bool = False, cuts: tuple = ()) -> list[dict]:
     """Every candidate that fits, fastest first: {candidate, makespan, memory, search}; `search`
     adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m)."""
     pool = [(c, s, None) for c, s in candidates(pp, m, num_layers, cuts)]
+    pool += costed(pp, m, num_layers, costs)
     pool += searched(pp, m, budget, costs) if search else []
     shares = {c.k: c.costs for c in cuts}
     rows = []

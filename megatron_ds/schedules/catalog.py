@@ -38,9 +38,10 @@ class ScheduleSpec:
     seq_splits: bool = False
     split_backward: str = NEVER
     check: Optional[Check] = None
+    op_costs: bool = False  # the op order is built for the layer's TF, TB, TW (default: equal)
 
     def knobs(self, virtual_stages: int = 1, seq_splits: int = 1, split_backward: bool = False,
-              segment_lengths=None) -> dict:
+              segment_lengths=None, op_costs=None) -> dict:
         """The generator's keyword arguments; refuses a knob this schedule does not take.
         `segment_lengths` (tokens per segment) go with seq_splits: Seq1F1B caps its order by them."""
         out = {}
@@ -67,11 +68,18 @@ class ScheduleSpec:
                    else "runs the fused backward")
             raise ScheduleError(f"{self.name} does not take split_backward=True: it {why}; the "
                                 f"choice applies to {', '.join(takes('split_backward'))}")
+        if self.op_costs and op_costs is not None:
+            out["op_costs"] = tuple(op_costs)
+        elif op_costs is not None:
+            raise ScheduleError(f"{self.name} does not take op_costs: its op order is the same for any costs; "
+                                f"op_costs apply to {', '.join(takes('op_costs'))}")
         return out
 
-    def variants(self, virtual_stages: int = 2, seq_splits=(2,), split: bool = True) -> list[tuple[str, dict]]:
+    def variants(self, virtual_stages: int = 2, seq_splits=(2,), split: bool = True,
+                 op_costs=None) -> list[tuple[str, dict]]:
         """(note, knobs) settings worth showing side by side: the knob the schedule is about
-        (its sequence splits, else its chunk count) and, with `split`, the B/W split too."""
+        (its sequence splits, else its chunk count) and, with `split`, the B/W split too; beside
+        them the order built for `op_costs` (TF, TB, TW, when unequal) where the schedule takes them."""
         if self.seq_splits:
             rows = [(f"k={k}", {"seq_splits": k}) for k in seq_splits]
         elif self.virtual_stages == ANY:
@@ -80,6 +88,8 @@ class ScheduleSpec:
             rows = [("", {})]
         if split and self.split_backward == OPTIONAL:
             rows += [(f"{note} B/W".strip(), {**kw, "split_backward": True}) for note, kw in rows]
+        if self.op_costs and op_costs is not None and len(set(op_costs)) > 1:
+            rows += [("costed", {"op_costs": tuple(op_costs)})]
         return rows
 
 
@@ -111,10 +121,10 @@ CATALOG: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("seq1f1b", seq1f1b.seq1f1b, virtual_stages=ANY, seq_splits=True,
                  split_backward=OPTIONAL, check=_check_seq1f1b),
     # ZB-V under the controllable-memory paper's limits: V-Half and V-Min.
-    ScheduleSpec("zbv-half", lambda pp, m: vshape.zbv_memory(pp, m, "half"), virtual_stages=2,
-                 split_backward=ALWAYS),
-    ScheduleSpec("zbv-min", lambda pp, m: vshape.zbv_memory(pp, m, "min"), virtual_stages=2,
-                 split_backward=ALWAYS),
+    ScheduleSpec("zbv-half", lambda pp, m, op_costs=None: vshape.zbv_memory(pp, m, "half", op_costs),
+                 virtual_stages=2, split_backward=ALWAYS, op_costs=True),
+    ScheduleSpec("zbv-min", lambda pp, m, op_costs=None: vshape.zbv_memory(pp, m, "min", op_costs),
+                 virtual_stages=2, split_backward=ALWAYS, op_costs=True),
     ScheduleSpec("dualpipev", dualpipev.dualpipev, virtual_stages=2, split_backward=ALWAYS),
 )}
 
@@ -125,6 +135,8 @@ def takes(knob: str) -> list[str]:
         return [s.name for s in CATALOG.values() if s.virtual_stages == ANY]
     if knob == "seq_splits":
         return [s.name for s in CATALOG.values() if s.seq_splits]
+    if knob == "op_costs":
+        return [s.name for s in CATALOG.values() if s.op_costs]
     return [s.name for s in CATALOG.values() if s.split_backward == OPTIONAL]
 
 
@@ -136,14 +148,15 @@ def lookup(name: str) -> ScheduleSpec:
 
 
 def build_schedule(name: str, pp: int, micro_batches: int, *, virtual_stages: int = 1,
-                   seq_splits: int = 1, split_backward: bool = False, segment_lengths=None) -> Schedule:
+                   seq_splits: int = 1, split_backward: bool = False, segment_lengths=None,
+                   op_costs=None) -> Schedule:
     """Look the schedule up, check the settings, generate the per-rank op lists, validate them."""
     spec = lookup(name)
     for key, val in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages),
                      ("seq_splits", seq_splits)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ScheduleError(f"{name} needs a positive integer {key} ({key}={val!r})")
-    knobs = spec.knobs(virtual_stages, seq_splits, split_backward, segment_lengths)
+    knobs = spec.knobs(virtual_stages, seq_splits, split_backward, segment_lengths, op_costs)
     if spec.check:
         spec.check(pp, micro_batches, virtual_stages, seq_splits)
     schedule = spec.generate(pp, micro_batches, **knobs)

@@ -26,6 +26,8 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
                    help='with --seq-length: as ds_config "pipeline.seq_split_method"')
     p.add_argument("--hidden-size", type=int, default=None, help="with --seq-length and balanced: the model's")
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x --hidden-size")
+    p.add_argument("--op-costs", type=_triple, default=None, metavar="TF,TB,TW",
+                   help='zbv-half/zbv-min: the order built for these layer times (ds_config "pipeline.op_costs")')
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +72,8 @@ def _segment_lengths(args):
 def _build(args) -> object:
     return build_schedule(args.schedule, args.pp, args.micro_batches,
                           virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
-                          split_backward=args.split_backward, segment_lengths=_segment_lengths(args))
+                          split_backward=args.split_backward, segment_lengths=_segment_lengths(args),
+                          op_costs=args.op_costs)
 
 
 def _export(args) -> None:

@@ -11,7 +11,7 @@ def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 
                  act_size=None) -> list[dict]:
     """Simulate each schedule; a refused setting gives a row with its reason."""
     variants = [(name, kwargs, note) for name, spec in CATALOG.items()
-                for note, kwargs in spec.variants(virtual_stages, (seq_splits,))]
+                for note, kwargs in spec.variants(virtual_stages, (seq_splits,), op_costs=(tf, tb, tw))]
     rows, base = [], None
     for name, kwargs, note in variants:
         row = {"schedule": name, "setting": note}

@@ -94,6 +94,8 @@ def initialize_distributed(args):
                                              **device)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
                                verbose=rank == 0)
+    if rank == 0:
+        print(f"> torch.distributed: backend {torch.distributed.get_backend()}, world size {world}", flush=True)
     return rank, world, local_rank
 
 

@@ -30,7 +30,8 @@ from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_las
 # --------------------------------------------------------------------------- model, optimizer
 
 def build_optimizer(module, args):
-    """AdamW (apex FusedAdam when importable and on GPU) with Megatron's groups: no decay on biases/norms."""
+    """AdamW with Megatron's groups (no decay on biases/norms); on GPU apex FusedAdam when importable,
+    else torch's fused AdamW."""
     import torch
     decay, no_decay = [], []
     for _, p in module.named_parameters():
@@ -46,7 +47,8 @@ def build_optimizer(module, args):
             return FusedAdam(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         except Exception:  # noqa: BLE001 - any import problem means: no apex
             pass
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    fused = {"fused": True} if torch.cuda.is_available() else {}  # torch's one-kernel AdamW; CPU keeps the default
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **fused)
 
 
 def model_config(args):

@@ -15,9 +15,11 @@ def test_layer_costs_measures_and_simulates_every_catalogue_schedule(family, cap
     tf, tb, tw, rows = layer_costs.main(TINY + family)
     assert tf > 0 and tb > 0 and tw > 0
     out = capsys.readouterr().out
-    table = out[out.index("schedule "):].splitlines()[1:]
+    table = out[out.index("schedule "):].split("\n\n")[0].splitlines()[1:]
     labels = [line[:24].strip() for line in table]
     assert {label.split()[0] for label in labels} == set(CATALOG)
+    assert {"zbv-half costed", "zbv-min costed"} <= set(labels)  # the V orders built for the measured times
+    assert '"schedule": "zbv-half", "op_costs": [' in out
     assert sorted(labels) == sorted(r[0] for r in rows)
     timed = [r for r in rows if r[1] is not None]
     assert all(makespan > 0 and 0 <= bubble < 1 for _, makespan, bubble, _ in timed)

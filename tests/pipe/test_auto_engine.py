@@ -2,10 +2,11 @@
 (zb-h1), the second on its probe (the same placement, the micro-batch cut into 4 Seq1F1B segments),
 decides, switches, and the run equals the single-process reference through the probe and the
 switch: losses of 3 steps, every gradient of the first step, the weights after 3 optimizer steps and
-the eval loss, fp32 1e-5. At PP=2 one launch runs seven cases: the engine's own choice; forced
+the eval loss, fp32 1e-5. At PP=2 one launch runs eight cases: the engine's own choice; forced
 choices that cover both switch paths: zb-h2, the searched zb-search cap=3 and Seq1F1B with 2
 segments (same placement: a schedule swap; Seq1F1B's cuts the sequence from then on), zbv (V
-placement) and bitpipe (two replicas) through the checkpoint rebuild (training/auto_switch.py); and
+placement), V-Half built for the measured costs and bitpipe (two replicas) through the checkpoint
+rebuild (training/auto_switch.py); and
 a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 segments and probes 4). At PP=2 x DP=2 (ZeRO-1 shards
 re-cut across the switch): the own choice and zbv."""
 import pytest
@@ -16,8 +17,9 @@ STEPS, LAYERS, GAS = 3, 4, 4
 BUDGET = 4  # every candidate fits at pp=2, m=4 (gpipe needs 4)
 SEQ1F1B = "seq1f1b seq_splits=2 split_backward=True"
 SWAPS = ("zb-h2", "zb-search cap=3", SEQ1F1B)  # placed as zb-h1
+COSTED = "zbv-half op_costs"  # V-Half's order built for the measured costs (the label then names them)
 CASES = [(None, BUDGET), ("zb-h2", BUDGET), ("zbv", BUDGET), ("bitpipe", BUDGET), ("zb-search cap=3", BUDGET),
-         (SEQ1F1B, BUDGET), (None, 1.5)]  # 1.5: Seq1F1B (2 segments: 1.5 units, 4: 1.25) or zb-search cap=1.5
+         (SEQ1F1B, BUDGET), (COSTED, BUDGET), (None, 1.5)]  # 1.5: Seq1F1B (2 segments: 1.5 units, 4: 1.25) or zb-search cap=1.5
 
 
 def forcing(label):
@@ -27,9 +29,10 @@ def forcing(label):
     def choose(pp, m, layers, budget, measured, cuts):
         decision = auto.decide(pp, m, layers, budget, measured, cuts)
         rows = auto.rank(pp, m, layers, budget, auto.model_costs(measured, pp), measured.p2p, search=True, cuts=cuts)
-        row = next(r for r in rows if r["candidate"].label == label)
+        row = next(r for r in rows if r["candidate"].label == label or label == COSTED
+                   and r["candidate"].label.startswith(COSTED + "="))
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()
-        decision["choice"] = {"label": label, "section": section, "search": row["search"],
+        decision["choice"] = {"label": row["candidate"].label, "section": section, "search": row["search"],
                               "makespan": row["makespan"], "memory": row["memory"]}
         return decision
     return choose
@@ -98,7 +101,9 @@ def test_auto_switch_matches_reference(world, pp, cases):
             if small:  # Seq1F1B, or zero-bubble's search under a cap below p
                 assert r["choice"]["memory"] <= budget and r["now"][0] == r["choice"]["label"].split(" seq_splits")[0]
             if label:
-                assert r["now"] == ((label.split()[0], 2) if label == SEQ1F1B else (label, 1))
+                assert r["now"] == ((label.split()[0], 2) if label == SEQ1F1B else ("zbv-half" if label == COSTED else label, 1))
+                if label == COSTED:
+                    assert len(r["choice"]["section"]["op_costs"]) == 3
                 assert r["rebuilt_at"] == (None if label in SWAPS else 1), (label, r["rebuilt_at"])
         try:
             assert_matches_reference(results, ref)

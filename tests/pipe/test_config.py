@@ -2,6 +2,7 @@
 import pytest
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.schedules import build_schedule
 from megatron_ds.testing.launcher import run_ranks
 
 
@@ -15,6 +16,12 @@ def test_schedule_keys_are_read():
     assert (s.schedule, s.virtual_stages, s.stock) == ("interleaved", 2, False)
 
 
+def test_op_costs_build_the_v_order_for_them():
+    s = pipeline_settings({"pipeline": {"schedule": "zbv-half", "op_costs": [3.08, 4.37, 2.04]}})
+    assert s.build_schedule(4, 16).ranks == build_schedule("zbv-half", 4, 16, op_costs=(3.08, 4.37, 2.04)).ranks
+    assert s.build_schedule(4, 16).ranks != build_schedule("zbv-half", 4, 16).ranks
+
+
 @pytest.mark.parametrize("section,words", [
     ({"schedule": "zb-h3"}, ["pipeline.schedule", "zb-h3", "zbv"]),
     ({"schedule": "1f1b", "virtual_stage": 2}, ["unknown key", "virtual_stage"]),
@@ -25,6 +32,11 @@ def test_schedule_keys_are_read():
     ({"schedule": "zbv", "post_validation": "yes"}, ["post_validation", "true or false"]),
     ({"schedule": "zbv", "partition_method": "by-magic"}, ["partition_method", "by-magic"]),
     ({"post_validation": True}, ["post_validation", "named", "schedule"]),
+    ({"schedule": "zbv", "op_costs": [1, 1.5, 0.5]}, ["pipeline.op_costs", "zbv does not take", "zbv-half, zbv-min"]),
+    ({"schedule": "zbv-half", "op_costs": [1, 1.5]}, ["pipeline.op_costs", "[TF, TB, TW]", "bench.layer_costs"]),
+    ({"schedule": "zbv-min", "op_costs": [1, 0, 1]}, ["pipeline.op_costs", "positive"]),
+    ({"op_costs": [1, 1.5, 0.5]}, ["op_costs", "named", "schedule"]),
+    ({"schedule": "auto", "memory_budget": 3, "op_costs": [1, 1.5, 0.5]}, ["op_costs", "auto", "itself"]),
 ])
 def test_bad_settings_name_key_value_and_rule(section, words):
     with pytest.raises(ConfigError) as err:

@@ -9,7 +9,9 @@ import pytest
 from tests.gpt_harness import assert_schedules_match_reference
 
 STEPS = 3
-V_SCHEDULES = [{"schedule": "zbv-half"}, {"schedule": "zbv-min"}]
+# the V orders built for other costs (op_costs) are other orders: they run exactly too
+V_SCHEDULES = [{"schedule": "zbv-half"}, {"schedule": "zbv-min"},
+               {"schedule": "zbv-half", "op_costs": [1, 1.5, 0.5]}, {"schedule": "zbv-min", "op_costs": [3, 4, 2]}]
 FLEXIBLE = [{"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "bitpipe"}]
 DUALPIPEV = [{"schedule": "dualpipev"}]
 

@@ -15,6 +15,11 @@ Two ways to order the ops, the shorter one at TF = TB = TW that fits the limit i
   no deadlock) and, on rank 0, no earlier than `pace` per micro-batch, else a W.
 Memory is counted as the simulator does (a chunk forward holds M_B/2 until its B, then
 M_W = M_B/4 until its W).
+
+`op_costs` (TF, TB, TW of a layer, any unit; default equal) play the list scheduling out with
+those times and judge the contest at them: an order found at TF = TB = TW keeps its slots when
+the real B is longer than F and W shorter, and at the 3.08/4.37/2.04 ms an H100 measured for a
+LLaMA-7B layer (p=4, m=16) V-Half's unit-cost order took 1.19x 1F1B's time, its costed one 0.99x.
 """
 from __future__ import annotations
 
@@ -75,7 +80,9 @@ def _by_block(pp: int, m: int) -> list[list[Op]]:
             for r in range(pp)]
 
 
-def _by_limit(pp: int, m: int, limit: float, pace: float) -> list[list[Op]]:
+def _by_limit(pp: int, m: int, limit: float, pace: float, chunk: dict) -> list[list[Op]]:
+    """`chunk`: each kind's time on one chunk; `pace` is in mean chunk ops (1 = two of them)."""
+    pace *= sum(chunk.values()) / 1.5
     skeleton = Schedule("zbv-memory", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), [])
     work = [[Op(k, 0, s, mb) for s in _legs(pp, r) for k in "FBW" for mb in range(m)]
             for r in range(pp)]
@@ -95,33 +102,44 @@ def _by_limit(pp: int, m: int, limit: float, pace: float) -> list[list[Op]]:
                 return op
         return pick["W"][0] if pick["W"] else None
 
-    return list_schedule(skeleton, work, lambda _op: 0.5, choose,
+    return list_schedule(skeleton, work, lambda op: chunk[op.kind], choose,
                          memory=lambda op: _FOOTPRINT[op.kind])
 
 
-def zbv_memory(pp: int, m: int, memory: str) -> Schedule:
+def zbv_memory(pp: int, m: int, memory: str, op_costs=None) -> Schedule:
     check(pp, m, memory)
-    name = f"zbv-{memory}"
-    ranks = [list(ops) for ops in _best_order(pp, m, memory)]
-    return Schedule(name, pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks)
+    costs = _relative(op_costs)
+    ranks = [list(ops) for ops in _best_order(pp, m, memory, costs)]
+    return Schedule(f"zbv-{memory}", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks)
+
+
+def _relative(op_costs) -> tuple:
+    """(TF, TB, TW) scaled to a mean of 1 and rounded (one cache entry per ratio); equal by default."""
+    if op_costs is None:
+        return (1.0, 1.0, 1.0)
+    if len(op_costs) != 3 or not all(isinstance(c, (int, float)) and c > 0 for c in op_costs):
+        raise ScheduleError(f"op_costs={list(op_costs)!r}: give three positive times, TF, TB and TW of a layer")
+    mean = sum(op_costs) / 3
+    return tuple(round(c / mean, 4) for c in op_costs)
 
 
 @functools.lru_cache(maxsize=64)
-def _best_order(pp: int, m: int, memory: str) -> tuple:
-    """The contest's winner, per rank (cached: a run builds its schedule at parse time, at start-up
-    and for every other micro-batch count, and the contest costs 0.1-0.4 s at p=8, m=16-32)."""
+def _best_order(pp: int, m: int, memory: str, costs: tuple) -> tuple:
+    """The contest's winner at `costs`, per rank (cached: a run builds its schedule at parse time, at
+    start-up and for every other micro-batch count, and the contest costs 0.1-0.4 s at p=8, m=16-32)."""
     from ..simulate import simulate
     cap = memory_limit(pp, memory)
+    chunk = dict(zip("FBW", (c / 2 for c in costs)))  # a chunk holds half a stage's layers
     orders = [_by_block(pp, m)]
     for pace in _PACES:
         try:
-            orders.append(_by_limit(pp, m, 2.0 * cap, pace))
+            orders.append(_by_limit(pp, m, 2.0 * cap, pace, chunk))
         except ScheduleError:  # a policy that stalls just loses the contest
             continue
     best = None
     for ranks in orders:
         cand = Schedule(f"zbv-{memory}", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks)
-        res = simulate(cand, check=False)
+        res = simulate(cand, *costs, check=False)
         if res.peak_memory_max <= cap + 1e-9 and (best is None or res.makespan < best[0]):
             best = (res.makespan, cand)
     if best is None:
