@@ -58,6 +58,9 @@ def build_parser():
     g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
     g.add_argument("--vocab-size", type=int, default=50304, help="for --costs-out: the padded vocabulary")
+    g.add_argument("--time-segments", action="store_true",
+                   help="also time each Seq1F1B segment (at each --seq-splits) through the K/V cache, beside "
+                        "its FLOP share")
     g.add_argument("--costs-out", default=None,
                    help='write the per-layer costs as JSON for "pipeline.partition_method": "costs:FILE"')
     return parser
@@ -152,6 +155,59 @@ def measure_layer(args):
     return (*(statistics.median(times[k]) for k in "FBW"), f"{name} {str(dtype).replace('torch.', '')}")
 
 
+def measure_segments(args, k):
+    """[(tokens, F, B, W seconds)] of each of k balanced Seq1F1B segments of one layer, run as the
+    engine runs them: forwards in order through the K/V cache, then backwards last first (W deferred)."""
+    import torch
+    from megatron_ds.model import TransformerLayer, WeightGradStore
+    from megatron_ds.model.kv_cache import SegmentKVCache
+    from megatron_ds.schedules.seq_split import balanced_segment_lengths
+
+    config, device, dtype = setup(args)
+    layer = TransformerLayer(config, 1).to(device=device, dtype=dtype)
+    lengths = balanced_segment_lengths(args.seq_length, k, args.hidden_size, args.ffn_hidden_size)
+    starts = [sum(lengths[:i]) for i in range(k)]
+    g = torch.Generator().manual_seed(0)
+    shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    grad = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    timer, cache = Timer(device), SegmentKVCache()
+    times = [[[], [], []] for _ in range(k)]
+    for i in range(args.warmup + args.repeats):
+        ins, outs = [], []
+        for j, (start, n) in enumerate(zip(starts, lengths)):
+            ins.append(x[:, start:start + n].detach().clone().requires_grad_())
+            with cache.segment("mb", start, args.seq_length):
+                t = timer(lambda: outs.append(layer(ins[-1])))
+            times[j][0].append(t)
+        for j in reversed(range(k)):
+            start, n, queue = starts[j], lengths[j], []
+
+            def backward_input():
+                with cache.segment("mb", start, args.seq_length), WeightGradStore.deferring(queue):
+                    torch.autograd.backward(outs[j], grad[:, start:start + n])
+            times[j][1].append(timer(backward_input))
+            times[j][2].append(timer(lambda: WeightGradStore.drain(queue)))
+        cache.free("mb")
+        layer.zero_grad(set_to_none=True)
+    return [(n, *(statistics.median(t[args.warmup:]) for t in kinds)) for n, kinds in zip(lengths, times)]
+
+
+def print_segments(args, tf, tb, tw):
+    """Each Seq1F1B segment's measured share of the whole layer's F + B + W beside its FLOP share
+    (what the simulator and "auto" charge it), and the segments' sum over the unsplit layer."""
+    from megatron_ds.schedules.seq_split import segment_costs
+    whole = tf + tb + tw
+    for k in args.seq_splits:
+        rows = measure_segments(args, k)
+        flops = segment_costs([n for n, *_ in rows], args.hidden_size, args.ffn_hidden_size)
+        total = sum(f + b + w for _, f, b, w in rows)
+        print(f"\nSeq1F1B k={k}: the segments together take {total / whole:.3f} of the unsplit layer's F+B+W")
+        print(f"{'tokens':>8}{'F ms':>9}{'B ms':>9}{'W ms':>9}{'share':>8}{'FLOPs':>8}")
+        for (n, f, b, w), share in zip(rows, flops):
+            print(f"{n:>8}{f * 1e3:>9.3f}{b * 1e3:>9.3f}{w * 1e3:>9.3f}{(f + b + w) / whole:>8.3f}{share / k:>8.3f}")
+
+
 def measure_ends(args):
     """Seconds of forward + backward of the embedding, the final norm and the LM head with its loss."""
     import torch
@@ -243,6 +299,8 @@ def main(argv=None):
           f'[{TF * 1e3:.3g}, {TB * 1e3:.3g}, {TW * 1e3:.3g}]}} (or zbv-min) runs that order')
     for label, _, reason in (r for r in rows if r[1] is None):
         print(f"{label:<24}{'n/a':>14}  {reason}")
+    if args.time_segments:
+        print_segments(args, TF, TB, TW)
     if args.costs_out:
         write_costs(args, TF, TB, TW, device)
     return TF, TB, TW, rows

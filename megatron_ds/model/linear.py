@@ -39,6 +39,16 @@ def _accumulate(param, grad):
         param.grad.add_(grad)
 
 
+def _accumulate_product(param, grad_2d, x_2d):
+    """param.grad += grad_2d^T x_2d. Into an existing gradient the GEMM adds itself (Megatron's
+    gradient accumulation fusion): no temporary and no separate pass over the weight gradient,
+    which the W of every micro-batch (and Seq1F1B segment) after the first would otherwise pay."""
+    if param.grad is None:
+        param.grad = grad_2d.t().matmul(x_2d)
+    else:
+        param.grad.addmm_(grad_2d.t(), x_2d)
+
+
 class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
@@ -71,7 +81,7 @@ def weight_grad(weight, grad_out, x):
     queue = WeightGradStore._queue
     if queue is None:
         return grad_2d.t().matmul(x_2d)
-    queue.append(lambda: _accumulate(weight, grad_2d.t().matmul(x_2d)))
+    queue.append(lambda: _accumulate_product(weight, grad_2d, x_2d))
     return None
 
 

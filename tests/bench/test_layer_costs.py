@@ -48,3 +48,16 @@ def test_costs_out_feeds_the_costs_partition(tmp_path, capsys):
     assert data["layers"][0] == "embedding" and data["layers"][-1] == "head + loss"
     bounds = cost_bounds(f"costs:{path}", type("C", (), {"num_layers": 4})(), placement.v_shape(2))
     assert bounds[0] == 0 and bounds[-1] == 7 and len(bounds) == 5
+
+
+def test_time_segments_prints_each_segment_beside_its_flop_share(capsys):
+    from megatron_ds.schedules.seq_split import balanced_segment_lengths
+    layer_costs.main(TINY + ["--time-segments", "--seq-splits", "2", "4"])
+    out = capsys.readouterr().out
+    for k in (2, 4):
+        block = out[out.index(f"Seq1F1B k={k}: the segments together take "):].split("\n\n")[0].splitlines()
+        assert float(block[0].split("take ")[1].split()[0]) > 0
+        rows = [line.split() for line in block[2:]]
+        assert [int(r[0]) for r in rows] == balanced_segment_lengths(32, k, 32)
+        assert all(float(v) > 0 for r in rows for v in r[1:])
+        assert abs(sum(float(r[-1]) for r in rows) - 1.0) < 0.01  # FLOP shares of the whole layer
