@@ -4,7 +4,9 @@ In a B op the runtime opens a `WeightGradStore`; every linear layer then returns
 the input gradient (and its bias gradient) at once and queues the weight GEMM.
 The runtime drains the queue in the matching W op. Outside a B op the layer is
 an ordinary linear layer, computing the very same GEMMs, so a split backward is
-bit-identical to a fused one.
+bit-identical to a fused one; a W that adds to an existing gradient adds inside its
+GEMM, where autograd adds the fused backward's result in a pass of its own (equal up
+to the rounding of that one addition).
 """
 from contextlib import contextmanager
 
