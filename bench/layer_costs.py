@@ -123,18 +123,27 @@ def setup(args, vocab_size=64):
     return config, device, dtype
 
 
-def measure_layer(args):
-    """(TF, TB, TW, device name) in seconds: medians over args.repeats after args.warmup."""
+def layer_and_inputs(args):
+    """(TransformerLayer, input, output gradient, Timer, device, dtype) of the model the flags describe."""
     import torch
-    from megatron_ds.model import TransformerLayer, WeightGradStore
+    from megatron_ds.model import TransformerLayer
 
     config, device, dtype = setup(args)
     layer = TransformerLayer(config, 1).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
-    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
     grad = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-    timer = Timer(device)
+    return layer, x, grad, Timer(device), device, dtype
+
+
+def measure_layer(args):
+    """(TF, TB, TW, device name) in seconds: medians over args.repeats after args.warmup."""
+    import torch
+    from megatron_ds.model import WeightGradStore
+
+    layer, x, grad, timer, device, dtype = layer_and_inputs(args)
+    x.requires_grad_()
     times = {"F": [], "B": [], "W": []}
     for i in range(args.warmup + args.repeats):
         out = {}
@@ -159,19 +168,14 @@ def measure_segments(args, k):
     """[(tokens, F, B, W seconds)] of each of k balanced Seq1F1B segments of one layer, run as the
     engine runs them: forwards in order through the K/V cache, then backwards last first (W deferred)."""
     import torch
-    from megatron_ds.model import TransformerLayer, WeightGradStore
+    from megatron_ds.model import WeightGradStore
     from megatron_ds.model.kv_cache import SegmentKVCache
     from megatron_ds.schedules.seq_split import balanced_segment_lengths
 
-    config, device, dtype = setup(args)
-    layer = TransformerLayer(config, 1).to(device=device, dtype=dtype)
+    layer, x, grad, timer, _, _ = layer_and_inputs(args)
     lengths = balanced_segment_lengths(args.seq_length, k, args.hidden_size, args.ffn_hidden_size)
     starts = [sum(lengths[:i]) for i in range(k)]
-    g = torch.Generator().manual_seed(0)
-    shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
-    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-    grad = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-    timer, cache = Timer(device), SegmentKVCache()
+    cache = SegmentKVCache()
     times = [[[], [], []] for _ in range(k)]
     for i in range(args.warmup + args.repeats):
         ins, outs = [], []

@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass
 
 from . import placement
-from .catalog import CATALOG, build_schedule
+from .catalog import CATALOG, build_schedule, takes
 from .costs import ModelCosts, evaluate
 from .generators.greedy import merge_queues
 from .measurement import Measured, model_costs
@@ -172,9 +172,7 @@ def costed(pp: int, m: int, num_layers: int, costs: ModelCosts) -> list[tuple[Ca
         return []  # the catalogue's own order is built for equal costs
     op_costs = tuple(round(3 * t / sum(op), 3) for t in op)
     out = []
-    for name, spec in CATALOG.items():
-        if not spec.op_costs:
-            continue
+    for name in takes("op_costs"):
         try:
             schedule = build_schedule(name, pp, m, op_costs=op_costs)
         except ScheduleError:

@@ -68,11 +68,11 @@ class ScheduleSpec:
                    else "runs the fused backward")
             raise ScheduleError(f"{self.name} does not take split_backward=True: it {why}; the "
                                 f"choice applies to {', '.join(takes('split_backward'))}")
-        if self.op_costs and op_costs is not None:
-            out["op_costs"] = tuple(op_costs)
-        elif op_costs is not None:
-            raise ScheduleError(f"{self.name} does not take op_costs: its op order is the same for any costs; "
-                                f"op_costs apply to {', '.join(takes('op_costs'))}")
+        if op_costs is not None:
+            if not self.op_costs:
+                raise ScheduleError(f"{self.name} does not take op_costs: its op order is the same for any costs; "
+                                    f"op_costs apply to {', '.join(takes('op_costs'))}")
+            out["op_costs"] = _checked_op_costs(op_costs)
         return out
 
     def variants(self, virtual_stages: int = 2, seq_splits=(2,), split: bool = True,
@@ -91,6 +91,14 @@ class ScheduleSpec:
         if self.op_costs and op_costs is not None and len(set(op_costs)) > 1:
             rows += [("costed", {"op_costs": tuple(op_costs)})]
         return rows
+
+
+def _checked_op_costs(op_costs) -> tuple:
+    if not (isinstance(op_costs, (list, tuple)) and len(op_costs) == 3 and all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in op_costs)):
+        raise ScheduleError(f"op_costs={op_costs!r}: give [TF, TB, TW], three positive times of a layer's forward, "
+                            "input-gradient and weight-gradient passes (python -m bench.layer_costs measures them)")
+    return tuple(op_costs)
 
 
 def _interleaved(pp: int, m: int, virtual_stages: int) -> Schedule:

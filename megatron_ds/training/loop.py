@@ -41,14 +41,15 @@ def build_optimizer(module, args):
               {"params": no_decay, "weight_decay": 0.0}]
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
     if torch.cuda.is_available():
         try:
             from apex.optimizers import FusedAdam  # NVIDIA apex only; PyPI's "apex" is another project
-            return FusedAdam(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+            return FusedAdam(groups, **adam)
         except Exception:  # noqa: BLE001 - any import problem means: no apex
             pass
-    fused = {"fused": True} if torch.cuda.is_available() else {}  # torch's one-kernel AdamW; CPU keeps the default
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, **fused)
+        return torch.optim.AdamW(groups, fused=True, **adam)  # torch's one-kernel AdamW
+    return torch.optim.AdamW(groups, **adam)
 
 
 def model_config(args):

@@ -114,11 +114,10 @@ def zbv_memory(pp: int, m: int, memory: str, op_costs=None) -> Schedule:
 
 
 def _relative(op_costs) -> tuple:
-    """(TF, TB, TW) scaled to a mean of 1 and rounded (one cache entry per ratio); equal by default."""
+    """(TF, TB, TW), checked by the catalogue, scaled to a mean of 1 and rounded (one cache entry per
+    ratio); equal by default."""
     if op_costs is None:
         return (1.0, 1.0, 1.0)
-    if len(op_costs) != 3 or not all(isinstance(c, (int, float)) and c > 0 for c in op_costs):
-        raise ScheduleError(f"op_costs={list(op_costs)!r}: give three positive times, TF, TB and TW of a layer")
     mean = sum(op_costs) / 3
     return tuple(round(c / mean, 4) for c in op_costs)
 
