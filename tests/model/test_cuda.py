@@ -1,11 +1,11 @@
 """The model on a CUDA GPU (skipped without one): FlashAttention through SDPA in bf16, the Seq1F1B
 segment K/V cache on the kernels' own bottom-right causal alignment (no mask materialised, queries in
-position order), and deferred weight gradients bit-identical to the fused backward."""
+position order). Deferred weight gradients on CUDA: tests/model/test_gpt.py's device parameter."""
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from megatron_ds.model import GPTConfig, GPTModel, WeightGradStore, gpt_loss
+from megatron_ds.model import GPTConfig, GPTModel, gpt_loss
 from megatron_ds.model.kv_cache import SegmentKVCache, queries_reversed
 from tests.model.test_segment_attention import FAMILIES as SEGMENT_FAMILIES
 from tests.model.test_segment_attention import full_run, segmented_run, two_layers
@@ -53,21 +53,6 @@ def test_flash_attention_in_bf16_follows_the_fp32_model(family):
     assert abs(loss - ref_loss) / ref_loss < 1e-2, (loss, ref_loss)
     worst = max((relative_error(grads[n], ref_grads[n]), n) for n in ref_grads)
     assert worst[0] < 5e-2, f"gradient of {worst[1]}: relative error {worst[0]:.3g}"
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_deferred_weight_grads_bit_identical_on_cuda(family):
-    cfg = model_config(**FAMILIES[family])
-    fused, split = GPTModel(cfg).cuda(), GPTModel(cfg).cuda()
-    tokens, labels = tokens_and_labels(cfg, s=128)
-    gpt_loss(fused(tokens), labels).backward()
-    queue = []
-    with WeightGradStore.deferring(queue):
-        gpt_loss(split(tokens), labels).backward()
-    assert queue
-    WeightGradStore.drain(queue)
-    for (name, pf), (_, ps) in zip(fused.named_parameters(), split.named_parameters()):
-        assert torch.equal(pf.grad, ps.grad), name
 
 
 def segment_run_on_cuda(dtype, lengths, backend, family="llama", defer=True):

@@ -33,11 +33,15 @@ FAMILIES = {
 }
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_deferred_weight_grads_are_bit_identical_to_fused_backward(family):
+def test_deferred_weight_grads_are_bit_identical_to_fused_backward(family, device):
     cfg = tiny_config(**FAMILIES[family])
-    fused, split = GPTModel(cfg), GPTModel(cfg)
-    tokens, labels = batch(cfg)
+    fused, split = GPTModel(cfg).to(device), GPTModel(cfg).to(device)
+    tokens, labels = (t.to(device) for t in batch(cfg))
     gpt_loss(fused(tokens), labels).backward()
 
     loss = gpt_loss(split(tokens), labels)
