@@ -9,3 +9,12 @@ and keeps its traceback. Pure Python: schedules/ imports it and stays torch-free
 
 class UserError(Exception):
     exit_code = 2
+
+
+def print_error(text):
+    """`pretrain_gpt.py: error: <text>` on stderr in one write. Under `python -u` (PYTHONUNBUFFERED, as
+    SLURM scripts run) print() writes a line and its newline apart, and the lines of several ranks
+    sharing one pipe then run together."""
+    import sys
+    sys.stderr.write(f"pretrain_gpt.py: error: {text}\n")
+    sys.stderr.flush()

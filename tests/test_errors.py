@@ -30,3 +30,21 @@ def test_pretrain_main_exits_2_on_a_user_error(capsys, monkeypatch):
     monkeypatch.setattr(loop, "pretrain", fail)
     assert loop.main([]) == 2
     assert capsys.readouterr().err == "pretrain_gpt.py: error: --split 'x': bad\n"
+
+
+def test_print_error_writes_the_line_and_its_newline_at_once(monkeypatch):
+    """Under `python -u` print() writes a line and its newline apart: two ranks' lines then ran together
+    on torchrun's shared pipe ("...completepretrain_gpt.py: error: rank 0 ..."), one line lost."""
+    import io
+    import sys
+
+    from megatron_ds.errors import print_error
+    writes = []
+
+    class Unbuffered(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+    monkeypatch.setattr(sys, "stderr", Unbuffered())
+    print_error("rank 2: all_reduce failed")
+    assert writes == ["pretrain_gpt.py: error: rank 2: all_reduce failed\n"]

@@ -11,13 +11,12 @@ samples (so the data samplers resume at the next sample), and the RNG states
 (restored last, after everything that could draw from them is built).
 """
 import os
-import sys
 import time
 import warnings
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
-from megatron_ds.errors import UserError
+from megatron_ds.errors import UserError, print_error
 
 from . import auto_resume, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
@@ -368,7 +367,7 @@ def main(argv=None):
         pretrain(parse_args(argv))
     except UserError as e:
         if rank == 0:
-            print(f"pretrain_gpt.py: error: {e}", file=sys.stderr, flush=True)
+            print_error(e)
         return e.exit_code
     except NonFiniteStop:
         return NONFINITE_EXIT_CODE

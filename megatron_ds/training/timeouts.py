@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 
+from megatron_ds.errors import print_error
+
 # Messages of a wait that timed out or of a peer that vanished (gloo, NCCL, the TCP store).
 FAILURE_MARKS = ("timed out", "timeout", "connection closed by peer", "connection reset by peer", "broken pipe",
                  "communicator was aborted", "connection refused")
@@ -181,7 +183,7 @@ def _wrap(name, fn):
 
 def report_and_exit(error, rank):
     """The one line every rank prints for a failed collective, then an exit that waits for nothing."""
-    print(f"pretrain_gpt.py: error: rank {rank}: {error}", file=sys.stderr, flush=True)
+    print_error(f"rank {rank}: {error}")
     sys.stdout.flush()
     os._exit(1)  # the process group's destructors would wait for the frozen peer
 
