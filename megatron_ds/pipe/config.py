@@ -3,12 +3,13 @@
 This module checks JSON types only; which knobs a schedule takes is the catalogue's rule
 (megatron_ds.schedules.catalog), asked here so that a wrong knob fails before any process
 group starts."""
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Optional
 
 from megatron_ds.errors import UserError
-from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule
+from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, from_file
 from megatron_ds.schedules.auto import parse_bytes
 
 # Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
@@ -48,12 +49,19 @@ class PipelineSettings:
     def auto(self):
         return self.schedule == AUTO
 
+    @property
+    def file(self):
+        """The path of a "file:PATH.json" schedule, else None."""
+        return self.schedule[len(from_file.PREFIX):] if self.schedule.startswith(from_file.PREFIX) else None
+
     def build_schedule(self, pp, micro_batches, segment_lengths=None):
         """This section's schedule for `pp` ranks and `micro_batches` (ScheduleError when impossible);
         Seq1F1B's order capped by the `segment_lengths` of a sequence when given."""
         if self.auto:  # pipe/plan.start_auto resolves "auto" for the run's own micro-batch count
             raise ScheduleError('"auto" chooses its schedule for one micro-batch count, after timing it: a batch-size '
                                 "ramp-up is not offered with it")
+        if self.file:
+            return from_file.for_run(self.file, pp, micro_batches, segment_lengths)
         return build_schedule(self.schedule, pp, micro_batches, virtual_stages=self.virtual_stages,
                               seq_splits=self.seq_splits, split_backward=self.split_backward,
                               segment_lengths=segment_lengths, op_costs=self.op_costs)
@@ -75,15 +83,23 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if unknown:
         raise ConfigError(f'ds_config "pipeline" has unknown key(s) {unknown}; known: {sorted(ours | DEEPSPEED_KEYS)}')
     schedule = section.get("schedule", STOCK)
-    if schedule not in (STOCK, AUTO, *CATALOG):
+    in_file = isinstance(schedule, str) and schedule.startswith(from_file.PREFIX)
+    if schedule not in (STOCK, AUTO, *CATALOG) and not in_file:
         raise ConfigError(f'ds_config "pipeline.schedule" = {schedule!r}: unknown schedule; '
-                          f'choose one of {[STOCK, AUTO, *CATALOG]}')
+                          f'choose one of {[STOCK, AUTO, *CATALOG]} or "{from_file.PREFIX}PATH.json"')
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
+    if in_file:
+        return _file_settings(section, schedule, method)
+    return _checked(section, schedule, method)
+
+
+def _checked(section, schedule, method, **fixed) -> PipelineSettings:
+    """The settings of a section whose schedule name is known; `fixed`: knobs a schedule file sets."""
     settings = PipelineSettings(
         schedule=schedule,
         virtual_stages=_int_at_least(section, "virtual_stages", 1),
@@ -100,7 +116,9 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         remeasure=section.get("remeasure", False),
         op_costs=section.get("op_costs"),
     )
-    if settings.auto:
+    if fixed:
+        settings = dataclasses.replace(settings, **fixed)
+    elif settings.auto:
         _check_auto(settings, section)
     elif any(key in section for key in AUTO_KEYS):
         raise ConfigError(f'ds_config "pipeline": {", ".join(k for k in AUTO_KEYS if k in section)} apply to '
@@ -124,6 +142,23 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         raise ConfigError(f'ds_config "pipeline.partition_method" = {method!r}: use "uniform", "parameters", '
                           '"type:REGEX", "flops", "costs:[c0, c1, ...]" or "costs:FILE.json"')
     return settings
+
+
+def _file_settings(section, schedule, method) -> PipelineSettings:
+    """`"schedule": "file:PATH.json"`: the file read and proven runnable now, at start-up; its knobs come
+    from the file (segment counts, chunks), so the section may not set them."""
+    where = f'ds_config "pipeline.schedule" = {json.dumps(schedule)}'
+    knobs = [key for key in ("virtual_stages", "seq_splits", "split_backward", "op_costs", *AUTO_KEYS)
+             if key in section]
+    if knobs:
+        raise ConfigError(f"{where}: the file fixes the op order, chunks and segments; remove "
+                          f"{', '.join(knobs)} from the section")
+    try:
+        loaded = from_file.load(schedule[len(from_file.PREFIX):])
+    except ScheduleError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return _checked(section, schedule, method, seq_splits=loaded.seq_splits,
+                    virtual_stages=max(1, loaded.stages // loaded.pp))
 
 
 def sequence_parallel_ds_config(ds_config: dict) -> dict:

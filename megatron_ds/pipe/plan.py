@@ -199,7 +199,12 @@ class PipelinePlan:
         parts = None
         if is_cost_method(settings.partition_method):
             parts = cost_bounds(settings.partition_method, config, schedule.placement)
-        lengths = segment_lengths(settings, config, seq) if schedule.seq_splits > 1 else None
+        lengths = None
+        if schedule.seq_splits > 1:  # a schedule file may carry its own cut
+            lengths = schedule.segment_lengths or segment_lengths(settings, config, seq)
+            if sum(lengths) != seq:
+                raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": segment_lengths {lengths} '
+                                  f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
         shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
                                  getattr(config, "sequence_parallel", False), seq, lengths)
         return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards, parts, auto_plan)
