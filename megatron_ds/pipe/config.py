@@ -12,7 +12,9 @@ from megatron_ds.errors import UserError
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, from_file
 from megatron_ds.schedules.auto import parse_bytes
 
-# Keys DeepSpeed itself defines in "pipeline" (runtime/config.py, pipe engine).
+from .ds_keys import unknown_keys_line
+
+# Keys DeepSpeed itself defines in "pipeline" (runtime/config.py get_pipeline_config; a test compares).
 DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
                   "pipe_partitioned", "grad_partitioned", "use_reentrant"}
 STOCK = "deepspeed"
@@ -78,10 +80,10 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     section = ds_config.get("pipeline", {}) or {}
     if not isinstance(section, dict):
         raise ConfigError(f'ds_config "pipeline" must be an object, got {section!r}')
-    ours = set(PipelineSettings.__dataclass_fields__)
-    unknown = sorted(set(section) - ours - DEEPSPEED_KEYS)
+    unknown = unknown_keys_line(section, set(PipelineSettings.__dataclass_fields__) | DEEPSPEED_KEYS,
+                                'ds_config "pipeline"')
     if unknown:
-        raise ConfigError(f'ds_config "pipeline" has unknown key(s) {unknown}; known: {sorted(ours | DEEPSPEED_KEYS)}')
+        raise ConfigError(f"{unknown}; the keys are listed in docs/DESIGN.md (The ds_config)")
     schedule = section.get("schedule", STOCK)
     in_file = isinstance(schedule, str) and schedule.startswith(from_file.PREFIX)
     if schedule not in (STOCK, AUTO, *CATALOG) and not in_file:

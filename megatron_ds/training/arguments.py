@@ -17,6 +17,7 @@ import os
 
 from megatron_ds.errors import UserError
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
 
 from .batch_schedule import BatchSizeSchedule
@@ -282,6 +283,9 @@ def merge_ds_config(args, ds_config):
         if key in ds_config:
             _err(f"ds_config \"{key}\" in {src}: remove it; pretrain_gpt.py builds the optimizer and the "
                  "lr schedule from --optimizer/--lr/--adam-*/--lr-decay-* (Megatron-DeepSpeed convention)")
+    unknown = unknown_keys_line(ds_config, deepspeed_keys(), f"ds_config {src}")
+    if unknown:
+        _err(f"{unknown}: DeepSpeed would ignore it and train without it")
     cfg = dict(ds_config)
     args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = _merge_batch(args, cfg, src)
     args.clip_grad = _merge_clipping(args, cfg)
