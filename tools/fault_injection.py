@@ -30,6 +30,7 @@ import time
 import uuid
 
 from megatron_ds.testing.corpus import write_corpus
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +70,7 @@ class Job:
         self.workdir, self.name, self.tag = workdir, name, uuid.uuid4().hex
         self.log_path = os.path.join(workdir, f"{name}.log")
         script = [os.path.join(ROOT, "pretrain_gpt.py"), *args]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", **{MARK: self.tag})
+        env = child_env(ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{MARK: self.tag})
         port = str(free_port())
         self._log = open(self.log_path, "w")
         self.start = time.monotonic()

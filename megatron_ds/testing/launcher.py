@@ -117,6 +117,15 @@ def _collect(procs, queue, timeout, signals):
     return results, errors
 
 
+def child_env(root, **extra) -> dict:
+    """This process's environment for a child Python that imports the clone at `root`, plus `extra`:
+    `root` goes first on PYTHONPATH and what PYTHONPATH held stays after it (a site folder or a
+    cluster module may be where torch and DeepSpeed come from)."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
+    return env
+
+
 def run_ranks(world_size, fn, *args, timeout=300, env=None, quiet=False, **kwargs):
     """[fn(*args, **kwargs) on rank r for r in range(world_size)]; fn must be importable (spawn)."""
     ctx = mp.get_context("spawn")

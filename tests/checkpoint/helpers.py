@@ -9,6 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,7 +80,7 @@ def train(cwd, name, schedule, flags, nproc, timeout=900):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), os.path.join(ROOT, "pretrain_gpt.py"), *flags,
            "--log-interval", "1", "--deepspeed", "--deepspeed_config", ds_config, "--metrics-file", metrics]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{out[-6000:]}"

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from megatron_ds.testing.launcher import child_env
 from tests.checkpoint.helpers import tiny_hf_gpt2, tool
 
 IMPORT, EXPORT = "checkpoint/import_hf.py", "checkpoint/export_hf.py"
@@ -149,7 +150,7 @@ def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
              f"export_hf.py: error: {tmp_path / 'nowhere'}: no such checkpoint folder")):
         proc = subprocess.run([sys.executable, os.path.join(TOOLS, script), *map(str, argv),
                                "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), cwd=ROOT)
+                              env=child_env(ROOT, OMP_NUM_THREADS="1"), cwd=ROOT)
         assert proc.returncode == 2
         assert proc.stderr.splitlines() == [message]
         assert proc.stdout == "" and _nothing_written(str(tmp_path / "out"))

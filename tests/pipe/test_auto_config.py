@@ -11,6 +11,7 @@ import pytest
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.plan import PipelinePlan, seq1f1b_cuts
+from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=16,
@@ -120,7 +121,7 @@ def test_cli_refuses_a_budget_too_small_with_one_line(tmp_path):
                            "--data-path", str(tmp_path / "corpus"), "--vocab-file", __file__, "--merge-file", __file__,
                            "--pipeline-model-parallel-size", "4", "--deepspeed_config", str(ds)],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4", RANK="0"))
+                          env=child_env(ROOT, WORLD_SIZE="4", RANK="0"))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert 'memory_budget" = 1.5' in lines[0] and "the smallest budget that fits is 2 (zbv-min needs 2" in lines[0]

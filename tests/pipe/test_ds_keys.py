@@ -8,6 +8,7 @@ import sys
 
 from megatron_ds.pipe.config import DEEPSPEED_KEYS
 from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
+from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,7 +47,7 @@ def test_cli_refuses_a_misspelt_section_with_one_line_exit_2(tmp_path):
                            "--merge-file", __file__, "--pipeline-model-parallel-size", "2",
                            "--deepspeed_config", "ds.json"],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="2", RANK="0"))
+                          env=child_env(ROOT, WORLD_SIZE="2", RANK="0"))
     assert proc.returncode == 2 and proc.stderr.splitlines() == [
         'pretrain_gpt.py: error: ds_config ds.json has unknown key "pipline" (did you mean "pipeline"?): DeepSpeed '
         "would ignore it and train without it"], proc.stderr

@@ -11,7 +11,7 @@ import pytest
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.schedules import CATALOG, build_schedule
 from megatron_ds.schedules.cli import main as schedules_cli
-from megatron_ds.testing.launcher import run_ranks
+from megatron_ds.testing.launcher import child_env, run_ranks
 from tests.gpt_harness import SEQ, assert_matches_reference, engine_rank_runs, reference_run, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,7 +54,7 @@ def _pretrain(tmp_path, schedule_json, *flags):
                            "--vocab-file", __file__, "--merge-file", __file__, "--pipeline-model-parallel-size", "2",
                            "--deepspeed_config", "ds.json", *flags],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="2", RANK="0"))
+                          env=child_env(ROOT, WORLD_SIZE="2", RANK="0"))
     return proc.returncode, proc.stderr.strip().splitlines()
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from megatron_ds.schedules import CATALOG, Schedule, build_schedule
 from megatron_ds.schedules.cli import main
+from megatron_ds.testing.launcher import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ def test_compare_reports_refused_settings(capsys):
 def test_bad_setting_exits_2_with_one_line():
     proc = subprocess.run([sys.executable, "-m", "megatron_ds.schedules", "export", "--schedule",
                            "bitpipe", "--pp", "3", "--micro-batches", "6"],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          cwd=ROOT, capture_output=True, text=True, env=child_env(ROOT))
     assert proc.returncode == 2
     assert proc.stderr == "error: bitpipe needs an even pipeline size (pp=3)\n"
     assert proc.stdout == ""
@@ -65,7 +66,7 @@ def test_visualize_tool(tmp_path):
     png, svg = tmp_path / "s.png", tmp_path / "s.svg"
     proc = subprocess.run([sys.executable, "tools/visualize_schedule.py", "--schedule", "zb-h1",
                            "--pp", "4", "--micro-batches", "8", "--out", str(png), "--out", str(svg)],
-                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                          cwd=ROOT, capture_output=True, text=True, env=child_env(ROOT))
     assert proc.returncode == 0, proc.stderr
     assert png.stat().st_size > 1000 and svg.stat().st_size > 1000
     assert "makespan 27.000" in proc.stdout
@@ -74,6 +75,6 @@ def test_visualize_tool(tmp_path):
 def test_visualize_tool_refuses(tmp_path):
     proc = subprocess.run([sys.executable, "tools/visualize_schedule.py", "--schedule", "interleaved",
                            "--pp", "4", "--micro-batches", "9", "--virtual-stages", "2",
-                           "--out", str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                           "--out", str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True, env=child_env(ROOT))
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: interleaved with virtual_stages=2 needs micro_batches")

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+from megatron_ds.testing.launcher import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent("""
@@ -48,7 +50,7 @@ def test_sigterm_and_sigint_stop_the_ranks_and_the_caller(tmp_path):
         folders[signum].mkdir()
         procs[signum] = subprocess.Popen([sys.executable, str(script), str(folders[signum])], cwd=ROOT, text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+                                         env=child_env(ROOT, OMP_NUM_THREADS="1"))
     ranks, ended = {}, {}
     try:
         deadline = time.monotonic() + 180
@@ -81,3 +83,21 @@ def test_sigterm_and_sigint_stop_the_ranks_and_the_caller(tmp_path):
     took, out, err = ended[signal.SIGINT]
     assert "SIGINT handler restored: True" in out and err.rstrip().endswith("KeyboardInterrupt"), (out, err)
     assert procs[signal.SIGINT].returncode == -signal.SIGINT, err
+
+
+def test_child_env_puts_the_clone_first_and_keeps_pythonpath(tmp_path, monkeypatch):
+    """Where the dependencies come through PYTHONPATH (a site folder, a cluster module), a launched test
+    still finds them: the clone is prepended, not put in their place."""
+    deps = tmp_path / "deps"
+    deps.mkdir()
+    (deps / "cluster_module.py").write_text("NAME = 'from PYTHONPATH'\n")
+    monkeypatch.setenv("PYTHONPATH", str(deps))
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
+    assert env["PYTHONPATH"] == os.pathsep.join([ROOT, str(deps)]) and env["OMP_NUM_THREADS"] == "1"
+    proc = subprocess.run([sys.executable, "-c", "import cluster_module, megatron_ds.testing as t; "
+                           "print(cluster_module.NAME, t.__file__)"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["from", "PYTHONPATH", os.path.join(ROOT, "megatron_ds", "testing", "__init__.py")]
+    monkeypatch.delenv("PYTHONPATH")
+    assert child_env(ROOT)["PYTHONPATH"] == ROOT

@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 from megatron_ds.data import default_corpus
+from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, PYTHONPATH=ROOT)  # what `pip install .` gives a tool run as a script
+ENV = child_env(ROOT)  # what `pip install .` gives a tool run as a script
 
 
 def test_corpus_is_json_lines_of_unique_english_prose(tmp_path):

@@ -11,9 +11,10 @@ import pytest
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset
 from megatron_ds.data.preprocessing import many_cores, merge, pipeline
 from megatron_ds.data.tokenizer import default_gpt2_files
+from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, PYTHONPATH=ROOT)  # what `pip install .` gives a tool run as a script
+ENV = child_env(ROOT)  # what `pip install .` gives a tool run as a script
 
 
 def corpus_texts():

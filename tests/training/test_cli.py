@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from megatron_ds.testing.launcher import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3", "--data-path", "corpus",
@@ -13,7 +15,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2
 def run(*extra, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, *extra],
                           capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, **(env or {})))
+                          env=child_env(ROOT, **(env or {})))
     return proc.returncode, proc.stderr
 
 

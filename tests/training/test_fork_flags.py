@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.arguments import ArgumentsError, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -179,7 +180,7 @@ finally:
 def _cli(*extra):
     proc = subprocess.run([sys.executable, "-c", _CLI, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, *extra],
                           capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE="4", RANK="0"))
+                          env=child_env(ROOT, WORLD_SIZE="4", RANK="0"))
     *lines, imported = proc.stderr.strip().splitlines()
     return proc.returncode, lines, imported
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.arguments import ArgumentsError, parse_args
 from megatron_ds.training.model_args import gpt_config_from_args, model_family_flags
 
@@ -88,11 +89,11 @@ def test_impossible_combinations_name_the_flags(extra, needle):
 def test_bad_model_flags_exit_2_with_one_message():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--num-key-value-heads", "3"],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+                          capture_output=True, text=True, timeout=600, env=child_env(root))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "pretrain_gpt.py: error: --num-attention-heads 4 must be divisible by --num-key-value-heads 3: "
         "each K/V head serves a whole group of query heads"]
     proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--normalization", "batchnorm"],
-                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+                          capture_output=True, text=True, timeout=600, env=child_env(root))
     assert proc.returncode == 2 and "--normalization: invalid choice: 'batchnorm'" in proc.stderr

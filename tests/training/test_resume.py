@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from megatron_ds.testing.corpus import write_corpus
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,7 +66,7 @@ def launch(tmp_path, name, *extra, launcher="torchrun", nproc=2, timeout=600, ds
               "--deepspeed", "--deepspeed_config", os.path.join(ROOT, "ds_configs", ds_config)
               if isinstance(ds_config, str) else str(ds_config),
               "--metrics-file", str(metrics), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
     port = str(free_port())
     if launcher == "srun":
         rc, out = _srun_like(nproc, [sys.executable] + script, env, tmp_path, timeout)

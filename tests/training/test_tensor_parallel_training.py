@@ -14,6 +14,7 @@ import time
 import pytest
 
 from megatron_ds.testing.corpus import write_corpus
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,7 +33,7 @@ def _launch(tmp_path, name, nproc, *extra):
               "--metrics-file", str(metrics), "--distributed-backend", "gloo", *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(free_port()), *script]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    env = child_env(ROOT, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} failed (rc {proc.returncode}):\n{out[-6000:]}"
@@ -79,7 +80,7 @@ def test_bad_layout_exits_2_at_once(tmp_path, extra, world, message):
            __file__, *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env=dict(os.environ, PYTHONPATH=ROOT, WORLD_SIZE=str(world), RANK="0"))
+                          env=child_env(ROOT, WORLD_SIZE=str(world), RANK="0"))
     elapsed = time.perf_counter() - start
     print(f"exit {proc.returncode} after {elapsed:.2f} s")
     lines = proc.stderr.strip().splitlines()

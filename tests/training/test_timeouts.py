@@ -4,7 +4,7 @@ import datetime
 import re
 import time
 
-from megatron_ds.testing.launcher import run_ranks
+from megatron_ds.testing.launcher import child_env, run_ranks
 
 
 def _absent_peer():
@@ -63,7 +63,7 @@ def test_watchdog_ends_a_call_the_backend_never_times_out():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", WATCHDOG], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=root, RANK="5"))
+                          env=child_env(root, RANK="5"))
     assert proc.returncode == 1 and time.monotonic() - start < 100  # not the 60 s of the stuck call
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     waited = re.match(r"pretrain_gpt.py: error: rank 5: all_reduce on the world group still waiting after (\d+) s, "
