@@ -18,3 +18,16 @@ def print_error(text):
     import sys
     sys.stderr.write(f"pretrain_gpt.py: error: {text}\n")
     sys.stderr.flush()
+
+
+def record_for_launcher(text):
+    """Write `text` as this rank's root cause in torchrun's error file (TORCHELASTIC_ERROR_FILE, the JSON of
+    torch.distributed.elastic's @record), when torchrun set one. torchrun then ends its report with this
+    line instead of "To enable traceback see ...": the cause is the last thing a start-up error prints."""
+    import json
+    import os
+    import time
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as fh:
+            json.dump({"message": {"message": text, "extraInfo": {"timestamp": str(int(time.time()))}}}, fh)

@@ -11,7 +11,11 @@ checked here, at parse time: the same rules the model build applies, a fraction 
 import argparse
 import difflib
 import json
+import os
+import sys
 from types import SimpleNamespace
+
+from megatron_ds.errors import record_for_launcher
 
 # Flags of the anchors that have no alias here, with what replaces them (printed when one is given).
 REPLACED = {
@@ -39,13 +43,26 @@ _FLASH_NOTE = ("--use-flash-attn: accepted and changes nothing; attention alread
 
 
 class ForkAwareParser(argparse.ArgumentParser):
-    """argparse, except that unknown flags get one line each with a hint instead of the usage text."""
+    """argparse, except that a flag mistake (unknown, missing, a bad value) gets one line with a hint instead
+    of the usage text (a hundred lines), printed by rank 0 and recorded for torchrun."""
 
     def parse_args(self, args=None, namespace=None):
         parsed, rest = self.parse_known_args(args, namespace)
         if rest:
-            self.exit(2, "".join(f"{self.prog}: error: {line}\n" for line in unknown_flag_lines(self, rest)))
+            self._fail(unknown_flag_lines(self, rest))
         return parsed
+
+    def error(self, message):
+        missing = message.partition("the following arguments are required: ")[2]
+        what = f"missing required flag{'s' if ',' in missing else ''} {missing}" if missing else message
+        self._fail([f"{what} (python {self.prog} --help lists every flag)"])
+
+    def _fail(self, lines):
+        text = "".join(f"{self.prog}: error: {line}\n" for line in lines)
+        record_for_launcher(text.rstrip("\n"))
+        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
+            sys.stderr.write(text)
+        raise SystemExit(2)
 
 
 def unknown_flag_lines(parser, rest):

@@ -16,7 +16,7 @@ import warnings
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
-from megatron_ds.errors import UserError, print_error
+from megatron_ds.errors import UserError, print_error, record_for_launcher
 
 from . import auto_resume, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
@@ -366,6 +366,7 @@ def main(argv=None):
     try:
         pretrain(parse_args(argv))
     except UserError as e:
+        record_for_launcher(f"pretrain_gpt.py: error: {e}")
         if rank == 0:
             print_error(e)
         return e.exit_code

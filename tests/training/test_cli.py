@@ -49,3 +49,38 @@ def test_bad_data_fails_cleanly_after_start(tmp_path):
     assert rc == 2 and "bad.idx" in err and "Traceback" not in err, err[-3000:]
     rc, err = run("--data-path", str(tmp_path / "nothing"), "--vocab-file", vocab, "--merge-file", merges)
     assert rc == 2 and "nothing.idx not found" in err
+
+
+MISSING = ("pretrain_gpt.py: error: missing required flags --num-layers, --num-attention-heads, --seq-length "
+           "(python pretrain_gpt.py --help lists every flag)")
+
+
+def _bare(*argv, env=None):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *argv], capture_output=True,
+                          text=True, timeout=600, env=child_env(ROOT, **(env or {})))
+    return proc.returncode, proc.stderr.strip().splitlines()
+
+
+def test_a_missing_or_bad_flag_is_one_line_not_the_usage():
+    assert _bare("--hidden-size", "32") == (2, [MISSING])
+    rc, lines = _bare(*FLAGS, "--hidden-size", "big")
+    assert (rc, lines) == (2, ["pretrain_gpt.py: error: argument --hidden-size: invalid int value: 'big' "
+                               "(python pretrain_gpt.py --help lists every flag)"])
+    assert _bare("--hidden-size", "32", env={"RANK": "1"}) == (2, [])  # rank 0 alone prints it
+
+
+def test_torchrun_reports_the_cause_last(tmp_path):
+    """torchrun gives each rank an error file (TORCHELASTIC_ERROR_FILE) and ends its report with the root
+    cause's record in it: our line, not "To enable traceback see ...". Here torch's own report is built
+    from the file a failed rank wrote, as torchrun builds it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    error_file = tmp_path / "error.json"
+    for argv, line in ((["--hidden-size", "32"], MISSING),
+                       ([*FLAGS, "--deepspeed_config", str(tmp_path / "none.json")],
+                        f"pretrain_gpt.py: error: --deepspeed_config {tmp_path / 'none.json'}: file not found")):
+        rc, _ = _bare(*argv, env={"TORCHELASTIC_ERROR_FILE": str(error_file), "RANK": "1"})
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=rc, error_file=str(error_file))
+        report = ChildFailedError("pretrain_gpt.py", {1: failure}).format_msg().strip().splitlines()
+        assert rc == 2 and report[-2] == f"  traceback : {line}", report
+        assert "exitcode  : 2" in "\n".join(report)
+        error_file.unlink()
