@@ -21,7 +21,6 @@ MBS=2
 GBS=$((MBS * 2 * NPROC / PP))   # 2 micro-batches per step on each data-parallel replica
 PY=.venv/bin/python
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the clone's megatron_ds for tools/*.py (no install needed)
 
 step() { printf '\n==> %s\n' "$*"; }
 
