@@ -8,6 +8,8 @@ and keeps state_dict() in its checkpoints.
 """
 import math
 
+from megatron_ds.data.dist_utils import print_rank_0
+
 
 class AnnealingLR:
 
@@ -60,8 +62,12 @@ class AnnealingLR:
         if self.override_lr_scheduler:
             return current
         if not self.use_checkpoint_lr_scheduler and current != saved:
-            print(f"WARNING: lr scheduler {name}: the flags say {current}, the checkpoint {saved}; using the "
-                  "checkpoint's (pass --override-lr-scheduler to use the flags)", flush=True)
+            what = "using the checkpoint's"
+            if name == "decay_steps" and saved < current:  # a resume with a longer --train-iters
+                what += (f": the lr reaches min_lr {self.min_lr:g} at sample {saved} and stays there for the rest "
+                         f"of the run")
+            print_rank_0(f"WARNING: lr scheduler {name}: the flags say {current}, the checkpoint {saved}; {what} "
+                         "(pass --override-lr-scheduler to use the flags)")
         return saved
 
     def load_state_dict(self, state):

@@ -51,3 +51,17 @@ def test_state_dict_round_trip():
     b.load_state_dict(a.state_dict())
     assert b.num_steps == 37 and b.get_last_lr() == a.get_last_lr()
     assert lrs(a, 5) == lrs(b, 5)
+
+
+def test_a_longer_run_resumed_says_once_that_the_lr_stays_at_its_minimum(capsys, monkeypatch):
+    saved = make("cosine", decay=110)
+    lrs(saved, 120)
+    for rank in ("1", "0"):  # one line from rank 0, none from the others
+        monkeypatch.setenv("RANK", rank)
+        resumed = make("cosine", decay=220)
+        resumed.load_state_dict(saved.state_dict())
+        assert resumed.step() == 0.1 and resumed.decay_steps == 110
+    assert capsys.readouterr().out.splitlines() == [
+        "WARNING: lr scheduler decay_steps: the flags say 220, the checkpoint 110; using the checkpoint's: the lr "
+        "reaches min_lr 0.1 at sample 110 and stays there for the rest of the run (pass --override-lr-scheduler to "
+        "use the flags)"]
