@@ -23,8 +23,9 @@ def windows(num_tokens, seq_length, stride):
 
 
 @torch.no_grad()
-def evaluate_stream(model, tokens, seq_length, stride=None, micro_batch_size=8):
-    """{"loss": mean token cross-entropy, "ppl": exp(loss), "tokens": scored tokens, "windows"}."""
+def evaluate_stream(model, tokens, seq_length, stride=None, micro_batch_size=8, progress=None):
+    """{"loss": mean token cross-entropy, "ppl": exp(loss), "tokens": scored tokens, "windows"}.
+    `progress(n)` is told the n windows of each micro-batch when they are scored (a progress bar's update)."""
     tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     if len(tokens) < 2:
         raise ValueError("need at least 2 tokens to score one")
@@ -43,19 +44,28 @@ def evaluate_stream(model, tokens, seq_length, stride=None, micro_batch_size=8):
             for row, (_, first) in zip(losses, part):
                 total += float(row[first:].double().sum())
                 count += row.numel() - first
+            if progress:
+                progress(len(part))
     loss = total / count
     return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count, "windows": len(spans)}
 
 
-def stream_from_indexed(prefix):
-    """Every document of a Megatron .bin/.idx pair, in order (preprocess_data.py --append-eod ends each with eod)."""
+def stream_from_indexed(prefix, limit=None):
+    """The documents of a Megatron .bin/.idx pair, in order (preprocess_data.py --append-eod ends each with eod):
+    all of them, or the first `limit` tokens (the documents after them are not read)."""
     from megatron_ds.checkpoint import ToolError
     from megatron_ds.data.indexed_dataset import MMapIndexedDataset
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise ToolError(f"{prefix + ext}: missing (--data-path takes the prefix of a .bin/.idx pair)")
     data = MMapIndexedDataset(prefix, skip_warmup=True)
-    return np.concatenate([np.asarray(data[i], dtype=np.int64) for i in range(len(data))])
+    docs, size = [], 0
+    for i in range(len(data)):
+        if limit is not None and size >= limit:
+            break
+        docs.append(np.asarray(data[i], dtype=np.int64))
+        size += len(docs[-1])
+    return np.concatenate(docs)[:limit]
 
 
 def stream_from_jsonl(path, tokenizer, json_key="text"):
