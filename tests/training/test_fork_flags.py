@@ -161,10 +161,15 @@ def test_cost_partition_checked_at_parse_time():
     assert section["partition_method"] == "flops"
 
 
-def test_bitpipe_needs_even_pipeline():
+def test_bitpipe_needs_even_pipeline_and_takes_any_micro_batch_count():
+    """BitPipe's rule (docs/SCHEDULES.md): p even; any m, the last unit of p micro-batches partial."""
     with pytest.raises(ArgumentsError, match="bitpipe needs an even pipeline size"):
         parse_args(BASE[:-1] + ["3", "--enable-bitpipe-schedule", "--global-batch-size", "3",
                                 "--num-layers", "6"], env={"WORLD_SIZE": "3", "RANK": "0"})
+    for m in (1, 5, 6, 8):  # p = 4
+        args = parse_args(BASE[:-1] + ["4", "--enable-bitpipe-schedule", "--global-batch-size", str(m)],
+                          env={"WORLD_SIZE": "4", "RANK": "0"})
+        assert (args.gradient_accumulation_steps, args.pipeline_settings.schedule) == (m, "bitpipe")
 
 
 # Runs pretrain_gpt.py as __main__ and reports which heavy packages were imported before it exited.
