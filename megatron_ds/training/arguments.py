@@ -160,7 +160,7 @@ def parse_args(argv=None, env=None):
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse already printed its usage line and message
+    except SystemExit as e:  # the parser already printed --help, or its one-line error (ForkAwareParser)
         raise SystemExit(2 if e.code else 0) from None
     args.rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
     args.world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
