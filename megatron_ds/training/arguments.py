@@ -15,21 +15,17 @@ out; what is missing is derived, what is given must agree.
 import json
 import os
 
-from megatron_ds.errors import UserError
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.schedules import ScheduleError
 
 from .batch_schedule import BatchSizeSchedule
+from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
 from .universal import add_universal_args, apply_universal
-
-
-class ArgumentsError(UserError, ValueError):
-    """A flag, or a flag/ds_config pair, that cannot work. The message says which and why."""
 
 
 DS_DEFAULT_STEPS_PER_PRINT = 10 ** 9  # Megatron prints its own iteration lines

@@ -168,7 +168,7 @@ def prepare(args):
     from megatron_ds.pipe.config import pipeline_settings
     from megatron_ds.pipe.plan import PipelinePlan
     from .checkpointing import read_latest_tag
-    from .loop import model_config
+    from .model_setup import model_config
     settings = args.pipeline_settings
     if not settings.auto:
         return None

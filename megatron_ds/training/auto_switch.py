@@ -61,7 +61,7 @@ def rebuild_trainer_engine(trainer):
     """switch_engine for the pretraining loop: the new engine, lr schedule and settings go to `trainer`."""
     from megatron_ds.pipe.build import pipeline_settings
     from . import timeouts
-    from .loop import setup_model_and_optimizer
+    from .model_setup import setup_model_and_optimizer
     args = trainer.args
 
     def build(ds_config):

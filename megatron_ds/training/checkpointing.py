@@ -33,12 +33,14 @@ import os
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron_ds.data.dist_utils import print_rank_0
-from megatron_ds.errors import UserError
+from megatron_ds.model.universal_info import universal_checkpoint_info
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
 
+from .errors import CheckpointError
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
+from .model_setup import model_config
 from .universal import LATEST as LATEST_UNIVERSAL, conversion_command, read_tag
 from .zero_relayout import RelayoutError, restore_by_name
 
@@ -46,10 +48,6 @@ CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "padded_vocab_size") + MODEL_FAMILY_ARGS
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be loaded into this run; the message says why and what to do."""
 
 
 def _plain_args(args):
@@ -104,8 +102,6 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
 
 def universal_info(args):
     """What DeepSpeed's ds_to_universal needs to know of the model (Megatron-DeepSpeed's client state key)."""
-    from megatron_ds.model.universal_info import universal_checkpoint_info
-    from .loop import model_config
     return universal_checkpoint_info(model_config(args), args.padded_vocab_size)
 
 

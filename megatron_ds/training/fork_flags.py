@@ -13,6 +13,12 @@ import difflib
 import json
 from types import SimpleNamespace
 
+from megatron_ds.pipe.config import ConfigError
+from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
+from megatron_ds.pipe.plan import PipelinePlan
+
+from .errors import ArgumentsError
+
 # Flags of the anchors that have no alias here, with what replaces them (printed when one is given).
 REPLACED = {
     "--zero-bubble-v-schedule-mem-setup": 'ds_config "pipeline": {"schedule": "zbv-half"} (half), '
@@ -102,7 +108,6 @@ def add_fork_args(parser):
 
 
 def _err(msg):
-    from .arguments import ArgumentsError
     raise ArgumentsError(msg)
 
 
@@ -228,9 +233,6 @@ def _apply_recompute(args):
 def check_schedule_shape(args):
     """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
     segments): the pipeline plan the model build makes, made here before any rank starts (it is torch-free)."""
-    from megatron_ds.pipe.config import ConfigError
-    from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
-    from megatron_ds.pipe.plan import PipelinePlan
     settings = getattr(args, "pipeline_settings", None)
     if settings is None or (settings.stock and not is_cost_method(settings.partition_method)):
         return

@@ -17,6 +17,8 @@ import random
 import socket
 import subprocess
 
+from .errors import ArgumentsError
+
 
 def free_port():
     with socket.socket() as s:
@@ -72,7 +74,6 @@ def initialize_distributed(args):
     args.rank, args.local_rank = rank, local_rank
     cuda = torch.cuda.is_available()
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
-    from .arguments import ArgumentsError
     if backend == "nccl" and not cuda:
         raise ArgumentsError("--distributed-backend nccl needs CUDA, and no GPU is visible; use gloo on CPU")
     if args.fp16 and not cuda:

@@ -22,60 +22,9 @@ from . import auto_resume, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
+from .parallel_args import rank_coordinates
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
                             print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
-
-
-# --------------------------------------------------------------------------- model, optimizer
-
-def build_optimizer(module, args):
-    """AdamW with Megatron's groups (no decay on biases/norms); on GPU apex FusedAdam when importable,
-    else torch's fused AdamW."""
-    import torch
-    decay, no_decay = [], []
-    for _, p in module.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-    adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    if torch.cuda.is_available():
-        try:
-            from apex.optimizers import FusedAdam  # NVIDIA apex only; PyPI's "apex" is another project
-            return FusedAdam(groups, **adam)
-        except Exception:  # noqa: BLE001 - any import problem means: no apex
-            pass
-        return torch.optim.AdamW(groups, fused=True, **adam)  # torch's one-kernel AdamW
-    return torch.optim.AdamW(groups, **adam)
-
-
-def model_config(args):
-    import dataclasses
-    from .model_args import gpt_config_from_args
-    return dataclasses.replace(gpt_config_from_args(args), tensor_model_parallel_size=args.tensor_model_parallel_size,
-                               sequence_parallel=args.sequence_parallel)
-
-
-def setup_model_and_optimizer(args):
-    from .learning_rates import AnnealingLR
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    print_rank_0("> building GPT model ...")
-    config = model_config(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
-    module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
-                                   activation_checkpoint_interval=args.activation_checkpoint_interval,
-                                   seq_length=args.seq_length)
-    optimizer = build_optimizer(module, args)
-    lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
-                               decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
-                               global_batch_size=args.batch_schedule.global_batch_size(0),
-                               use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
-                               override_lr_scheduler=args.override_lr_scheduler)
-    engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler)
-    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
-    return engine, lr_scheduler
 
 
 # --------------------------------------------------------------------------- loop
@@ -303,7 +252,7 @@ def pretrain(args):
     from .checkpointing import load_checkpoint
     from megatron_ds.model.tensor_parallel import model_parallel_manual_seed
     from .initialize import initialize_distributed, set_random_seed, set_rng_state
-    from .parallel_args import rank_coordinates
+    from .model_setup import setup_model_and_optimizer
 
     start = time.time()
     # DeepSpeed broadcasts tied weights inside autograd; torch warns once per rank that c10d has no autograd

@@ -8,6 +8,8 @@ BLOOM:  --position-embedding-type alibi --embed-layernorm
 Importing megatron_ds.model loads torch (seconds), so the flag checks here are the
 argument layer's own, as arguments.py's are (GPTConfig checks the same rules again).
 """
+from .errors import ArgumentsError
+
 # the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
 MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
                      "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm")
@@ -44,7 +46,6 @@ def add_model_args(parser):
 
 def validate_model_args(args):
     """Resolve the aliases into one value each; refuse impossible combinations (ArgumentsError)."""
-    from .arguments import ArgumentsError
     args.swiglu = args.swiglu or args.glu_activation == "swiglu"
     if args.use_rotary_position_embeddings:
         if args.position_embedding_type not in (None, "rope"):

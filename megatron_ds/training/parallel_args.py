@@ -10,6 +10,11 @@ so a bad combination is one line and exit code 2 before anything starts.
 import importlib.util
 import os
 
+from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
+from megatron_ds.pipe.plan import sequence_shards
+
+from .errors import ArgumentsError
+
 
 def _checks():
     """megatron_ds.model.tensor_parallel's pure checks.py, loaded alone: importing it through its package
@@ -41,7 +46,6 @@ def _ffn_hidden_size(args):
 
 def check_parallel_args(args):
     """Check TP x PP against the world and the model split (arguments.py derives data_parallel_size)."""
-    from .arguments import ArgumentsError
     checks = _checks()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     # Without --pad-vocab-size-to the tokenizer pads to a multiple of make_vocab_size_divisible_by x TP,
@@ -54,8 +58,6 @@ def check_parallel_args(args):
     except checks.ParallelConfigError as e:
         raise ArgumentsError(str(e)) from None
     if args.sequence_parallel:
-        from megatron_ds.pipe.config import ConfigError
-        from megatron_ds.pipe.plan import sequence_shards  # torch-free, like checks.py
         try:
             sequence_shards(tp, True, args.seq_length)
         except ConfigError as e:
@@ -65,8 +67,6 @@ def check_parallel_args(args):
 def check_sequence_parallel_ds_config(args):
     """DeepSpeed's stock engine must send sequence shards whole (pipe/config.py; the build applies it)."""
     if args.sequence_parallel and args.pipeline_settings.stock:
-        from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
-        from .arguments import ArgumentsError
         try:
             sequence_parallel_ds_config(args.ds_config)
         except ConfigError as e:
