@@ -71,9 +71,9 @@ def _write_atomic(path, text):
 
 
 def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, auto_record=None):
-    """`auto_record`: "schedule": "auto"'s decision (training/auto_resume.py), None before it decides."""
+    """`auto_record`: "schedule": "auto"'s decision (training/auto_schedule.py), None before it decides."""
     import torch.distributed as dist
-    from .auto_resume import write_record
+    from .auto_schedule import write_record
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     client_state = {
         "checkpoint_version": CHECKPOINT_VERSION,

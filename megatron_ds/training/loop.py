@@ -18,7 +18,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error
 
-from . import auto_resume, timeouts
+from . import auto_schedule, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
@@ -71,7 +71,7 @@ class Trainer:
         self.last_saved = self.iteration if same_dir and self.iteration > 0 else None
         self.start_time = time.time()
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
-        self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_resume.py)
+        self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
 
     # ---- pieces
 
@@ -272,7 +272,7 @@ def pretrain(args):
     train_ds, valid_ds, test_ds = build_datasets(args)
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
-    auto = auto_resume.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
+    auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
     engine, lr_scheduler = setup_model_and_optimizer(args)
     if auto:
         auto.after_build(engine)

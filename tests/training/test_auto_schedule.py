@@ -1,7 +1,7 @@
-"""training/auto_resume.py without processes: which saved "auto" decisions a resumed run reuses (the
+"""training/auto_schedule.py without processes: which saved "auto" decisions a resumed run reuses (the
 same pp, micro-batch count, layers, budget, sizes, precision, device and candidates), the one line it
 logs either way, the record file (atomic, removed from a reused tag folder), and a searched zb-search
-choice rebuilt on a plan after the build. The launch test is test_auto_resume_launch.py."""
+choice rebuilt on a plan after the build. The launch test is test_auto_schedule_launch.py."""
 import json
 import os
 from types import SimpleNamespace
@@ -12,7 +12,7 @@ from megatron_ds.pipe.auto import chosen_ds_config
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.plan import PipelinePlan
 from megatron_ds.schedules import auto
-from megatron_ds.training.auto_resume import (NAME, AutoResume, differences, read_record, resume_choice, run_key,
+from megatron_ds.training.auto_schedule import (NAME, AutoResume, differences, read_record, resume_choice, run_key,
                                               write_record)
 
 SIZES = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=16,
