@@ -232,7 +232,7 @@ class PipelinePlan:
     def switch(self, section: dict, make=None) -> None:
         """Run the schedule a ds_config "pipeline" `section` names from now on (or `make(pp, m)`'s,
         a searched one placed as `section`'s); it must place the chunks as the module was cut
-        (another placement needs a new module: training/auto_switch.py). A Seq1F1B section cuts the
+        (another placement needs a new module: training/auto_schedule.py). A Seq1F1B section cuts the
         sequence as "auto" weighed it."""
         settings = self._settings_for(section)
         lengths = self._cuts[settings.seq_splits] if settings.seq_splits > 1 else None

@@ -28,6 +28,7 @@ loads the converted folder (SAVE/latest_universal) under any TP x PP x DP.
 """
 import argparse
 import dataclasses
+import json
 import os
 
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
@@ -70,10 +71,21 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, auto_record=None):
-    """`auto_record`: "schedule": "auto"'s decision (training/auto_schedule.py), None before it decides."""
+def write_step_file(step_dir, name, content):
+    """A JSON file beside DeepSpeed's in a step folder (temp file, rename); None removes a stale one
+    (a reused tag folder)."""
+    path = os.path.join(step_dir, name)
+    if content is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    _write_atomic(path, json.dumps(content, indent=1))
+
+
+def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, extra_files=()):
+    """`extra_files`: [(name, JSON-able content or None)] rank 0 writes into the step folder before the
+    manifest lists it (write_step_file), e.g. "schedule": "auto"'s decision (training/auto_schedule.py)."""
     import torch.distributed as dist
-    from .auto_schedule import write_record
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     client_state = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -90,7 +102,8 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     tag = tag_for(iteration)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
     if dist.get_rank() == 0:
-        write_record(os.path.join(args.save, tag), auto_record)
+        for name, content in extra_files:
+            write_step_file(os.path.join(args.save, tag), name, content)
     dist.barrier()  # every rank's files are on disk before `latest` names them
     write_manifest(os.path.join(args.save, tag))
     if dist.get_rank() == 0:

@@ -18,7 +18,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error
 
-from . import auto_schedule, timeouts
+from . import timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
@@ -85,12 +85,12 @@ class Trainer:
         return gbs
 
     def save(self):
-        from .checkpointing import save_checkpoint
+        from .checkpointing import save_checkpoint  # lazy: DeepSpeed loads after the flags are checked
         if not self.args.save or self.last_saved == self.iteration:
             return
         self.timers.start("save-checkpoint")
         save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
-                        self.auto.record(self.engine, self.iteration) if self.auto else None)
+                        self.auto.checkpoint_files(self.iteration) if self.auto else ())
         self.timers.stop("save-checkpoint")
         self.last_saved = self.iteration
         self.codecarbon.flush()
@@ -176,8 +176,8 @@ class Trainer:
                 self.valid_points.append((self.iteration, loss_v))
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
-            if getattr(engine, "auto_decision", None) is not None:
-                engine = self.take_auto_decision()
+            if self.auto is not None and self.auto.reported is not None:
+                engine = self.auto.take(self)
             exit_reason = self._should_exit() or self.nan_guard.stop_reason()
             if exit_reason:
                 break
@@ -186,20 +186,6 @@ class Trainer:
             bar.close()
         self.bar = None
         return exit_reason
-
-    def take_auto_decision(self):
-        """Log "schedule": "auto"'s choice; rebuild the engine when it places the chunks differently."""
-        from .auto_switch import rebuild_trainer_engine
-        from megatron_ds.schedules.auto import describe
-        if self.auto:
-            self.auto.record(self.engine, self.iteration)
-        decision, self.engine.auto_decision = self.engine.auto_decision, None
-        if self.tb.writer is not None:
-            self.tb.writer.add_text("auto-schedule", describe(decision), self.iteration)
-        if self.engine.pending_switch:
-            rebuild_trainer_engine(self)
-            self.nan_guard = NanGuard(self.args, self.engine, lambda: self.iteration + 1)
-        return self.engine
 
     def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
         args = self.args
@@ -247,10 +233,12 @@ class Trainer:
 
 
 def pretrain(args):
+    # lazy: torch and DeepSpeed load only once the flags are checked (a bad flag fails in a fraction of a second)
     import torch.distributed as dist
     from megatron_ds.data.tokenizer import build_tokenizer
-    from .checkpointing import load_checkpoint
     from megatron_ds.model.tensor_parallel import model_parallel_manual_seed
+    from . import auto_schedule
+    from .checkpointing import load_checkpoint
     from .initialize import initialize_distributed, set_random_seed, set_rng_state
     from .model_setup import setup_model_and_optimizer
 
@@ -275,7 +263,7 @@ def pretrain(args):
     auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
     engine, lr_scheduler = setup_model_and_optimizer(args)
     if auto:
-        auto.after_build(engine)
+        auto.attach(engine)
     timeouts.label_groups(engine.grid, engine.module)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:

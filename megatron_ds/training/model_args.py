@@ -79,7 +79,7 @@ def validate_model_args(args):
 
 def gpt_config_from_args(args):
     """The model the flags describe. Flags a checkpoint's saved args predate take their defaults (GPT-2)."""
-    from megatron_ds.model import GPTConfig
+    from megatron_ds.model import GPTConfig  # lazy: torch (megatron_ds.model), after the flags are checked
     family = {name: getattr(args, name) for name in MODEL_FAMILY_ARGS if getattr(args, name, None) is not None}
     return GPTConfig(vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                      num_attention_heads=args.num_attention_heads,
