@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules import auto
+from megatron_ds.schedules.catalog import KNOBS
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
                                              segment_costs)
@@ -222,8 +223,7 @@ class PipelinePlan:
         return self._schedules[m]
 
     def _settings_for(self, section: dict) -> PipelineSettings:
-        return dataclasses.replace(self.settings, **{"virtual_stages": 1, "seq_splits": 1, "split_backward": False,
-                                                     "op_costs": None, **section})
+        return dataclasses.replace(self.settings, **{**KNOBS, **section})
 
     def places_alike(self, section: dict) -> bool:
         """Whether the schedule `section` names places the chunks as this plan's does."""

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from megatron_ds.pipe.config import ConfigError
 from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
 from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.schedules.catalog import ANY, CATALOG, takes
 
 from .errors import ArgumentsError
 
@@ -204,18 +205,19 @@ def _apply_virtual_stages(args, pipe):
              f"= {n * p}")
     v = layers // (n * p)
     schedule = pipe.section.get("schedule")
-    if schedule in ("zbv", "bitpipe"):
-        if v != 2:
-            _err(f"{flag} gives {v} virtual stages per rank, but schedule {schedule!r} always uses 2: "
-                 f"--num-layers {layers} = 2 x {p} ranks x N")
-        return
-    if schedule is None:
+    if schedule is None:  # Megatron-LM's meaning of the flag
         pipe.set("schedule", "interleaved", flag)
-    elif schedule not in ("interleaved", "seq1f1b") and v > 1:
+        schedule = "interleaved"
+    chunks = CATALOG[schedule].virtual_stages if schedule in CATALOG else None
+    if chunks == ANY:
+        if v > 1 or "virtual_stages" in pipe.section:
+            pipe.set("virtual_stages", v, flag)
+    elif chunks and v != chunks:
+        _err(f"{flag} gives {v} virtual stages per rank, but schedule {schedule!r} always uses {chunks}: "
+             f"--num-layers {layers} = {chunks} x {p} ranks x N")
+    elif not chunks and v > 1:
         _err(f"{flag} gives {v} virtual stages per rank, which schedule {schedule!r} does not take "
-             "(only interleaved and seq1f1b do)")
-    if v > 1 or "virtual_stages" in pipe.section:
-        pipe.set("virtual_stages", v, flag)
+             f"(only {' and '.join(takes('virtual_stages'))} do)")
 
 
 def _apply_recompute(args):
