@@ -36,6 +36,7 @@ from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.model.universal_info import universal_checkpoint_info
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
+from megatron_ds.pipe.zero_internals import ZeroInternals
 
 from .errors import CheckpointError
 from .initialize import get_rng_state
@@ -257,4 +258,4 @@ def restore(engine, load_dir, tag, plan):
 def fresh_optimizer(zero):
     """Forget the optimizer state DeepSpeed's universal loader restores with the weights (it always does)."""
     zero.optimizer.state.clear()
-    zero._hp_optimizer_states_linked = False
+    ZeroInternals(zero).relink_hp_optimizer_states()
