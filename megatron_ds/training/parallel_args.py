@@ -7,23 +7,11 @@ pipeline stage r // (TP x DP), with DP = world / (PP x TP).
 The layout and the model split are checked at parse time (no torch, no process group),
 so a bad combination is one line and exit code 2 before anything starts.
 """
-import importlib.util
-import os
-
+from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
 from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
 from megatron_ds.pipe.plan import sequence_shards
 
 from .errors import ArgumentsError
-
-
-def _checks():
-    """megatron_ds.model.tensor_parallel's pure checks.py, loaded alone: importing it through its package
-    loads torch and DeepSpeed (seconds), which a bad flag should not wait for."""
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model", "tensor_parallel", "checks.py")
-    spec = importlib.util.spec_from_file_location("_megatron_ds_parallel_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def add_parallel_args(parser):
@@ -46,16 +34,15 @@ def _ffn_hidden_size(args):
 
 def check_parallel_args(args):
     """Check TP x PP against the world and the model split (arguments.py derives data_parallel_size)."""
-    checks = _checks()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     # Without --pad-vocab-size-to the tokenizer pads to a multiple of make_vocab_size_divisible_by x TP,
     # which TP divides by construction; the size itself is known only once the tokenizer is loaded.
     try:
-        checks.check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
+        check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
                               num_attention_heads=args.num_attention_heads, ffn_hidden_size=_ffn_hidden_size(args),
                               padded_vocab_size=args.pad_vocab_size_to, num_key_value_heads=args.num_key_value_heads,
                               sequence_parallel=args.sequence_parallel)
-    except checks.ParallelConfigError as e:
+    except ParallelConfigError as e:
         raise ArgumentsError(str(e)) from None
     if args.sequence_parallel:
         try:
