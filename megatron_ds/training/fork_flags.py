@@ -11,7 +11,6 @@ checked here, at parse time: the same rules the model build applies, a fraction 
 import argparse
 import difflib
 import json
-from types import SimpleNamespace
 
 from megatron_ds.pipe.config import ConfigError
 from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
@@ -238,16 +237,7 @@ def check_schedule_shape(args):
     settings = getattr(args, "pipeline_settings", None)
     if settings is None or (settings.stock and not is_cost_method(settings.partition_method)):
         return
-    # swiglu's smaller default FFN only moves balanced segment bounds and "flops" cuts (the vocabulary is
-    # padded later); the build checks with the exact sizes again
-    sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                            ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                            max_position_embeddings=args.max_position_embeddings,
-                            tensor_model_parallel_size=args.tensor_model_parallel_size,
-                            sequence_parallel=args.sequence_parallel,
-                            num_attention_heads=args.num_attention_heads,
-                            num_key_value_heads=getattr(args, "num_key_value_heads", None),
-                            swiglu=getattr(args, "swiglu", False))
+    sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
     try:
         if settings.stock:
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)

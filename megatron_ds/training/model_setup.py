@@ -8,7 +8,6 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
 
 from .learning_rates import AnnealingLR
-from .model_args import gpt_config_from_args
 
 
 def build_optimizer(module, args):
@@ -34,8 +33,8 @@ def build_optimizer(module, args):
 
 
 def model_config(args):
-    return dataclasses.replace(gpt_config_from_args(args), tensor_model_parallel_size=args.tensor_model_parallel_size,
-                               sequence_parallel=args.sequence_parallel)
+    """The run's GPTConfig (parse_args built it) with the vocabulary the tokenizer padded."""
+    return dataclasses.replace(args.gpt_config, vocab_size=args.padded_vocab_size)
 
 
 def setup_model_and_optimizer(args):

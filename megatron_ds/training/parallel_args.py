@@ -23,15 +23,6 @@ def add_parallel_args(parser):
                         "(Megatron's sequence parallelism; pipeline messages carry the shards)")
 
 
-def _ffn_hidden_size(args):
-    """GPTConfig's default, without importing torch: 4h, or for SwiGLU 2/3 of that rounded down to 64."""
-    if args.ffn_hidden_size:
-        return args.ffn_hidden_size
-    if args.swiglu:
-        return max(64, int(4 * args.hidden_size * 2 / 3) // 64 * 64)
-    return 4 * args.hidden_size
-
-
 def check_parallel_args(args):
     """Check TP x PP against the world and the model split (arguments.py derives data_parallel_size)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -39,7 +30,7 @@ def check_parallel_args(args):
     # which TP divides by construction; the size itself is known only once the tokenizer is loaded.
     try:
         check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
-                              num_attention_heads=args.num_attention_heads, ffn_hidden_size=_ffn_hidden_size(args),
+                              num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.gpt_config.ffn_hidden_size,
                               padded_vocab_size=args.pad_vocab_size_to, num_key_value_heads=args.num_key_value_heads,
                               sequence_parallel=args.sequence_parallel)
     except ParallelConfigError as e:
