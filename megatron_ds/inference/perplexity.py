@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megatron_ds.checkpoint import ToolError
+from megatron_ds.convert import ToolError
 from megatron_ds.data.indexed_dataset import MMapIndexedDataset
 
 
