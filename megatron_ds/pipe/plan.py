@@ -177,10 +177,12 @@ class PipelinePlan:
         self.schedule = self.for_micro_batches(micro_batches)
 
     @classmethod
-    def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None) -> "PipelinePlan":
+    def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
+                    settings: PipelineSettings | None = None) -> "PipelinePlan":
         """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
-        max_position_embeddings) on pp x dp ranks, as the ds_config asks."""
-        settings = pipeline_settings(ds_config)
+        max_position_embeddings) on pp x dp ranks, as the ds_config asks (`settings`: its "pipeline"
+        section as parsed once at start-up; None: parsed here)."""
+        settings = settings or pipeline_settings(ds_config)
         if settings.stock:
             raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
         zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)

@@ -195,7 +195,7 @@ def prepare(args):
         return None
     config = model_config(args)
     plan = PipelinePlan.from_config(config, args.ds_config, args.pipeline_model_parallel_size,
-                                    args.data_parallel_size, args.seq_length)
+                                    args.data_parallel_size, args.seq_length, settings)
     key = run_key(plan, config, args.ds_config, device_name(), args.activation_checkpoint_interval)
     if not args.load:
         return AutoSchedule(key)

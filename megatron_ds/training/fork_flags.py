@@ -234,8 +234,8 @@ def _apply_recompute(args):
 def check_schedule_shape(args):
     """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
     segments): the pipeline plan the model build makes, made here before any rank starts (it is torch-free)."""
-    settings = getattr(args, "pipeline_settings", None)
-    if settings is None or (settings.stock and not is_cost_method(settings.partition_method)):
+    settings = args.pipeline_settings  # the "pipeline" section, parsed once (merge_ds_config); passed down from here
+    if settings.stock and not is_cost_method(settings.partition_method):
         return
     sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
     try:
@@ -243,7 +243,7 @@ def check_schedule_shape(args):
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)
             return
         PipelinePlan.from_config(sizes, args.ds_config, args.pipeline_model_parallel_size, args.data_parallel_size,
-                                 args.seq_length)
+                                 args.seq_length, settings)
     except ConfigError as exc:
         how = (f" (micro-batches per step = --global-batch-size {args.global_batch_size} / (--micro-batch-size "
                f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}))" if "micro_batches" in str(exc)
