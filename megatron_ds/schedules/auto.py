@@ -61,14 +61,15 @@ class Candidate:
 def candidates(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tuple[Candidate, Schedule]]:
     """Every candidate that can run pp ranks, m micro-batches and num_layers layers; Seq1F1B at
     the segment counts of `cuts` (none: no Seq1F1B)."""
-    return list(_candidates(pp, m, num_layers, tuple(cuts)))
+    return list(_candidates(pp, m, num_layers, tuple(cuts), tuple(CATALOG)))
 
 
-@functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8
-def _candidates(pp: int, m: int, num_layers: int, cuts: tuple) -> tuple:
+@functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8; a new entry is a new key
+def _candidates(pp: int, m: int, num_layers: int, cuts: tuple, names: tuple) -> tuple:
     lengths = {c.k: list(c.lengths) for c in cuts}
     out = []
-    for name, spec in CATALOG.items():
+    for name in names:
+        spec = CATALOG[name]
         splits = tuple(lengths) if spec.seq_splits else (1,)
         if not splits:
             continue

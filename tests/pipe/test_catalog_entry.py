@@ -82,9 +82,6 @@ SERIAL_V = ScheduleSpec("serial-v", serial_v, virtual_stages=2, split_backward=A
 @pytest.fixture
 def two_chunks(monkeypatch):
     monkeypatch.setitem(CATALOG, SERIAL_V.name, SERIAL_V)
-    auto_choice._candidates.cache_clear()  # cached per (pp, m, layers): the catalogue just grew
-    yield
-    auto_choice._candidates.cache_clear()
 
 
 def test_a_new_two_chunk_entry_takes_the_virtual_stage_flag_and_is_an_auto_candidate(two_chunks, tmp_path,
