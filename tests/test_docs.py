@@ -68,4 +68,5 @@ def test_the_layouts_list_the_package_tree():
     for doc in ("docs/DESIGN.md", "README.md"):
         got = listed(doc)
         for what, have, should in zip(("packages", "top-level modules", "training modules"), got, want):
-            assert have == should, f"{doc} layout, {what}: missing {sorted(should - have)}, stale {sorted(have - should)}"
+            assert have == should, (f"{doc} layout, {what}: missing {sorted(should - have)}, "
+                                    f"stale {sorted(have - should)}")

@@ -7,10 +7,11 @@ rebuilds the engine through a checkpoint (`switch_engine`).
 
 Every checkpoint saved once the run has decided holds the decision:
 SAVE/global_stepN/auto_schedule.json, handed to the checkpoint writer (training/checkpointing.py
-writes it on rank 0, temp file and rename, before the manifest and `latest` name the step). A file beside DeepSpeed's, not DeepSpeed's client state: the choice
-fixes how the module is cut into chunks, so it is needed before the module is built, and the
-client state comes back from engine.load_checkpoint only after; the file is also read without
-torch, and `cat` shows what a run chose.
+writes it on rank 0, temp file and rename, before the manifest and `latest` name the step). A file
+beside DeepSpeed's, not DeepSpeed's client state: the choice fixes how the module is cut into
+chunks, so it is needed before the module is built, and the client state comes back from
+engine.load_checkpoint only after; the file is also read without torch, and `cat` shows what a
+run chose.
 
     {"format": 1, "iteration": 4, "decided_at": 2, "key": {...}, "decision": {...}}
 

@@ -30,7 +30,8 @@ def check_parallel_args(args):
     # which TP divides by construction; the size itself is known only once the tokenizer is loaded.
     try:
         check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
-                              num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.gpt_config.ffn_hidden_size,
+                              num_attention_heads=args.num_attention_heads,
+                              ffn_hidden_size=args.gpt_config.ffn_hidden_size,
                               padded_vocab_size=args.pad_vocab_size_to, num_key_value_heads=args.num_key_value_heads,
                               sequence_parallel=args.sequence_parallel)
     except ParallelConfigError as e:

@@ -114,7 +114,7 @@ def test_virtual_stage_flag_follows_the_catalogue(schedule):
     """Every schedule the catalogue gives two chunks per rank takes Megatron's flag for 2 and refuses 4."""
     ds = {"zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule}}
     assert pipeline("--num-layers-per-virtual-pipeline-stage", "2", ds=ds) == {"schedule": schedule}
-    with pytest.raises(ArgumentsError, match=f"gives 4 virtual stages per rank, but schedule '{schedule}' always uses 2"):
+    with pytest.raises(ArgumentsError, match=f"gives 4 virtual stages per rank, but schedule '{schedule}' always uses"):
         parse("--num-layers-per-virtual-pipeline-stage", "1", ds=ds)
 
 

@@ -104,5 +104,6 @@ def test_one_gpt_config_from_the_flags_at_parse_time():
     flags = ["--hidden-size", "96", "--num-attention-heads", "3", "--swiglu"]
     args = parse_args(BASE + flags, env={"WORLD_SIZE": "1", "RANK": "0"})
     assert args.gpt_config.ffn_hidden_size == 256 and args.gpt_config.vocab_size is None
-    with pytest.raises(ArgumentsError, match=r"--ffn-hidden-size \(256\) must be divisible by --tensor-model-parallel-size \(3\)"):
+    with pytest.raises(ArgumentsError, match=r"--ffn-hidden-size \(256\) must be divisible by "
+                                             r"--tensor-model-parallel-size \(3\)"):
         parse_args(BASE + flags + ["--tensor-model-parallel-size", "3"], env={"WORLD_SIZE": "3", "RANK": "0"})
