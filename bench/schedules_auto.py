@@ -73,7 +73,7 @@ def worker(p, opts, out_root):
     from megatron_ds.model import GPTConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.testing.timed import TimedCosts, TimedLoss, timed_layer_specs
-    from megatron_ds.training.auto_switch import switch_engine
+    from megatron_ds.training.auto_schedule import switch_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.utils.logger.setLevel(logging.ERROR)
@@ -99,11 +99,13 @@ def worker(p, opts, out_root):
             engine = build(cfg)
         decision = None
         if engine.auto is not None:
+            reports = []
+            engine.on_auto_decision = reports.append
             for _ in range(WINDOW[1]):
                 engine.train_batch(iter(data))
-            decision = engine.auto_decision
-            if engine.pending_switch:
-                engine = switch_engine(engine, build)
+            decision = reports[0].decision
+            if reports[0].rebuild:
+                engine = switch_engine(engine, decision, build)
         for _ in range(opts["warmup"]):
             engine.train_batch(iter(data))
         row = {"times": [], "steps": [], "trace_dir": os.path.join(out_root, f"p{p}_{slug(ratio)}", slug(name)),

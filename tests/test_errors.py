@@ -10,8 +10,8 @@ ERRORS = [("megatron_ds.training.arguments", "ArgumentsError"), ("megatron_ds.pi
           ("megatron_ds.data.dataset_utils", "DataConfigError"),
           ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),
           ("megatron_ds.training.checkpointing", "CheckpointError"),
-          ("megatron_ds.data.preprocessing", "PreprocessError"), ("megatron_ds.checkpoint", "ToolError"),
-          ("megatron_ds.model.tensor_parallel.checks", "ParallelConfigError")]
+          ("megatron_ds.data.preprocessing", "PreprocessError"), ("megatron_ds.convert", "ToolError"),
+          ("megatron_ds.parallel_layout", "ParallelConfigError")]
 
 
 @pytest.mark.parametrize("module,name", ERRORS)

@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool
+from megatron_ds.convert.cli import add_tokenizer_override_args, run_tool
 
 
 def build_parser():
@@ -36,8 +36,8 @@ def build_parser():
 
 
 def evaluate(a):
-    from megatron_ds.checkpoint import ToolError
-    from megatron_ds.checkpoint.reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
+    from megatron_ds.convert import ToolError
+    from megatron_ds.convert.reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
     from megatron_ds.inference.perplexity import evaluate_stream, stream_from_indexed, stream_from_jsonl, windows
     model, args, iteration = load_checkpoint_model(a.load)
     seq_length = a.seq_length or args.seq_length

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool
+from megatron_ds.convert.cli import add_tokenizer_override_args, run_tool
 
 
 def build_parser():
@@ -38,8 +38,8 @@ def build_parser():
 
 def generate_samples(a):
     import torch
-    from megatron_ds.checkpoint import ToolError
-    from megatron_ds.checkpoint.reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
+    from megatron_ds.convert import ToolError
+    from megatron_ds.convert.reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
     from megatron_ds.inference.generation import generate
     if a.temperature <= 0 or not 0.0 <= a.top_p <= 1.0 or a.top_k < 0:
         raise ToolError("--temperature must be > 0, --top_p in [0, 1], --top_k >= 0")

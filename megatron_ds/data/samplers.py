@@ -27,7 +27,7 @@ class PretrainingSampler:
 def _collate(samples):
     import numpy as np
     import torch
-    from megatron_ds.model import position_ids_like
+    from megatron_ds.model import position_ids_like  # lazy: torch, after the flags are checked
     text = torch.from_numpy(np.stack([s["text"] for s in samples]).astype(np.int64))
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
     return (tokens, position_ids_like(tokens)), labels
@@ -58,7 +58,7 @@ class MicroBatchIterator:
 
 
 def build_datasets(args):
-    from megatron_ds.data.gpt_dataset import build_train_valid_test_datasets
+    from megatron_ds.data.gpt_dataset import build_train_valid_test_datasets  # lazy: torch, after the flags are checked
     gbs = args.global_batch_size
     eval_iters = (args.train_iters // args.eval_interval + 1) * args.eval_iters
     sizes = [args.train_samples, eval_iters * gbs, args.eval_iters * gbs]

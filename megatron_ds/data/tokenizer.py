@@ -9,6 +9,8 @@ import os
 
 from megatron_ds.errors import UserError
 
+from .gpt2_tokenization import GPT2BPE
+
 
 class TokenizerError(UserError, ValueError):
     """A tokenizer that cannot be built from the given flags."""
@@ -106,7 +108,6 @@ class GPT2BPETokenizer(AbstractTokenizer):
     name = "GPT2 BPE"
 
     def __init__(self, vocab_file, merge_file):
-        from .gpt2_tokenization import GPT2BPE
         for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
             if not os.path.isfile(path):
                 raise TokenizerError(f"{flag} {path}: file not found")

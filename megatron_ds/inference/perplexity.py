@@ -12,6 +12,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.convert import ToolError
+from megatron_ds.data.indexed_dataset import MMapIndexedDataset
+
 
 def windows(num_tokens, seq_length, stride):
     """(start, first scored position) of each window; window i reads tokens [start, start + seq_length]."""
@@ -53,8 +56,6 @@ def evaluate_stream(model, tokens, seq_length, stride=None, micro_batch_size=8, 
 def stream_from_indexed(prefix, limit=None):
     """The documents of a Megatron .bin/.idx pair, in order (preprocess_data.py --append-eod ends each with eod):
     all of them, or the first `limit` tokens (the documents after them are not read)."""
-    from megatron_ds.checkpoint import ToolError
-    from megatron_ds.data.indexed_dataset import MMapIndexedDataset
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise ToolError(f"{prefix + ext}: missing (--data-path takes the prefix of a .bin/.idx pair)")
@@ -71,7 +72,6 @@ def stream_from_indexed(prefix, limit=None):
 def stream_from_jsonl(path, tokenizer, json_key="text"):
     """Each JSON line's `json_key` text, tokenized, followed by the end-of-document token."""
     import json
-    from megatron_ds.checkpoint import ToolError
     if not os.path.isfile(path):
         raise ToolError(f"{path}: no such file")
     tokens = []

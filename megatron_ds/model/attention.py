@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import GPTConfig
+from megatron_ds.gpt_config import GPTConfig
 from .kv_cache import SegmentKVCache, queries_reversed
 from .positions import alibi_bias, apply_rope
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from .config import GPTConfig
+from megatron_ds.gpt_config import GPTConfig
 from .layers import Embedding, FinalNorm, LMHead, TiedLMHead, TransformerLayer, lm_head
 
 TIED_KEY = "embed"

@@ -8,7 +8,7 @@ separate projections) or a permutation of rows (BLOOM's fused projection interle
 q, k, v per head): bit-exact both ways. Our RoPE has HF LLaMA's rotate-half layout, so
 q_proj/k_proj need no permutation.
 """
-from .config import GPTConfig
+from megatron_ds.gpt_config import GPTConfig
 from .hf_names import TIED_EMBEDDING, ignored_hf_key, rules
 
 SUPPORTED = ("gpt2", "llama", "bloom")

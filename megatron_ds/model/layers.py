@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .attention import CausalSelfAttention
-from .config import GPTConfig
+from megatron_ds.gpt_config import GPTConfig
 from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_linear, scatter_to_sequence, tensor_parallel_group,
                               vocab_parallel_loss)

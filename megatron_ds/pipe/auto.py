@@ -12,13 +12,15 @@ time a ping-pong of one activation message (the p2p time), and rank 0 simulates 
 that fits the budget (schedules/auto.py), logs the choice and the runner-up, and broadcasts the
 choice (one small object). A choice that places the chunks as the module is cut is a schedule
 swap, done here; any other needs the module rebuilt, which the owner of the engine does
-(training/auto_switch.py) when `engine.pending_switch` is set.
+(training/auto_schedule.py). Either way the engine reports the decision once, through its
+`on_auto_decision` hook (an AutoDecision).
 """
 from __future__ import annotations
 
 import socket
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,20 @@ from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
 
+from .config import AUTO_KEYS
+
 PING_REPEATS = 5
+
+
+@dataclass(frozen=True)
+class AutoDecision:
+    """What "auto" decided, handed once to the engine's `on_auto_decision` hook. `decision`:
+    schedules/auto.decide's (JSON-able; a checkpoint's auto_schedule.json holds it), plus "start", the
+    schedule the run timed on. `rebuild`: the choice places the chunks otherwise than the module is
+    cut, so the owner must rebuild the engine (training/auto_schedule.switch_engine); else the engine
+    already runs it."""
+    decision: dict
+    rebuild: bool
 
 
 class AutoSwitch:
@@ -49,8 +64,8 @@ class AutoSwitch:
 
     def train_batch(self, run):
         """`run()` (the engine's train_batch), timed inside the window (every second iteration on the
-        probe); after its last iteration, decide and swap the schedule, or leave the choice in
-        `engine.pending_switch`."""
+        probe); after its last iteration, decide, swap the schedule when the module allows, and report
+        the decision through `engine.on_auto_decision`."""
         start, end = self.auto_plan.timers
         eng = self.engine
         timed = start <= self.calls < end
@@ -67,12 +82,13 @@ class AutoSwitch:
         self.calls += 1
         if self.calls == end:
             decision = self.decide()
-            eng.auto, eng.auto_decision, eng.plan.auto = None, decision, None  # the trainer logs it, takes it back
+            eng.auto, eng.plan.auto = None, None
             choice = decision["choice"]
-            if eng.plan.places_alike(choice["section"]):
+            alike = eng.plan.places_alike(choice["section"])
+            if alike:
                 eng.plan.switch(choice["section"], auto.schedule_maker(choice))
-            else:
-                eng.pending_switch = decision
+            if eng.on_auto_decision is not None:
+                eng.on_auto_decision(AutoDecision(decision, rebuild=not alike))
         return loss
 
     def record(self, trace):
@@ -188,7 +204,6 @@ def ping_pong(engine, shape, dtype, device, repeats: int = PING_REPEATS) -> list
 
 def chosen_ds_config(ds_config: dict, decision: dict) -> dict:
     """The ds_config that builds the chosen schedule (the "auto" keys dropped)."""
-    from .config import AUTO_KEYS
     section = {k: v for k, v in (ds_config.get("pipeline") or {}).items() if k not in AUTO_KEYS}
     section.update(decision["choice"]["section"])
     return {**ds_config, "pipeline": section}

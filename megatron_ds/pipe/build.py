@@ -43,10 +43,11 @@ def topology(pp: int, tp: int = 1):
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
-                          seq_length: int = None, *, layers=None, loss_fn=None):
+                          seq_length: int = None, *, layers=None, loss_fn=None, settings=None):
     """`layers`/`loss_fn` replace the GPT's layer specs and loss (e.g. benchmarking layers);
-    config.num_layers and hidden_size still give their count and the activation shape."""
-    settings = pipeline_settings(ds_config)
+    config.num_layers and hidden_size still give their count and the activation shape. `settings`: the
+    ds_config's "pipeline" section as parsed at start-up (None: parsed here)."""
+    settings = settings or pipeline_settings(ds_config)
     tp = getattr(config, "tensor_model_parallel_size", 1)
     if getattr(config, "sequence_parallel", False) and tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
@@ -62,7 +63,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
         if is_cost_method(settings.partition_method):
             return CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         return PipelineModule(**common)
-    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length)
+    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length, settings)
     return ChunkedPipelineModule(plan=plan, **common)
 
 
@@ -78,8 +79,9 @@ def deepspeed_engine_class(name: str, factory):
         setattr(deepspeed, name, original)
 
 
-def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None):
-    tracer = Tracer(pipeline_settings(ds_config).trace_dir)
+def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
+                      settings=None):
+    tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
     sequence_parallel = bool(sequence_parallel_params(module))
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
         factory = functools.partial(ScheduleEngine, plan=module.plan, tracer=tracer)

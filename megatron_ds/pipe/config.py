@@ -10,6 +10,7 @@ from typing import Optional
 
 from megatron_ds.errors import UserError
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, from_file
+from megatron_ds.schedules.catalog import KNOBS
 from megatron_ds.schedules.auto import parse_bytes
 
 from .ds_keys import unknown_keys_line
@@ -126,15 +127,15 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         raise ConfigError(f'ds_config "pipeline": {", ".join(k for k in AUTO_KEYS if k in section)} apply to '
                           f'"schedule": "auto" only (it is {schedule!r})')
     elif not settings.stock:
-        for key in ("virtual_stages", "seq_splits", "split_backward", "op_costs"):  # one at a time: the message names it
+        for key in KNOBS:  # one at a time: the message names it
             value = getattr(settings, key)
             try:
                 CATALOG[schedule].knobs(**{key: value})
             except ScheduleError as exc:
                 raise ConfigError(f'ds_config "pipeline.{key}" = {json.dumps(value)}: {exc}') from None
-    elif settings.virtual_stages > 1 or settings.seq_splits > 1 or settings.split_backward or settings.op_costs is not None:
-        raise ConfigError('ds_config "pipeline": virtual_stages, seq_splits, split_backward and op_costs need a named '
-                          '"pipeline.schedule"; DeepSpeed\'s own engine runs plain 1F1B')
+    elif any(getattr(settings, key) != unset for key, unset in KNOBS.items()):
+        raise ConfigError(f'ds_config "pipeline": {", ".join(KNOBS)} need a named "pipeline.schedule"; '
+                          'DeepSpeed\'s own engine runs plain 1F1B')
     if settings.post_validation and settings.stock:
         raise ConfigError('ds_config "pipeline.post_validation" = true needs a named "pipeline.schedule": '
                           "DeepSpeed's own engine validates before it steps")
@@ -193,7 +194,7 @@ def _check_auto(settings, section):
     if settings.timers_end_iter <= settings.timers_start_iter:
         raise ConfigError(f'ds_config "pipeline.timers_end_iter" = {settings.timers_end_iter} must be greater than '
                           f'"timers_start_iter" = {settings.timers_start_iter}: "auto" times at least one iteration')
-    for key in ("virtual_stages", "seq_splits", "split_backward", "op_costs"):
-        if key in section and section[key] != PipelineSettings.__dataclass_fields__[key].default:
+    for key, unset in KNOBS.items():
+        if key in section and section[key] != unset:
             raise ConfigError(f'ds_config "pipeline.{key}" = {json.dumps(section[key])}: "schedule": "auto" '
                               "chooses the schedule and its knobs itself")

@@ -56,8 +56,7 @@ class ScheduleEngine(PipelineEngine):
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
                                  if plan.settings.post_validation else None)
         self.auto = AutoSwitch(self, plan.auto) if plan.auto else None  # "schedule": "auto", until it switches
-        self.pending_switch = None  # its choice, when that needs another module (training/auto_switch.py)
-        self.auto_decision = None
+        self.on_auto_decision = None  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
 
     def train_batch(self, data_iter=None):
         if self.auto is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules import auto
+from megatron_ds.schedules.catalog import KNOBS
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
                                              segment_costs)
@@ -176,10 +177,12 @@ class PipelinePlan:
         self.schedule = self.for_micro_batches(micro_batches)
 
     @classmethod
-    def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None) -> "PipelinePlan":
+    def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
+                    settings: PipelineSettings | None = None) -> "PipelinePlan":
         """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
-        max_position_embeddings) on pp x dp ranks, as the ds_config asks."""
-        settings = pipeline_settings(ds_config)
+        max_position_embeddings) on pp x dp ranks, as the ds_config asks (`settings`: its "pipeline"
+        section as parsed once at start-up; None: parsed here)."""
+        settings = settings or pipeline_settings(ds_config)
         if settings.stock:
             raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
         zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
@@ -227,8 +230,7 @@ class PipelinePlan:
         return self._schedules[m]
 
     def _settings_for(self, section: dict) -> PipelineSettings:
-        return dataclasses.replace(self.settings, **{"virtual_stages": 1, "seq_splits": 1, "split_backward": False,
-                                                     "op_costs": None, **section})
+        return dataclasses.replace(self.settings, **{**KNOBS, **section})
 
     def places_alike(self, section: dict) -> bool:
         """Whether the schedule `section` names places the chunks as this plan's does."""
@@ -237,7 +239,7 @@ class PipelinePlan:
     def switch(self, section: dict, make=None) -> None:
         """Run the schedule a ds_config "pipeline" `section` names from now on (or `make(pp, m)`'s,
         a searched one placed as `section`'s); it must place the chunks as the module was cut
-        (another placement needs a new module: training/auto_switch.py). A Seq1F1B section cuts the
+        (another placement needs a new module: training/auto_schedule.py). A Seq1F1B section cuts the
         sequence as "auto" weighed it."""
         settings = self._settings_for(section)
         lengths = self._cuts[settings.seq_splits] if settings.seq_splits > 1 else None

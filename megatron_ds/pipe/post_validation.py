@@ -55,55 +55,11 @@ from deepspeed.runtime.zero import stage_1_and_2 as zero
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
 from .config import ConfigError
+from .zero_internals import ZeroInternals
 
 NORM_TYPE = 2.0
 # Optimizers whose step (single-tensor and foreach forms) reads the gradients and never writes them.
 GRAD_READ_ONLY = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
-
-
-class ZeroInternals:
-    """Every private member of DeepSpeed's DeepSpeedZeroOptimizer (runtime/zero/stage_1_and_2.py)
-    that post-validation uses, read from DeepSpeed DEEPSPEED_VERSION: the one place to audit when
-    DeepSpeed moves. The step also reads the optimizer's public state (averaged_gradients,
-    single_partition_of_fp32_groups, loss_scaler, ...) directly."""
-
-    DEEPSPEED_VERSION = "0.19.8"
-    METHODS = ("_update_scale", "_optimizer_step", "_get_preflattened_grad_partition",
-               "_release_preflattened_grad_buffers", "_commit_muon_momentum", "_update_model_bit16_weights")
-    ATTRIBUTES = ("_global_grad_norm", "_hp_optimizer_states_linked")
-
-    def __init__(self, opt):
-        self.opt = opt
-
-    def update_scale(self, overflow: bool):
-        """The dynamic loss scaler's update (fp16), in DeepSpeed's place in the step."""
-        self.opt._update_scale(overflow)
-
-    def optimizer_step(self, group: int):
-        self.opt._optimizer_step(group)
-
-    def preflattened_grad_partition(self, group: int):
-        return self.opt._get_preflattened_grad_partition(group)
-
-    def release_preflattened_grad_buffers(self, group: int | None = None):
-        if group is None:
-            self.opt._release_preflattened_grad_buffers()
-        else:
-            self.opt._release_preflattened_grad_buffers(group)
-
-    def commit_muon_momentum(self):
-        self.opt._commit_muon_momentum()
-
-    def update_model_bit16_weights(self, group: int):
-        self.opt._update_model_bit16_weights(group)
-
-    def set_global_grad_norm(self, norm):
-        """What engine.get_global_grad_norm() reports."""
-        self.opt._global_grad_norm = norm
-
-    def relink_hp_optimizer_states(self):
-        """Make the next _optimizer_step link DeepSpeed's hp mappings to new state tensors."""
-        self.opt._hp_optimizer_states_linked = False
 
 
 class StepView:

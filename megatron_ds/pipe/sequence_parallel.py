@@ -14,6 +14,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.schedule import ReduceTiedGrads
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megatron_ds.model.tensor_parallel import get_parallel_state
+
 
 def sequence_parallel_params(module):
     """The module's parameters marked `sequence_parallel` (parameters() yields a shared one once)."""
@@ -26,7 +28,6 @@ def reduce_sequence_parallel_grads(engine):
     params = sequence_parallel_params(engine.module)
     if not params:
         return
-    from megatron_ds.model.tensor_parallel import get_parallel_state
     bf16 = engine.using_bf16_optimizer
     grads = [g for g in ((getattr(p, "_hp_grad", None) if bf16 else p.grad) for p in params) if g is not None]
     if not grads:

@@ -11,9 +11,10 @@ split where optional; Seq1F1B at each segment count of the run's `Cut`s (its seg
 tokens' share of the memory and cost their FLOPs' share of the time; its order is the token-capped
 one the engine runs); plus, once costs are measured on a linear start, `zb_search`: zero-bubble's
 heuristic at memory limits between ZB-H1's and ZB-H2's, and V-Half and V-Min built for the measured
-costs (`costed`). The run starts on the first of START that
-fits: a schedule that splits the backward, so that F, B and W are timed separately (a segment's
-times add up to its micro-batch's).
+costs (`costed`). The run starts on the first of `starts` that
+fits: a candidate that splits the backward, so that F, B and W are timed separately (a segment's
+times add up to its micro-batch's), those with one chunk per rank first (a probe and most choices
+swap in place on them), each group in catalogue order.
 """
 from __future__ import annotations
 
@@ -29,8 +30,6 @@ from .ir import Op, Schedule, ScheduleError
 from .kinds import B, F, W
 from .validate import validate
 
-LINEAR_START = ("zb-h1", "seq1f1b seq_splits=2 split_backward=True", "seq1f1b seq_splits=4 split_backward=True")
-START = LINEAR_START + ("zbv", "zbv-half", "zbv-min")  # all split B and W; linear ones first (they swap in place)
 SEQ_SPLITS = (2, 4)  # the segment counts Seq1F1B is weighed at
 EPS = 1e-9
 
@@ -62,14 +61,15 @@ class Candidate:
 def candidates(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tuple[Candidate, Schedule]]:
     """Every candidate that can run pp ranks, m micro-batches and num_layers layers; Seq1F1B at
     the segment counts of `cuts` (none: no Seq1F1B)."""
-    return list(_candidates(pp, m, num_layers, tuple(cuts)))
+    return list(_candidates(pp, m, num_layers, tuple(cuts), tuple(CATALOG)))
 
 
-@functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8
-def _candidates(pp: int, m: int, num_layers: int, cuts: tuple) -> tuple:
+@functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8; a new entry is a new key
+def _candidates(pp: int, m: int, num_layers: int, cuts: tuple, names: tuple) -> tuple:
     lengths = {c.k: list(c.lengths) for c in cuts}
     out = []
-    for name, spec in CATALOG.items():
+    for name in names:
+        spec = CATALOG[name]
         splits = tuple(lengths) if spec.seq_splits else (1,)
         if not splits:
             continue
@@ -98,19 +98,32 @@ def memory_table(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tup
     return [(c, peak_memory(s)) for c, s in candidates(pp, m, num_layers, cuts)]
 
 
+def linear(schedule: Schedule) -> bool:
+    """One chunk per rank."""
+    return schedule.stages == schedule.pp
+
+
+def starts(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[Candidate]:
+    """The candidates a run may start on, in the order it tries them: those whose schedule splits the
+    backward (W ops: F, B and W are timed apart), one chunk per rank first, each group in catalogue order."""
+    split = [(c, s) for c, s in candidates(pp, m, num_layers, cuts) if any(op.kind is W for op in s.ranks[0])]
+    return [c for c, s in sorted(split, key=lambda cs: not linear(cs[1]))]
+
+
 def check_budget(budget: float, pp: int, m: int, num_layers: int, cuts: tuple = ()) -> Candidate:
     """The schedule to start on; ScheduleError naming the smallest budget that fits when none does."""
     table = memory_table(pp, m, num_layers, cuts)
-    fits = {c.label: c for c, mem in table if mem <= budget + EPS}
-    for label in START:
-        if label in fits:
-            return fits[label]
+    memory = {c: mem for c, mem in table}
+    first = starts(pp, m, num_layers, cuts)
+    for cand in first:
+        if memory[cand] <= budget + EPS:
+            return cand
     smallest = min(mem for _, mem in table)
-    start = min(mem for c, mem in table if c.label in START)
-    if fits:  # only schedules that fuse B and W fit: nothing to measure W with
+    start = min((memory[c] for c in first), default=float("inf"))
+    if any(mem <= budget + EPS for _, mem in table):  # only schedules that fuse B and W fit: no W to time
         exc = ScheduleError(f"memory_budget {budget:.4g} fits no schedule that splits the backward "
-                            f"({', '.join(START)}), needed to time F, B and W; the smallest budget that "
-                            f"fits one is {start:g}")
+                            f"({', '.join(c.label for c in first)}), needed to time F, B and W; the smallest "
+                            f"budget that fits one is {start:g}")
     else:
         best = min(table, key=lambda cm: cm[1])[0]
         exc = ScheduleError(f"memory_budget {budget:.4g} (micro-batches of one stage's activations) fits no "
@@ -125,7 +138,7 @@ def probe(start: Candidate, budget: float, pp: int, m: int, num_layers: int, cut
     """A Seq1F1B B/W schedule placed as the linear `start` whose ops are another size, that fits the
     budget (the most segments): the timing window alternates the two so that each op's fixed time
     can be told from its per-token time (`separate`). None: no such schedule."""
-    if start.label not in LINEAR_START:
+    if not linear(dict(candidates(pp, m, num_layers, cuts))[start]):
         return None
     own = dict(start.knobs).get("seq_splits", 1)
     fits = [c for c, mem in memory_table(pp, m, num_layers, cuts) if mem <= budget + EPS and c.schedule == "seq1f1b"

@@ -21,6 +21,9 @@ NEVER, OPTIONAL, ALWAYS = "never", "optional", "always"   # split_backward polic
 BASELINE = "1f1b"                  # what the comparison table measures speed-ups against
 
 Check = Callable[[int, int, int, int], None]   # check(pp, m, v, k) raises ScheduleError
+# The knobs a schedule may take (ScheduleSpec.knobs), with the value that means "not set"; the ds_config
+# "pipeline" keys of the same names are checked against them.
+KNOBS = {"virtual_stages": 1, "seq_splits": 1, "split_backward": False, "op_costs": None}
 
 
 @dataclass(frozen=True)

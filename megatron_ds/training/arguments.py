@@ -15,22 +15,18 @@ out; what is missing is derived, what is given must agree.
 import json
 import os
 
-from megatron_ds.errors import UserError
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
 
 from .batch_schedule import BatchSizeSchedule
+from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
-from .model_args import add_model_args, validate_model_args
+from .model_args import add_model_args, run_gpt_config, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
 from .universal import add_universal_args, apply_universal
-
-
-class ArgumentsError(UserError, ValueError):
-    """A flag, or a flag/ds_config pair, that cannot work. The message says which and why."""
 
 
 DS_DEFAULT_STEPS_PER_PRINT = 10 ** 9  # Megatron prints its own iteration lines
@@ -178,7 +174,7 @@ def _err(msg):
 # functions they call in model_args, fork_flags, observability and universal.
 DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size", "micro_batch_size",
            "global_batch_size", "gradient_accumulation_steps", "clip_grad", "zero_stage", "bf16", "fp16",
-           "pipeline_settings", "activation_checkpoint_interval", "ds_config", "rampup_batch_size",
+           "gpt_config", "pipeline_settings", "activation_checkpoint_interval", "ds_config", "rampup_batch_size",
            "batch_schedule", "train_iters", "train_samples", "lr_decay_steps", "lr_warmup_steps",
            "save_interval", "loss_curve",
            "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
@@ -186,7 +182,7 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint")  # universal: merged with ds_config "checkpoint.load_universal"
 # Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
-# world_size again, from the launcher), setup_model_and_optimizer (the FFN size the model chose)
+# world_size again, from the launcher), setup_model_and_optimizer (the FFN size gpt_config chose)
 # and data.tokenizer.build_tokenizer.
 DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "padded_vocab_size")
 
@@ -194,8 +190,9 @@ DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "pad
 def validate_args(args):
     """Check the flags and derive DERIVED, in the order each needs the ones before."""
     _check_model(args)
-    _check_parallel(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.gpt_config = run_gpt_config(args)
+    _check_parallel(args)
     args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
     apply_universal(args, args.ds_config, _err)
@@ -479,7 +476,7 @@ def print_args(args, write=print):
     """Megatron's argument dump: sorted, dotted."""
     write("------------------------ arguments ------------------------")
     for name in sorted(vars(args)):
-        if name in ("ds_config", "batch_schedule", "pipeline_settings"):
+        if name in ("ds_config", "batch_schedule", "pipeline_settings", "gpt_config"):
             continue
         write(f"  {name} {'.' * (48 - len(name))} {getattr(args, name)}")
     write(f"  ds_config {'.' * 39} {json.dumps(args.ds_config, sort_keys=True)}")

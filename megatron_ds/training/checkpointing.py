@@ -28,17 +28,21 @@ loads the converted folder (SAVE/latest_universal) under any TP x PP x DP.
 """
 import argparse
 import dataclasses
+import json
 import os
 
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron_ds.data.dist_utils import print_rank_0
-from megatron_ds.errors import UserError
+from megatron_ds.model.universal_info import universal_checkpoint_info
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
+from megatron_ds.pipe.zero_internals import ZeroInternals
 
+from .errors import CheckpointError
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
+from .model_setup import model_config
 from .universal import LATEST as LATEST_UNIVERSAL, conversion_command, read_tag
 from .zero_relayout import RelayoutError, restore_by_name
 
@@ -46,10 +50,6 @@ CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "padded_vocab_size") + MODEL_FAMILY_ARGS
-
-
-class CheckpointError(UserError, RuntimeError):
-    """A checkpoint that cannot be loaded into this run; the message says why and what to do."""
 
 
 def _plain_args(args):
@@ -72,10 +72,21 @@ def _write_atomic(path, text):
     os.replace(tmp, path)
 
 
-def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, auto_record=None):
-    """`auto_record`: "schedule": "auto"'s decision (training/auto_resume.py), None before it decides."""
+def write_step_file(step_dir, name, content):
+    """A JSON file beside DeepSpeed's in a step folder (temp file, rename); None removes a stale one
+    (a reused tag folder)."""
+    path = os.path.join(step_dir, name)
+    if content is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    _write_atomic(path, json.dumps(content, indent=1))
+
+
+def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, extra_files=()):
+    """`extra_files`: [(name, JSON-able content or None)] rank 0 writes into the step folder before the
+    manifest lists it (write_step_file), e.g. "schedule": "auto"'s decision (training/auto_schedule.py)."""
     import torch.distributed as dist
-    from .auto_resume import write_record
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     client_state = {
         "checkpoint_version": CHECKPOINT_VERSION,
@@ -92,7 +103,8 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     tag = tag_for(iteration)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
     if dist.get_rank() == 0:
-        write_record(os.path.join(args.save, tag), auto_record)
+        for name, content in extra_files:
+            write_step_file(os.path.join(args.save, tag), name, content)
     dist.barrier()  # every rank's files are on disk before `latest` names them
     write_manifest(os.path.join(args.save, tag))
     if dist.get_rank() == 0:
@@ -104,8 +116,6 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
 
 def universal_info(args):
     """What DeepSpeed's ds_to_universal needs to know of the model (Megatron-DeepSpeed's client state key)."""
-    from megatron_ds.model.universal_info import universal_checkpoint_info
-    from .loop import model_config
     return universal_checkpoint_info(model_config(args), args.padded_vocab_size)
 
 
@@ -248,4 +258,4 @@ def restore(engine, load_dir, tag, plan):
 def fresh_optimizer(zero):
     """Forget the optimizer state DeepSpeed's universal loader restores with the weights (it always does)."""
     zero.optimizer.state.clear()
-    zero._hp_optimizer_states_linked = False
+    ZeroInternals(zero).relink_hp_optimizer_states()

@@ -13,9 +13,14 @@ import difflib
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 from megatron_ds.errors import record_for_launcher
+from megatron_ds.pipe.config import ConfigError
+from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
+from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.schedules.catalog import ANY, CATALOG, takes
+
+from .errors import ArgumentsError
 
 # Flags of the anchors that have no alias here, with what replaces them (printed when one is given).
 REPLACED = {
@@ -119,7 +124,6 @@ def add_fork_args(parser):
 
 
 def _err(msg):
-    from .arguments import ArgumentsError
     raise ArgumentsError(msg)
 
 
@@ -216,18 +220,19 @@ def _apply_virtual_stages(args, pipe):
              f"= {n * p}")
     v = layers // (n * p)
     schedule = pipe.section.get("schedule")
-    if schedule in ("zbv", "bitpipe"):
-        if v != 2:
-            _err(f"{flag} gives {v} virtual stages per rank, but schedule {schedule!r} always uses 2: "
-                 f"--num-layers {layers} = 2 x {p} ranks x N")
-        return
-    if schedule is None:
+    if schedule is None:  # Megatron-LM's meaning of the flag
         pipe.set("schedule", "interleaved", flag)
-    elif schedule not in ("interleaved", "seq1f1b") and v > 1:
+        schedule = "interleaved"
+    chunks = CATALOG[schedule].virtual_stages if schedule in CATALOG else None
+    if chunks == ANY:
+        if v > 1 or "virtual_stages" in pipe.section:
+            pipe.set("virtual_stages", v, flag)
+    elif chunks and v != chunks:
+        _err(f"{flag} gives {v} virtual stages per rank, but schedule {schedule!r} always uses {chunks}: "
+             f"--num-layers {layers} = {chunks} x {p} ranks x N")
+    elif not chunks and v > 1:
         _err(f"{flag} gives {v} virtual stages per rank, which schedule {schedule!r} does not take "
-             "(only interleaved and seq1f1b do)")
-    if v > 1 or "virtual_stages" in pipe.section:
-        pipe.set("virtual_stages", v, flag)
+             f"(only {' and '.join(takes('virtual_stages'))} do)")
 
 
 def _apply_recompute(args):
@@ -245,28 +250,16 @@ def _apply_recompute(args):
 def check_schedule_shape(args):
     """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
     segments): the pipeline plan the model build makes, made here before any rank starts (it is torch-free)."""
-    from megatron_ds.pipe.config import ConfigError
-    from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
-    from megatron_ds.pipe.plan import PipelinePlan
-    settings = getattr(args, "pipeline_settings", None)
-    if settings is None or (settings.stock and not is_cost_method(settings.partition_method)):
+    settings = args.pipeline_settings  # the "pipeline" section, parsed once (merge_ds_config); passed down from here
+    if settings.stock and not is_cost_method(settings.partition_method):
         return
-    # swiglu's smaller default FFN only moves balanced segment bounds and "flops" cuts (the vocabulary is
-    # padded later); the build checks with the exact sizes again
-    sizes = SimpleNamespace(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                            ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-                            max_position_embeddings=args.max_position_embeddings,
-                            tensor_model_parallel_size=args.tensor_model_parallel_size,
-                            sequence_parallel=args.sequence_parallel,
-                            num_attention_heads=args.num_attention_heads,
-                            num_key_value_heads=getattr(args, "num_key_value_heads", None),
-                            swiglu=getattr(args, "swiglu", False))
+    sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
     try:
         if settings.stock:
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)
             return
         PipelinePlan.from_config(sizes, args.ds_config, args.pipeline_model_parallel_size, args.data_parallel_size,
-                                 args.seq_length)
+                                 args.seq_length, settings)
     except ConfigError as exc:
         how = (f" (micro-batches per step = --global-batch-size {args.global_batch_size} / (--micro-batch-size "
                f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}))" if "micro_batches" in str(exc)

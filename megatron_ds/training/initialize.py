@@ -17,6 +17,9 @@ import random
 import socket
 import subprocess
 
+from . import timeouts
+from .errors import ArgumentsError
+
 
 def free_port():
     with socket.socket() as s:
@@ -72,7 +75,6 @@ def initialize_distributed(args):
     args.rank, args.local_rank = rank, local_rank
     cuda = torch.cuda.is_available()
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
-    from .arguments import ArgumentsError
     if backend == "nccl" and not cuda:
         raise ArgumentsError("--distributed-backend nccl needs CUDA, and no GPU is visible; use gloo on CPU")
     if args.fp16 and not cuda:
@@ -84,7 +86,6 @@ def initialize_distributed(args):
     else:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     import deepspeed
-    from . import timeouts
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     timeouts.install(timeout)  # before DeepSpeed's backend keeps references to torch.distributed's functions
     store = elastic_store(os.environ, world, timeout)
@@ -133,7 +134,7 @@ def get_rng_state():
     rng_tracker_states: dropout in split regions draws from it)."""
     import numpy as np
     import torch
-    from megatron_ds.model.tensor_parallel import get_rng_tracker
+    from megatron_ds.model.tensor_parallel import get_rng_tracker  # lazy: torch (free_port is torch-free)
     state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
              "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": get_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -150,5 +151,5 @@ def set_rng_state(state):
     if "cuda_rng_state" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda_rng_state"])
     if state.get("rng_tracker_states"):  # absent in checkpoints saved before it was
-        from megatron_ds.model.tensor_parallel import get_rng_tracker
+        from megatron_ds.model.tensor_parallel import get_rng_tracker  # lazy: torch (free_port is torch-free)
         get_rng_tracker().set_states(state["rng_tracker_states"])

@@ -18,64 +18,13 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error, record_for_launcher
 
-from . import auto_resume, timeouts
+from . import timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
+from .parallel_args import rank_coordinates
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
                             print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
-
-
-# --------------------------------------------------------------------------- model, optimizer
-
-def build_optimizer(module, args):
-    """AdamW with Megatron's groups (no decay on biases/norms); on GPU apex FusedAdam when importable,
-    else torch's fused AdamW."""
-    import torch
-    decay, no_decay = [], []
-    for _, p in module.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
-    adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    if torch.cuda.is_available():
-        try:
-            from apex.optimizers import FusedAdam  # NVIDIA apex only; PyPI's "apex" is another project
-            return FusedAdam(groups, **adam)
-        except Exception:  # noqa: BLE001 - any import problem means: no apex
-            pass
-        return torch.optim.AdamW(groups, fused=True, **adam)  # torch's one-kernel AdamW
-    return torch.optim.AdamW(groups, **adam)
-
-
-def model_config(args):
-    import dataclasses
-    from .model_args import gpt_config_from_args
-    return dataclasses.replace(gpt_config_from_args(args), tensor_model_parallel_size=args.tensor_model_parallel_size,
-                               sequence_parallel=args.sequence_parallel)
-
-
-def setup_model_and_optimizer(args):
-    from .learning_rates import AnnealingLR
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    print_rank_0("> building GPT model ...")
-    config = model_config(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
-    module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
-                                   activation_checkpoint_interval=args.activation_checkpoint_interval,
-                                   seq_length=args.seq_length)
-    optimizer = build_optimizer(module, args)
-    lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
-                               decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
-                               global_batch_size=args.batch_schedule.global_batch_size(0),
-                               use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
-                               override_lr_scheduler=args.override_lr_scheduler)
-    engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler)
-    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
-    return engine, lr_scheduler
 
 
 # --------------------------------------------------------------------------- loop
@@ -122,7 +71,7 @@ class Trainer:
         self.last_saved = self.iteration if same_dir and self.iteration > 0 else None
         self.start_time = time.time()
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
-        self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_resume.py)
+        self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
 
     # ---- pieces
 
@@ -136,12 +85,12 @@ class Trainer:
         return gbs
 
     def save(self):
-        from .checkpointing import save_checkpoint
+        from .checkpointing import save_checkpoint  # lazy: DeepSpeed loads after the flags are checked
         if not self.args.save or self.last_saved == self.iteration:
             return
         self.timers.start("save-checkpoint")
         save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
-                        self.auto.record(self.engine, self.iteration) if self.auto else None)
+                        self.auto.checkpoint_files(self.iteration) if self.auto else ())
         self.timers.stop("save-checkpoint")
         self.last_saved = self.iteration
         self.codecarbon.flush()
@@ -227,8 +176,8 @@ class Trainer:
                 self.valid_points.append((self.iteration, loss_v))
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
-            if getattr(engine, "auto_decision", None) is not None:
-                engine = self.take_auto_decision()
+            if self.auto is not None and self.auto.reported is not None:
+                engine = self.auto.take(self)
             exit_reason = self._should_exit() or self.nan_guard.stop_reason()
             if exit_reason:
                 break
@@ -237,20 +186,6 @@ class Trainer:
             bar.close()
         self.bar = None
         return exit_reason
-
-    def take_auto_decision(self):
-        """Log "schedule": "auto"'s choice; rebuild the engine when it places the chunks differently."""
-        from .auto_switch import rebuild_trainer_engine
-        from megatron_ds.schedules.auto import describe
-        if self.auto:
-            self.auto.record(self.engine, self.iteration)
-        decision, self.engine.auto_decision = self.engine.auto_decision, None
-        if self.tb.writer is not None:
-            self.tb.writer.add_text("auto-schedule", describe(decision), self.iteration)
-        if self.engine.pending_switch:
-            rebuild_trainer_engine(self)
-            self.nan_guard = NanGuard(self.args, self.engine, lambda: self.iteration + 1)
-        return self.engine
 
     def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
         args = self.args
@@ -298,12 +233,14 @@ class Trainer:
 
 
 def pretrain(args):
+    # lazy: torch and DeepSpeed load only once the flags are checked (a bad flag fails in a fraction of a second)
     import torch.distributed as dist
     from megatron_ds.data.tokenizer import build_tokenizer
-    from .checkpointing import load_checkpoint
     from megatron_ds.model.tensor_parallel import model_parallel_manual_seed
+    from . import auto_schedule
+    from .checkpointing import load_checkpoint
     from .initialize import initialize_distributed, set_random_seed, set_rng_state
-    from .parallel_args import rank_coordinates
+    from .model_setup import setup_model_and_optimizer
 
     start = time.time()
     # DeepSpeed broadcasts tied weights inside autograd; torch warns once per rank that c10d has no autograd
@@ -323,10 +260,10 @@ def pretrain(args):
     train_ds, valid_ds, test_ds = build_datasets(args)
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
-    auto = auto_resume.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
+    auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
     engine, lr_scheduler = setup_model_and_optimizer(args)
     if auto:
-        auto.after_build(engine)
+        auto.attach(engine)
     timeouts.label_groups(engine.grid, engine.module)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:

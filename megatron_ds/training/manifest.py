@@ -16,6 +16,8 @@ import json
 import os
 import zlib
 
+from .errors import CheckpointError
+
 NAME = "manifest.json"
 FORMAT = 1
 CHUNK = 8 << 20
@@ -104,7 +106,6 @@ def verify_manifest(step_dir, skip=lambda rel: False):
     Returns the number of files checked in all, or None when step_dir has no manifest; raises
     CheckpointError, the same on every rank, naming the first damaged file.
     """
-    from .checkpointing import CheckpointError
     path = os.path.join(step_dir, NAME)
     present = os.path.isfile(path)
     manifest = None

@@ -5,14 +5,18 @@ LLaMA:  --normalization rmsnorm --swiglu --position-embedding-type rope --num-ke
         --untie-embeddings-and-output-weights --disable-bias-linear
 BLOOM:  --position-embedding-type alibi --embed-layernorm
 
-Importing megatron_ds.model loads torch (seconds), so the flag checks here are the
-argument layer's own, as arguments.py's are (GPTConfig checks the same rules again).
+The flag checks here name the alias a user gave; GPTConfig (torch-free, megatron_ds/gpt_config.py)
+checks the same rules again when parse_args builds the run's one config (run_gpt_config).
 """
+import dataclasses
+
+from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
+
+from .errors import ArgumentsError
+
 # the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
 MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
                      "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm")
-NORMALIZATIONS = ("layernorm", "rmsnorm")
-POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
 _POSITION_ALIASES = {"absolute": "learned_absolute", "rotary": "rope"}  # BigScience's names
 
 
@@ -44,7 +48,6 @@ def add_model_args(parser):
 
 def validate_model_args(args):
     """Resolve the aliases into one value each; refuse impossible combinations (ArgumentsError)."""
-    from .arguments import ArgumentsError
     args.swiglu = args.swiglu or args.glu_activation == "swiglu"
     if args.use_rotary_position_embeddings:
         if args.position_embedding_type not in (None, "rope"):
@@ -76,11 +79,23 @@ def validate_model_args(args):
             raise ArgumentsError(f"--rope-theta must be positive, got {args.rope_theta}")
 
 
+def run_gpt_config(args):
+    """The run's GPTConfig, built once at parse time, with the tensor-parallel split it runs under. The
+    vocabulary is --pad-vocab-size-to's, else None until the tokenizer pads it (model_setup.model_config)."""
+    try:
+        return dataclasses.replace(gpt_config_from_args(args), vocab_size=args.pad_vocab_size_to,
+                                   tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                   sequence_parallel=args.sequence_parallel)
+    except ValueError as exc:  # GPTConfig's own rules (and ParallelConfigError: the split over TP ranks)
+        raise ArgumentsError(str(exc)) from None
+
+
 def gpt_config_from_args(args):
-    """The model the flags describe. Flags a checkpoint's saved args predate take their defaults (GPT-2)."""
-    from megatron_ds.model import GPTConfig
+    """The model the flags describe (one process: no tensor-parallel split), with the padded vocabulary of
+    a checkpoint's saved args (None before the tokenizer). Flags saved args predate take their defaults."""
     family = {name: getattr(args, name) for name in MODEL_FAMILY_ARGS if getattr(args, name, None) is not None}
-    return GPTConfig(vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+    return GPTConfig(vocab_size=getattr(args, "padded_vocab_size", None), hidden_size=args.hidden_size,
+                     num_layers=args.num_layers,
                      num_attention_heads=args.num_attention_heads,
                      max_position_embeddings=args.max_position_embeddings,
                      ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,

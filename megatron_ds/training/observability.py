@@ -13,6 +13,8 @@ records, so the op names sit above their kernels on the same timeline.
 import logging
 import os
 
+from .errors import ArgumentsError
+
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
           "critical": logging.CRITICAL, "passive": None}
 
@@ -34,7 +36,6 @@ def add_observability_args(parser):
 
 
 def check_observability_args(args):
-    from .arguments import ArgumentsError
     if args.profile:
         if not 0 <= args.profile_step_start < args.profile_step_end:
             raise ArgumentsError(f"--profile-step-start {args.profile_step_start} and --profile-step-end "

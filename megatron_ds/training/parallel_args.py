@@ -7,18 +7,11 @@ pipeline stage r // (TP x DP), with DP = world / (PP x TP).
 The layout and the model split are checked at parse time (no torch, no process group),
 so a bad combination is one line and exit code 2 before anything starts.
 """
-import importlib.util
-import os
+from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
+from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
+from megatron_ds.pipe.plan import sequence_shards
 
-
-def _checks():
-    """megatron_ds.model.tensor_parallel's pure checks.py, loaded alone: importing it through its package
-    loads torch and DeepSpeed (seconds), which a bad flag should not wait for."""
-    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "model", "tensor_parallel", "checks.py")
-    spec = importlib.util.spec_from_file_location("_megatron_ds_parallel_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from .errors import ArgumentsError
 
 
 def add_parallel_args(parser):
@@ -30,32 +23,20 @@ def add_parallel_args(parser):
                         "(Megatron's sequence parallelism; pipeline messages carry the shards)")
 
 
-def _ffn_hidden_size(args):
-    """GPTConfig's default, without importing torch: 4h, or for SwiGLU 2/3 of that rounded down to 64."""
-    if args.ffn_hidden_size:
-        return args.ffn_hidden_size
-    if args.swiglu:
-        return max(64, int(4 * args.hidden_size * 2 / 3) // 64 * 64)
-    return 4 * args.hidden_size
-
-
 def check_parallel_args(args):
     """Check TP x PP against the world and the model split (arguments.py derives data_parallel_size)."""
-    from .arguments import ArgumentsError
-    checks = _checks()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     # Without --pad-vocab-size-to the tokenizer pads to a multiple of make_vocab_size_divisible_by x TP,
     # which TP divides by construction; the size itself is known only once the tokenizer is loaded.
     try:
-        checks.check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
-                              num_attention_heads=args.num_attention_heads, ffn_hidden_size=_ffn_hidden_size(args),
+        check_parallel_layout(world_size=args.world_size, tensor_parallel=tp, pipeline_parallel=pp,
+                              num_attention_heads=args.num_attention_heads,
+                              ffn_hidden_size=args.gpt_config.ffn_hidden_size,
                               padded_vocab_size=args.pad_vocab_size_to, num_key_value_heads=args.num_key_value_heads,
                               sequence_parallel=args.sequence_parallel)
-    except checks.ParallelConfigError as e:
+    except ParallelConfigError as e:
         raise ArgumentsError(str(e)) from None
     if args.sequence_parallel:
-        from megatron_ds.pipe.config import ConfigError
-        from megatron_ds.pipe.plan import sequence_shards  # torch-free, like checks.py
         try:
             sequence_shards(tp, True, args.seq_length)
         except ConfigError as e:
@@ -65,8 +46,6 @@ def check_parallel_args(args):
 def check_sequence_parallel_ds_config(args):
     """DeepSpeed's stock engine must send sequence shards whole (pipe/config.py; the build applies it)."""
     if args.sequence_parallel and args.pipeline_settings.stock:
-        from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
-        from .arguments import ArgumentsError
         try:
             sequence_parallel_ds_config(args.ds_config)
         except ConfigError as e:

@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from megatron_ds.pipe.zero_internals import ZeroInternals
+
 FP32 = "fp32"  # our key for the master weights next to the optimizer's own state keys
 _SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 
@@ -82,13 +84,14 @@ def gather_by_name(ckpt_dir):
 def restore_by_name(zero, ckpt_dir):
     """Fill this rank's ZeRO partitions (fp32 masters and optimizer state) from `ckpt_dir`'s shards."""
     params, step, shard = gather_by_name(ckpt_dir)
-    zero._load_global_state(shard)  # loss scaler and clipping: the same on every shard
+    internals = ZeroInternals(zero)
+    internals.load_global_state(shard)
     base = zero.optimizer
     for group, lp_params in enumerate(zero.bit16_groups):
         flat = zero.single_partition_of_fp32_groups[group]
         keys = None
         for lp in lp_params:
-            mapping = lp._hp_mapping
+            mapping = ZeroInternals.hp_mapping(lp)
             if mapping is None:  # no slice of this parameter in this data-parallel rank's partition
                 continue
             name = zero.param_names[lp]
@@ -110,4 +113,4 @@ def restore_by_name(zero, ckpt_dir):
         if step is not None:
             state["step"] = step.clone() if torch.is_tensor(step) else step
         base.state[flat] = state
-    zero._hp_optimizer_states_linked = False  # the model parameters' views of the state are relinked lazily
+    internals.relink_hp_optimizer_states()  # the model parameters' views of the state are relinked lazily

@@ -6,7 +6,7 @@ the eval loss, fp32 1e-5. At PP=2 one launch runs eight cases: the engine's own 
 choices that cover both switch paths: zb-h2, the searched zb-search cap=3 and Seq1F1B with 2
 segments (same placement: a schedule swap; Seq1F1B's cuts the sequence from then on), zbv (V
 placement), V-Half built for the measured costs and bitpipe (two replicas) through the checkpoint
-rebuild (training/auto_switch.py); and
+rebuild (training/auto_schedule.py); and
 a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 segments and probes 4). At PP=2 x DP=2 (ZeRO-1 shards
 re-cut across the switch): the own choice and zbv."""
 import pytest
@@ -44,7 +44,7 @@ def auto_rank_run(pp, gas, steps, cases):
     from megatron_ds.pipe.auto import AutoSwitch
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.schedules import auto
-    from megatron_ds.training.auto_switch import switch_engine
+    from megatron_ds.training.auto_schedule import switch_engine
     from tests.gpt_harness import capture_grads_before_reduce, ds_config, layer_key, micro_batch, optimizer_for, EVAL_STEP
     deepspeed.init_distributed(dist_backend="gloo")
     config = tiny_config(LAYERS)
@@ -61,15 +61,15 @@ def auto_rank_run(pp, gas, steps, cases):
                     "seq_split_method": "even"}
         engine = build(ds_config(pp, dp, gas, pipeline=pipeline))
         start, probe = (engine.plan.schedule.name, engine.plan.schedule.seq_splits), engine.plan.auto.probe
-        grads, losses, switched_at, decision = [], [], None, None
+        grads, losses, switched_at, reports = [], [], None, []
+        engine.on_auto_decision = reports.append
         capture_grads_before_reduce(engine, grads)
         dp_rank = engine.grid.get_data_parallel_rank()
         for step in range(steps):
             batches = iter([micro_batch(step, dp_rank * gas + j) for j in range(gas)])
             losses.append(float(engine.train_batch(batches)))
-            decision = decision or engine.auto_decision
-            if engine.pending_switch:
-                engine = switch_engine(engine, build)
+            if reports and reports[-1].rebuild and switched_at is None:
+                engine = switch_engine(engine, reports[-1].decision, build)
                 switched_at = step
         weights = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
         eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j) for j in range(gas)])
@@ -78,8 +78,9 @@ def auto_rank_run(pp, gas, steps, cases):
         out.append(dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
                         start=start, probe=probe, now=(now.name, now.seq_splits), rebuilt_at=switched_at,
                         global_steps=engine.global_steps, auto_left=engine.auto is not None,
-                        overhead=decision["costs"]["op_overhead"], op_sizes=decision["costs"]["op_sizes"],
-                        choice=decision["choice"]))
+                        overhead=reports[0].decision["costs"]["op_overhead"],
+                        op_sizes=reports[0].decision["costs"]["op_sizes"], choice=reports[0].decision["choice"],
+                        reports=len(reports)))
     return out
 
 
@@ -95,7 +96,7 @@ def test_auto_switch_matches_reference(world, pp, cases):
             small = budget < 2
             assert r["start"] == (("seq1f1b", 2) if small else ("zb-h1", 1)), r["start"]
             assert r["probe"] == {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True}
-            assert not r["auto_left"] and r["global_steps"] == STEPS
+            assert not r["auto_left"] and r["global_steps"] == STEPS and r["reports"] == 1  # the hook: once
             assert len(r["overhead"]) == 3 and min(r["overhead"]) > 0  # the runtime's time between ops, at least
             assert r["op_sizes"] == ([2, 4] if small else [1, 4])  # the start-up schedule's and the probe's
             if small:  # Seq1F1B, or zero-bubble's search under a cap below p

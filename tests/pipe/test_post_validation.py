@@ -6,7 +6,6 @@ step 3. Both situations in one run for zbv in bf16, in fp16 (dynamic loss scale;
 patched out) and at PP=2 x DP=2; the inf situation also at PP=4 under zbv. zbv runs step early on every
 rank (`shortcuts` off), so every rank rolls back; 1f1b runs keep the shortcuts, so ranks whose own
 gradients show the clip or the inf step once, in DeepSpeed's order."""
-import inspect
 import math
 
 import torch
@@ -182,14 +181,3 @@ def test_post_validation_pp2_dp2_and_pp4_inf():
         print(f"PP=4 {name}: max abs weight difference {worst:.3g}")
     total = _counts(pp4_results, pp4)
     assert total["rolled_back_skipped"] == 4, total  # every rank stepped early on the inf step, then undid it
-
-
-def test_every_private_deepspeed_member_post_validation_uses_exists():
-    import deepspeed
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    from megatron_ds.pipe.post_validation import ZeroInternals
-    missing = [m for m in ZeroInternals.METHODS if not callable(getattr(DeepSpeedZeroOptimizer, m, None))]
-    assert not missing, f"DeepSpeed {deepspeed.__version__} lacks {missing} (read from {ZeroInternals.DEEPSPEED_VERSION})"
-    source = inspect.getsource(DeepSpeedZeroOptimizer)
-    assert all(f"self.{a} =" in source for a in ZeroInternals.ATTRIBUTES)

@@ -7,7 +7,7 @@ import torch
 
 from megatron_ds.inference.perplexity import stream_from_indexed
 from megatron_ds.testing.corpus import write_corpus
-from tests.checkpoint.helpers import tiny_hf_gpt2, tool
+from tests.convert.helpers import tiny_hf_gpt2, tool
 
 
 def test_the_first_n_tokens_are_scored_as_hugging_face_scores_them(tmp_path, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.corpus import write_corpus
-from megatron_ds.training.loop import build_optimizer
+from megatron_ds.training.model_setup import build_optimizer
 from tests.training.test_resume import launch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from megatron_ds.schedules.catalog import CATALOG
 from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.arguments import ArgumentsError, parse_args
 
@@ -107,6 +108,15 @@ def test_conflict_is_one_message_naming_both(flags, ds, message):
     with pytest.raises(ArgumentsError) as info:
         parse(*flags, ds=ds)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("schedule", [name for name, spec in CATALOG.items() if isinstance(spec.virtual_stages, int)])
+def test_virtual_stage_flag_follows_the_catalogue(schedule):
+    """Every schedule the catalogue gives two chunks per rank takes Megatron's flag for 2 and refuses 4."""
+    ds = {"zero_optimization": {"stage": 1}, "pipeline": {"schedule": schedule}}
+    assert pipeline("--num-layers-per-virtual-pipeline-stage", "2", ds=ds) == {"schedule": schedule}
+    with pytest.raises(ArgumentsError, match=f"gives 4 virtual stages per rank, but schedule '{schedule}' always uses"):
+        parse("--num-layers-per-virtual-pipeline-stage", "1", ds=ds)
 
 
 def test_megatron_lm_and_ds_aliases(capsys):

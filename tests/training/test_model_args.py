@@ -97,3 +97,14 @@ def test_bad_model_flags_exit_2_with_one_message():
     proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--normalization", "batchnorm"],
                           capture_output=True, text=True, timeout=600, env=child_env(root))
     assert proc.returncode == 2 and "--normalization: invalid choice: 'batchnorm'" in proc.stderr
+
+
+def test_one_gpt_config_from_the_flags_at_parse_time():
+    """parse_args builds the run's GPTConfig once (torch-free): the parallel checks and the pipeline plan read
+    its FFN size, SwiGLU's 2/3 of 4h rounded to 64 (here 256, not 4h = 384, which TP=3 would divide)."""
+    flags = ["--hidden-size", "96", "--num-attention-heads", "3", "--swiglu"]
+    args = parse_args(BASE + flags, env={"WORLD_SIZE": "1", "RANK": "0"})
+    assert args.gpt_config.ffn_hidden_size == 256 and args.gpt_config.vocab_size is None
+    with pytest.raises(ArgumentsError, match=r"--ffn-hidden-size \(256\) must be divisible by "
+                                             r"--tensor-model-parallel-size \(3\)"):
+        parse_args(BASE + flags + ["--tensor-model-parallel-size", "3"], env={"WORLD_SIZE": "3", "RANK": "0"})

@@ -210,7 +210,7 @@ def test_hf_export_merges_tensor_parallel_shards(runs, tmp_path):
     agree to ~1e-7, see above), and the same weights where both are exact copies (norms)."""
     import torch
     from transformers import AutoModelForCausalLM
-    from tests.checkpoint.helpers import tool
+    from tests.convert.helpers import tool
     models = {}
     for name, ckpt in (("tp2", runs["ckpt"]), ("tp1", runs["tmp"] / "tp1")):
         (ckpt / "latest").write_text(f"global_step{ITERS}")

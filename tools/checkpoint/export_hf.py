@@ -6,13 +6,13 @@
 CKPT_DIR is a pretrain_gpt.py --save folder (any schedule, pipeline and data-parallel
 size); its `latest` step is exported. HF_DIR (new) gets config.json,
 model.safetensors and the run's tokenizer, for AutoModelForCausalLM / AutoTokenizer.
-Logic: megatron_ds/checkpoint/export_hf.py.
+Logic: megatron_ds/convert/export_hf.py.
 """
 import argparse
 import sys
 
-from megatron_ds.checkpoint.cli import add_tokenizer_override_args, run_tool
-from megatron_ds.checkpoint.export_hf import export_hf
+from megatron_ds.convert.cli import add_tokenizer_override_args, run_tool
+from megatron_ds.convert.export_hf import export_hf
 
 
 def main(argv=None):

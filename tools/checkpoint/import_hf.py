@@ -7,13 +7,13 @@ Prints the pretrain_gpt.py flags that continue it (`--load CKPT_DIR --finetune` 
 model and tokenizer flags) and writes them to CKPT_DIR/megatron_ds_args.txt; add the
 batch, schedule and data flags. Tokenizer: the folder's own when it has one, else the
 GPT-2 BPE; --pad-vocab-size-to is the model's vocab_size unless a vocabulary flag is given.
-Logic: megatron_ds/checkpoint/import_hf.py.
+Logic: megatron_ds/convert/import_hf.py.
 """
 import argparse
 import sys
 
-from megatron_ds.checkpoint.cli import run_tool
-from megatron_ds.checkpoint.import_hf import import_hf
+from megatron_ds.convert.cli import run_tool
+from megatron_ds.convert.import_hf import import_hf
 
 TOKENIZER_FLAGS = ("--tokenizer-type", "--vocab-file", "--merge-file", "--tokenizer-name-or-path",
                    "--make-vocab-size-divisible-by", "--pad-vocab-size-to")

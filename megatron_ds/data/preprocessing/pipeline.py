@@ -11,7 +11,7 @@ from megatron_ds.errors import UserError
 from ..indexed_dataset import best_fitting_dtype, make_builder
 from ..tokenizer import build_tokenizer
 from . import PreprocessError
-from .args import check_args, output_prefix_for
+from .args import build_parser, check_args, output_prefix_for
 from .encoder import Encoder, encode_in_worker, set_worker_encoder
 from .progress import Progress
 from .reader import open_source
@@ -102,7 +102,6 @@ def run(args):
 
 def main(argv=None, parser_factory=None, runner=None):
     """CLI wrapper: bad input (and unreadable/unwritable files) becomes one line on stderr and exit status 2."""
-    from .args import build_parser
     parser = (parser_factory or (lambda: build_parser("Tokenize a corpus into Megatron .bin/.idx.")))()
     args = parser.parse_args(argv)
     try:

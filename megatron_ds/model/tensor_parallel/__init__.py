@@ -5,7 +5,7 @@ and their counter; mappings: autograd pairs of collectives between regions; laye
 column/row-parallel linears and the vocab-parallel embedding; cross_entropy: the loss on
 vocab-parallel logits; rng: dropout seeds per region.
 """
-from .checks import ParallelConfigError, check_model_split, check_parallel_layout
+from megatron_ds.parallel_layout import ParallelConfigError, check_model_split, check_parallel_layout
 from .comm import CommCounter
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_loss
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,

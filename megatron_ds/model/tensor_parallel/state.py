@@ -10,7 +10,7 @@ flags over; `get_tensor_model_parallel_*` is the tensor-parallel group alone.
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from .checks import ParallelConfigError
+from megatron_ds.parallel_layout import ParallelConfigError
 
 
 class ParallelState:

@@ -27,6 +27,7 @@ import functools
 
 from ..ir import Op, Schedule, ScheduleError
 from .. import placement
+from ..simulate import simulate
 from .greedy import State, list_schedule
 
 MEMORY_MODES = ("half", "min")
@@ -126,7 +127,6 @@ def _relative(op_costs) -> tuple:
 def _best_order(pp: int, m: int, memory: str, costs: tuple) -> tuple:
     """The contest's winner at `costs`, per rank (cached: a run builds its schedule at parse time, at
     start-up and for every other micro-batch count, and the contest costs 0.1-0.4 s at p=8, m=16-32)."""
-    from ..simulate import simulate
     cap = memory_limit(pp, memory)
     chunk = dict(zip("FBW", (c / 2 for c in costs)))  # a chunk holds half a stage's layers
     orders = [_by_block(pp, m)]

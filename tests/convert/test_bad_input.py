@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.launcher import child_env
-from tests.checkpoint.helpers import tiny_hf_gpt2, tool
+from tests.convert.helpers import tiny_hf_gpt2, tool
 
 IMPORT, EXPORT = "checkpoint/import_hf.py", "checkpoint/export_hf.py"
 
@@ -140,7 +140,7 @@ def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
     """The real commands: exit status 2 and exactly one line on stderr (no library chatter)."""
     import subprocess
     import sys
-    from tests.checkpoint.helpers import ROOT, TOOLS
+    from tests.convert.helpers import ROOT, TOOLS
     bare = _copy(hf_dir, tmp_path / "no_weights")
     os.remove(bare / "model.safetensors")
     for script, argv, message in (

@@ -1,4 +1,6 @@
 """The single-process reference GPTModel and tokenizer of a checkpoint (no process group)."""
+from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
+
 from . import ToolError
 from .cli import quiet
 from .ds_format import checkpoint_tag_dir, load_into, read_saved_args
@@ -9,7 +11,7 @@ def load_checkpoint_model(load_dir):
     """(GPTModel in eval mode holding the checkpoint's weights, the run's arguments, iteration)."""
     tag_dir = checkpoint_tag_dir(load_dir)
     saved, iteration = read_saved_args(tag_dir)
-    from megatron_ds.model import GPTModel
+    from megatron_ds.model import GPTModel  # lazy: torch, so the tools' --help is quick
     args = with_defaults(saved)
     model = load_into(GPTModel(config_from_args(args)), tag_dir)
     return model.eval(), args, iteration
@@ -27,7 +29,6 @@ def override_tokenizer_args(args, vocab_file=None, merge_file=None, tokenizer_na
 def checkpoint_tokenizer(args):
     """The run's tokenizer (megatron_ds.data.tokenizer); its padded vocabulary must be the model's."""
     import copy
-    from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
     probe = copy.copy(args)
     probe.rank = 0
     try:

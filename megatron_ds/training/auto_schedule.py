@@ -1,11 +1,17 @@
-"""Resume a `"schedule": "auto"` run on the schedule it chose, without timing it again.
+"""The training side of `"schedule": "auto"`: take the engine's decision, switch to it, save it
+with the checkpoints, and resume on it without timing again.
 
-Every checkpoint saved once the run has decided (pipe/auto.py) holds the decision:
-SAVE/global_stepN/auto_schedule.json, written by rank 0 (temp file, rename) before the manifest
-and `latest` name the step. A file beside DeepSpeed's, not DeepSpeed's client state: the choice
-fixes how the module is cut into chunks, so it is needed before the module is built, and the
-client state comes back from engine.load_checkpoint only after; the file is also read without
-torch, and `cat` shows what a run chose.
+The engine (pipe/auto.py) reports its decision once, through its `on_auto_decision` hook (an
+AutoDecision); the loop then logs it and, when the chosen schedule places the chunks otherwise,
+rebuilds the engine through a checkpoint (`switch_engine`).
+
+Every checkpoint saved once the run has decided holds the decision:
+SAVE/global_stepN/auto_schedule.json, handed to the checkpoint writer (training/checkpointing.py
+writes it on rank 0, temp file and rename, before the manifest and `latest` name the step). A file
+beside DeepSpeed's, not DeepSpeed's client state: the choice fixes how the module is cut into
+chunks, so it is needed before the module is built, and the client state comes back from
+engine.load_checkpoint only after; the file is also read without torch, and `cat` shows what a
+run chose.
 
     {"format": 1, "iteration": 4, "decided_at": 2, "key": {...}, "decision": {...}}
 
@@ -20,6 +26,23 @@ checkpoint saved before the timed iterations ended holds no decision: the run ti
 import json
 import math
 import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from megatron_ds.data.dist_utils import print_rank_0
+from megatron_ds.pipe.auto import chosen_ds_config
+from megatron_ds.pipe.config import pipeline_settings
+from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.schedules import auto
+
+from . import timeouts
+from .checkpointing import LoadPlan, read_latest_tag, restore
+from .initialize import get_rng_state, set_rng_state
+from .model_setup import model_config, setup_model_and_optimizer
+from .nonfinite import NanGuard
 
 NAME = "auto_schedule.json"
 FORMAT = 1
@@ -37,7 +60,6 @@ WHAT = {
 
 def run_key(plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
     """What the decision of an "auto" run with this (unswitched) PipelinePlan depends on."""
-    from megatron_ds.schedules import auto
     dtype = next((k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled")), "fp32")
     return {"pp": plan.pp, "micro_batches": plan.micro_batches, "num_layers": plan.auto.num_layers,
             "budget": plan.auto.budget, "micro_batch_size": plan.micro_batch_size, "seq_length": plan.seq_length,
@@ -69,21 +91,6 @@ def _then_now(name, then, now) -> str:
 def differences(saved: dict, key: dict) -> list:
     """What of `key` (this run) differs from `saved` (the run that decided), as message parts."""
     return [_then_now(name, saved.get(name), key[name]) for name in WHAT if not _same(saved.get(name), key[name])]
-
-
-def write_record(step_dir: str, record) -> None:
-    """Rank 0, before the step's manifest: the record, or none (a reused tag folder keeps no stale one)."""
-    path = os.path.join(step_dir, NAME)
-    if record is None:
-        if os.path.exists(path):
-            os.remove(path)
-        return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, **record}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_record(step_dir: str):
@@ -129,55 +136,70 @@ def resume_choice(step_dir: str, key: dict, *, remeasure=False, universal=False,
                     f"{choice['memory']:g} of budget {budget:g}; \"remeasure\": true times again")
 
 
-class AutoResume:
-    """The decision an "auto" run holds, for its checkpoints (the trainer owns one)."""
+class AutoSchedule:
+    """The decision an "auto" run holds (the trainer owns one): the engine reports it through its hook,
+    the checkpoints save it, the loop takes it (a log line, TensorBoard, a rebuild when needed)."""
 
     def __init__(self, key: dict, record=None):
         self.key = key
         self.decision = record["decision"] if record else None
         self.decided_at = record["decided_at"] if record else None
+        self.reported = None  # the engine's AutoDecision, until the loop takes it
 
-    def record(self, engine, iteration: int):
-        """The record to save with a checkpoint of `iteration`; takes the engine's new decision first."""
-        pending = getattr(engine, "auto_decision", None)
-        if pending is not None and pending is not self.decision:
-            self.decision, self.decided_at = pending, iteration
-        if self.decision is None:
-            return None
-        return {"iteration": iteration, "decided_at": self.decided_at, "key": self.key, "decision": self.decision}
-
-    def after_build(self, engine) -> None:
-        """A searched choice runs on zb-h1's placement, which the ds_config built: switch its op order."""
-        from megatron_ds.schedules.auto import schedule_maker
+    def attach(self, engine) -> None:
+        """After the build: the engine's hook; a searched choice runs on zb-h1's placement, which the
+        ds_config built: switch its op order."""
+        engine.on_auto_decision = self._report
         if self.decision is not None and self.decision["choice"].get("search"):
             choice = self.decision["choice"]
-            engine.plan.switch(choice["section"], schedule_maker(choice))
+            engine.plan.switch(choice["section"], auto.schedule_maker(choice))
+
+    def _report(self, report) -> None:
+        self.reported = report
+
+    def _settle(self, iteration: int) -> None:
+        """A reported decision counts from the iteration that ended when it came."""
+        if self.reported is not None and self.reported.decision is not self.decision:
+            self.decision, self.decided_at = self.reported.decision, iteration
+
+    def checkpoint_files(self, iteration: int) -> list:
+        """[(file name, content)] for the checkpoint of `iteration`: the record, or None before the decision
+        (the writer then removes a stale one from a reused tag folder)."""
+        self._settle(iteration)
+        record = None if self.decision is None else {
+            "format": FORMAT, "iteration": iteration, "decided_at": self.decided_at, "key": self.key,
+            "decision": self.decision}
+        return [(NAME, record)]
+
+    def take(self, trainer):
+        """Log the reported decision; rebuild the trainer's engine when it places the chunks otherwise.
+        Returns the engine to train on."""
+        self._settle(trainer.iteration)
+        report, self.reported = self.reported, None
+        if trainer.tb.writer is not None:
+            trainer.tb.writer.add_text("auto-schedule", auto.describe(report.decision), trainer.iteration)
+        if report.rebuild:
+            rebuild_trainer_engine(trainer, report.decision)
+            trainer.nan_guard = NanGuard(trainer.args, trainer.engine, lambda: trainer.iteration + 1)
+        return trainer.engine
 
 
 def device_name() -> str:
-    import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def prepare(args):
-    """Before the model is built: None unless "schedule": "auto"; else its AutoResume, and when --load
+    """Before the model is built: None unless "schedule": "auto"; else its AutoSchedule, and when --load
     holds a decision still valid, args.ds_config / args.pipeline_settings select the chosen schedule."""
-    import torch.distributed as dist
-    from megatron_ds.data.dist_utils import print_rank_0
-    from megatron_ds.pipe.auto import chosen_ds_config
-    from megatron_ds.pipe.config import pipeline_settings
-    from megatron_ds.pipe.plan import PipelinePlan
-    from .checkpointing import read_latest_tag
-    from .loop import model_config
     settings = args.pipeline_settings
     if not settings.auto:
         return None
     config = model_config(args)
     plan = PipelinePlan.from_config(config, args.ds_config, args.pipeline_model_parallel_size,
-                                    args.data_parallel_size, args.seq_length)
+                                    args.data_parallel_size, args.seq_length, settings)
     key = run_key(plan, config, args.ds_config, device_name(), args.activation_checkpoint_interval)
     if not args.load:
-        return AutoResume(key)
+        return AutoSchedule(key)
     box = [(None, None)]
     if dist.get_rank() == 0:  # one reading for all: every rank must build the same schedule
         tag = read_latest_tag(args.load, args.universal_checkpoint)
@@ -191,4 +213,63 @@ def prepare(args):
     if record is not None:
         args.ds_config = chosen_ds_config(args.ds_config, record["decision"])
         args.pipeline_settings = pipeline_settings(args.ds_config)
-    return AutoResume(key, record)
+    return AutoSchedule(key, record)
+
+
+# -- switching through a checkpoint ---------------------------------------------------------------
+# When the chosen schedule places the chunks differently (pipe/auto.py swaps in place otherwise): the
+# engine saves a DeepSpeed checkpoint to a temporary folder, the caller builds the module, optimizer and
+# engine of the chosen schedule, and the checkpoint loads into it as a resume under another layout does
+# (training/checkpointing.py: weights, lr schedule and step counters as saved, the ZeRO-1 optimizer
+# state re-cut parameter by parameter), so training goes on with the same numbers. The RNG states are
+# put back after the build (building a module draws from them). The folder must be visible to every
+# rank: under --save when there is one, else the system's temporary folder (one node).
+
+SWITCH_TAG = "auto_switch"
+
+
+def shared_folder(save_dir=None):
+    """A new empty folder every rank gets the same path of (rank 0 makes it, broadcasts the path)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix=".auto-switch-", dir=save_dir or None)
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def switch_engine(engine, decision: dict, build, save_dir=None):
+    """`build(ds_config)` -> the new engine; returns it, with the old engine's whole training state."""
+    folder = shared_folder(save_dir)
+    try:
+        engine.save_checkpoint(folder, tag=SWITCH_TAG, client_state={}, save_latest=False)
+        dist.barrier()
+        rng = get_rng_state()
+        ds_config = chosen_ds_config(engine.config, decision)
+        del engine  # the caller's reference goes when it takes the new one
+        new = build(ds_config)
+        set_rng_state(rng)
+        restore(new, folder, SWITCH_TAG, LoadPlan("by_name", True, "auto switch"))
+        dist.barrier()
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    if dist.get_rank() == 0:
+        print(f"auto schedule: switched from {decision['start']} to {decision['choice']['label']} "
+              "through a checkpoint (another chunk placement)", flush=True)
+    return new
+
+
+def rebuild_trainer_engine(trainer, decision: dict) -> None:
+    """switch_engine for the pretraining loop: the new engine, lr schedule and settings go to `trainer`."""
+    args = trainer.args
+
+    def build(ds_config):
+        args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
+        engine, trainer.lr_scheduler = setup_model_and_optimizer(args)
+        return engine
+
+    trainer.engine = switch_engine(trainer.engine, decision, build, args.save)
+    timeouts.label_groups(trainer.engine.grid, trainer.engine.module)
+    trainer.current_gbs = None  # the new engine takes the batch size of the ramp-up again

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_ds.testing.corpus import write_corpus
-from tests.checkpoint.helpers import (batch_loss, gpt2_files, hf_loss, stack_samples, tiny_hf_gpt2, tool,
+from tests.convert.helpers import (batch_loss, gpt2_files, hf_loss, stack_samples, tiny_hf_gpt2, tool,
                                       train)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -54,7 +54,7 @@ def zbv_export(runs, tmp_path_factory):
 
 def _valid_batch(ckpt, cwd):
     """The validation batch the run's final evaluation read: valid samples [0, global batch)."""
-    from megatron_ds.checkpoint.reference import load_checkpoint_model
+    from megatron_ds.convert.reference import load_checkpoint_model
     from megatron_ds.data.samplers import build_datasets
     model, args, _ = load_checkpoint_model(str(ckpt))
     old = os.getcwd()

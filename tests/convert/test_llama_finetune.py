@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.corpus import write_corpus
-from tests.checkpoint.helpers import hf_loss, stack_samples, tiny_hf_family, tool, train
+from tests.convert.helpers import hf_loss, stack_samples, tiny_hf_family, tool, train
 
 MBS, GBS, ITERS = 2, 8, 3
 
@@ -23,9 +23,9 @@ def _run_args(flags, run, ds_config):
 
 def _reference_losses(ckpt, args, steps):
     """Each step's mean micro-batch loss, trained on one process as the run's engine does."""
-    from megatron_ds.checkpoint.reference import load_checkpoint_model
+    from megatron_ds.convert.reference import load_checkpoint_model
     from megatron_ds.training.learning_rates import AnnealingLR
-    from megatron_ds.training.loop import build_optimizer
+    from megatron_ds.training.model_setup import build_optimizer
     model = load_checkpoint_model(str(ckpt))[0].train()
     opt = build_optimizer(model, args)
     sched = AnnealingLR(opt, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,

@@ -1,5 +1,6 @@
-"""Checkpoint tools: a megatron_ds (DeepSpeed pipeline) checkpoint <-> a Hugging Face folder,
-and the single-process reference model loaded from a checkpoint (generation, evaluation).
+"""Conversion of checkpoints (not the checkpoint policy: training/checkpointing.py): a megatron_ds (DeepSpeed
+pipeline) checkpoint <-> a Hugging Face folder, and the single-process reference model loaded from a
+checkpoint (generation, evaluation).
 
 The tools in tools/ are argparse shells over these modules. Bad input raises ToolError,
 whose message names the file or key and the rule; the shells print it and exit with 2.

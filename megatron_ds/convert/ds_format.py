@@ -15,6 +15,8 @@ import os
 import re
 from collections import OrderedDict
 
+from megatron_ds.training.errors import CheckpointError
+from megatron_ds.training.manifest import verify_manifest, write_manifest
 from megatron_ds.training.universal import read_tag
 
 from . import ToolError
@@ -43,7 +45,7 @@ def tp_layer_files(tag_dir, idx):
 def merge_tp(pieces, kind, sections):
     """The whole tensor from every TP rank's slice, as the parallel layers cut it."""
     import torch
-    from megatron_ds.model.tensor_parallel.layers import unshard
+    from megatron_ds.model.tensor_parallel.layers import unshard  # lazy: torch, so --help is quick
     if kind == "replicated":
         return pieces[0]
     if kind == "row":
@@ -78,8 +80,6 @@ def checkpoint_tag_dir(load_dir):
     tag_dir = os.path.join(load_dir, tag)
     if not os.path.isdir(tag_dir):
         raise ToolError(f"{latest} names {tag!r}, but {tag_dir} does not exist")
-    from megatron_ds.training.checkpointing import CheckpointError
-    from megatron_ds.training.manifest import verify_manifest
     try:  # the weights and the client state, against the sizes and CRC-32s saved with them
         verify_manifest(tag_dir, skip=lambda rel: "optim_states" in rel)
     except CheckpointError as e:
@@ -112,7 +112,7 @@ def load_into(model, tag_dir):
 
     The model takes the files' dtype (a bf16 run saves bf16 weights)."""
     import torch
-    from megatron_ds.model.universal_info import layer_parameters
+    from megatron_ds.model.universal_info import layer_parameters  # lazy: torch
     params = model.named_parameters_by_layer()
     splits = layer_parameters(model.config)
     files = {}
@@ -142,8 +142,7 @@ def write_checkpoint(out_dir, params_by_layer, args, tag="global_step0"):
     such files differs from the pipeline size; the layer files do the rest."""
     import deepspeed
     import torch
-    from megatron_ds.training.checkpointing import CHECKPOINT_VERSION
-    from megatron_ds.training.manifest import write_manifest
+    from megatron_ds.training.checkpointing import CHECKPOINT_VERSION  # lazy: DeepSpeed
     tag_dir = os.path.join(out_dir, tag)
     os.makedirs(tag_dir)
     by_layer = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.checkpoint.helpers import hf_loss, tiny_hf_family, tool
+from tests.convert.helpers import hf_loss, tiny_hf_family, tool
 
 
 @pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bloom", "BloomForCausalLM")])

@@ -9,6 +9,11 @@ cannot slip through unnoticed).
 import argparse
 import dataclasses
 
+from megatron_ds.training.arguments import build_parser
+from megatron_ds.training.errors import ArgumentsError
+from megatron_ds.training.model_args import (MODEL_FAMILY_ARGS, gpt_config_from_args, model_family_flags,
+                                             validate_model_args)
+
 from . import ToolError
 
 # GPTConfig fields that are no model flags: the vocabulary comes from the tokenizer
@@ -19,7 +24,6 @@ _ALWAYS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_emb
 
 
 def _actions():
-    from megatron_ds.training.arguments import build_parser
     return {a.dest: a for a in build_parser()._actions if a.option_strings}
 
 
@@ -31,7 +35,6 @@ def with_defaults(saved):
 
 
 def config_from_args(args):
-    from megatron_ds.training.model_args import gpt_config_from_args
     return gpt_config_from_args(args)
 
 
@@ -51,7 +54,6 @@ def config_flags(config, seq_length):
     """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary): the sizes and
     dropouts always, the other GPT-2 options where they differ from the flags' defaults, then the family
     options (training.model_args.model_family_flags)."""
-    from megatron_ds.training.model_args import MODEL_FAMILY_ARGS, model_family_flags
     actions = _actions()
     flags = ["--seq-length", str(seq_length)]
     for name in _ALWAYS:
@@ -68,8 +70,6 @@ def config_flags(config, seq_length):
 
 def parse_flags(flags):
     """The Namespace pretrain_gpt.py makes of `flags` (parsing only: no world size, no ds_config)."""
-    from megatron_ds.training.arguments import ArgumentsError, build_parser
-    from megatron_ds.training.model_args import validate_model_args
     args = build_parser().parse_args(flags)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length

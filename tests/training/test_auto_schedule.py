@@ -1,7 +1,7 @@
-"""training/auto_resume.py without processes: which saved "auto" decisions a resumed run reuses (the
+"""training/auto_schedule.py without processes: which saved "auto" decisions a resumed run reuses (the
 same pp, micro-batch count, layers, budget, sizes, precision, device and candidates), the one line it
 logs either way, the record file (atomic, removed from a reused tag folder), and a searched zb-search
-choice rebuilt on a plan after the build. The launch test is test_auto_resume_launch.py."""
+choice rebuilt on a plan after the build. The launch test is test_auto_schedule_launch.py."""
 import json
 import os
 from types import SimpleNamespace
@@ -12,8 +12,10 @@ from megatron_ds.pipe.auto import chosen_ds_config
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.plan import PipelinePlan
 from megatron_ds.schedules import auto
-from megatron_ds.training.auto_resume import (NAME, AutoResume, differences, read_record, resume_choice, run_key,
-                                              write_record)
+from megatron_ds.pipe.auto import AutoDecision
+from megatron_ds.training.auto_schedule import (FORMAT, NAME, AutoSchedule, differences, read_record, resume_choice,
+                                                run_key)
+from megatron_ds.training.checkpointing import write_step_file
 
 SIZES = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=16,
                         num_attention_heads=4)
@@ -37,7 +39,8 @@ def decision(budget=6.0):
 def saved(tmp_path, key, dec=None, iteration=10, decided_at=4):
     step = tmp_path / f"global_step{iteration}"
     step.mkdir(exist_ok=True)
-    write_record(str(step), {"iteration": iteration, "decided_at": decided_at, "key": key, "decision": dec or decision()})
+    write_step_file(str(step), NAME, {"format": FORMAT, "iteration": iteration, "decided_at": decided_at, "key": key,
+                                      "decision": dec or decision()})
     return str(step)
 
 
@@ -105,7 +108,7 @@ def test_no_or_bad_record(tmp_path):
     (step / NAME).write_text(json.dumps({"format": 99}))
     with pytest.raises(ValueError, match="not a format-1 auto schedule record"):
         read_record(str(step))
-    write_record(str(step), None)  # a save before the decision into a reused tag folder
+    write_step_file(str(step), NAME, None)  # a save before the decision into a reused tag folder
     assert not (step / NAME).exists() and read_record(str(step)) is None
 
 
@@ -133,17 +136,23 @@ def test_searched_choice_is_switched_after_the_build():
     choice = dec["choice"]
     plan = PipelinePlan.from_config(SIZES, chosen_ds_config(ds(), dec), PP, 1)
     assert plan.schedule.name == "zb-h1" and plan.auto is None
-    holder = AutoResume({}, {"decision": dec, "decided_at": 4})
-    holder.after_build(SimpleNamespace(plan=plan))
+    holder = AutoSchedule({}, {"decision": dec, "decided_at": 4})
+    holder.attach(SimpleNamespace(plan=plan))
     want = auto.zb_search(PP, M, **choice["search"])
     assert plan.schedule.name == choice["label"] and plan.schedule.ranks == want.ranks
 
 
-def test_the_trainer_saves_the_decision_in_force():
-    holder = AutoResume({"pp": 2})
-    engine = SimpleNamespace(auto_decision=None)
-    assert holder.record(engine, 1) is None  # before the decision: nothing to save
-    engine.auto_decision = dec = decision()
-    assert holder.record(engine, 2)["decided_at"] == 2
-    engine.auto_decision = None  # the trainer took it
-    assert holder.record(engine, 6) == {"iteration": 6, "decided_at": 2, "key": {"pp": 2}, "decision": dec}
+def test_the_trainer_saves_the_decision_in_force(tmp_path):
+    """The engine reports through its hook; the checkpoint of the iteration that ended then and every later
+    one hold the decision (decided at that iteration), and the file reads back."""
+    holder = AutoSchedule({"pp": 2})
+    engine = SimpleNamespace(on_auto_decision=None)
+    holder.attach(engine)
+    assert holder.checkpoint_files(1) == [(NAME, None)]  # before the decision: nothing to save (a stale file goes)
+    engine.on_auto_decision(AutoDecision(dec := decision(), rebuild=False))
+    assert holder.checkpoint_files(2)[0][1]["decided_at"] == 2
+    holder.reported = None  # the trainer took it
+    (name, record), = holder.checkpoint_files(6)
+    assert record == {"format": FORMAT, "iteration": 6, "decided_at": 2, "key": {"pp": 2}, "decision": dec}
+    write_step_file(str(tmp_path), name, record)
+    assert read_record(str(tmp_path)) == json.loads(json.dumps(record))

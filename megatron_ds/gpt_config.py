@@ -6,7 +6,7 @@ BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2).
 """
 from dataclasses import dataclass
 
-from .tensor_parallel.checks import check_model_split
+from .parallel_layout import check_model_split
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")

@@ -10,6 +10,8 @@ OUT/tokenizer. Nothing is written unless every check passes.
 import os
 import shlex
 
+from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer, default_gpt2_files
+
 from . import ToolError
 from .cli import quiet
 from .ds_format import write_checkpoint
@@ -21,7 +23,7 @@ ARGS_FILE = "megatron_ds_args.txt"
 
 
 def _model_config(hf_dir):
-    from megatron_ds.model.hf import SUPPORTED, gpt_config_from_hf
+    from megatron_ds.model.hf import SUPPORTED, gpt_config_from_hf  # lazy: torch, so --help is quick
     hf_config = read_config(hf_dir)
     if hf_config.model_type not in SUPPORTED:
         archs = ", ".join(getattr(hf_config, "architectures", None) or [])
@@ -35,6 +37,7 @@ def _model_config(hf_dir):
 
 def _params(hf_dir, config):
     """{(layer, name): tensor}, every parameter of our model found once, with its shape."""
+    # lazy: torch
     from megatron_ds.model import GPTModel
     from megatron_ds.model.hf import from_hf_state_dict
     hf_sd = read_weights(hf_dir)
@@ -61,7 +64,6 @@ def _tokenizer_flags(hf_dir, out_dir, vocab_size, tokenizer_flags):
         if has_tokenizer(hf_dir):
             flags += ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", hf_dir]
         else:
-            from megatron_ds.data.tokenizer import default_gpt2_files
             vocab, merges = default_gpt2_files()
             flags += ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
     if not {"--make-vocab-size-divisible-by", "--pad-vocab-size-to"} & given:
@@ -71,7 +73,6 @@ def _tokenizer_flags(hf_dir, out_dir, vocab_size, tokenizer_flags):
 
 
 def _check_vocab(args, vocab_size, hf_dir, flags):
-    from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer
     where = f"{os.path.join(hf_dir, 'config.json')}: vocab_size {vocab_size}"
     try:
         with quiet():

@@ -1,0 +1,56 @@
+"""The model, its optimizer, lr schedule and engine, built from the parsed flags (the loop's set-up,
+below it: the "auto" switch and the checkpoint writer build with it too)."""
+import dataclasses
+
+import torch
+
+from megatron_ds.data.dist_utils import print_rank_0
+from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+
+from .learning_rates import AnnealingLR
+
+
+def build_optimizer(module, args):
+    """AdamW with Megatron's groups (no decay on biases/norms); on GPU apex FusedAdam when importable,
+    else torch's fused AdamW."""
+    decay, no_decay = [], []
+    for _, p in module.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.dim() == 1 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+    adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    if torch.cuda.is_available():
+        try:
+            from apex.optimizers import FusedAdam  # NVIDIA apex only; PyPI's "apex" is another project
+            return FusedAdam(groups, **adam)
+        except Exception:  # noqa: BLE001 - any import problem means: no apex
+            pass
+        return torch.optim.AdamW(groups, fused=True, **adam)  # torch's one-kernel AdamW
+    return torch.optim.AdamW(groups, **adam)
+
+
+def model_config(args):
+    """The run's GPTConfig (parse_args built it) with the vocabulary the tokenizer padded."""
+    return dataclasses.replace(args.gpt_config, vocab_size=args.padded_vocab_size)
+
+
+def setup_model_and_optimizer(args):
+    print_rank_0("> building GPT model ...")
+    config = model_config(args)
+    args.ffn_hidden_size = config.ffn_hidden_size
+    module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
+                                   activation_checkpoint_interval=args.activation_checkpoint_interval,
+                                   seq_length=args.seq_length, settings=args.pipeline_settings)
+    optimizer = build_optimizer(module, args)
+    lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
+                               decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
+                               global_batch_size=args.batch_schedule.global_batch_size(0),
+                               use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
+                               override_lr_scheduler=args.override_lr_scheduler)
+    engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                               settings=args.pipeline_settings)
+    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
+    return engine, lr_scheduler

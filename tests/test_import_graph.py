@@ -1,0 +1,144 @@
+"""The import drawing of megatron_ds/: no circle, and no hidden function-local import.
+
+Drawn from the source (ast), not by importing: an edge for every import of a package module,
+at module level and inside functions alike (an import inside a function still closes a circle,
+it only hides it until the call). A function-local import of a package module must be declared:
+`# lazy: REASON` on its line, or on a comment line just above its block of imports. The only
+reason the house accepts is a heavy import kept off a fast path (torch and DeepSpeed after the
+flags are checked, the tools' --help). Imports of other packages (torch, transformers,
+matplotlib) are not checked here: schedules/test_purity.py and the modules' docstrings keep them.
+"""
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MARK = "# lazy:"
+
+
+def modules(root, package="megatron_ds"):
+    """{dotted name: (path, is a package)} of every module under root/package."""
+    found = {}
+    for path in (root / package).rglob("*.py"):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+def _targets(name, is_package, node, known):
+    """The package modules an import statement of module `name` loads (the most specific each names)."""
+    if isinstance(node, ast.Import):
+        wanted = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            here = name.split(".") if is_package else name.split(".")[:-1]
+            base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
+        wanted = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+    out = []
+    for target in wanted:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target:
+            out.append(target)
+    return out
+
+
+def _blocks(node):
+    for field in ("body", "orelse", "finalbody"):
+        block = getattr(node, field, None)
+        if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+            yield block
+    for handler in getattr(node, "handlers", ()):
+        yield handler.body
+
+
+def _declared(block, i, parent, lines):
+    """Whether block[i] (an import) carries the mark, or its run of imports has it on a comment above."""
+    if MARK in lines[block[i].lineno - 1]:
+        return True
+    j = i
+    while j > 0 and isinstance(block[j - 1], (ast.Import, ast.ImportFrom)):
+        j -= 1
+    above = block[j - 1].end_lineno if j > 0 else parent.lineno
+    return any(MARK in line for line in lines[above:block[j].lineno - 1])
+
+
+def draw(root, package="megatron_ds"):
+    """(edges {module: {module}}, [(module, line, statement)] of undeclared function-local imports)."""
+    known = modules(root, package)
+    edges, undeclared = {name: set() for name in known}, []
+    for name, (path, is_package) in known.items():
+        text = path.read_text()
+        lines = text.splitlines()
+
+        def visit(node, in_function):
+            for block in _blocks(node):
+                for i, stmt in enumerate(block):
+                    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                        targets = _targets(name, is_package, stmt, known)
+                        edges[name].update(targets)
+                        if in_function and targets and not _declared(block, i, node, lines):
+                            undeclared.append((name, stmt.lineno, lines[stmt.lineno - 1].strip()))
+                    else:
+                        visit(stmt, in_function or isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+        visit(ast.parse(text), False)
+    return edges, undeclared
+
+
+def circles(edges):
+    """The strongly connected components of more than one module (or a module importing itself)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def connect(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in edges.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_megatron_ds_has_no_import_circle():
+    edges, _ = draw(ROOT)
+    assert len(edges) > 100 and edges["megatron_ds.training.loop"]  # the drawing is of the real tree
+    assert circles(edges) == []
+
+
+def test_every_function_local_import_of_the_package_is_declared():
+    _, undeclared = draw(ROOT)
+    assert undeclared == [], "\n".join(f"{m}:{line}: {stmt} (move it to the top, or say why: {MARK} ...)"
+                                       for m, line, stmt in undeclared)
+
+
+def test_the_drawing_finds_a_hidden_circle_and_an_undeclared_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..a import x\n\n\n"
+                                      "def g():\n    # lazy: heavy\n    import pkg.a\n    from .. import a\n")
+    (pkg / "sub" / "c.py").write_text("def h():\n    import os\n    from pkg import a  # lazy: heavy\n")
+    edges, undeclared = draw(tmp_path, "pkg")
+    assert circles(edges) == [["pkg.a", "pkg.sub.b"]]
+    assert undeclared == [("pkg.sub.b", 2, "from ..a import x")]
