@@ -88,10 +88,14 @@ def checkpoint_tag_dir(load_dir):
 
 
 def _load(path):
-    import torch
+    from megatron_ds.training import safe_load
+    from megatron_ds.training.checkpointing import CheckpointError
     if not os.path.isfile(path):
         raise ToolError(f"{path}: missing from the checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return safe_load.load(path)
+    except CheckpointError as e:
+        raise ToolError(str(e)) from None
 
 
 def read_saved_args(tag_dir):

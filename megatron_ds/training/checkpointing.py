@@ -36,6 +36,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.errors import UserError
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
 
+from . import checkpoint_engine, disk_full, safe_load
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
@@ -63,17 +64,12 @@ def tag_for(iteration):
     return f"global_step{iteration}"
 
 
-def _write_atomic(path, text):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, auto_record=None):
-    """`auto_record`: "schedule": "auto"'s decision (training/auto_resume.py), None before it decides."""
+    """`auto_record`: "schedule": "auto"'s decision (training/auto_resume.py), None before it decides.
+
+    Returns True when the step is complete and `latest` names it. Out of disk (disk_full.py): raises the
+    same DiskFullError on every rank, or returns False under --keep-training-on-disk-full.
+    """
     import torch.distributed as dist
     from .auto_resume import write_record
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
@@ -90,16 +86,41 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         UNIVERSAL_CHECKPOINT_INFO: universal_info(args),
     }
     tag = tag_for(iteration)
-    engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+    step_dir = os.path.join(args.save, tag)
+    checkpoint_engine.install(engine)
+    disk_full.begin(args, iteration)
+    try:
+        engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+    except OSError as e:  # outside our checkpoint engine (DeepSpeed's own copies): this rank alone knows
+        if disk_full.is_out_of_room(e):
+            disk_full.report_alone_and_exit(e, iteration)
+        raise
     if dist.get_rank() == 0:
-        write_record(os.path.join(args.save, tag), auto_record)
-    dist.barrier()  # every rank's files are on disk before `latest` names them
-    write_manifest(os.path.join(args.save, tag))
-    if dist.get_rank() == 0:
-        _write_atomic(os.path.join(args.save, "latest"), tag)
-        _write_atomic(os.path.join(args.save, "latest_checkpointed_iteration.txt"), str(iteration))
-    dist.barrier()
+        disk_full.guarded(lambda: write_record(step_dir, auto_record), os.path.join(step_dir, "auto_schedule.json"))
+    if _stopped_by_disk(args, step_dir):  # every rank's files are on disk before `latest` names them
+        return False
+    disk_full.guarded(lambda: write_manifest(step_dir), os.path.join(step_dir, "manifest.json"))
+    if dist.get_rank() == 0 and not disk_full.failed():
+        disk_full.write_text(os.path.join(args.save, "latest"), tag)
+        disk_full.write_text(os.path.join(args.save, "latest_checkpointed_iteration.txt"), str(iteration))
+    if _stopped_by_disk(args, step_dir):
+        return False
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+    return True
+
+
+def _stopped_by_disk(args, step_dir):
+    """Every rank: did any run out of room? (a collective; it is also the save's barrier)."""
+    failure = disk_full.agree(step_dir, read_tag(args.save, "latest"))
+    if failure is None:
+        return False
+    if not args.keep_training_on_disk_full:
+        raise disk_full.DiskFullError(f"{failure}; the previous checkpoint and {os.path.join(args.save, 'latest')} "
+                                      "are intact: free space (or raise the quota) and resume, or pass "
+                                      "--keep-training-on-disk-full to train on and retry at the next save")
+    print_rank_0(f"WARNING: checkpoint not saved: {failure}; training goes on (--keep-training-on-disk-full), "
+                 "the next --save-interval tries again")
+    return True
 
 
 def universal_info(args):
@@ -115,12 +136,11 @@ def read_latest_tag(load_dir, universal=False):
 
 def read_saved_state(load_dir, tag):
     """mp_rank_00_model_states.pt: our client state, the pipeline layout and DeepSpeed's sizes."""
-    import torch
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {load_dir}/latest names {tag!r}, which is not a complete "
                               "DeepSpeed checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return safe_load.load(path)
 
 
 def _check_model_shape(args, saved_args, load_dir, universal):
@@ -207,7 +227,9 @@ def load_checkpoint(engine, args):
                      "will not load any checkpoint and will start from random")
         return state
     load_optimizer = not (args.no_load_optim or args.finetune)  # the ZeRO shards are read either way below
-    verify_manifest(os.path.join(args.load, tag), skip=lambda rel: not load_optimizer and "optim_states" in rel)
+    skip = lambda rel: not load_optimizer and "optim_states" in rel  # noqa: E731
+    verify_manifest(os.path.join(args.load, tag), skip=skip)
+    safe_load.check_step(os.path.join(args.load, tag), skip=skip)  # no file can run code once loaded
     saved = read_saved_state(args.load, tag)
     _check_model_shape(args, saved.get("args"), args.load, universal)
     saved_tp = getattr(saved.get("args"), "tensor_model_parallel_size", 1)
@@ -230,9 +252,11 @@ def load_checkpoint(engine, args):
 
 def restore(engine, load_dir, tag, plan):
     """Load `tag` into the engine as `plan` says; returns this stage's client state."""
-    load_path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=plan.optimizer in ("deepspeed", "universal"),
-        load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
+    checkpoint_engine.install(engine)
+    with safe_load.weights_only_everywhere():
+        load_path, client_state = engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=plan.optimizer in ("deepspeed", "universal"),
+            load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {tag} from {load_dir}")
     if plan.universal and plan.optimizer is None:
