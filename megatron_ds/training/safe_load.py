@@ -82,15 +82,18 @@ def _first_global(path):
     return None
 
 
-def refusal(path, error):
-    from .checkpointing import CheckpointError
-    return CheckpointError(f"{path} is refused: loading it needs {_offending(path, error)}, which could run code (a "
-                           "checkpoint holds tensors, plain values and the few types listed in "
-                           "megatron_ds/training/safe_load.py); nothing was loaded")
+HOLDS = ("(a checkpoint holds tensors, plain values and the few types listed in megatron_ds/training/safe_load.py); "
+         "nothing was loaded")
+WHY = f"which could run code {HOLDS}"
 
 
-def load(path, map_location="cpu", mmap=False):
-    """torch.load of one checkpoint file, weights only; a CheckpointError naming the file and type."""
+class Refused(Exception):
+    def __init__(self, path, needs):
+        super().__init__(f"{path} is refused: loading it needs {needs}, {WHY}")
+        self.path, self.needs = path, needs
+
+
+def _load(path, map_location="cpu", mmap=False):
     import pickle
     import torch
     from torch.serialization import safe_globals
@@ -98,21 +101,32 @@ def load(path, map_location="cpu", mmap=False):
         with safe_globals(allowed_globals()):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        raise refusal(path, e) from None
+        raise Refused(path, _offending(path, e)) from None
+
+
+def load(path, map_location="cpu", mmap=False):
+    """torch.load of one checkpoint file, weights only; a CheckpointError naming the file and type."""
+    from .checkpointing import CheckpointError
+    try:
+        return _load(path, map_location, mmap)
+    except Refused as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _try(path):
-    """None if `path` loads weights-only, else why not. mmap: the tensors' bytes are not read."""
+    """None if `path` loads weights-only, else (path, what it needs) or (path, why it cannot be read).
+    mmap: the tensors' bytes are not read."""
     try:
         try:
-            load(path, mmap=True)
+            _load(path, mmap=True)
         except RuntimeError as e:
             if "mmap can only be used" not in str(e):
                 raise
-            load(path)  # torch's old format, or not torch's format at all: the unpickler decides
+            _load(path)  # torch's old format, or not torch's format at all: the unpickler decides
+    except Refused as e:
+        return (path, f"needs {e.needs}")
     except Exception as e:  # noqa: BLE001 - every reason is reported, the same on every rank
-        from .checkpointing import CheckpointError
-        return str(e) if isinstance(e, CheckpointError) else f"{path} cannot be read: {type(e).__name__}: {e}"
+        return (path, f"cannot be read: {type(e).__name__}: {e}")
     return None
 
 
@@ -127,15 +141,19 @@ def step_files(step_dir, skip=lambda rel: False):
 
 
 def check_step(step_dir, skip=lambda rel: False):
-    """Every rank: try a share of the step's .pt files weights-only; all raise the first refusal."""
+    """Every rank: try a share of the step's .pt files weights-only; all raise one error naming every
+    file refused (or that cannot be read) and what it needs."""
     from .checkpointing import CheckpointError
     from .manifest import _from_rank0, _gather, _share
     files = _from_rank0(lambda: step_files(step_dir, skip))
     mine = [p for p in (_try(os.path.join(step_dir, rel)) for rel in _share(files)) if p]
-    problems = sorted({p for part in _gather(mine) for p in part})
+    problems = sorted({tuple(p) for part in _gather(mine) for p in part})
+    if len(problems) == 1 and problems[0][1].startswith("needs "):
+        path, needs = problems[0]
+        raise CheckpointError(f"{path} is refused: loading it {needs}, {WHY}")
     if problems:
-        more = f" (and {len(problems) - 1} more files)" if len(problems) > 1 else ""
-        raise CheckpointError(problems[0] + more)
+        listed = "; ".join(f"{path} {why}" for path, why in problems)
+        raise CheckpointError(f"checkpoint files are refused: {listed}: loading them could run code {HOLDS}")
     return len(files)
 
 

@@ -68,6 +68,11 @@ def test_a_file_that_would_run_code_is_refused_and_never_runs(tmp_path, torch_fo
     with pytest.raises(CheckpointError, match=r"layer_01-model_states.pt is refused: loading it needs io.open"):
         safe_load.check_step(str(tmp_path / "global_step4"))
     assert safe_load.check_step(str(tmp_path / "global_step4"), skip=lambda rel: rel.startswith("layer_01")) == 1
+    craft(str(tmp_path / "global_step4" / "layer_00-model_states.pt"), str(payload), torch_format=torch_format)
+    with pytest.raises(CheckpointError, match=r"^checkpoint files are refused: \S+/layer_00-model_states.pt needs "
+                                              r"io.open; \S+/layer_01-model_states.pt needs io.open: loading them "
+                                              r"could run code"):
+        safe_load.check_step(str(tmp_path / "global_step4"))
     with safe_load.weights_only_everywhere():  # what DeepSpeed's universal loader calls, forced weights-only
         with pytest.raises(Exception, match="Weights only load failed"):
             torch.load(path, weights_only=False)
