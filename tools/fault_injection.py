@@ -4,8 +4,8 @@
     python -m tools.fault_injection freeze restart  # some of them
 
 Each scenario trains a 2-layer GPT on 4 gloo ranks (pipeline 2 x data 2) on a random corpus and injects
-one fault, from outside (a signal to one worker, a damaged checkpoint file) or with
---inject-inf-grad-iterations. The restart runs under torchrun; the others start one process a rank, as
+one fault, from outside (a signal to one worker, a damaged or crafted checkpoint file) or with
+--inject-inf-grad-iterations, --inject-enospc or --inject-oom (out-of-room and unsafe run 2 ranks, PP=2). The restart runs under torchrun; the others start one process a rank, as
 srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the rest after the first).
 
 | scenario | fault                                                     | promised                                  |
@@ -15,6 +15,8 @@ srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the
 | truncate | a layer file of the last checkpoint cut in half           | exit 2 on every rank, the file named once |
 | restart  | SIGKILL to rank 1 after the second save, --max-restarts 1 | the job resumes, losses bit-equal         |
 | inf-grad | an inf gradient at iterations 2, 4, 5 (bf16), limit 2     | each skipped and counted; saved, exit 3   |
+| out-of-room | ENOSPC at each stage of a save (--keep-training-on-disk-full), then without the flag; an allocator failure on rank 1; SIGUSR1 to rank 1 (srun-like, --exit-signal-handler); resume | failed saves skipped / exit 2 with latest intact; exit 4 and 1 at once; saved, exit 0; losses bit-equal |
+| unsafe   | checkpoint files and an index cache replaced by pickles that would create a file; resume under torchrun, srun, deepspeed | payload never runs; exit 2 naming each file |
 
 The launching helpers are shared with tests/training/test_faults.py.
 """
@@ -453,7 +455,7 @@ def scenario_out_of_room(workdir):
     k, e, o, s = r["keep"], r["enospc"], r["oom"], r["signal"]
     ok = (set(k["exit_codes"].values()) == {0} and len(k["warnings"]) == len(ENOSPC_STAGES)
           and set(e["exit_codes"].values()) == {2} and e["latest"] == "global_step2" and len(e["errors"]) == 1
-          and set(o["exit_codes"].values()) == {1} and o["latest"] == "global_step2"
+          and o["exit_codes"] == {0: 1, 1: 4} and o["latest"] == "global_step2"
           and set(s["exit_codes"].values()) == {0} and s["latest"] == f"global_step{s['saved_at']}"
           and r["bit_exact"] == r["compared"])
     return {"ok": ok, "output": "", **{k2: {a: b for a, b in v.items() if a != "output"} if isinstance(v, dict) else v

@@ -7,7 +7,10 @@ the newest complete tag (plus Megatron's latest_checkpointed_iteration.txt).
 
 `latest` is written only after every rank has finished writing its files (a
 barrier), by rank 0, through a temporary file and an atomic rename: a save that
-dies half-way leaves `latest` pointing at the previous complete checkpoint.
+dies half-way leaves `latest` pointing at the previous complete checkpoint. A save
+that runs out of disk is agreed on by every rank and never named (disk_full.py).
+Every file is read weights-only, and tried on every rank before anything loads
+(safe_load.py, checkpoint_engine.py): no checkpoint runs code.
 
 Client state: iteration, consumed train/valid samples and tokens (which fix the
 position of the data iterators: the sampler restarts at that sample), the RNG

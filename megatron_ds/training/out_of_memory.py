@@ -3,7 +3,7 @@
 MemoryError (the CPU allocator) or torch.OutOfMemoryError (CUDA) on one rank: it prints its rank, its
 pipeline stage, the op it was running (F, B, W or BW with its micro-batch, from the engine's tracer), the
 iteration and the peak memory of the process, with the knobs that lower the peak and their values in
-this run, then exits with code 1 without saving (the last good checkpoint stays as it is; a save now
+this run, then exits with code 4 without saving (the last good checkpoint stays as it is; a save now
 would hold a half-done step). The other ranks find it gone at their next collective or p2p call and
 exit with code 1 too, naming the call (timeouts.py), well within --distributed-timeout-minutes.
 
@@ -13,7 +13,7 @@ micro-batch MB (default 1) at iteration ITER (our engine's schedules).
 import os
 import sys
 
-EXIT_CODE = 1
+EXIT_CODE = 4  # not 1 (a rank died or froze), which slurm/pretrain_gpt.slurm requeues: a new start meets the same peak
 KINDS = {"ForwardOp": "F", "BackwardOp": "BW", "BackwardInputOp": "B", "BackwardWeightOp": "W"}
 _state = {"engine": None, "args": None}
 

@@ -10,7 +10,8 @@ file of a save):
 - the client state (mp_rank_XX_model_states.pt): `args` is an argparse.Namespace of plain values
   (checkpointing._plain_args), and the RNG states hold numpy's MT19937 key, a uint32 ndarray;
 - DeepSpeed's ZeRO shards: its fragment_address (where a parameter sits in the flat partition), its loss
-  scalers and ZeroStageEnum.
+  scalers and ZeroStageEnum;
+- the fragments DeepSpeed's ds_to_universal writes: its SubparamShape (how QKV's sections are cut).
 
 Allowing a class lets a pickle create it and set its attributes, never call anything else; numpy's
 `_reconstruct` makes an array only of the allow-listed ndarray type. A file that needs anything else is
@@ -32,12 +33,13 @@ def allowed_globals():
     """What our checkpoints hold beyond tensors and plain values (imported late: numpy and DeepSpeed)."""
     import argparse
     import numpy as np
+    from deepspeed.checkpoint.universal_checkpoint import SubparamShape
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
     core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core
     return [argparse.Namespace, core.multiarray._reconstruct, np.ndarray, np.dtype, np.dtypes.UInt32DType,
-            fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum]
+            fragment_address, LossScaler, DynamicLossScaler, ZeroStageEnum, SubparamShape]
 
 
 def _offending(path, error):
@@ -152,7 +154,8 @@ def check_step(step_dir, skip=lambda rel: False):
         path, needs = problems[0]
         raise CheckpointError(f"{path} is refused: loading it {needs}, {WHY}")
     if problems:
-        listed = "; ".join(f"{path} {why}" for path, why in problems)
+        listed = "; ".join(f"{path} {why}" for path, why in problems[:3])
+        listed += f"; and {len(problems) - 3} more files" if len(problems) > 3 else ""
         raise CheckpointError(f"checkpoint files are refused: {listed}: loading them could run code {HOLDS}")
     return len(files)
 
