@@ -95,12 +95,30 @@ class Refused(Exception):
         self.path, self.needs = path, needs
 
 
+_depth = [0]
+
+
+@contextlib.contextmanager
+def _allowing():
+    """torch's safe_globals, entered once however deep the nesting: its exit removes the globals, also
+    those an enclosing one added (our engine's loads run inside weights_only_everywhere)."""
+    from torch.serialization import safe_globals
+    _depth[0] += 1
+    try:
+        if _depth[0] > 1:
+            yield
+        else:
+            with safe_globals(allowed_globals()):
+                yield
+    finally:
+        _depth[0] -= 1
+
+
 def _load(path, map_location="cpu", mmap=False):
     import pickle
     import torch
-    from torch.serialization import safe_globals
     try:
-        with safe_globals(allowed_globals()):
+        with _allowing():
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise Refused(path, _offending(path, e)) from None
@@ -164,11 +182,10 @@ def check_step(step_dir, skip=lambda rel: False):
 def weights_only_everywhere():
     """Every torch.load inside (DeepSpeed's universal loader calls it directly) is weights-only with our
     allow-list, whatever its caller asked for."""
-    from torch.serialization import safe_globals
     before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with safe_globals(allowed_globals()):
+        with _allowing():
             yield
     finally:
         if before is None:

@@ -52,6 +52,10 @@ def test_what_our_checkpoints_hold_loads_equal(tmp_path):
     assert osd["zero_stage"] is ZeroStageEnum.optimizer_states and osd["loss_scaler"].cur_scale == 1.0
     assert osd["param_slice_mappings"][0]["w"] == fragment_address(numel=6, start=2)
     assert safe_load.check_step(str(tmp_path)) == 2
+    with safe_load.weights_only_everywhere():  # DeepSpeed loads through our engine, and by torch.load itself
+        MegatronDSCheckpointEngine().load(str(tmp_path / "mp_rank_00_model_states.pt"), "cpu")
+        forced = torch.load(tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    assert forced["optimizer_state_dict"]["zero_stage"] is ZeroStageEnum.optimizer_states
 
 
 @pytest.mark.parametrize("torch_format", [True, False], ids=["torch.save", "bare-pickle"])
