@@ -93,6 +93,18 @@ def test_hf_export_reads_the_checkpoint_safely(tmp_path):
     assert not (tmp_path / "payload-ran").exists()
 
 
+def test_blending_cache_is_never_unpickled(tmp_path):
+    from megatron_ds.data.blendable_dataset import cached_blending_indices
+    first = cached_blending_indices([0.25, 0.75], 16, str(tmp_path))
+    (path,) = [p for p in tmp_path.iterdir() if p.suffix == ".npz"]
+    again = cached_blending_indices([0.25, 0.75], 16, str(tmp_path))  # read back from the cache
+    assert all(a.tolist() == b.tolist() for a, b in zip(first, again))
+    craft(str(path), str(tmp_path / "payload-ran"), torch_format=False)
+    with pytest.raises(DataConfigError, match=f"blending cache {path} is refused: it holds pickled data"):
+        cached_blending_indices([0.25, 0.75], 16, str(tmp_path))
+    assert not (tmp_path / "payload-ran").exists()
+
+
 def test_index_cache_is_never_unpickled(tmp_path):
     good = tmp_path / "corpus_train_indexmap_doc_idx.npy"
     np.save(good, np.arange(10, dtype=np.int32))
