@@ -419,7 +419,7 @@ def signal_run(workdir, rank=1, after=4, train_iters=8, sig=signal.SIGUSR1):
     finally:
         job.kill()
     out = job.output()
-    found = re.search(r"exiting program at iteration (\d+) after receiving (\S+)", out)
+    found = re.search(r"exiting program at iteration (\d+) after receiving [^\n]*", out)
     return {"exit_codes": codes, "saved_at": int(found.group(1)) if found else None,
             "reason": found.group(0) if found else None, "latest": latest(workdir), "losses": logged_losses(out),
             "output": out}

@@ -103,6 +103,7 @@ def test_files_that_would_run_code_are_refused_under_every_launcher(chain):
         assert "successfully loaded checkpoint" not in out
     assert runs["srun"]["exit_codes"] == {0: 2, 1: 2}
     assert "it holds pickled data, which could run code when loaded" in runs["srun"]["errors"][0]
-    assert set(runs["torchrun"]["worker_codes"].values()) == {2}, runs["torchrun"]["output"][-3000:]
+    codes = set(runs["torchrun"]["worker_codes"].values())  # torchrun SIGTERMs a rank it finds still running
+    assert 2 in codes and codes <= {2, -15}, runs["torchrun"]["output"][-3000:]
     assert runs["torchrun"]["exit_codes"] != 0 and runs["deepspeed"]["exit_codes"] != 0
     assert "checkpoint files are refused: " in runs["torchrun"]["errors"][0]
