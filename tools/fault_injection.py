@@ -1,12 +1,13 @@
 """Inject faults into tiny pretrain_gpt.py runs and print a table of what was tried and how each ended.
 
-    python -m tools.fault_injection                 # every scenario (about 10 minutes on 2 cores)
+    python -m tools.fault_injection                 # every scenario (about 15 minutes on 2 cores)
     python -m tools.fault_injection freeze restart  # some of them
 
 Each scenario trains a 2-layer GPT on 4 gloo ranks (pipeline 2 x data 2) on a random corpus and injects
 one fault, from outside (a signal to one worker, a damaged or crafted checkpoint file) or with
---inject-inf-grad-iterations, --inject-enospc or --inject-oom (out-of-room and unsafe run 2 ranks, PP=2). The restart runs under torchrun; the others start one process a rank, as
-srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the rest after the first).
+--inject-inf-grad-iterations, --inject-enospc or --inject-oom (out-of-room and unsafe: 2 ranks, PP=2).
+The restart runs under torchrun; the others start one process a rank, as srun does, so that each rank's
+own exit code is seen (torchrun would SIGTERM the rest after the first).
 
 | scenario | fault                                                     | promised                                  |
 |----------|-----------------------------------------------------------|-------------------------------------------|
@@ -15,8 +16,12 @@ srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the
 | truncate | a layer file of the last checkpoint cut in half           | exit 2 on every rank, the file named once |
 | restart  | SIGKILL to rank 1 after the second save, --max-restarts 1 | the job resumes, losses bit-equal         |
 | inf-grad | an inf gradient at iterations 2, 4, 5 (bf16), limit 2     | each skipped and counted; saved, exit 3   |
-| out-of-room | ENOSPC at each stage of a save (--keep-training-on-disk-full), then without the flag; an allocator failure on rank 1; SIGUSR1 to rank 1 (srun-like, --exit-signal-handler); resume | failed saves skipped / exit 2 with latest intact; exit 4 and 1 at once; saved, exit 0; losses bit-equal |
-| unsafe   | checkpoint files and an index cache replaced by pickles that would create a file; resume under torchrun, srun, deepspeed | payload never runs; exit 2 naming each file |
+| out-of-room | ENOSPC at each stage of a save, with --keep-training-on-disk-full | each save skipped, training goes on |
+|          | ENOSPC in a ZeRO shard, no flag                           | exit 2 on every rank, `latest` intact     |
+|          | an allocator failure on rank 1 (--inject-oom)              | exit 4 (rank 1) and 1 at once, one line each |
+|          | SIGUSR1 to rank 1, srun-like, --exit-signal-handler       | both save one iteration, exit 0           |
+|          | resume from each of those                                 | losses bit-equal to an uninterrupted run  |
+| unsafe   | checkpoint files, an index cache: pickles creating a file | payload never runs; exit 2 naming each    |
 
 The launching helpers are shared with tests/training/test_faults.py.
 """
@@ -94,8 +99,8 @@ class Job:
                 env.update(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
                 per_rank = [dict(RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)]
             self.procs = [subprocess.Popen([sys.executable, *script], cwd=workdir, stdout=self._log,
-                                           stderr=subprocess.STDOUT, start_new_session=True, env=dict(env, **per_rank[r]))
-                          for r in range(nproc)]
+                                           stderr=subprocess.STDOUT, start_new_session=True,
+                                           env=dict(env, **per_rank[r])) for r in range(nproc)]
         self.direct = launcher in ("direct", "srun")
 
     def workers(self):

@@ -26,7 +26,8 @@ def test_enospc_in_a_torch_file_is_recorded_with_its_size_and_the_step_removed(t
     assert not step.exists()  # nothing half-written stays for `latest` to name
     _begin(4)
     disk_full.write_torch(state, str(tmp_path / "again.pt"))  # a new save starts clean
-    assert torch.equal(torch.load(tmp_path / "again.pt")["w"], state["w"]) and disk_full.agree(str(tmp_path), None) is None
+    assert torch.equal(torch.load(tmp_path / "again.pt")["w"], state["w"])
+    assert disk_full.agree(str(tmp_path), None) is None
     size = os.path.getsize(tmp_path / "again.pt")
     assert message.startswith(f"saving iteration 3: {step}/zero_pp_rank_0_mp_rank_00_optim_states.pt: No space left "
                               f"on device (ENOSPC): it needed {size} bytes, ")

@@ -20,8 +20,8 @@ def test_line_names_rank_stage_op_peak_and_knobs():
     line = out_of_memory.describe(MemoryError(), 7)
     assert line.startswith("rank 7, pipeline stage 3: out of memory in B of micro-batch 5 (replica 1, virtual stage 2, "
                            "segment 1) at iteration 7: MemoryError; ")
-    assert " GiB resident (peak); to lower it: lower --micro-batch-size (now 4); with \"schedule\": \"auto\" a smaller " \
-           "pipeline.memory_budget (now 24GiB); activation checkpointing --checkpoint-activations (now on); more " \
+    assert " GiB resident (peak); to lower it: lower --micro-batch-size (now 4); with \"schedule\": \"auto\" a " \
+           "smaller pipeline.memory_budget (now 24GiB); activation checkpointing --checkpoint-activations (now on); more " \
            "Seq1F1B segments pipeline.seq_splits (now 2)" in line
 
 
