@@ -1,12 +1,13 @@
 """Inject faults into tiny pretrain_gpt.py runs and print a table of what was tried and how each ended.
 
-    python -m tools.fault_injection                 # every scenario (about 10 minutes on 2 cores)
+    python -m tools.fault_injection                 # every scenario (about 15 minutes on 2 cores)
     python -m tools.fault_injection freeze restart  # some of them
 
 Each scenario trains a 2-layer GPT on 4 gloo ranks (pipeline 2 x data 2) on a random corpus and injects
-one fault, from outside (a signal to one worker, a damaged checkpoint file) or with
---inject-inf-grad-iterations. The restart runs under torchrun; the others start one process a rank, as
-srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the rest after the first).
+one fault, from outside (a signal to one worker, a damaged or crafted checkpoint file) or with
+--inject-inf-grad-iterations, --inject-enospc or --inject-oom (out-of-room and unsafe: 2 ranks, PP=2).
+The restart runs under torchrun; the others start one process a rank, as srun does, so that each rank's
+own exit code is seen (torchrun would SIGTERM the rest after the first).
 
 | scenario | fault                                                     | promised                                  |
 |----------|-----------------------------------------------------------|-------------------------------------------|
@@ -15,6 +16,12 @@ srun does, so that each rank's own exit code is seen (torchrun would SIGTERM the
 | truncate | a layer file of the last checkpoint cut in half           | exit 2 on every rank, the file named once |
 | restart  | SIGKILL to rank 1 after the second save, --max-restarts 1 | the job resumes, losses bit-equal         |
 | inf-grad | an inf gradient at iterations 2, 4, 5 (bf16), limit 2     | each skipped and counted; saved, exit 3   |
+| out-of-room | ENOSPC at each stage of a save, with --keep-training-on-disk-full | each save skipped, training goes on |
+|          | ENOSPC in a ZeRO shard, no flag                           | exit 2 on every rank, `latest` intact     |
+|          | an allocator failure on rank 1 (--inject-oom)              | exit 4 (rank 1) and 1 at once, one line each |
+|          | SIGUSR1 to rank 1, srun-like, --exit-signal-handler       | both save one iteration, exit 0           |
+|          | resume from each of those                                 | losses bit-equal to an uninterrupted run  |
+| unsafe   | checkpoint files, an index cache: pickles creating a file | payload never runs; exit 2 naming each    |
 
 The launching helpers are shared with tests/training/test_faults.py.
 """
@@ -62,8 +69,9 @@ def gpt_args(workdir, *extra, train_iters=12, save_interval=2, bf16=False, sched
 class Job:
     """pretrain_gpt.py on `nproc` local gloo ranks, its workers found by rank.
 
-    launcher "torchrun" (with --max-restarts), or "direct": one process a rank with RANK, WORLD_SIZE and
-    MASTER_* set, as srun starts them, so that each rank's own exit code and output are seen.
+    launcher "torchrun" (with --max-restarts), "deepspeed" (its launcher), "direct": one process a rank with
+    RANK, WORLD_SIZE and MASTER_* set, or "srun": one process a rank with only the SLURM_* variables srun
+    sets; the last two show each rank's own exit code and output.
     """
 
     def __init__(self, workdir, args, nproc=4, max_restarts=0, name="job", launcher="torchrun"):
@@ -74,19 +82,27 @@ class Job:
         port = str(free_port())
         self._log = open(self.log_path, "w")
         self.start = time.monotonic()
-        if launcher == "torchrun":
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                   "--master_addr", "127.0.0.1", "--master_port", port, "--max-restarts", str(max_restarts),
-                   "--monitor-interval", "0.5", *script]
+        if launcher in ("torchrun", "deepspeed"):
+            cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_addr", "127.0.0.1", "--master_port", port, "--max-restarts", str(max_restarts),
+                    "--monitor-interval", "0.5", *script] if launcher == "torchrun" else
+                   [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", port,
+                    *script])
             self.procs = [subprocess.Popen(cmd, cwd=workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                            start_new_session=True)]
         else:
-            env.update(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(name, None)
+            if launcher == "srun":  # what srun gives each task: SLURM_* variables only
+                env.update(SLURM_NTASKS=str(nproc), SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port)
+                per_rank = [dict(SLURM_PROCID=str(r), SLURM_LOCALID=str(r)) for r in range(nproc)]
+            else:
+                env.update(WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                per_rank = [dict(RANK=str(r), LOCAL_RANK=str(r)) for r in range(nproc)]
             self.procs = [subprocess.Popen([sys.executable, *script], cwd=workdir, stdout=self._log,
                                            stderr=subprocess.STDOUT, start_new_session=True,
-                                           env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-                          for r in range(nproc)]
-        self.direct = launcher != "torchrun"
+                                           env=dict(env, **per_rank[r])) for r in range(nproc)]
+        self.direct = launcher in ("direct", "srun")
 
     def workers(self):
         """{rank: pid} of this job's live workers (of the latest restart)."""
@@ -322,13 +338,227 @@ def scenario_inf_grad(workdir, iterations=(2, 4, 5), limit=2, train_iters=7, npr
                       f"latest {latest(workdir)}"}
 
 
+# --------------------------------------------------------------------------- out of room, signals
+
+ENOSPC_STAGES = (("layer_03", 2), ("mp_rank_01_model_states", 3), ("mp_rank_00_optim_states", 4),
+                 ("manifest.json", 5), ("latest", 6))  # (file of the save, iteration): every stage of a save
+
+
+def _sibling(workdir, name):
+    """WORKDIR/NAME with the same corpus, for a run that must not share WORKDIR's checkpoints."""
+    path = os.path.join(workdir, name)
+    os.makedirs(path, exist_ok=True)
+    for ext in (".bin", ".idx"):
+        if not os.path.exists(os.path.join(path, "corpus" + ext)):
+            os.symlink(os.path.join(workdir, "corpus" + ext), os.path.join(path, "corpus" + ext))
+    return path
+
+
+def _exit_seconds(job, since):
+    """{rank: seconds from `since` to its exit} of a direct or srun launch (waits up to 10 minutes)."""
+    seconds = {}
+    while len(seconds) < len(job.procs) and time.monotonic() - since < 600:
+        for r, p in enumerate(job.procs):
+            if r not in seconds and p.poll() is not None:
+                seconds[r] = time.monotonic() - since
+        time.sleep(0.05)
+    return seconds
+
+
+def step_dirs(workdir):
+    ckpt = os.path.join(workdir, "ckpt")
+    return sorted(d for d in os.listdir(ckpt) if d.startswith("global_step")) if os.path.isdir(ckpt) else []
+
+
+def keep_training_run(workdir, train_iters=8, stages=ENOSPC_STAGES):
+    """Save every iteration, ENOSPC at each stage of a save in turn, --keep-training-on-disk-full: every failed
+    save is reported and removed, training goes on; its losses are those of an uninterrupted run."""
+    inject = [a for name, it in stages for a in ("--inject-enospc", str(it), name)]
+    job = Job(workdir, gpt_args(workdir, "--keep-training-on-disk-full", *inject, train_iters=train_iters,
+                                save_interval=1), nproc=2, name="keep-training", launcher="direct")
+    codes = job.wait(900)
+    out = job.output()
+    warnings = [line for line in out.splitlines() if line.startswith("WARNING: checkpoint not saved")]
+    return {"exit_codes": codes, "losses": logged_losses(out), "warnings": warnings, "steps": step_dirs(workdir),
+            "latest": latest(workdir), "output": out}
+
+
+def enospc_stop_run(workdir, iteration=4, name="mp_rank_00_optim_states", train_iters=8, save_interval=2):
+    """ENOSPC in `name` at the save of `iteration`, no flag: every rank stops, `latest` keeps the previous save."""
+    job = Job(workdir, gpt_args(workdir, "--inject-enospc", str(iteration), name, train_iters=train_iters,
+                                save_interval=save_interval), nproc=2, name="enospc", launcher="direct")
+    try:
+        job.wait_for(lambda: f"saving checkpoint at iteration {iteration:7d}" in job.output(), 600)
+        seconds = _exit_seconds(job, time.monotonic())
+        codes = job.wait(5)
+    finally:
+        job.kill()
+    out = job.output()
+    return {"exit_codes": codes, "exit_seconds": seconds, "errors": rank_errors(out), "latest": latest(workdir),
+            "steps": step_dirs(workdir), "losses": logged_losses(out), "output": out}
+
+
+def oom_run(workdir, rank=1, iteration=4, train_iters=8, save_interval=2):
+    """Resume, and rank `rank`'s allocator fails in F of micro-batch 1 at `iteration`."""
+    job = Job(workdir, gpt_args(workdir, "--inject-oom", str(rank), str(iteration), train_iters=train_iters,
+                                save_interval=save_interval), nproc=2, name="oom", launcher="direct")
+    try:
+        job.wait_for(lambda: "out of memory" in job.output(), 600)
+        seconds = _exit_seconds(job, time.monotonic())
+        codes = job.wait(5)
+    finally:
+        job.kill()
+    out = job.output()
+    return {"exit_codes": codes, "exit_seconds": seconds, "errors": rank_errors(out), "latest": latest(workdir),
+            "steps": step_dirs(workdir), "losses": logged_losses(out), "output": out}
+
+
+def signal_run(workdir, rank=1, after=4, train_iters=8, sig=signal.SIGUSR1):
+    """srun-like launch with --exit-signal-handler; `sig` to rank `rank` once iteration `after` is logged:
+    every rank saves the iteration they agree on and exits 0."""
+    job = Job(workdir, gpt_args(workdir, "--exit-signal-handler", train_iters=train_iters, save_interval=1000),
+              nproc=2, name="signal", launcher="srun")
+    try:
+        if job.wait_for(lambda: f"iteration {after:8d}/" in job.output(), 600, poll=0.01):
+            job.signal(rank, sig)
+        codes = job.wait(600)
+    finally:
+        job.kill()
+    out = job.output()
+    found = re.search(r"exiting program at iteration (\d+) after receiving [^\n]*", out)
+    return {"exit_codes": codes, "saved_at": int(found.group(1)) if found else None,
+            "reason": found.group(0) if found else None, "latest": latest(workdir), "losses": logged_losses(out),
+            "output": out}
+
+
+def resume_run(workdir, train_iters=8, launcher="direct"):
+    job = Job(workdir, gpt_args(workdir, train_iters=train_iters), nproc=2, name="resume", launcher=launcher)
+    codes = job.wait(900)
+    out = job.output()
+    found = re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)", out)
+    return {"exit_codes": codes, "resumed_at": int(found[-1]) if found else None, "losses": logged_losses(out),
+            "output": out}
+
+
+def out_of_room_chain(workdir, train_iters=8):
+    """The keep-training run (the reference losses), then in WORKDIR: ENOSPC stops a run at iteration 4
+    (latest: global_step2), an OOM stops the resumed run at iteration 4 (latest still global_step2), SIGUSR1
+    saves a resumed run mid-way, and a last run resumes from there to the end."""
+    keep = keep_training_run(_sibling(workdir, "reference"), train_iters)
+    enospc = enospc_stop_run(workdir, train_iters=train_iters)
+    oom = oom_run(workdir, train_iters=train_iters)
+    sig = signal_run(workdir, train_iters=train_iters)
+    final = resume_run(workdir, train_iters)
+    ref = keep["losses"]
+    resumed = {**{i: v for i, v in oom["losses"].items()}, **sig["losses"], **final["losses"]}
+    return {"keep": keep, "enospc": enospc, "oom": oom, "signal": sig, "final": final,
+            "bit_exact": sum(resumed.get(i) == ref.get(i) for i in range(3, train_iters + 1)),
+            "compared": train_iters - 2}
+
+
+def scenario_out_of_room(workdir):
+    r = out_of_room_chain(workdir)
+    k, e, o, s = r["keep"], r["enospc"], r["oom"], r["signal"]
+    ok = (set(k["exit_codes"].values()) == {0} and len(k["warnings"]) == len(ENOSPC_STAGES)
+          and set(e["exit_codes"].values()) == {2} and e["latest"] == "global_step2" and len(e["errors"]) == 1
+          and o["exit_codes"] == {0: 1, 1: 4} and o["latest"] == "global_step2"
+          and set(s["exit_codes"].values()) == {0} and s["latest"] == f"global_step{s['saved_at']}"
+          and r["bit_exact"] == r["compared"])
+    return {"ok": ok, "output": "", **{k2: {a: b for a, b in v.items() if a != "output"} if isinstance(v, dict) else v
+                                        for k2, v in r.items()},
+            "detail": f"ENOSPC: {len(k['warnings'])} failed saves skipped, stop exit codes "
+                      f"{sorted(e['exit_codes'].values())} in {max(e['exit_seconds'].values(), default=0):.1f} s; "
+                      f"OOM exit codes {sorted(o['exit_codes'].values())} in "
+                      f"{max(o['exit_seconds'].values(), default=0):.1f} s; SIGUSR1 saved at {s['saved_at']}; "
+                      f"{r['bit_exact']}/{r['compared']} resumed losses bit-equal"}
+
+
+# --------------------------------------------------------------------------- files that would run code
+
+class Payload:
+    """Pickles as a call to open(path, "w"): unpickling it creates `path` (what a malicious file could do)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def craft(path, payload_path, torch_format=True):
+    """Replace `path` by a pickle that creates `payload_path` when loaded (torch.save's zip format, or a bare
+    pickle as an .npy cache would be); the step's manifest goes too, as a sender would remove it."""
+    import pickle
+    import torch
+    if torch_format:
+        torch.save({"module": Payload(payload_path), "optimizer_state_dict": None}, path)
+    else:
+        with open(path, "wb") as f:
+            pickle.dump(Payload(payload_path), f)
+    manifest = os.path.join(os.path.dirname(path), "manifest.json")
+    if os.path.exists(manifest):
+        os.remove(manifest)
+    return path
+
+
+def unsafe_resume(workdir, targets, launcher, train_iters=8):
+    """Craft each of `targets` (paths relative to WORKDIR), resume under `launcher`, put the files back.
+    Returns the exit codes, the error lines and which payloads ran."""
+    import shutil
+    backup = {}
+    payloads = {}
+    for i, rel in enumerate(targets):
+        path = os.path.join(workdir, rel)
+        backup[path] = path + ".orig"
+        shutil.copy2(path, backup[path])
+        payloads[rel] = os.path.join(workdir, f"payload-ran-{i}")
+        craft(path, payloads[rel], torch_format=rel.endswith(".pt"))
+    step = os.path.dirname(os.path.join(workdir, targets[0]))
+    manifest = os.path.join(step, "manifest.json")
+    try:
+        job = Job(workdir, gpt_args(workdir, train_iters=train_iters), nproc=2, name=f"unsafe-{launcher}",
+                  launcher=launcher)
+        codes = job.wait(600)
+    finally:
+        for path, orig in backup.items():
+            os.replace(orig, path)
+    out = job.output()
+    return {"exit_codes": codes, "errors": rank_errors(out), "ran": [rel for rel, p in payloads.items()
+                                                                     if os.path.exists(p)],
+            "named": {rel: os.path.basename(rel) in "\n".join(rank_errors(out)) for rel in targets},
+            "worker_codes": worker_exit_codes(out), "manifest_removed": not os.path.exists(manifest), "output": out}
+
+
+def index_cache(workdir, kind="doc_idx"):
+    return sorted(f for f in os.listdir(workdir) if f.endswith(f"_{kind}.npy"))[0]
+
+
+def scenario_unsafe(workdir):
+    """A checkpoint and an index cache replaced by pickles that create a file: refused, the payload never runs."""
+    _train_then(workdir, "unsafe-save", train_iters=4, nproc=2)
+    step = os.path.join("ckpt", latest(workdir))
+    files = [os.path.join(step, f) for f in ("mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                             "layer_01-model_states.pt")]
+    runs = {"torchrun": unsafe_resume(workdir, files, "torchrun", train_iters=4),
+            "srun": unsafe_resume(workdir, [index_cache(workdir)], "srun", train_iters=4),
+            "deepspeed": unsafe_resume(workdir, [os.path.join(step, "mp_rank_00_model_states.pt")], "deepspeed",
+                                       train_iters=4)}
+    ok = all(not r["ran"] and all(r["named"].values()) and len(r["errors"]) == 1 for r in runs.values())
+    ok = ok and set(runs["srun"]["exit_codes"].values()) == {2}
+    return {"ok": ok, "runs": {k: {a: b for a, b in v.items() if a != "output"} for k, v in runs.items()},
+            "detail": "; ".join(f"{k}: payload ran {len(v['ran'])}x, exit {v['exit_codes']}" for k, v in runs.items())}
+
+
 SCENARIOS = {"freeze": scenario_freeze, "shard": scenario_shard, "truncate": scenario_truncate,
-             "restart": scenario_restart, "inf-grad": scenario_inf_grad}
+             "restart": scenario_restart, "inf-grad": scenario_inf_grad, "out-of-room": scenario_out_of_room,
+             "unsafe": scenario_unsafe}
 FAULTS = {"freeze": "SIGSTOP rank 3 at iteration 3, 1-minute timeout",
           "shard": "delete a ZeRO shard of the last checkpoint, resume",
           "truncate": "truncate a layer file of the last checkpoint, resume",
           "restart": "SIGKILL rank 1 after the 2nd save, torchrun --max-restarts 1",
-          "inf-grad": "inf gradient at iterations 2, 4, 5 (bf16), --exit-after-nan-iterations 2"}
+          "inf-grad": "inf gradient at iterations 2, 4, 5 (bf16), --exit-after-nan-iterations 2",
+          "out-of-room": "ENOSPC at each stage of a save; allocator failure on rank 1; SIGUSR1 to rank 1; resume",
+          "unsafe": "checkpoint files and an index cache replaced by pickles that create a file; resume"}
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ import os
 import re
 from collections import OrderedDict
 
+from megatron_ds.training import safe_load
 from megatron_ds.training.errors import CheckpointError
 from megatron_ds.training.manifest import verify_manifest, write_manifest
 from megatron_ds.training.universal import read_tag
@@ -88,10 +89,12 @@ def checkpoint_tag_dir(load_dir):
 
 
 def _load(path):
-    import torch
     if not os.path.isfile(path):
         raise ToolError(f"{path}: missing from the checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return safe_load.load(path)
+    except CheckpointError as e:
+        raise ToolError(str(e)) from None
 
 
 def read_saved_args(tag_dir):

@@ -13,6 +13,7 @@ import time
 import numpy as np
 from torch.utils.data import Dataset
 
+from .dataset_utils import DataConfigError
 from .dist_utils import get_rank, print_rank_0
 from .helpers import build_blending_indices
 
@@ -56,8 +57,12 @@ def cached_blending_indices(weights, size, cache_dir=None):
     digest = hashlib.blake2b(np.asarray(weights, dtype=np.float64).tobytes(), digest_size=5).hexdigest()
     path = os.path.join(cache_dir, f"blending_indices_{len(weights)}ds_{size}ns_{digest}.npz")
     if os.path.isfile(path):
-        with np.load(path) as cached:
-            return cached["dataset_index"], cached["dataset_sample_index"]
+        try:  # never unpickled: a cache folder may be shared, and a pickle in its place would run code
+            with np.load(path, allow_pickle=False) as cached:
+                return cached["dataset_index"], cached["dataset_sample_index"]
+        except (ValueError, OSError, KeyError, EOFError) as e:
+            why = "it holds pickled data, which could run code when loaded" if "pickle" in str(e) else str(e)
+            raise DataConfigError(f"blending cache {path} is refused: {why} (delete the file to rebuild it)") from None
     dataset_index, dataset_sample_index = build_blending_indices(weights, size)
     if get_rank() == 0:
         os.makedirs(cache_dir, exist_ok=True)

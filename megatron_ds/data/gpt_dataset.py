@@ -189,9 +189,24 @@ def build_index_mappings(name, data_prefix, documents, sizes, num_samples, seq_l
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise DataConfigError(f"index cache {missing[0]} was not built (see rank 0's error)")
-    doc_idx, sample_idx, shuffle_idx = (np.load(p, allow_pickle=True, mmap_mode="r") for p in paths)
+    doc_idx, sample_idx, shuffle_idx = (load_index_cache(p) for p in paths)
     print_rank_0(f"    {name}: {sample_idx.shape[0] - 1} samples over {num_epochs} epoch(s)")
     return doc_idx, sample_idx, shuffle_idx
+
+
+def load_index_cache(path):
+    """A cache file as a read-only memory map, never unpickled: np.load with allow_pickle would run a pickle
+    put in its place (a cache directory shared between users), memory-mapping refuses object arrays."""
+    try:
+        arr = np.load(path, allow_pickle=False, mmap_mode="r")
+    except (ValueError, OSError, EOFError) as e:
+        why = "it holds pickled data, which could run code when loaded" if "pickle" in str(e) else str(e)
+        raise DataConfigError(f"index cache {path} is refused: {why} (an index cache holds one integer array; "
+                              "delete the file to rebuild it)") from None
+    if arr.dtype.kind not in "iu" or arr.ndim not in (1, 2):
+        raise DataConfigError(f"index cache {path} is refused: it holds a {arr.ndim}-d {arr.dtype} array, not "
+                              "integer indices (delete the file to rebuild it)")
+    return arr
 
 
 def _build_and_save(paths, documents, sizes, num_samples, seq_length, seed, num_epochs, tokens_per_epoch):
@@ -239,5 +254,5 @@ def _build_shuffle_idx(num_samples, total_size, rng):
 
 def _save_atomic(path, arr):
     tmp = f"{path}.tmp-{os.getpid()}.npy"
-    np.save(tmp, arr, allow_pickle=True)
+    np.save(tmp, arr, allow_pickle=False)
     os.replace(tmp, path)

@@ -53,6 +53,7 @@ class Tracer:
         self.trace_dir = trace_dir
         self.listener = None  # called with each recorded IterationTrace (schedule "auto" times ops so)
         self._current = None  # the IterationTrace being recorded
+        self.running = None  # (instruction name, kwargs) of the instruction under way
 
     @contextmanager
     def iteration(self, engine):
@@ -71,10 +72,15 @@ class Tracer:
             listener(current)
 
     def instruction(self, name, fn, engine, kwargs):
+        # kept when the instruction raises: an out-of-memory report names the op (training/out_of_memory.py)
+        self.running = (name, kwargs)
         if torch.autograd._profiler_enabled():  # --profile: the op's name above its kernels in torch.profiler
             with torch.profiler.record_function(profile_label(name, engine, kwargs)):
-                return self._run(name, fn, engine, kwargs)
-        return self._run(name, fn, engine, kwargs)
+                out = self._run(name, fn, engine, kwargs)
+        else:
+            out = self._run(name, fn, engine, kwargs)
+        self.running = None
+        return out
 
     def _run(self, name, fn, engine, kwargs):
         if self._current is None:

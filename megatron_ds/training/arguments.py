@@ -20,11 +20,14 @@ from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
 
 from .batch_schedule import BatchSizeSchedule
+from .disk_full import add_disk_full_args, check_disk_full_args
+from .exit_signal import add_exit_signal_args
 from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, run_gpt_config, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
+from .out_of_memory import add_out_of_memory_args, check_out_of_memory_args
 from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
 from .universal import add_universal_args, apply_universal
 
@@ -144,6 +147,9 @@ def build_parser():
                    help="set by the deepspeed launcher")
     add_fork_args(p)
     add_nonfinite_args(p)
+    add_disk_full_args(p)
+    add_exit_signal_args(p)
+    add_out_of_memory_args(p)
     add_observability_args(p)
     add_parallel_args(p)
     add_universal_args(p)
@@ -199,6 +205,8 @@ def validate_args(args):
     check_schedule_shape(args)
     check_sequence_parallel_ds_config(args)
     check_observability_args(args)
+    check_disk_full_args(args)
+    check_out_of_memory_args(args)
     args.rampup_batch_size = _rampup(args)
     args.batch_schedule = BatchSizeSchedule(args.global_batch_size, args.rampup_batch_size)
     args.train_iters, args.train_samples = _training_length(args)

@@ -7,7 +7,10 @@ the newest complete tag (plus Megatron's latest_checkpointed_iteration.txt).
 
 `latest` is written only after every rank has finished writing its files (a
 barrier), by rank 0, through a temporary file and an atomic rename: a save that
-dies half-way leaves `latest` pointing at the previous complete checkpoint.
+dies half-way leaves `latest` pointing at the previous complete checkpoint. A save
+that runs out of disk is agreed on by every rank and never named (disk_full.py).
+Every file is read weights-only, and tried on every rank before anything loads
+(safe_load.py, checkpoint_engine.py): no checkpoint runs code.
 
 Client state: iteration, consumed train/valid samples and tokens (which fix the
 position of the data iterators: the sampler restarts at that sample), the RNG
@@ -39,6 +42,7 @@ from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
 from megatron_ds.pipe.zero_internals import ZeroInternals
 
 from .errors import CheckpointError
+from . import checkpoint_engine, disk_full, safe_load
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
@@ -63,29 +67,24 @@ def tag_for(iteration):
     return f"global_step{iteration}"
 
 
-def _write_atomic(path, text):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def write_step_file(step_dir, name, content):
-    """A JSON file beside DeepSpeed's in a step folder (temp file, rename); None removes a stale one
-    (a reused tag folder)."""
+    """A JSON file beside DeepSpeed's in a step folder (temp file, rename; out of room: recorded by
+    disk_full); None removes a stale one (a reused tag folder)."""
     path = os.path.join(step_dir, name)
     if content is None:
         if os.path.exists(path):
             os.remove(path)
         return
-    _write_atomic(path, json.dumps(content, indent=1))
+    disk_full.write_text(path, json.dumps(content, indent=1))
 
 
 def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, extra_files=()):
     """`extra_files`: [(name, JSON-able content or None)] rank 0 writes into the step folder before the
-    manifest lists it (write_step_file), e.g. "schedule": "auto"'s decision (training/auto_schedule.py)."""
+    manifest lists it (write_step_file), e.g. "schedule": "auto"'s decision (training/auto_schedule.py).
+
+    Returns True when the step is complete and `latest` names it. Out of disk (disk_full.py): raises the
+    same DiskFullError on every rank, or returns False under --keep-training-on-disk-full.
+    """
     import torch.distributed as dist
     print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
     client_state = {
@@ -101,17 +100,42 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         UNIVERSAL_CHECKPOINT_INFO: universal_info(args),
     }
     tag = tag_for(iteration)
-    engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+    step_dir = os.path.join(args.save, tag)
+    checkpoint_engine.install(engine)
+    disk_full.begin(args, iteration)
+    try:
+        engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+    except OSError as e:  # outside our checkpoint engine (DeepSpeed's own copies): this rank alone knows
+        if disk_full.is_out_of_room(e):
+            disk_full.report_alone_and_exit(e, iteration)
+        raise
     if dist.get_rank() == 0:
         for name, content in extra_files:
-            write_step_file(os.path.join(args.save, tag), name, content)
-    dist.barrier()  # every rank's files are on disk before `latest` names them
-    write_manifest(os.path.join(args.save, tag))
-    if dist.get_rank() == 0:
-        _write_atomic(os.path.join(args.save, "latest"), tag)
-        _write_atomic(os.path.join(args.save, "latest_checkpointed_iteration.txt"), str(iteration))
-    dist.barrier()
+            disk_full.guarded(lambda: write_step_file(step_dir, name, content), os.path.join(step_dir, name))
+    if _stopped_by_disk(args, step_dir):  # every rank's files are on disk before `latest` names them
+        return False
+    disk_full.guarded(lambda: write_manifest(step_dir), os.path.join(step_dir, "manifest.json"))
+    if dist.get_rank() == 0 and not disk_full.failed():
+        disk_full.write_text(os.path.join(args.save, "latest"), tag)
+        disk_full.write_text(os.path.join(args.save, "latest_checkpointed_iteration.txt"), str(iteration))
+    if _stopped_by_disk(args, step_dir):
+        return False
     print_rank_0(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}")
+    return True
+
+
+def _stopped_by_disk(args, step_dir):
+    """Every rank: did any run out of room? (a collective; it is also the save's barrier)."""
+    failure = disk_full.agree(step_dir, read_tag(args.save, "latest"))
+    if failure is None:
+        return False
+    if not args.keep_training_on_disk_full:
+        raise disk_full.DiskFullError(f"{failure}; the previous checkpoint and {os.path.join(args.save, 'latest')} "
+                                      "are intact: free space (or raise the quota) and resume, or pass "
+                                      "--keep-training-on-disk-full to train on and retry at the next save")
+    print_rank_0(f"WARNING: checkpoint not saved: {failure}; training goes on (--keep-training-on-disk-full), "
+                 "the next --save-interval tries again")
+    return True
 
 
 def universal_info(args):
@@ -125,12 +149,11 @@ def read_latest_tag(load_dir, universal=False):
 
 def read_saved_state(load_dir, tag):
     """mp_rank_00_model_states.pt: our client state, the pipeline layout and DeepSpeed's sizes."""
-    import torch
     path = os.path.join(load_dir, tag, "mp_rank_00_model_states.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: {load_dir}/latest names {tag!r}, which is not a complete "
                               "DeepSpeed checkpoint")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return safe_load.load(path)
 
 
 def _check_model_shape(args, saved_args, load_dir, universal):
@@ -217,7 +240,9 @@ def load_checkpoint(engine, args):
                      "will not load any checkpoint and will start from random")
         return state
     load_optimizer = not (args.no_load_optim or args.finetune)  # the ZeRO shards are read either way below
-    verify_manifest(os.path.join(args.load, tag), skip=lambda rel: not load_optimizer and "optim_states" in rel)
+    skip = lambda rel: not load_optimizer and "optim_states" in rel  # noqa: E731
+    verify_manifest(os.path.join(args.load, tag), skip=skip)
+    safe_load.check_step(os.path.join(args.load, tag), skip=skip)  # no file can run code once loaded
     saved = read_saved_state(args.load, tag)
     _check_model_shape(args, saved.get("args"), args.load, universal)
     saved_tp = getattr(saved.get("args"), "tensor_model_parallel_size", 1)
@@ -240,9 +265,11 @@ def load_checkpoint(engine, args):
 
 def restore(engine, load_dir, tag, plan):
     """Load `tag` into the engine as `plan` says; returns this stage's client state."""
-    load_path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=plan.optimizer in ("deepspeed", "universal"),
-        load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
+    checkpoint_engine.install(engine)
+    with safe_load.weights_only_everywhere():
+        load_path, client_state = engine.load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=plan.optimizer in ("deepspeed", "universal"),
+            load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {tag} from {load_dir}")
     if plan.universal and plan.optimizer is None:

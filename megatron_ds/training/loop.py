@@ -18,7 +18,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error, record_for_launcher
 
-from . import timeouts
+from . import auto_schedule, exit_signal, out_of_memory, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
@@ -72,6 +72,7 @@ class Trainer:
         self.start_time = time.time()
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
         self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
+        self.signals = exit_signal.Listener(args.exit_signal_handler)
 
     # ---- pieces
 
@@ -89,10 +90,11 @@ class Trainer:
         if not self.args.save or self.last_saved == self.iteration:
             return
         self.timers.start("save-checkpoint")
-        save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
-                        self.auto.checkpoint_files(self.iteration) if self.auto else ())
+        saved = save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
+                                self.auto.checkpoint_files(self.iteration) if self.auto else ())
         self.timers.stop("save-checkpoint")
-        self.last_saved = self.iteration
+        if saved:  # not saved for lack of room (--keep-training-on-disk-full): the next save tries again
+            self.last_saved = self.iteration
         self.codecarbon.flush()
 
     def evaluate_and_print(self, prefix, data_iterator, eval_iters, tb_prefix="lm-loss-validation"):
@@ -119,6 +121,9 @@ class Trainer:
             local = local or os.path.exists(args.kill_switch_path)
         if (args.exit_duration_in_mins is not None or args.kill_switch_path) and _agree_to_exit(local):
             reason = reason or f"exiting program at iteration {self.iteration} (time limit or kill switch)"
+        if args.exit_signal_handler and _agree_to_exit(self.signals.received is not None):
+            reason = reason or (f"exiting program at iteration {self.iteration} after receiving "
+                                f"{self.signals.received or 'a signal on another rank'} (--exit-signal-handler)")
         return reason
 
     # ---- the loop
@@ -265,6 +270,7 @@ def pretrain(args):
     if auto:
         auto.attach(engine)
     timeouts.label_groups(engine.grid, engine.module)
+    out_of_memory.watch(args, engine)
     params = sum(p.numel() for p in engine.module.parameters())
     if engine.grid.get_data_parallel_rank() == 0:
         tensor_rank = engine.grid.get_slice_parallel_rank()
@@ -311,6 +317,10 @@ def main(argv=None):
         return NONFINITE_EXIT_CODE
     except timeouts.CollectiveError as e:
         timeouts.report_and_exit(e, rank)
+    except Exception as e:  # noqa: BLE001 - out of memory only; anything else keeps its traceback
+        if not out_of_memory.is_out_of_memory(e):
+            raise
+        out_of_memory.report_and_exit(e, rank)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()

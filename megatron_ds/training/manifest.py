@@ -16,6 +16,7 @@ import json
 import os
 import zlib
 
+from . import disk_full
 from .errors import CheckpointError
 
 NAME = "manifest.json"
@@ -80,8 +81,9 @@ def write_manifest(step_dir):
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = os.path.join(step_dir, NAME)
         tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"format": FORMAT, "files": dict(sorted(entries.items()))}, f, indent=0)
+        text = json.dumps({"format": FORMAT, "files": dict(sorted(entries.items()))}, indent=0)
+        with disk_full.open_for_write(tmp) as f:  # an out-of-room error names the file and its size
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

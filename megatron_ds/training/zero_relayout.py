@@ -24,6 +24,8 @@ import torch
 
 from megatron_ds.pipe.zero_internals import ZeroInternals
 
+from . import safe_load
+
 FP32 = "fp32"  # our key for the master weights next to the optimizer's own state keys
 _SHARD = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_?optim_states\.pt$")
 
@@ -64,7 +66,7 @@ def gather_by_name(ckpt_dir):
     for pp in sorted({p for p, _ in files}):
         pieces = {}
         for dp in sorted(d for p, d in files if p == pp):
-            sd = torch.load(files[(pp, dp)], map_location="cpu", weights_only=False, mmap=True)
+            sd = safe_load.load(files[(pp, dp)], mmap=True)
             sd = sd["optimizer_state_dict"]
             first = first or sd
             for group, mapping in enumerate(sd["param_slice_mappings"]):
