@@ -41,6 +41,10 @@ class Op:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self):
+        # Rebuilt through __init__: a str's hash differs from process to process (spawned ranks).
+        return (Op, (self.kind, self.replica, self.stage, self.mb, self.seq))
+
     def __eq__(self, other) -> bool:
         return self is other or (type(other) is Op and self._hash == other._hash and self._key == other._key)
 
