@@ -10,7 +10,7 @@ from typing import Optional
 
 from megatron_ds.errors import UserError
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, from_file
-from megatron_ds.schedules.catalog import KNOBS
+from megatron_ds.schedules.catalog import KNOBS, check_vocab_parallel
 from megatron_ds.schedules.auto import parse_bytes
 
 from .ds_keys import unknown_keys_line
@@ -43,6 +43,7 @@ class PipelineSettings:
     timers_end_iter: int = 4
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
+    vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
 
     @property
     def stock(self):
@@ -67,7 +68,8 @@ class PipelineSettings:
             return from_file.for_run(self.file, pp, micro_batches, segment_lengths)
         return build_schedule(self.schedule, pp, micro_batches, virtual_stages=self.virtual_stages,
                               seq_splits=self.seq_splits, split_backward=self.split_backward,
-                              segment_lengths=segment_lengths, op_costs=self.op_costs)
+                              segment_lengths=segment_lengths, op_costs=self.op_costs,
+                              vocab_parallel=self.vocab_parallel)
 
 
 def _int_at_least(section, key, minimum, default=None):
@@ -93,7 +95,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
-    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure"):
+    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     if in_file:
@@ -118,6 +120,7 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         timers_end_iter=_int_at_least(section, "timers_end_iter", 1, default=4),
         remeasure=section.get("remeasure", False),
         op_costs=section.get("op_costs"),
+        vocab_parallel=section.get("vocab_parallel", False),
     )
     if fixed:
         settings = dataclasses.replace(settings, **fixed)
@@ -139,6 +142,8 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
     if settings.post_validation and settings.stock:
         raise ConfigError('ds_config "pipeline.post_validation" = true needs a named "pipeline.schedule": '
                           "DeepSpeed's own engine validates before it steps")
+    if settings.vocab_parallel:
+        _check_vocab_parallel(settings)
     method = settings.partition_method
     if not isinstance(method, str) or (method not in ("uniform", "parameters", "flops")
                                        and not method.startswith(("type:", "costs:"))):
@@ -180,6 +185,22 @@ def sequence_parallel_ds_config(ds_config: dict) -> dict:
                           "sequence shards; set false or leave out")
     section.update(pipe_partitioned=False, grad_partitioned=False)
     return {**ds_config, "pipeline": section}
+
+
+def _check_vocab_parallel(settings):
+    key = 'ds_config "pipeline.vocab_parallel" = true'
+    if settings.stock or settings.auto:
+        raise ConfigError(f'{key} needs a named "pipeline.schedule" (it is {settings.schedule!r}): the vocabulary '
+                          "passes are ops the schedule places")
+    try:
+        if not settings.file:  # a schedule file carries its vocabulary ops or not: the validator reads them
+            check_vocab_parallel(CATALOG[settings.schedule], True)
+    except ScheduleError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+    # The schedules place and simulate the passes and model/vocab_parallel.py computes them; the engine
+    # does not run them yet (docs/SCHEDULES.md: Vocabulary parallelism), so refuse rather than ignore.
+    raise ConfigError(f"{key}: the pipeline engine does not run the vocabulary passes yet; "
+                      "python -m megatron_ds.schedules show/export/compare --vocab-parallel simulate them")
 
 
 def _check_auto(settings, section):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
-from .generators import basic, bitpipe, dualpipev, interleaved, seq1f1b, vshape, zbv, zero_bubble
+from .generators import basic, bitpipe, dualpipev, interleaved, seq1f1b, vocab, vshape, zbv, zero_bubble
 from .ir import Schedule, ScheduleError
 from .validate import validate
 
@@ -42,6 +42,9 @@ class ScheduleSpec:
     split_backward: str = NEVER
     check: Optional[Check] = None
     op_costs: bool = False  # the op order is built for the layer's TF, TB, TW (default: equal)
+    # vocab_parallel: None (cannot carry the vocabulary passes) or the schedule's other orders the
+    # passes may be placed in (generators/vocab.py weighs them against its own order)
+    vocab_orders: Optional[Callable[..., list]] = lambda pp, m, **knobs: []
 
     def knobs(self, virtual_stages: int = 1, seq_splits: int = 1, split_backward: bool = False,
               segment_lengths=None, op_costs=None) -> dict:
@@ -133,9 +136,11 @@ CATALOG: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
                  split_backward=OPTIONAL, check=_check_seq1f1b),
     # ZB-V under the controllable-memory paper's limits: V-Half and V-Min.
     ScheduleSpec("zbv-half", lambda pp, m, op_costs=None: vshape.zbv_memory(pp, m, "half", op_costs),
-                 virtual_stages=2, split_backward=ALWAYS, op_costs=True),
+                 virtual_stages=2, split_backward=ALWAYS, op_costs=True,
+                 vocab_orders=lambda pp, m, op_costs=None: vshape.roomier_orders(pp, m, "half", op_costs)),
     ScheduleSpec("zbv-min", lambda pp, m, op_costs=None: vshape.zbv_memory(pp, m, "min", op_costs),
-                 virtual_stages=2, split_backward=ALWAYS, op_costs=True),
+                 virtual_stages=2, split_backward=ALWAYS, op_costs=True,
+                 vocab_orders=lambda pp, m, op_costs=None: vshape.roomier_orders(pp, m, "min", op_costs)),
     ScheduleSpec("dualpipev", dualpipev.dualpipev, virtual_stages=2, split_backward=ALWAYS),
 )}
 
@@ -148,6 +153,8 @@ def takes(knob: str) -> list[str]:
         return [s.name for s in CATALOG.values() if s.seq_splits]
     if knob == "op_costs":
         return [s.name for s in CATALOG.values() if s.op_costs]
+    if knob == "vocab_parallel":
+        return [s.name for s in CATALOG.values() if s.vocab_orders is not None]
     return [s.name for s in CATALOG.values() if s.split_backward == OPTIONAL]
 
 
@@ -160,16 +167,29 @@ def lookup(name: str) -> ScheduleSpec:
 
 def build_schedule(name: str, pp: int, micro_batches: int, *, virtual_stages: int = 1,
                    seq_splits: int = 1, split_backward: bool = False, segment_lengths=None,
-                   op_costs=None) -> Schedule:
-    """Look the schedule up, check the settings, generate the per-rank op lists, validate them."""
+                   op_costs=None, vocab_parallel: bool = False) -> Schedule:
+    """Look the schedule up, check the settings, generate the per-rank op lists (with the vocabulary
+    passes placed on every rank when `vocab_parallel`), validate them."""
     spec = lookup(name)
     for key, val in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages),
                      ("seq_splits", seq_splits)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ScheduleError(f"{name} needs a positive integer {key} ({key}={val!r})")
     knobs = spec.knobs(virtual_stages, seq_splits, split_backward, segment_lengths, op_costs)
+    check_vocab_parallel(spec, vocab_parallel)
     if spec.check:
         spec.check(pp, micro_batches, virtual_stages, seq_splits)
     schedule = spec.generate(pp, micro_batches, **knobs)
+    if vocab_parallel:
+        others = spec.vocab_orders(pp, micro_batches, **{k: v for k, v in knobs.items() if k == "op_costs"})
+        schedule = vocab.add_vocab_passes(schedule, others=others)
     validate(schedule)
     return schedule
+
+
+def check_vocab_parallel(spec: ScheduleSpec, vocab_parallel) -> None:
+    if not isinstance(vocab_parallel, bool):
+        raise ScheduleError(f"vocab_parallel={vocab_parallel!r}: must be true or false")
+    if vocab_parallel and spec.vocab_orders is None:
+        raise ScheduleError(f"{spec.name} does not take vocab_parallel=True: {spec.name} cannot carry the "
+                            f"vocabulary passes; vocabulary parallelism applies to {', '.join(takes('vocab_parallel'))}")

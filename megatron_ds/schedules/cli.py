@@ -28,6 +28,9 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x --hidden-size")
     p.add_argument("--op-costs", type=_triple, default=None, metavar="TF,TB,TW",
                    help='zbv-half/zbv-min: the order built for these layer times (ds_config "pipeline.op_costs")')
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help='every rank runs the vocabulary passes EF, S, T, EW on its 1/p of the vocabulary '
+                        '(ds_config "pipeline.vocab_parallel")')
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +44,10 @@ def _model_cost_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-cost", type=_triple, default=(0.0, 0.0, 0.0), metavar="F,B,W",
                    help="extra times of the embedding on stage 0 (e.g. a large vocabulary)")
     p.add_argument("--head-cost", type=_triple, default=(0.0, 0.0, 0.0), metavar="F,B,W",
-                   help="extra times of the LM head and loss on the last stage")
+                   help="extra times of the LM head and loss on the last stage (spread over every rank's "
+                        "S and T passes with --vocab-parallel)")
+    p.add_argument("--head-memory", type=float, default=0.0,
+                   help="what one micro-batch's logits hold, in one stage's activations of one micro-batch")
 
 
 def _triple(text: str) -> tuple:
@@ -73,7 +79,7 @@ def _build(args) -> object:
     return build_schedule(args.schedule, args.pp, args.micro_batches,
                           virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
                           split_backward=args.split_backward, segment_lengths=_segment_lengths(args),
-                          op_costs=args.op_costs)
+                          op_costs=args.op_costs, vocab_parallel=args.vocab_parallel)
 
 
 def _export(args) -> None:
@@ -86,7 +92,8 @@ def _export(args) -> None:
 
 
 def _show(args) -> None:
-    costs = ModelCosts(args.tf, args.tb, args.tw, embed=args.embed_cost, head=args.head_cost)
+    costs = ModelCosts(args.tf, args.tb, args.tw, embed=args.embed_cost, head=args.head_cost,
+                       head_memory=args.head_memory)
     sched = _build(args)
     seq_costs = None
     if sched.segment_lengths:  # a segment costs its FLOPs (bench/layer_costs.py), else its tokens
@@ -101,9 +108,12 @@ def _show(args) -> None:
 def _compare(args) -> None:
     rows = compare_rows(args.pp, args.micro_batches, args.tf, args.tb, args.tw,
                         p2p_latency=args.p2p_latency, virtual_stages=args.virtual_stages,
-                        seq_splits=args.seq_splits)
+                        seq_splits=args.seq_splits, embed=args.embed_cost, head=args.head_cost,
+                        head_memory=args.head_memory, vocab_parallel=args.vocab_parallel)
     title = (f"p={args.pp} m={args.micro_batches} TF={args.tf:g} TB={args.tb:g} TW={args.tw:g} "
              f"p2p={args.p2p_latency:g}")
+    if any(args.head_cost) or any(args.embed_cost):
+        title += f" head={','.join(f'{x:g}' for x in args.head_cost)} embed={','.join(f'{x:g}' for x in args.embed_cost)}"
     print(format_table(rows, title))
 
 
@@ -126,7 +136,10 @@ def parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--micro-batches", type=int, required=True)
     cmp_.add_argument("--virtual-stages", type=int, default=2, help="for schedules that take virtual stages")
     cmp_.add_argument("--seq-splits", type=int, default=2, help="for schedules that split the sequence")
+    cmp_.add_argument("--vocab-parallel", action="store_true",
+                      help="beside each row, the same schedule with the vocabulary passes on every rank")
     _cost_args(cmp_)
+    _model_cost_args(cmp_)
     cmp_.set_defaults(run=_compare)
     return top
 

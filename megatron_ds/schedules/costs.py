@@ -9,6 +9,9 @@ schedules (zbv, dualpipev) rank 0 holds both it and the embedding. `evaluate` is
 schedule chooser needs: build each candidate, evaluate it on the same ModelCosts, compare.
 `op_overhead` is the fixed time (F, B, W) each op pays whatever its size: it makes schedules of
 many small ops (sequence segments, V chunks) dearer than their shares of the work.
+Under vocab_parallel the embedding and the head leave stage 0 and the loss stage: each rank's
+vocabulary passes carry 1/p of them (simulate's `head`, `embed`). `head_memory` is what one
+micro-batch's logits hold, in the activation unit (simulate's).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ class ModelCosts:
     embed: Triple = (0.0, 0.0, 0.0)   # (F, B, W) of the embedding, on stage 0
     head: Triple = (0.0, 0.0, 0.0)    # (F, B, W) of the LM head and loss, on the last stage
     op_overhead: Triple = (0.0, 0.0, 0.0)  # (F, B, W) time every op pays on top of its share
+    head_memory: float = 0.0          # one micro-batch's logits, in one 1F1B stage's activations
 
     def per_stage(self, schedule: Schedule) -> tuple[list[float], list[float], list[float]]:
         """(tf, tb, tw) lists, one entry per stage of a replica, as simulate() takes them."""
@@ -35,12 +39,15 @@ class ModelCosts:
         out = []
         for i, t in enumerate((self.tf, self.tb, self.tw)):
             costs = [t * body] * schedule.stages
-            costs[0] += self.embed[i]
-            costs[-1] += self.head[i]
+            if not schedule.vocab_parallel:
+                costs[0] += self.embed[i]
+                costs[-1] += self.head[i]
             out.append(costs)
         return out[0], out[1], out[2]
 
 
 def evaluate(schedule: Schedule, costs: ModelCosts, **kwargs) -> SimResult:
     """simulate() with the model's costs cut to this schedule's stages (kwargs: simulate's)."""
-    return simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead, **kwargs)
+    vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
+    return simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead,
+                    head_memory=costs.head_memory, **vocab, **kwargs)

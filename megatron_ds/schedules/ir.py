@@ -33,6 +33,20 @@ class Op:
             if self.kind not in KINDS:
                 raise ScheduleError(f"bad op kind {self.kind!r}: must be one of {', '.join(KINDS)}")
             object.__setattr__(self, "kind", Kind(self.kind))
+        # Ops are dict keys in every simulation and list scheduling: hash and compare one tuple, once made.
+        key = (str(self.kind), self.replica, self.stage, self.mb, self.seq)
+        object.__setattr__(self, "_key", key)
+        object.__setattr__(self, "_hash", hash(key))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt through __init__: a str's hash differs from process to process (spawned ranks).
+        return (Op, (self.kind, self.replica, self.stage, self.mb, self.seq))
+
+    def __eq__(self, other) -> bool:
+        return self is other or (type(other) is Op and self._hash == other._hash and self._key == other._key)
 
     def to_dict(self) -> dict:
         return {"op": self.kind, "replica": self.replica, "stage": self.stage,
@@ -68,6 +82,7 @@ class Schedule:
     placement: list[list[int]]
     ranks: list[list[Op]] = field(default_factory=list)
     segment_lengths: list[int] | None = None  # tokens of each sequence segment, when the generator was told
+    vocab_parallel: bool = False  # every rank runs the vocabulary passes (EF, S, T, EW) on its slice
 
     @property
     def loss_stage(self) -> int:
@@ -83,6 +98,8 @@ class Schedule:
     def chunk_index(self, rank: int, op: Op) -> int:
         """How many chunks of op's replica `rank` holds before op's stage (a V's second leg: 1).
         Labels prime it and pictures shade it darker."""
+        if op.kind.traits.vocab:  # a vocabulary slice is no chunk of the replica's pipeline
+            return 0
         return sum(1 for rep, st in self.chunks_on(rank) if rep == op.replica and st < op.stage)
 
     def op_label(self, rank: int, op: Op) -> str:
@@ -112,6 +129,8 @@ class Schedule:
                 "replicas": self.replicas, "stages": self.stages, "seq_splits": self.seq_splits}
         if self.segment_lengths is not None:
             head["segment_lengths"] = list(self.segment_lengths)
+        if self.vocab_parallel:
+            head["vocab_parallel"] = True
         return {**head, "placement": [list(row) for row in self.placement],
                 "ranks": [[op.to_dict() for op in lst] for lst in self.ranks]}
 
@@ -139,13 +158,16 @@ class Schedule:
                                "seq_splits", "placement", "ranks") if k not in d]
         if missing:
             raise ScheduleError(f"schedule JSON lacks key(s) {', '.join(missing)}")
+        if not isinstance(d.get("vocab_parallel", False), bool):
+            raise ScheduleError(f"schedule JSON vocab_parallel={d['vocab_parallel']!r}: must be true or false")
         return cls(name=str(d["schedule"]), pp=int(d["pp"]), micro_batches=int(d["micro_batches"]),
                    replicas=int(d["replicas"]), stages=int(d["stages"]),
                    seq_splits=int(d["seq_splits"]),
                    placement=[[int(r) for r in row] for row in d["placement"]],
                    ranks=[[Op.from_dict(o) for o in lst] for lst in d["ranks"]],
                    segment_lengths=None if d.get("segment_lengths") is None
-                   else [int(n) for n in d["segment_lengths"]])
+                   else [int(n) for n in d["segment_lengths"]],
+                   vocab_parallel=bool(d.get("vocab_parallel", False)))
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":

@@ -11,6 +11,15 @@ own work): it is what makes many small ops (segments, chunks) dearer than their 
 Activation memory, in units of one micro-batch's activations on one 1F1B stage: F holds M_B
 until the input-gradient backward, which keeps M_W of it for W; BW frees all of it. A sequence
 segment holds its tokens' share (1/k when the schedule does not carry its segment lengths).
+
+The vocabulary layers: `head` and `embed` are the (F, B, W) times of the output layer with its
+loss and of the input embedding over the whole vocabulary. Under vocab_parallel each rank's
+vocabulary passes cost 1/p of them (S: the head's F + B, its input-gradient share being computed
+in the S pass; T: its W; EF: the embedding's F; EW: its B + W, all of which is weight gradient).
+Otherwise give them in the stages' costs (ModelCosts does). `head_memory` is what one
+micro-batch's logits (and their gradient) hold, in the activation unit: without vocabulary
+parallelism the loss stage's F allocates it and the op that ends that unit's backward (W, or BW)
+frees it; with it, each S allocates 1/p of it and the T of that micro-batch frees it.
 """
 from __future__ import annotations
 
@@ -50,10 +59,11 @@ class SimResult:
 def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0, *,
              p2p_latency: float = 0.0, seq_costs: Sequence[float] | None = None,
              act_size: ActSize = None, check: bool = True,
-             op_overhead: tuple = (0.0, 0.0, 0.0)) -> SimResult:
+             op_overhead: tuple = (0.0, 0.0, 0.0), head: tuple = (0.0, 0.0, 0.0),
+             embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0) -> SimResult:
     if check:
         validate(schedule)
-    duration = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead)
+    duration = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, {"head": head, "embed": embed})
     index = UnitIndex(schedule)
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
@@ -85,7 +95,7 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
                 progressed = True
         if not progressed:
             raise ScheduleError("simulation stalled: the op lists deadlock (run validate for details)")
-    return _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size))
+    return _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size, head_memory))
 
 
 def _per_stage(value: Cost, schedule: Schedule, what: str) -> list[float]:
@@ -108,19 +118,24 @@ def _seq_shares(schedule: Schedule, seq_costs: Sequence[float] | None) -> list[f
     return [c / total for c in seq_costs]
 
 
-def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead) -> Callable[[Op], float]:
+def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, vocab: dict) -> Callable[[Op], float]:
     f = _per_stage(tf, schedule, "tf")
     b = _per_stage(tb, schedule, "tb")
     w = _per_stage(tw, schedule, "tw")
     share = _seq_shares(schedule, seq_costs)
     base = {kind: [cf * x + cb * y + cw * z for x, y, z in zip(f, b, w)]
             for kind in Kind for cf, cb, cw in [kind.traits.cost]}
+    for kind in Kind:  # a vocabulary slice: 1/p of its layer, on every rank alike
+        if kind.traits.vocab:
+            layer = vocab[kind.traits.vocab]
+            base[kind] = [sum(c * x for c, x in zip(kind.traits.cost, layer)) / schedule.pp] * schedule.pp
     fixed = {kind: sum(c * o for c, o in zip(kind.traits.cost, op_overhead)) for kind in Kind}
     return lambda op: base[op.kind][op.stage] * share[op.seq] + fixed[op.kind]
 
 
-def _memory_fn(schedule: Schedule, act_size: ActSize) -> Callable[[Op], float]:
+def _memory_fn(schedule: Schedule, act_size: ActSize, head_memory: float) -> Callable[[Op], float]:
     """Memory change of one op (positive: allocates)."""
+    logits = _logits_fn(schedule, head_memory)
     if callable(act_size):
         sizes = act_size
     else:
@@ -134,10 +149,31 @@ def _memory_fn(schedule: Schedule, act_size: ActSize) -> Callable[[Op], float]:
         share = _token_shares(schedule)
         sizes = lambda op: (m_b * scale * share[op.seq], m_w * scale * share[op.seq])  # noqa: E731
     def delta(op: Op) -> float:
+        if op.kind.traits.vocab:
+            return logits(op)
         m_b, m_w = sizes(op)
         per_b, per_w = op.kind.traits.memory
-        return per_b * m_b + per_w * m_w
+        return per_b * m_b + per_w * m_w + logits(op)
     return delta
+
+
+def _logits_fn(schedule: Schedule, head_memory: float) -> Callable[[Op], float]:
+    """What an op adds to (or frees from) the memory the logits hold."""
+    share = _token_shares(schedule)
+    if schedule.vocab_parallel:
+        per_slice = head_memory / schedule.pp
+        return lambda op: op.kind.traits.memory[0] * per_slice * share[op.seq] if op.kind.traits.vocab else 0.0
+    last = schedule.loss_stage
+
+    def naive(op: Op) -> float:
+        if op.stage != last or not head_memory:
+            return 0.0
+        if op.kind is Kind.F:
+            return head_memory * share[op.seq]
+        if op.kind in (Kind.W, Kind.BW):  # a split backward keeps the logits' gradient for W
+            return -head_memory * share[op.seq]
+        return 0.0
+    return naive
 
 
 def _token_shares(schedule: Schedule) -> list[float]:

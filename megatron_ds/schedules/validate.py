@@ -5,7 +5,7 @@ from collections import Counter
 
 from .deps import UnitIndex
 from .ir import Schedule, ScheduleError
-from .kinds import B, BW, COMPLETE, F, W
+from .kinds import B, BW, COMPLETE, F, VOCAB, W
 
 
 def validate(schedule: Schedule) -> None:
@@ -39,13 +39,18 @@ def _check_ops(s: Schedule) -> None:
         where = f"rank {r} op #{i} {op}"
         if not 0 <= op.replica < s.replicas:
             raise ScheduleError(f"{where}: replica outside 0..{s.replicas - 1}")
-        if not 0 <= op.stage < s.stages:
+        if op.kind.traits.vocab:
+            if not s.vocab_parallel:
+                raise ScheduleError(f"{where}: a vocabulary pass in a schedule without vocab_parallel")
+            if op.stage != r:
+                raise ScheduleError(f"{where}: vocabulary slice {op.stage} lives on rank {op.stage}")
+        elif not 0 <= op.stage < s.stages:
             raise ScheduleError(f"{where}: stage outside 0..{s.stages - 1}")
         if not 0 <= op.mb < s.micro_batches:
             raise ScheduleError(f"{where}: mb outside 0..{s.micro_batches - 1}")
         if not 0 <= op.seq < s.seq_splits:
             raise ScheduleError(f"{where}: seq outside 0..{s.seq_splits - 1}")
-        placed = s.rank_of(op.replica, op.stage)
+        placed = r if op.kind.traits.vocab else s.rank_of(op.replica, op.stage)
         if placed != r:
             raise ScheduleError(f"{where}: stage {op.stage} of replica {op.replica} is placed on rank {placed}")
 
@@ -65,8 +70,18 @@ def _check_complete(s: Schedule) -> None:
         if mb not in replica_of:
             raise ScheduleError(f"micro-batch {mb} has no ops (every micro-batch 0..{s.micro_batches - 1} must run)")
     kinds: dict[tuple, set] = {}
+    passes: dict[tuple, set] = {}   # the vocabulary passes, per (replica, slice, mb, seq)
     for op in counts:
-        kinds.setdefault(op.unit, set()).add(op.kind)
+        (passes if op.kind.traits.vocab else kinds).setdefault(op.unit, set()).add(op.kind)
+    if s.vocab_parallel:
+        for mb, rep in sorted(replica_of.items()):
+            for q in range(s.seq_splits):
+                for j in range(s.pp):
+                    lack = sorted(VOCAB - passes.get((rep, j, mb, q), set()))
+                    if lack:
+                        raise ScheduleError(f"(replica {rep}, vocabulary slice {j}, mb {mb}, seq {q}) has no "
+                                            f"{', '.join(lack)} (vocab_parallel: every rank runs EF, S, T, EW "
+                                            "on its slice for every micro-batch)")
     for mb, rep in sorted(replica_of.items()):
         for stage in range(s.stages):
             for q in range(s.seq_splits):

@@ -98,6 +98,9 @@ def add_fork_args(parser):
     g.add_argument("--allow-padding-num-layers", action="store_true",
                    help='sail-sg: --num-layers need not be a multiple of the virtual stages; some hold one layer '
                         'less ("pipeline.allow_padding_num_layers" = true)')
+    g.add_argument("--enable-vocab-parallel", action="store_true",
+                   help='sail-sg VocabularyParallelism: the embedding and output layer sliced over the pipeline '
+                        'ranks by vocabulary ("pipeline.vocab_parallel" = true)')
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help='Megatron-LM: "pipeline.schedule" = "interleaved", "virtual_stages" = '
                         "layers / (pipeline size x N)")
@@ -196,6 +199,8 @@ def apply_fork_flags(args, ds_config):
         pipe.set("post_validation", True, "--enable-optimizer-post-validation")
     if args.allow_padding_num_layers:
         pipe.set("allow_padding_num_layers", True, "--allow-padding-num-layers")
+    if args.enable_vocab_parallel:
+        pipe.set("vocab_parallel", True, "--enable-vocab-parallel")
     _apply_recompute(args)
     if args.kill_switch_file is not None:
         if args.kill_switch_path not in (None, args.kill_switch_file):

@@ -78,3 +78,20 @@ def test_visualize_tool_refuses(tmp_path):
                            "--out", str(tmp_path / "x.png")], cwd=ROOT, capture_output=True, text=True, env=child_env(ROOT))
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: interleaved with virtual_stages=2 needs micro_batches")
+
+
+def test_vocab_parallel_export_show_compare(tmp_path, capsys):
+    out = tmp_path / "vp.json"
+    args = ["--schedule", "1f1b", "--pp", "2", "--micro-batches", "4", "--vocab-parallel"]
+    assert main(["export", *args, "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["vocab_parallel"] is True and {o["op"] for o in d["ranks"][1]} == {"EF", "F", "S", "T", "BW", "EW"}
+    assert Schedule.from_json(out.read_text()) == build_schedule("1f1b", 2, 4, vocab_parallel=True)
+    assert main(["show", *args, "--head-cost", "2,2,2", "--head-memory", "4"]) == 0
+    shown = capsys.readouterr().out
+    assert "|S" in shown and "peak activation memory" in shown
+    assert main(["compare", "--pp", "2", "--micro-batches", "4", "--head-cost", "2,2,2", "--vocab-parallel"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    naive = next(r for r in rows if r[:1] == ["1f1b"] and r[1] != "+vocab")
+    vocab = next(r for r in rows if r[:2] == ["1f1b", "+vocab"])
+    assert float(vocab[2]) < float(naive[1])   # the head's cost spread over both ranks: a shorter iteration

@@ -42,3 +42,18 @@ def test_rank_of_chunks_on_loss_stage():
     assert s.rank_of(0, 2) == 2
     assert s.chunks_on(1) == [(0, 1)]
     assert s.loss_stage == 3
+
+
+def test_an_op_pickled_in_another_process_equals_and_hashes_as_a_new_one(tmp_path):
+    """Ops cache their hash; a str's hash differs between processes (spawned ranks), so unpickling rebuilds it."""
+    import os
+    import pickle
+    import subprocess
+    import sys
+    path = tmp_path / "op.pkl"
+    code = ("import pickle, sys; from megatron_ds.schedules.ir import Op; "
+            f"open({str(path)!r}, 'wb').write(pickle.dumps(Op('BW', 1, 2, 3, 0)))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": os.getcwd()}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    theirs, ours = pickle.loads(path.read_bytes()), Op("BW", 1, 2, 3, 0)
+    assert theirs == ours and hash(theirs) == hash(ours) and {ours: 1}[theirs] == 1

@@ -162,6 +162,11 @@ def test_allow_padding_num_layers():
         parse("--allow-padding-num-layers", ds={"pipeline": {"schedule": "zbv", "allow_padding_num_layers": False}})
 
 
+def test_enable_vocab_parallel_sets_the_key_and_is_refused_until_the_engine_runs_it():
+    with pytest.raises(ArgumentsError, match="pipeline.vocab_parallel.*engine does not run"):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel")
+
+
 def test_cost_partition_checked_at_parse_time():
     """An impossible cost partition stops the parse, for our engine and DeepSpeed's own."""
     for schedule in ("zbv", "deepspeed"):

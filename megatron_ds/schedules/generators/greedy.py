@@ -8,6 +8,7 @@ tuned for the nominal ones.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from typing import Callable, Sequence
 
@@ -28,15 +29,15 @@ class State:
 
 def list_schedule(skeleton: Schedule, work: Sequence[Sequence[Op]],
                   duration: Callable[[Op], float], choose: Chooser,
-                  memory: Callable[[Op], float] | None = None) -> list[list[Op]]:
+                  memory: Callable[[Op], float] | None = None,
+                  candidates: Callable[[int], Sequence[Op]] | None = None) -> list[list[Op]]:
     """Per-rank orders of the ops in `work[r]`, chosen by `choose` whenever rank r is free.
 
     `choose(rank, ready, state)` gets the ops whose dependencies have finished and returns
-    one of them, or None to leave the rank idle until something else finishes.
+    one of them, or None to leave the rank idle until something else finishes. A policy that
+    only ever looks at a few of a rank's ops names them with `candidates(rank)` (faster).
     """
-    probe = Schedule(skeleton.name, skeleton.pp, skeleton.micro_batches, skeleton.replicas,
-                     skeleton.stages, skeleton.seq_splits, skeleton.placement,
-                     [list(w) for w in work])
+    probe = dataclasses.replace(skeleton, ranks=[list(w) for w in work])
     index = UnitIndex(probe)
     # Readiness by counting: an op is ready at t once none of its dependencies is unscheduled
     # and the last of them ends by t (what re-checking every dependency at every event gives).
@@ -58,7 +59,8 @@ def list_schedule(skeleton: Schedule, work: Sequence[Sequence[Op]],
     while events:
         t, r = heapq.heappop(events)
         state.time = t
-        ready = [op for op in todo[r] if not unscheduled[op] and ready_at[op] <= t]
+        pool = todo[r] if candidates is None else candidates(r)
+        ready = [op for op in pool if not unscheduled[op] and ready_at[op] <= t]
         op = choose(r, ready, state) if ready else None
         if op is None:
             while ends and ends[0] <= t:

@@ -145,3 +145,19 @@ def _best_order(pp: int, m: int, memory: str, costs: tuple) -> tuple:
         raise ScheduleError(f"zbv-{memory}: no order keeps {cap} micro-batches of "
                             f"activations at pp={pp}, micro_batches={m}")
     return tuple(tuple(ops) for ops in best[1].ranks)
+
+
+def roomier_orders(pp: int, m: int, memory: str, op_costs=None) -> list[Schedule]:
+    """The list-scheduled orders at one micro-batch more than the limit: vocabulary parallelism
+    (generators/vocab.py) weighs them against the limit's own order, because the barrier before
+    the loss stage's backward leaves the tight order waiting where one more forward fits."""
+    costs = _relative(op_costs)
+    chunk = dict(zip("FBW", (c / 2 for c in costs)))
+    out = []
+    for pace in _PACES:
+        try:
+            ranks = _by_limit(pp, m, 2.0 * (memory_limit(pp, memory) + 1), pace, chunk)
+        except ScheduleError:
+            continue
+        out.append(Schedule(f"zbv-{memory}", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks))
+    return out

@@ -1,0 +1,145 @@
+"""Vocabulary parallelism's computations ("Balancing Pipeline Parallelism with Vocabulary
+Parallelism", Yeung et al., MLSys 2025): the input embedding and the output layer + cross-entropy
+sliced by vocabulary over a process group (the pipeline ranks, times the TP ranks when those split
+the vocabulary too), one pass per function so that a runtime can place each where its schedule
+says (docs/SCHEDULES.md: Vocabulary parallelism). Nothing here knows of schedules: a caller hands
+each pass its inputs and runs the collective between passes.
+
+Rank j of the group holds rows [j V/n, (j+1) V/n) of the embedding and of the output layer (the
+same tensor when they are tied). Per micro-batch:
+- embedding_forward (EF): its rows of the lookup, zero elsewhere; the group's sum is the embedding
+  (reduce_embedding: an all-reduce, or a reduce to stage 0's rank).
+- embedding_weight_grad (EW): given the embedding's output gradient (broadcast from stage 0), the
+  gradient of its rows.
+- output_s_pass (S): from the last layer's output X (broadcast to the group) its logits slice, their
+  max m_j, s_j = sum exp(logit - m_j), the target's logit where the target falls in the slice, and
+  with the slice's own softmax P_j = exp(logits - m_j) / s_j the input-gradient share P_j W_j and
+  W_j[target]. No collective inside.
+- reduce_statistics (the barrier: three all-reduces back to back, no compute between them that the
+  schedule could place; only the loss stage needs the input gradient, which a reduce would do): M = max m_j, S = sum s_j exp(m_j - M),
+  the loss log S + M - logit_target per token, alpha_j = s_j exp(m_j - M) / S (P_j alpha_j is the
+  slice of the true softmax), and the input gradient sum_j (alpha_j P_j W_j - W_j[target]) times
+  the loss's gradient per token.
+- output_t_pass (T): the slice's weight gradient (alpha_j P_j - onehot_j)^T X, times the loss's
+  gradient per token.
+All in fp32 statistics; the logits' dtype is the weight's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows [start, end) of rank `rank`'s slice; the vocabulary must split evenly (Megatron pads it)."""
+    if vocab_size % world:
+        raise ValueError(f"vocabulary of {vocab_size} rows does not split over {world} ranks: pad it to a "
+                         f"multiple of {world} (--make-vocab-size-divisible-by)")
+    per = vocab_size // world
+    return rank * per, (rank + 1) * per
+
+
+def _local(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids shifted into the slice with those outside set to 0, mask of those outside)."""
+    outside = (ids < start) | (ids >= start + rows)
+    return (ids - start).masked_fill(outside, 0), outside
+
+
+# --- the input embedding -------------------------------------------------------------------------
+
+def embedding_forward(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
+    """EF: this slice's rows of the lookup, zeros for tokens outside it (the group's sum is the lookup)."""
+    local, outside = _local(ids, start, weight.shape[0])
+    return torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def reduce_embedding(partial: torch.Tensor, group=None, dst: int | None = None) -> torch.Tensor:
+    """The sum of every slice's rows: on every rank, or only on global rank `dst` (stage 0's)."""
+    if dst is None:
+        dist.all_reduce(partial, group=group)
+    else:
+        dist.reduce(partial, dst, group=group)
+    return partial
+
+
+def embedding_weight_grad(ids: torch.Tensor, grad_output: torch.Tensor, rows: int, start: int) -> torch.Tensor:
+    """EW: the gradient of this slice's rows, given the embedding output's gradient."""
+    local, outside = _local(ids, start, rows)
+    grad = grad_output.masked_fill(outside.unsqueeze(-1), 0.0).reshape(-1, grad_output.shape[-1])
+    out = torch.zeros(rows, grad_output.shape[-1], dtype=grad_output.dtype, device=grad_output.device)
+    return out.index_add_(0, local.reshape(-1), grad)
+
+
+# --- the output layer and its cross-entropy -------------------------------------------------------
+
+@dataclass
+class SliceStatistics:
+    """What one slice's S pass leaves for the barrier and its T pass (per token: shape of targets)."""
+    softmax: torch.Tensor        # P_j, fp32, (..., rows): the slice's own softmax
+    max: torch.Tensor            # m_j
+    sum_exp: torch.Tensor        # s_j
+    target_logit: torch.Tensor   # the target's logit where it falls in the slice, else 0
+    softmax_grad: torch.Tensor   # P_j W_j, fp32, like X: the input gradient's softmax share, before alpha
+    target_rows: torch.Tensor    # W_j[target] where the target falls in the slice, else 0, fp32, like X
+    local_targets: torch.Tensor  # targets shifted into the slice (0 outside)
+    outside: torch.Tensor        # targets outside the slice
+
+
+@dataclass
+class Statistics:
+    """The barrier's result, the same on every rank of the group."""
+    loss: torch.Tensor           # per token, fp32
+    alpha: torch.Tensor          # this slice's share of the softmax's normalisation, per token
+    input_grad: torch.Tensor     # d loss / d X, already times the loss's gradient per token
+
+
+def output_s_pass(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, start: int) -> SliceStatistics:
+    """S: the slice's logits, their statistics and its share of the input gradient (no collective)."""
+    logits = (x @ weight.t()).float()
+    local_max = logits.max(dim=-1).values
+    exp = (logits - local_max.unsqueeze(-1)).exp_()
+    sum_exp = exp.sum(dim=-1)
+    softmax = exp.div_(sum_exp.unsqueeze(-1))
+    local, outside = _local(targets, start, weight.shape[0])
+    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    w = weight.float()
+    # The 1-barrier form: the input gradient's GEMM runs before the statistics are known; the barrier
+    # corrects it by one scalar per token (alpha).
+    target_rows = w[local].masked_fill(outside.unsqueeze(-1), 0.0)
+    return SliceStatistics(softmax, local_max, sum_exp, target_logit, softmax @ w, target_rows, local, outside)
+
+
+def reduce_statistics(s: SliceStatistics, grad_loss: torch.Tensor | float = 1.0, group=None) -> Statistics:
+    """The barrier: all-reduces of the max, then of the rescaled sum of exp and the target's logit, then
+    of the input-gradient shares (each scaled by its alpha); `grad_loss` is d(final loss)/d(token loss)."""
+    global_max = s.max.clone()
+    dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=group)
+    scaled = s.sum_exp * (s.max - global_max).exp()
+    sums = torch.stack([scaled, s.target_logit])
+    dist.all_reduce(sums, group=group)
+    total, target_logit = sums[0], sums[1]
+    alpha = scaled / total
+    # sum_j (alpha_j P_j W_j - W_j[target]): only the target's own slice has a nonzero W_j[target]
+    share = alpha.unsqueeze(-1) * s.softmax_grad - s.target_rows
+    dist.all_reduce(share, group=group)
+    return Statistics(loss=total.log() + global_max - target_logit, alpha=alpha,
+                      input_grad=share * _per_token(grad_loss, share))
+
+
+def output_t_pass(s: SliceStatistics, stats: Statistics, x: torch.Tensor,
+                  grad_loss: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """T: the slice's weight gradient (alpha P_j - onehot_j)^T X, times the loss's gradient per token."""
+    grad_logits = s.softmax * stats.alpha.unsqueeze(-1)
+    grad_logits.scatter_add_(-1, s.local_targets.unsqueeze(-1), (s.outside.float() - 1.0).unsqueeze(-1))
+    grad_logits = grad_logits * _per_token(grad_loss, grad_logits)
+    flat = grad_logits.reshape(-1, grad_logits.shape[-1])
+    return (flat.t() @ x.reshape(-1, x.shape[-1]).float()).to(x.dtype)
+
+
+def _per_token(grad_loss, like: torch.Tensor) -> torch.Tensor:
+    """The loss's gradient per token (a number, or a tensor shaped like the targets), broadcastable
+    against a (..., width) tensor."""
+    g = torch.as_tensor(grad_loss, dtype=like.dtype, device=like.device)
+    return g.unsqueeze(-1) if g.dim() else g
