@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ds.checkpoint import ToolError
+from megatron_ds.convert import ToolError
 from megatron_ds.data.dataset_utils import DataConfigError
 from megatron_ds.data.gpt_dataset import load_index_cache
 from megatron_ds.training import safe_load
@@ -85,7 +85,7 @@ def test_a_file_that_would_run_code_is_refused_and_never_runs(tmp_path, torch_fo
 
 
 def test_hf_export_reads_the_checkpoint_safely(tmp_path):
-    from megatron_ds.checkpoint.ds_format import _load
+    from megatron_ds.convert.ds_format import _load
     path = str(tmp_path / "mp_rank_00_model_states.pt")
     craft(path, str(tmp_path / "payload-ran"))
     with pytest.raises(ToolError, match="mp_rank_00_model_states.pt is refused: loading it needs io.open"):
