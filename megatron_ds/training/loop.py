@@ -18,7 +18,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error, record_for_launcher
 
-from . import auto_schedule, exit_signal, out_of_memory, timeouts
+from . import exit_signal, out_of_memory, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
