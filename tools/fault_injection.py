@@ -196,8 +196,11 @@ def worker_tracebacks(out):
 
 
 def rank_errors(out):
-    """The one-line errors the ranks printed ('pretrain_gpt.py: error: ...')."""
-    return [line for line in out.splitlines() if "pretrain_gpt.py: error:" in line]
+    """The one-line errors the ranks printed ('pretrain_gpt.py: error: ...'), each once: torchrun's failure
+    report repeats a rank's line from its error file (errors.record_for_launcher)."""
+    marker = "pretrain_gpt.py: error:"
+    lines = [line[line.index(marker):].rstrip() for line in out.splitlines() if marker in line]
+    return list(dict.fromkeys(lines))
 
 
 def worker_exit_codes(out):
