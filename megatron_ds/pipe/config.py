@@ -39,6 +39,7 @@ class PipelineSettings:
     timers_end_iter: int = 4
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
+    compile_layers: bool = False   # torch.compile each transformer layer (model/compile.py), any engine
 
     @property
     def stock(self):
@@ -81,7 +82,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
-    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure"):
+    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "compile_layers"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     settings = PipelineSettings(
@@ -99,6 +100,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         timers_end_iter=_int_at_least(section, "timers_end_iter", 1, default=4),
         remeasure=section.get("remeasure", False),
         op_costs=section.get("op_costs"),
+        compile_layers=section.get("compile_layers", False),
     )
     if settings.auto:
         _check_auto(settings, section)

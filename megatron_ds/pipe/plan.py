@@ -209,6 +209,11 @@ class PipelinePlan:
         return self.schedule.placement
 
     @property
+    def splits_backward(self) -> bool:
+        """Whether any op of this run's schedule is a B (its weight gradients deferred to a W op)."""
+        return any(op.kind is Kind.B for ops in self.schedule.ranks for op in ops)
+
+    @property
     def activation_shape(self) -> tuple:
         return (self.micro_batch_size, self.seq_length, self.hidden_size)
 

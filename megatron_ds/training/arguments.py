@@ -143,6 +143,8 @@ def build_parser():
     g.add_argument("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None)
+    g.add_argument("--compile-layers", action="store_true",
+                   help='torch.compile each transformer layer ("pipeline.compile_layers" = true; default off)')
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by the deepspeed launcher")
     add_fork_args(p)

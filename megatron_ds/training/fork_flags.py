@@ -175,6 +175,8 @@ def apply_fork_flags(args, ds_config):
         pipe.set("post_validation", True, "--enable-optimizer-post-validation")
     if args.allow_padding_num_layers:
         pipe.set("allow_padding_num_layers", True, "--allow-padding-num-layers")
+    if getattr(args, "compile_layers", False):
+        pipe.set("compile_layers", True, "--compile-layers")
     _apply_recompute(args)
     if args.kill_switch_file is not None:
         if args.kill_switch_path not in (None, args.kill_switch_file):

@@ -267,6 +267,10 @@ class Trainer:
             bar.write(line)
         else:
             print_rank_last(line)
+        if args.pipeline_settings.compile_layers and not getattr(self, "compile_logged", False):
+            from megatron_ds.model.compile import compile_summary
+            self.compile_logged = True  # once: the first steps compiled the layers
+            print_rank_0(compile_summary() or "> compiled transformer layers: nothing compiled yet")
         self.tb.timers(self.timers, self.iteration, normalizer=n)
         self.tb.flush()
 
