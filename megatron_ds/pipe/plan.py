@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules import auto
+from megatron_ds.schedules.flops import layer_shape
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
                                              segment_costs)
@@ -70,9 +71,15 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list
         return even_segment_lengths(seq_length, k)
     try:
         return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE)
+                                        SEGMENT_MULTIPLE, **_shape(config))
     except ScheduleError as exc:
         raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
+
+
+def _shape(config) -> dict:
+    """The layer's shape beyond h and f that its FLOPs depend on (schedules/flops.py)."""
+    shape = layer_shape(config)
+    return dict(heads=shape["heads"], kv_heads=shape["kv_heads"], swiglu=shape["swiglu"])
 
 
 def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: list | None = None) -> int:
@@ -118,7 +125,7 @@ def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
             sequence_shards(tp, sp, seq, lengths)
         except ConfigError:
             continue
-        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None))
+        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None), **_shape(config))
         cuts.append(auto.Cut(k, tuple(lengths), tuple(costs)))
     return tuple(cuts)
 
