@@ -35,6 +35,7 @@ class GPTConfig:
     embed_layernorm: bool = False
     tensor_model_parallel_size: int = 1  # the layers split heads, MLP columns and vocabulary over this many ranks
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
+    loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
 
     def __post_init__(self):
         if not self.num_key_value_heads:
@@ -89,6 +90,9 @@ def config_problem(c) -> str:
     if c.position_embedding_type == "rope" and (c.hidden_size // heads) % 2:
         return (f"--position-embedding-type rope rotates pairs of channels: the head size "
                 f"(--hidden-size {c.hidden_size} / --num-attention-heads {heads}) must be even")
+    chunk = getattr(c, "loss_chunk_size", 0) or 0
+    if not isinstance(chunk, int) or chunk < 0:
+        return f"--loss-chunk-size must be a whole number of tokens >= 0 (0: off), got {chunk!r}"
     if c.position_embedding_type == "rope" and not c.rope_theta > 0:
         return f"--rope-theta must be positive, got {c.rope_theta}"
     return ""

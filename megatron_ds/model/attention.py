@@ -15,8 +15,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
-from .kv_cache import SegmentKVCache, queries_reversed
-from .positions import alibi_bias, apply_rope
+from .compile import outside_graph
+from .kv_cache import SegmentKVCache, queries_reversed, segment_outputs
+from .positions import alibi_bias, rope_tables, rotate
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
 
@@ -53,29 +54,33 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.split(self.split_sizes, dim=2)
         q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
-        segment = SegmentKVCache.current()
+        segmented = SegmentKVCache.opened  # a sequence segment (Seq1F1B): also attend to the earlier segments
         if self.position_embedding_type == "rope":
-            q, k = apply_rope(q, k, self.rope_theta, segment.offset if segment is not None else 0)
-        if segment is not None:  # a sequence segment (Seq1F1B): also attend to the earlier segments
-            k, v = segment.extend(self.layer_idx, k, v)
-            q = segment.queries(q)
+            tables = _segment_rope_tables if segmented else rope_tables
+            q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, 0, s, q.device, q.dtype))
+        if segmented:
+            y = _attend_through_cache(self, q, k, v)
+        else:
+            y = self._attend(q, k, v, self._mask(q, k, None))
+        return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
+
+    def _attend(self, q, k, v, mask):
         dropout = self.attention_dropout if self.training else 0.0
         # each rank's heads drop their own elements
         rng = get_rng_tracker().fork() if self.group is not None and dropout else contextlib.nullcontext()
         with rng:
-            y = F.scaled_dot_product_attention(q, k, v, **self._mask(q, k, segment), dropout_p=dropout,
-                                               enable_gqa=self.num_kv_heads != self.num_heads)
-        return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segment)
+            return F.scaled_dot_product_attention(q, k, v, **mask, dropout_p=dropout,
+                                                  enable_gqa=self.num_kv_heads != self.num_heads)
 
-    def _project(self, y, segment):
+    def _project(self, y, segmented):
         """c_proj and the dropout act per token: a segment runs them in its queries' order (no copy
         of y to save) and restores position order after; under sequence parallelism before them,
         as c_proj scatters the sequence over the ranks."""
-        if segment is None:
+        if not segmented:
             return self.resid_drop(self.c_proj(y))
         if self.c_proj.sequence_parallel:
-            return self.resid_drop(self.c_proj(segment.outputs(y)))
-        return segment.outputs(self.resid_drop(self.c_proj(y)))
+            return self.resid_drop(self.c_proj(segment_outputs(y)))
+        return segment_outputs(self.resid_drop(self.c_proj(y)))
 
     def _mask(self, q, k, segment):
         """SDPA's mask arguments: causal (bottom-right aligned for a segment), plus ALiBi's bias."""
@@ -85,3 +90,19 @@ class CausalSelfAttention(nn.Module):
             return dict(attn_mask=bias[self.head_start:self.head_start + self.num_heads])
         mask = segment.causal_mask(q, k) if segment is not None else None
         return dict(attn_mask=mask, is_causal=mask is None)
+
+
+@outside_graph
+def _segment_rope_tables(head_dim, theta, start, length, device, dtype):
+    """rope_tables of the open segment's positions (a compiled layer reads no offset: no graph per offset)."""
+    return rope_tables(head_dim, theta, start + SegmentKVCache.current().offset, length, device, dtype)
+
+
+@outside_graph  # the cache is Python state per micro-batch: eager between a compiled layer's graphs
+def _attend_through_cache(attn, q, k, v):
+    """Attention of the open segment's queries to the keys/values of its own and every earlier position
+    (b, heads, s, head_dim), in the queries' order (segment.queries)."""
+    segment = SegmentKVCache.current()
+    k, v = segment.extend(attn.layer_idx, k, v)
+    q = segment.queries(q)
+    return attn._attend(q, k, v, attn._mask(q, k, segment))

@@ -48,7 +48,11 @@ class GPTModel(nn.Module):
         for layer in self.layers:
             x = layer(x)
         x = self.final_norm(x)
-        return lm_head(self.embedding, x) if self.lm_head is None else self.lm_head(x)
+        out = lm_head(self.embedding, x) if self.lm_head is None else self.lm_head(x)
+        if isinstance(out, tuple):  # a chunked head (--loss-chunk-size) leaves its GEMM to the pipeline's loss
+            hidden, weight = out
+            return torch.nn.functional.linear(hidden, weight)
+        return out
 
     def pipeline_layers(self):
         """Modules by global layer index (a tied head is the embedding module again)."""

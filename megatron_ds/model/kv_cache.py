@@ -45,6 +45,12 @@ def queries_reversed(device) -> bool:
     return torch.device(device).type != "cuda"
 
 
+def segment_outputs(y):
+    """A segment's attention output (b, s, hidden) from its queries' order back to position order
+    (pure: a compiled layer runs it in its graph)."""
+    return y.flip(1) if queries_reversed(y.device) else y
+
+
 class _Entry:
     """One (micro-batch, layer): keys/values written so far, gradients owed to earlier positions."""
 
@@ -137,7 +143,7 @@ class Segment:
 
     def outputs(self, y):
         """The attention block's output (b, s, hidden) back in position order."""
-        return y.flip(1) if queries_reversed(y.device) else y
+        return segment_outputs(y)
 
     def causal_mask(self, q, k):
         """Query i of the segment (position offset + i) sees keys [0, offset + i]: the causal mask
@@ -157,6 +163,7 @@ class SegmentKVCache:
     it after the micro-batch's last backward there (or after its last forward in eval).
     """
     _open = None  # the Segment of the op the runtime is running, None outside one
+    opened = False  # _open is not None: what a compiled layer reads (its graphs depend on it, not on the Segment)
 
     def __init__(self):
         self._entries = {}  # key -> {layer id -> _Entry}
@@ -169,10 +176,12 @@ class SegmentKVCache:
     @contextmanager
     def segment(self, key, offset, total):
         previous, SegmentKVCache._open = SegmentKVCache._open, Segment(self, key, offset, total)
+        SegmentKVCache.opened = True
         try:
             yield SegmentKVCache._open
         finally:
             SegmentKVCache._open = previous
+            SegmentKVCache.opened = previous is not None
 
     def free(self, key):
         self._entries.pop(key, None)

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 from .attention import CausalSelfAttention
 from megatron_ds.gpt_config import GPTConfig
+from .chunked_loss import chunked_linear_cross_entropy
 from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
-                              column_parallel_linear, scatter_to_sequence, tensor_parallel_group,
-                              vocab_parallel_loss)
+                              column_parallel_linear, copy_to_region, gather_from_sequence, scatter_to_sequence,
+                              tensor_parallel_group, vocab_parallel_loss)
 
 
 def _generator(config: GPTConfig, layer_idx: int):
@@ -62,6 +63,7 @@ class Embedding(nn.Module):
         super().__init__()
         gen = _generator(config, layer_idx)
         self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
+        self.loss_chunk_size = config.loss_chunk_size  # as the tied head (lm_head)
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
                                           init_method=_normal(config.init_method_std, gen))
         learned = config.position_embedding_type == "learned_absolute"
@@ -94,25 +96,43 @@ class TiedLMHead(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
         self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
+        self.loss_chunk_size = config.loss_chunk_size
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
                                           init_method=_normal(config.init_method_std, _generator(config, layer_idx)))
 
 
 def lm_head(embedding, hidden):
     """The tied LM head is the word embedding, transposed (with TP: this rank's vocabulary rows)."""
+    if embedding.loss_chunk_size:
+        return head_input(hidden, embedding.group, embedding.sequence_parallel), embedding.wte.weight
     if embedding.group is None:
         return F.linear(hidden, embedding.wte.weight)
     return column_parallel_linear(hidden, embedding.wte.weight, None, embedding.group, embedding.sequence_parallel)
 
 
+def head_input(hidden, group, sequence_parallel):
+    """What a chunked head multiplies (--loss-chunk-size): the hidden states as a column-parallel linear
+    sees them (its input gradient summed over the TP group; under SP the sequence gathered)."""
+    if sequence_parallel:
+        return gather_from_sequence(hidden, group)
+    return copy_to_region(hidden, group)
+
+
 class LMHead(ColumnParallelLinear):
     """The untied LM head (--untie-embeddings-and-output-weights): a pipeline layer of its own,
-    whose weight GEMM a B/W split defers like any other linear layer's."""
+    whose weight GEMM a B/W split defers like any other linear layer's. With --loss-chunk-size it
+    hands (hidden, weight) to the loss, which multiplies them a chunk of tokens at a time."""
 
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__(config.hidden_size, config.vocab_size, bias=False, group=tensor_parallel_group(config),
                          sequence_parallel=config.sequence_parallel,
                          init_method=_normal(config.init_method_std, _generator(config, layer_idx)))
+        self.loss_chunk_size = config.loss_chunk_size
+
+    def forward(self, x):
+        if self.loss_chunk_size:
+            return head_input(x, self.group, self.sequence_parallel), self.weight
+        return super().forward(x)
 
 
 class MLP(nn.Module):
@@ -184,6 +204,15 @@ def gpt_loss(logits, labels):
 
 
 def loss_function(config: GPTConfig):
-    """gpt_loss, or with tensor parallelism its vocab-parallel twin over the TP group."""
+    """gpt_loss, or with tensor parallelism its vocab-parallel twin over the TP group; with
+    --loss-chunk-size the chunked head + loss on the head's (hidden, weight)."""
     group = tensor_parallel_group(config)
+    if config.loss_chunk_size:
+        return functools.partial(chunked_head_loss, chunk=config.loss_chunk_size, group=group)
     return gpt_loss if group is None else functools.partial(vocab_parallel_loss, group=group)
+
+
+def chunked_head_loss(outputs, labels, chunk, group=None):
+    """The loss of a chunked head's (hidden, weight): gpt_loss of hidden @ weight^T, never whole."""
+    hidden, weight = outputs
+    return chunked_linear_cross_entropy(hidden, weight, labels, chunk, group)

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .compile import CompileMode
+
 
 class WeightGradStore:
     """The queue the current B op writes deferred weight GEMMs into (None: compute at once)."""
@@ -88,8 +90,17 @@ def weight_grad(weight, grad_out, x):
 
 
 def linear(x, weight, bias=None):
-    """F.linear with a deferrable weight gradient."""
+    """F.linear with a deferrable weight gradient. Inside a compiled layer (model/compile.py) it is
+    plain F.linear in the graph, or, when the run defers weight gradients, an eager call between
+    two graphs: a graph's backward would compute the weight GEMM at once."""
+    if torch.compiler.is_compiling():
+        if CompileMode.linears_outside:
+            return _eager_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     return _LinearFunction.apply(x, weight, bias)
+
+
+_eager_linear = torch.compiler.disable(_LinearFunction.apply)
 
 
 class Linear(torch.nn.Linear):

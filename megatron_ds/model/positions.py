@@ -13,12 +13,13 @@ import math
 import torch
 
 
-@functools.lru_cache(maxsize=16)
-def _rope_cos_sin(head_dim, theta, start, length, device):
+@functools.lru_cache(maxsize=64)
+def _rope_cos_sin(head_dim, theta, start, length, device, dtype):
+    """Cached per dtype too: a bf16 run casts its tables once, not in every layer of every op."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
     angles = torch.arange(start, start + length, device=device).float()[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)  # (length, head_dim): each half rotates with its twin
-    return angles.cos(), angles.sin()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def _rotate_half(x):
@@ -26,11 +27,19 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_tables(head_dim, theta, start, length, device, dtype):
+    """cos and sin (length, head_dim) of positions start..start+length-1."""
+    return _rope_cos_sin(head_dim, theta, start, length, device, dtype)
+
+
+def rotate(q, k, cos, sin):
+    """Rotate q and k (b, heads, s, head_dim) by the angles whose rope_tables are cos, sin."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
 def apply_rope(q, k, theta, start):
     """Rotate q and k (b, heads, s, head_dim) by the angles of positions start..start+s-1."""
-    cos, sin = _rope_cos_sin(q.shape[-1], theta, start, q.shape[-2], q.device)
-    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rotate(q, k, *rope_tables(q.shape[-1], theta, start, q.shape[-2], q.device, q.dtype))
 
 
 def alibi_slopes(num_heads):

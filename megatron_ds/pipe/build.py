@@ -15,7 +15,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs
-from megatron_ds.model.layers import loss_function
+from megatron_ds.model.compile import compile_layers
+from megatron_ds.model.layers import TransformerLayer, loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
@@ -61,10 +62,21 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
     if settings.stock:
         if is_cost_method(settings.partition_method):
-            return CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
-        return PipelineModule(**common)
+            module = CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
+        else:
+            module = PipelineModule(**common)
+        return compiled(module, settings, defer_weight_grads=False)
     plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length, settings)
-    return ChunkedPipelineModule(plan=plan, **common)
+    module = ChunkedPipelineModule(plan=plan, **common)
+    # "auto" may switch to a schedule that splits backward: its layers leave the linears eager from the start
+    return compiled(module, settings, defer_weight_grads=settings.auto or plan.splits_backward)
+
+
+def compiled(module, settings, defer_weight_grads: bool):
+    """The module with its transformer layers compiled when "pipeline.compile_layers" asks for it."""
+    if settings.compile_layers:
+        compile_layers([m for m in module.modules() if isinstance(m, TransformerLayer)], defer_weight_grads)
+    return module
 
 
 @contextmanager

@@ -44,6 +44,7 @@ class PipelineSettings:
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
     vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
+    compile_layers: bool = False   # torch.compile each transformer layer (model/compile.py), any engine
 
     @property
     def stock(self):
@@ -95,7 +96,8 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
-    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel"):
+    for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
+                "compile_layers"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     if in_file:
@@ -121,6 +123,7 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         remeasure=section.get("remeasure", False),
         op_costs=section.get("op_costs"),
         vocab_parallel=section.get("vocab_parallel", False),
+        compile_layers=section.get("compile_layers", False),
     )
     if fixed:
         settings = dataclasses.replace(settings, **fixed)

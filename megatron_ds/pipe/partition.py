@@ -25,6 +25,8 @@ import json
 import os
 from typing import Sequence
 
+from megatron_ds.schedules.flops import layer_shape, span_flops, vocab_size
+
 from .config import ConfigError
 
 COSTS_PREFIX = "costs:"
@@ -43,18 +45,13 @@ def gpt_layer_count(num_layers: int) -> int:
 def layer_flops(config) -> list[float]:
     """Forward FLOPs per token of each pipeline layer of a GPT of `config`'s sizes.
 
-    A transformer layer: 2 h (h + 2 kv d) for Q, K, V, 2 h^2 for the output projection, 2 s h
-    for scores and weighted sum under a causal mask (4 h t at position t, averaged over the
-    s positions), 2 h f times 2 matrices (GELU) or 3 (SwiGLU). The head: 2 h V plus the
-    softmax cross-entropy (about 5 V). The embedding is a lookup and the norms are
-    elementwise: a few h each, so their cost is left to measured costs."""
-    h, s, f = config.hidden_size, config.max_position_embeddings, config.ffn_hidden_size or 4 * config.hidden_size
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", 0) or heads
-    d = h // heads
-    mlp = 3 if getattr(config, "swiglu", False) else 2
-    layer = 2 * h * (h + 2 * kv * d) + 2 * h * h + 2 * s * h + mlp * 2 * h * f
-    vocab = getattr(config, "vocab_size", None) or getattr(config, "padded_vocab_size", None) or 50304
+    A transformer layer: schedules/flops.span_flops over the whole sequence, per token (GQA and
+    SwiGLU aware; causal attention 2 s h per token on average). The head: 2 h V plus the softmax
+    cross-entropy (about 5 V). The embedding is a lookup and the norms are elementwise: a few h
+    each, so their cost is left to measured costs."""
+    h, s = config.hidden_size, config.max_position_embeddings
+    layer = span_flops(0, s, **layer_shape(config)) / s
+    vocab = vocab_size(config)
     embed = 2 * h if getattr(config, "embed_layernorm", False) else h
     return [float(embed)] + [float(layer)] * config.num_layers + [5.0 * h, 2.0 * h * vocab + 5.0 * vocab]
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.catalog import KNOBS
+from megatron_ds.schedules.flops import layer_shape
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
                                              segment_costs)
@@ -71,9 +72,15 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list
         return even_segment_lengths(seq_length, k)
     try:
         return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE)
+                                        SEGMENT_MULTIPLE, **_shape(config))
     except ScheduleError as exc:
         raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
+
+
+def _shape(config) -> dict:
+    """The layer's shape beyond h and f that its FLOPs depend on (schedules/flops.py)."""
+    shape = layer_shape(config)
+    return dict(heads=shape["heads"], kv_heads=shape["kv_heads"], swiglu=shape["swiglu"])
 
 
 def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: list | None = None) -> int:
@@ -119,7 +126,7 @@ def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
             sequence_shards(tp, sp, seq, lengths)
         except ConfigError:
             continue
-        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None))
+        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None), **_shape(config))
         cuts.append(auto.Cut(k, tuple(lengths), tuple(costs)))
     return tuple(cuts)
 
@@ -215,6 +222,11 @@ class PipelinePlan:
     @property
     def placement(self) -> list:
         return self.schedule.placement
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether any op of this run's schedule is a B (its weight gradients deferred to a W op)."""
+        return any(op.kind is Kind.B for ops in self.schedule.ranks for op in ops)
 
     @property
     def activation_shape(self) -> tuple:

@@ -4,28 +4,19 @@ Under causal attention a token attends to every earlier token, so equal-length s
 unequal work: the last one is the most expensive. The balanced split gives every segment
 the same FLOPs, which makes the first segment the longest.
 
-FLOPs of the tokens [a, b) of one layer (per sequence, forward; backward scales alike):
-linear layers 2(4h^2 + 2h*ffn) per token (QKV, output projection and the two MLP
-matrices), attention 4h*t for the token at position t (scores and weighted sum over t
-keys), which integrates to 2h(b^2 - a^2).
+FLOPs of the tokens [a, b) of one layer (per sequence, forward; backward scales alike) are
+flops.span_flops: the linear layers' per token (grouped K/V and SwiGLU counted when the
+heads, K/V heads and swiglu are given), plus causal attention's 2h(b^2 - a^2).
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
+from .flops import linear_flops_per_token, span_flops
 from .ir import ScheduleError
 
 SEGMENT_MULTIPLE = 8  # balanced segment lengths the runtime uses are multiples of this (kernel-friendly)
-
-
-def _linear_flops_per_token(hidden: int, ffn: int | None) -> float:
-    ffn = 4 * hidden if ffn is None else ffn
-    return 2.0 * (4 * hidden * hidden + 2 * hidden * ffn)
-
-
-def _span_flops(a: float, b: float, hidden: int, ffn: int | None) -> float:
-    return _linear_flops_per_token(hidden, ffn) * (b - a) + 2.0 * hidden * (b * b - a * a)
 
 
 def _check(seq_length: int, k: int, multiple: int) -> None:
@@ -52,17 +43,20 @@ def even_segment_lengths(seq_length: int, k: int, multiple: int = 1) -> list[int
 
 
 def balanced_segment_lengths(seq_length: int, k: int, hidden_size: int,
-                             ffn_hidden_size: int | None = None, multiple: int = 8) -> list[int]:
+                             ffn_hidden_size: int | None = None, multiple: int = 8, *, heads: int | None = None,
+                             kv_heads: int | None = None, swiglu: bool = False) -> list[int]:
     """k lengths summing to seq_length whose segments cost the same FLOPs.
 
     Walking from the start, each segment is the longest multiple of `multiple` whose cost
     does not exceed 1/k of the whole sequence's; the last segment takes the rest.
+    heads, kv_heads, swiglu: the layer's shape beyond h and f (flops.span_flops).
     """
     _check(seq_length, k, multiple)
     if hidden_size < 1:
         raise ScheduleError(f"hidden_size must be positive (hidden_size={hidden_size})")
-    lin = _linear_flops_per_token(hidden_size, ffn_hidden_size)
-    share = _span_flops(0, seq_length, hidden_size, ffn_hidden_size) / k
+    shape = dict(heads=heads, kv_heads=kv_heads, swiglu=swiglu)
+    lin = linear_flops_per_token(hidden_size, ffn_hidden_size, **shape)
+    share = span_flops(0, seq_length, hidden_size, ffn_hidden_size, **shape) / k
     lengths: list[int] = []
     start = 0
     for _ in range(k - 1):
@@ -79,14 +73,14 @@ def balanced_segment_lengths(seq_length: int, k: int, hidden_size: int,
     return lengths
 
 
-def segment_costs(lengths: Sequence[int], hidden_size: int,
-                  ffn_hidden_size: int | None = None) -> list[float]:
+def segment_costs(lengths: Sequence[int], hidden_size: int, ffn_hidden_size: int | None = None, *,
+                  heads: int | None = None, kv_heads: int | None = None, swiglu: bool = False) -> list[float]:
     """Relative FLOPs of consecutive segments (mean 1), e.g. for simulate(seq_costs=...)."""
     if not lengths or any(n < 1 for n in lengths):
         raise ScheduleError(f"segment lengths must be positive (lengths={list(lengths)})")
     costs, start = [], 0
     for n in lengths:
-        costs.append(_span_flops(start, start + n, hidden_size, ffn_hidden_size))
+        costs.append(span_flops(start, start + n, hidden_size, ffn_hidden_size, heads, kv_heads, swiglu))
         start += n
     mean = sum(costs) / len(costs)
     return [c / mean for c in costs]

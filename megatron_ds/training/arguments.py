@@ -143,6 +143,11 @@ def build_parser():
     g.add_argument("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None)
+    g.add_argument("--compile-layers", action="store_true",
+                   help='torch.compile each transformer layer ("pipeline.compile_layers" = true; default off)')
+    g.add_argument("--loss-chunk-size", type=int, default=0,
+                   help="the LM head and cross-entropy run this many tokens at a time, the (tokens x vocabulary) "
+                        "logits never whole (Liger's fused linear cross-entropy, in torch; 0: off)")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by the deepspeed launcher")
     add_fork_args(p)

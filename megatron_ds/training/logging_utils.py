@@ -12,6 +12,9 @@ import sys
 import time
 
 from megatron_ds.data.dist_utils import print_rank_0, rank_and_world
+from megatron_ds.schedules.flops import model_flops_per_sequence
+
+from .device_peak import this_device_peak
 
 
 def is_last_rank():
@@ -49,18 +52,23 @@ class Timers:
 
 
 def tflops(args, batch_size, seconds_per_iteration):
-    """Model TFLOPs per GPU/process, BigScience's formula (3 passes, 4 with activation recompute).
+    """Model TFLOP/s per GPU/process: the model's FLOPs as schedules/flops.py counts them (GQA,
+    SwiGLU, the untied head's GEMM, causal attention's half; 4 passes with activation recompute).
     The world is TP x PP x DP processes, so tensor parallelism is divided out too."""
     if seconds_per_iteration <= 0:
         return 0.0
-    s, h, L, V = args.seq_length, args.hidden_size, args.num_layers, args.padded_vocab_size
-    factor = 4 if args.checkpoint_activations else 3
-    flops = 24 * factor * batch_size * s * L * h * h * (1.0 + s / (6.0 * h) + V / (16.0 * L * h))
+    flops = batch_size * model_flops_per_sequence(args, args.seq_length, recompute=args.checkpoint_activations)
     return flops / (seconds_per_iteration * args.world_size * 1e12)
 
 
+def mfu(tflops_value, peak):
+    """Model FLOPs utilisation in percent of the device's bf16 peak (None when the peak is unknown)."""
+    return None if not peak else 100.0 * tflops_value / peak
+
+
 def iteration_line(*, iteration, train_iters, consumed_samples, consumed_tokens, ms_per_iteration, learning_rate,
-                   global_batch_size, losses, loss_scale, grad_norm, skipped, nan, samples_per_second, tflops_value):
+                   global_batch_size, losses, loss_scale, grad_norm, skipped, nan, samples_per_second, tflops_value,
+                   mfu_value=None):
     """One Megatron iteration line; `losses` maps a name ('lm loss') to its interval mean."""
     line = f" iteration {iteration:8d}/{train_iters:8d} |"
     line += f" consumed samples: {consumed_samples:12d} |"
@@ -78,6 +86,8 @@ def iteration_line(*, iteration, train_iters, consumed_samples, consumed_tokens,
     line += f" number of nan iterations: {nan:3d} |"
     line += f" samples per second: {samples_per_second:.3f} |"
     line += f" TFLOPs: {tflops_value:.2f} |"
+    if mfu_value is not None:
+        line += f" MFU: {mfu_value:.1f}% |"
     return line
 
 
@@ -98,6 +108,7 @@ class TensorBoard:
     def __init__(self, args):
         self.writer = None
         self.args = args
+        self.peak = this_device_peak()  # the log line's MFU reads it too
         if args.tensorboard_dir and is_last_rank():
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(args.tensorboard_dir, exist_ok=True)
@@ -135,8 +146,10 @@ class TensorBoard:
         w.add_scalar("iteration-time/samples per second per replica", samples_per_second / dp, iteration)
         w.add_scalar("iteration-time/tokens per second", tokens_per_second, iteration)
         w.add_scalar("iteration-time/tokens per second per replica", tokens_per_second / dp, iteration)
-        w.add_scalar("iteration-time/TFLOPs per gpu (estimated)",
-                     tflops(self.args, batch_size, ms_per_iteration / 1000.0), iteration)
+        model_tflops = tflops(self.args, batch_size, ms_per_iteration / 1000.0)
+        w.add_scalar("iteration-time/TFLOPs per gpu (estimated)", model_tflops, iteration)
+        if self.peak:
+            w.add_scalar("iteration-time/MFU (percent of bf16 peak)", mfu(model_tflops, self.peak), iteration)
 
     def timers(self, timers, iteration, normalizer=1.0):
         """Seconds per iteration spent in each timer since the last call (Megatron's normalizer)."""

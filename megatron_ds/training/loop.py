@@ -24,7 +24,7 @@ from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level
 from .parallel_args import rank_coordinates
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
-                            print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
+                            mfu, print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
 
 
 # --------------------------------------------------------------------------- loop
@@ -197,16 +197,22 @@ class Trainer:
         n = max(1, interval["iters"])  # fewer than --log-interval right after a resume
         seconds = interval["time"] / n
         losses = {"lm loss": interval["loss"] / max(1, interval["count"])}
+        model_tflops = tflops(args, gbs, seconds)
         line = iteration_line(
             iteration=self.iteration, train_iters=args.train_iters, consumed_samples=self.consumed_train,
             consumed_tokens=self.consumed_train * args.seq_length, ms_per_iteration=seconds * 1000.0,
             learning_rate=lr, global_batch_size=gbs, losses=losses, loss_scale=loss_scale, grad_norm=grad_norm,
             skipped=interval["skipped"], nan=interval["nan"],
-            samples_per_second=gbs / seconds if seconds > 0 else 0.0, tflops_value=tflops(args, gbs, seconds))
+            samples_per_second=gbs / seconds if seconds > 0 else 0.0, tflops_value=model_tflops,
+            mfu_value=mfu(model_tflops, self.tb.peak))
         if bar is not None:
             bar.write(line)
         else:
             print_rank_last(line)
+        if args.pipeline_settings.compile_layers and not getattr(self, "compile_logged", False):
+            from megatron_ds.model.compile import compile_summary  # lazy: torch, after the flags are checked
+            self.compile_logged = True  # once: the first steps compiled the layers
+            print_rank_0(compile_summary() or "> compiled transformer layers: nothing compiled yet")
         self.tb.timers(self.timers, self.iteration, normalizer=n)
         self.tb.flush()
 

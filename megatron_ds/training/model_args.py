@@ -100,7 +100,8 @@ def gpt_config_from_args(args):
                      max_position_embeddings=args.max_position_embeddings,
                      ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
                      attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
-                     init_method_std=args.init_method_std, seed=args.seed, **family)
+                     init_method_std=args.init_method_std, seed=args.seed,
+                     loss_chunk_size=getattr(args, "loss_chunk_size", 0) or 0, **family)
 
 
 def model_family_flags(config) -> list:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..compile import outside_graph
 from ..linear import bias_grad, linear, weight_grad
 from . import comm
 from .mappings import SEQ_DIM, copy_to_region, gather_from_region, reduce_from_region, reduce_scatter_to_sequence
@@ -85,6 +86,13 @@ class _SequenceGatherLinear(torch.autograd.Function):
 
 def column_parallel_linear(x, weight, bias, group, sequence_parallel=False):
     """x @ weight_r^T + bias_r on a replicated (or sequence-parallel) input: this rank's output columns."""
+    if group is None and not sequence_parallel:  # exactly the dense layer
+        return linear(x, weight, bias)
+    return _tensor_parallel_linear(x, weight, bias, group, sequence_parallel)
+
+
+@outside_graph  # its collectives run eagerly between a compiled layer's graphs
+def _tensor_parallel_linear(x, weight, bias, group, sequence_parallel):
     if sequence_parallel:
         return _SequenceGatherLinear.apply(x, weight, bias, group)
     return linear(copy_to_region(x, group), weight, bias)
@@ -139,10 +147,14 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if self.group is None:  # exactly the dense layer
             return linear(x, self.weight, self.bias)
-        partial = linear(x, self.weight)
-        y = reduce_scatter_to_sequence(partial, self.group) if self.sequence_parallel \
-            else reduce_from_region(partial, self.group)
-        return y if self.bias is None else y + self.bias
+        return _row_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+
+
+@outside_graph  # its collectives run eagerly between a compiled layer's graphs
+def _row_parallel_linear(x, weight, bias, group, sequence_parallel):
+    partial = linear(x, weight)
+    y = reduce_scatter_to_sequence(partial, group) if sequence_parallel else reduce_from_region(partial, group)
+    return y if bias is None else y + bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -227,6 +227,30 @@ def cross_entropy_case(group):
                 bf16=_diff(bf16, bf16_dense.view(B, S)), dtypes=(loss.dtype, bf16.dtype))
 
 
+def chunked_loss_case(group, sp, deferred):
+    """The chunked head + loss (model/chunked_loss.py) on this rank's vocabulary rows equals the dense
+    head + gpt_loss: loss, input gradient, gathered weight gradient (B then W when deferred); and a
+    Seq1F1B segment's (labels, num_tokens) loss."""
+    from megatron_ds.model.layers import chunked_head_loss, head_input
+    tp, r = tp_size(group), tp_rank(group)
+    h, vocab = 12, 16 * tp
+    hidden = _data(B, S, h, seed=21)
+    weight = _data(vocab, h, seed=22)
+    target = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(23))
+    xd, wd = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss_d = gpt_loss(F.linear(xd, wd), target)
+    loss_d.backward()
+    x = (_seq_shard(hidden, group) if sp else hidden).clone().requires_grad_()
+    w = shard(weight, r, tp, 0).clone().requires_grad_()
+    loss = chunked_head_loss((head_input(x, group, sp), w), target, chunk=5, group=group)
+    left_to_w = _backward(loss, deferred, w)
+    segment = chunked_head_loss((head_input(x, group, sp)[:, :S // 2], w), (target[:, :S // 2], B * S), chunk=3,
+                                group=group)
+    return dict(loss=_diff(loss, loss_d), grad_x=_diff(x.grad, _seq_shard(xd.grad, group) if sp else xd.grad),
+                grad_w=_diff(_gather(w.grad, group, 0), wd.grad), left_to_w=left_to_w,
+                segment=_diff(segment, gpt_loss(F.linear(hidden[:, :S // 2], weight), (target[:, :S // 2], B * S))))
+
+
 def mappings_case(group):
     """The sequence-parallel and the last-dimension mappings, forward and backward."""
     tp, r = tp_size(group), tp_rank(group)
@@ -370,6 +394,9 @@ def run_all(world):
         out["block", sp] = block_case(group, sp, deferred=sp)
         out["embedding", sp] = embedding_case(group, sp)
     out["cross_entropy"] = cross_entropy_case(group)
+    for sp in (False, True):
+        for deferred in (False, True):
+            out["chunked_loss", sp, deferred] = chunked_loss_case(group, sp, deferred)
     out["mappings"] = mappings_case(group)
     out["rng"] = rng_case(group)
     out["comm_count"] = comm_count_case(group)

@@ -64,6 +64,16 @@ def test_vocab_parallel_cross_entropy_equals_torch_on_gathered_logits(tp_results
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_chunked_head_loss_equals_dense_head_and_loss(tp_results, world, sp, deferred):
+    for r in tp_results(world):
+        c = r["chunked_loss", sp, deferred]
+        assert c["loss"] < 1e-6 and c["grad_x"] < 1e-6 and c["grad_w"] < 1e-6 and c["segment"] < 1e-6, c
+        assert c["left_to_w"]  # under a B op the weight gradient waits for W
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_mappings_round_trip(tp_results, world):
     for r in tp_results(world):
         m = r["mappings"]

@@ -1,0 +1,291 @@
+"""One device, one pipeline stage: a training iteration of DeepSpeed's engine, ours under each
+schedule (compiled layers on and off), and transformers' LlamaForCausalLM (eager and compiled) as the
+anchor, on the same LLaMA-style model and tokens. Prints, per sequence shape, ms per iteration (median
+after warm-up) and its ratio to DeepSpeed's engine, model TFLOP/s (schedules/flops.py) and MFU where the
+card's bf16 peak is known, peak memory, the first and last loss, and with --count-ops the aten operators,
+and on CUDA the kernel launches and host synchronisations, of one iteration (torch.profiler; torch's
+sync debug mode).
+
+The issue-24 model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
+RoPE, untied head, vocabulary 50304; bf16 weights on CUDA, ZeRO-1 for the engines, fused AdamW for
+transformers. --toy: a small fp32 model that runs on CPU in seconds (what CI runs).
+
+    python -m bench.gpu_step                      # on one GPU: seq 2048 x mb 4, 8192 x 1, 16384 x 1
+    python -m bench.gpu_step --toy --count-ops    # on CPU
+    python -m bench.gpu_step --cases 1f1b,seq1f1b-k4-bw --compile both --shapes 2048x4
+
+With Liger-Kernel importable on CUDA, a "transformers + liger" row patches LlamaForCausalLM with its
+kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for comparison with compile.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+
+ENGINE_CASES = {  # name -> ds_config "pipeline" section (None: DeepSpeed's own engine)
+    "deepspeed": None,
+    "1f1b": {"schedule": "1f1b"},
+    "zb-h1": {"schedule": "zb-h1"},
+    "seq1f1b-k2": {"schedule": "seq1f1b", "seq_splits": 2},
+    "seq1f1b-k2-bw": {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True},
+    "seq1f1b-k4": {"schedule": "seq1f1b", "seq_splits": 4},
+    "seq1f1b-k4-bw": {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True},
+}
+HF_CASES = ("transformers",)
+ISSUE_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
+                   ffn_hidden_size=5440, vocab_size=50304)
+TOY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
+                 vocab_size=256)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--toy", action="store_true", help="a small fp32 model, shape 64x2, 3 timed iterations (CPU)")
+    p.add_argument("--cases", default=",".join([*ENGINE_CASES, *HF_CASES]),
+                   help=f"comma-separated, of {', '.join([*ENGINE_CASES, *HF_CASES])}")
+    p.add_argument("--compile", choices=["off", "on", "both"], default="both",
+                   help="compiled layers (ours, DeepSpeed's) / torch.compile (transformers)")
+    p.add_argument("--shapes", default=None, help="SEQxMB,... (default 2048x4,8192x1,16384x1; --toy 64x2)")
+    p.add_argument("--global-batch-sequences", type=int, default=None,
+                   help="sequences per iteration (default: 16 at seq 2048, else 4 micro-batches)")
+    p.add_argument("--iterations", type=int, default=None, help="timed iterations (default 20; --toy 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (default 5; --toy 1)")
+    p.add_argument("--count-ops", action="store_true", help="profile one more iteration: aten ops, kernel launches")
+    return p
+
+
+def model_config(toy, seq):
+    from megatron_ds.model import GPTConfig
+    sizes = TOY_MODEL if toy else ISSUE_MODEL
+    return GPTConfig(**sizes, max_position_embeddings=seq, normalization="rmsnorm", swiglu=True,
+                     position_embedding_type="rope", untie_embeddings_and_output_weights=True, add_bias_linear=False,
+                     layernorm_epsilon=1e-5, seed=1234)
+
+
+def tokens(config, seq, mb, step, index):
+    import torch
+    g = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randint(0, config.vocab_size, (mb, seq + 1), generator=g)
+
+
+def init_process_group():
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from megatron_ds.training.initialize import free_port
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+class Shape:
+    def __init__(self, seq, mb, sequences):
+        self.seq, self.mb, self.gas = seq, mb, max(1, sequences // mb)
+
+    def __str__(self):
+        return f"seq {self.seq}, micro-batch {self.mb}, {self.gas} micro-batches"
+
+
+def engine_step(pipeline, compiled, config, shape, bf16):
+    """A train_batch closure of our (or DeepSpeed's) engine at PP=1."""
+    import torch
+    from megatron_ds.model import position_ids_like
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    ds_config = {"train_micro_batch_size_per_gpu": shape.mb, "gradient_accumulation_steps": shape.gas,
+                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+                 "pipeline": {**(pipeline or {}), "compile_layers": compiled}}
+    if bf16:
+        ds_config["bf16"] = {"enabled": True}
+    module = build_pipeline_module(config, ds_config, 1, seq_length=shape.seq)
+    engine = initialize_engine(module, ds_config, optimizer=adamw(module.parameters()))
+
+    def step(i):
+        def batches():
+            for j in range(shape.gas):
+                t = tokens(config, shape.seq, shape.mb, i, j)
+                x = t[:, :-1].contiguous()
+                yield (x, position_ids_like(x)), t[:, 1:].contiguous()
+        return float(engine.train_batch(batches()))
+    return step, engine
+
+
+def hf_step(compiled, config, shape, bf16, liger=False):
+    """The same model as transformers' LlamaForCausalLM (bf16 weights on CUDA), AdamW, one closure per step."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    hf = LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                     intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+                     num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+                     max_position_embeddings=shape.seq, rms_norm_eps=config.layernorm_epsilon,
+                     rope_theta=config.rope_theta, tie_word_embeddings=False, attention_bias=False,
+                     mlp_bias=False, attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf).to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+    opt = adamw(model.parameters())
+    forward = torch.compile(model) if compiled else model
+
+    def step(i):
+        total = 0.0
+        for j in range(shape.gas):
+            t = tokens(config, shape.seq, shape.mb, i, j).to(device)
+            loss = forward(input_ids=t[:, :-1], labels=t[:, :-1]).loss / shape.gas
+            loss.backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(total)
+    return step, model
+
+
+def adamw(params):
+    """The optimizer of every case: torch's AdamW, its one-kernel (fused) form on CUDA."""
+    import torch
+    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=torch.cuda.is_available())
+
+
+def count_ops(step, i):
+    """(aten operators, kernel launches, host synchronisations) of one call of step(i): torch.profiler's
+    events; on CUDA the launches, and the synchronising calls torch's sync debug mode reports (None on CPU)."""
+    import warnings
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(i)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    names = [e.name for e in prof.events()]
+    aten = sum(1 for n in names if n.startswith("aten::"))
+    if not cuda:
+        return aten, None, None
+    launches = sum(1 for n in names if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    syncs = sum(1 for w in caught if "synchroniz" in str(w.message))
+    return aten, launches, syncs
+
+
+def measure(make, shape, config, warmup, iterations, ops):
+    """ms per iteration (median), losses, peak memory (GB, CUDA), ops and compile seconds of one case."""
+    import torch
+    from megatron_ds.model.compile import compile_seconds
+    cuda = torch.cuda.is_available()
+    compile_before = compile_seconds()
+    step, owner = make()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    losses, times = [], []
+    for i in range(warmup + iterations):
+        start = time.perf_counter()
+        losses.append(step(i))  # float(loss): the step has finished on the device
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    counted = count_ops(step, warmup + iterations) if ops else (None, None, None)
+    row = dict(ms=1000.0 * statistics.median(times[warmup:]), losses=losses, ops=counted[0], launches=counted[1],
+               syncs=counted[2],
+               peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+               compile_s=compile_seconds() - compile_before)
+    del step, owner
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def table(shape, rows, flops_per_iteration, peak):
+    base = next((r["ms"] for name, r in rows if name == "deepspeed"), None)
+    lines = [f"## {shape}", "",
+             "| run | ms / iteration | vs DeepSpeed | TFLOP/s | MFU | peak GB | loss first -> last | aten ops | launches | syncs "
+             "| compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows:
+        tflops = flops_per_iteration / (r["ms"] / 1000.0) / 1e12
+        cells = [name, f"{r['ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-", f"{tflops:.2f}",
+                 f"{100 * tflops / peak:.1f} %" if peak else "-",
+                 f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
+                 f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+                 *(str(r[k]) if r[k] is not None else "-" for k in ("ops", "launches", "syncs")),
+                 f"{r['compile_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def shapes_of(args):
+    text = args.shapes or ("64x2" if args.toy else "2048x4,8192x1,16384x1")
+    out = []
+    for item in text.split(","):
+        seq, mb = (int(v) for v in item.lower().split("x"))
+        sequences = args.global_batch_sequences or (16 if seq == 2048 and not args.toy else 4 * mb)
+        out.append(Shape(seq, mb, sequences))
+    return out
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import torch
+    from megatron_ds.schedules.flops import model_flops_per_sequence
+    from megatron_ds.training.device_peak import this_device_peak
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in ENGINE_CASES and c not in HF_CASES]
+    if unknown:
+        raise SystemExit(f"--cases: unknown {unknown}; choose from {[*ENGINE_CASES, *HF_CASES]}")
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    warmup = args.warmup if args.warmup is not None else (1 if args.toy else 5)
+    iterations = args.iterations if args.iterations is not None else (3 if args.toy else 20)
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and not args.toy
+    if not cuda:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    init_process_group()
+    peak = this_device_peak()
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"device: {device}; bf16 peak {peak or '-'} TFLOP/s; torch {torch.__version__}", flush=True)
+    results = {}
+    for shape in shapes_of(args):
+        config = model_config(args.toy, shape.seq)
+        rows = []
+        for case in cases:
+            for compiled in modes:
+                label = case + (" compiled" if compiled else "")
+                if case in HF_CASES:
+                    make = lambda c=compiled: hf_step(c, config, shape, bf16)  # noqa: E731
+                else:
+                    make = lambda p=ENGINE_CASES[case], c=compiled: engine_step(p, c, config, shape, bf16)  # noqa: E731
+                rows.append((label, measure(make, shape, config, warmup, iterations, args.count_ops)))
+                print(f"  {label}: {rows[-1][1]['ms']:.1f} ms", flush=True)
+        if cuda and "transformers" in cases and _liger_available():
+            make = lambda: hf_step(False, config, shape, bf16, liger=True)  # noqa: E731
+            rows.append(("transformers + liger", measure(make, shape, config, warmup, iterations, args.count_ops)))
+        flops = model_flops_per_sequence(config, shape.seq) * shape.mb * shape.gas
+        print(table(shape, rows, flops, peak), flush=True)
+        print(flush=True)
+        results[(shape.seq, shape.mb)] = dict(rows)
+    return results
+
+
+def _liger_available():
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    main()

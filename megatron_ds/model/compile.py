@@ -1,0 +1,86 @@
+"""Regional torch.compile: each transformer layer its own compiled region (torchtitan's apply_compile).
+
+Every TransformerLayer is compiled in place (`nn.Module.compile`: parameter names, state dicts and
+checkpoints unchanged) with static shapes; layers share one compiled graph per input shape, as their
+code and parameter shapes are the same. The runtime's hooks cannot live inside a graph, so a few calls
+stay eager (`outside_graph`), each a graph break by design:
+
+- the deferrable linear layers, when the run splits backward into B and W (`defer_weight_grads`): a
+  compiled graph computes its whole backward at once and cannot leave the weight GEMMs for a W op.
+  Without a split the linears are inside the graph; a B op that finds one there still gets exact
+  gradients, with W computed in B;
+- the tensor-parallel linears (their collectives);
+- a Seq1F1B segment's pass through the K/V cache (per-micro-batch Python state): the rotary tables of
+  the segment's positions, and attention with the cached keys/values.
+
+Everything else of a layer (norms, the projections' pointwise work, RoPE, SwiGLU/GELU, residuals, and
+attention outside segments) is one graph. Dropout under tensor parallelism draws from the RNG tracker,
+which dynamo cannot follow: it breaks the graph there by itself (reported once in the log).
+"""
+import functools
+
+import torch
+
+# A layer compiles once per input shape: a Seq1F1B run has k segment lengths (and k K/V lengths),
+# evaluation and a last partial batch add theirs. Above this many, dynamo would fall back to eager.
+RECOMPILE_LIMIT = 64
+
+
+def outside_graph(fn):
+    """`fn` unchanged in eager mode; under torch.compile a call dynamo leaves out of the graph (it runs
+    eagerly between two compiled pieces). Eager code pays nothing for it."""
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
+
+
+class CompileMode:
+    """What the compiled layers must leave outside their graphs (read while dynamo traces: a change
+    makes it trace again)."""
+    linears_outside = False  # deferred weight gradients: the linears' backward must stay eager
+
+
+def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor"):
+    """Compile every module of `modules` (the transformer layers) in place; returns how many."""
+    CompileMode.linears_outside = defer_weight_grads
+    limits = torch._dynamo.config
+    limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
+    limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
+    count = 0
+    for module in modules:
+        module.compile(backend=backend, dynamic=False)
+        count += 1
+    return count
+
+
+def compile_seconds():
+    """Seconds dynamo and inductor have spent so far in this process (forward graphs when traced,
+    backward graphs when first run)."""
+    times = torch._dynamo.utils.compilation_time_metrics
+    return sum(sum(times.get(key, ())) for key in ("_compile.compile_inner", "backward._backward_impl"))
+
+
+_BY_DESIGN = "torch.compiler.disable"  # the calls outside_graph leaves out
+
+
+def unplanned_graph_breaks():
+    """{reason's first line: count} of the graph breaks dynamo took so far that are not by design."""
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    return {reason.splitlines()[0]: n for reason, n in breaks.items() if _BY_DESIGN not in reason}
+
+
+def compile_summary():
+    """One log line: compile time so far and the graph breaks not by design (None when nothing compiled)."""
+    seconds = compile_seconds()
+    if not seconds:
+        return None
+    line = f"> compiled transformer layers (torch.compile, regional): {seconds:.1f} s compiling"
+    unplanned = unplanned_graph_breaks()
+    if unplanned:
+        line += "; graph breaks not removed: " + "; ".join(f"{r} (x{n})" for r, n in sorted(unplanned.items()))
+    return line

@@ -1,0 +1,56 @@
+"""The model's FLOPs, counted once (pure Python): the TFLOP/s and MFU the training log prints, the
+Seq1F1B balanced split and its segment costs ("auto" weighs segments with them), and the "flops"
+layer partition all take their numbers from here.
+
+Forward FLOPs of one transformer layer for the tokens [a, b) of a sequence (a multiply-add is 2):
+- linear layers, per token: Q, K, V 2h(h + 2 kv d) (grouped-query attention: kv K/V heads of size
+  d = h / heads), output projection 2h^2, MLP 2hf x 2 matrices (GELU) or x 3 (SwiGLU: gate, up, down);
+- causal attention: the query at position t scores t keys and sums t values, 4ht, which over
+  [a, b) integrates to 2h(b^2 - a^2): half of the full s x s count that Megatron's formula uses.
+The LM head adds 2hV per token (tied or not, the GEMM is the same); embedding lookups, norms and
+elementwise work are not counted. Training is forward + backward = 3x forward (4x when activations
+are recomputed).
+"""
+from __future__ import annotations
+
+
+def _get(config, name, default=None):
+    value = getattr(config, name, None)
+    return default if value in (None, 0) else value
+
+
+def linear_flops_per_token(hidden: int, ffn: int | None = None, heads: int | None = None,
+                           kv_heads: int | None = None, swiglu: bool = False) -> float:
+    """Forward FLOPs of one layer's linear layers per token (ffn None: 4h; kv_heads None: heads)."""
+    ffn = 4 * hidden if ffn is None else ffn
+    kv_width = hidden if not heads or not kv_heads else kv_heads * (hidden // heads)
+    return 2.0 * hidden * (hidden + 2 * kv_width) + 2.0 * hidden * hidden + (3 if swiglu else 2) * 2.0 * hidden * ffn
+
+
+def attention_flops(a: float, b: float, hidden: int) -> float:
+    """Forward FLOPs of causal attention (scores and weighted sum) for the tokens [a, b)."""
+    return 2.0 * hidden * (b * b - a * a)
+
+
+def span_flops(a: float, b: float, hidden: int, ffn: int | None = None, heads: int | None = None,
+               kv_heads: int | None = None, swiglu: bool = False) -> float:
+    """Forward FLOPs of one transformer layer for the tokens [a, b) of a sequence."""
+    return linear_flops_per_token(hidden, ffn, heads, kv_heads, swiglu) * (b - a) + attention_flops(a, b, hidden)
+
+
+def layer_shape(config) -> dict:
+    """The keyword arguments of span_flops from a GPTConfig or the parsed flags."""
+    return dict(hidden=config.hidden_size, ffn=_get(config, "ffn_hidden_size"),
+                heads=_get(config, "num_attention_heads"), kv_heads=_get(config, "num_key_value_heads"),
+                swiglu=bool(getattr(config, "swiglu", False)))
+
+
+def vocab_size(config) -> int:
+    return _get(config, "padded_vocab_size") or _get(config, "vocab_size") or 50304
+
+
+def model_flops_per_sequence(config, seq_length: int, recompute: bool = False) -> float:
+    """Training FLOPs (forward + backward, + a forward again when recomputing) of one sequence."""
+    shape = layer_shape(config)
+    forward = config.num_layers * span_flops(0, seq_length, **shape) + 2.0 * shape["hidden"] * vocab_size(config) * seq_length
+    return (4.0 if recompute else 3.0) * forward
