@@ -390,23 +390,20 @@ def enospc_stop_run(workdir, iteration=4, name="mp_rank_00_optim_states", train_
     """ENOSPC in `name` at the save of `iteration`, no flag: every rank stops, `latest` keeps the previous save."""
     job = Job(workdir, gpt_args(workdir, "--inject-enospc", str(iteration), name, train_iters=train_iters,
                                 save_interval=save_interval), nproc=2, name="enospc", launcher="direct")
-    try:
-        job.wait_for(lambda: f"saving checkpoint at iteration {iteration:7d}" in job.output(), 600)
-        seconds = _exit_seconds(job, time.monotonic())
-        codes = job.wait(5)
-    finally:
-        job.kill()
-    out = job.output()
-    return {"exit_codes": codes, "exit_seconds": seconds, "errors": rank_errors(out), "latest": latest(workdir),
-            "steps": step_dirs(workdir), "losses": logged_losses(out), "output": out}
+    return _stopped_run(job, workdir, f"saving checkpoint at iteration {iteration:7d}")
 
 
 def oom_run(workdir, rank=1, iteration=4, train_iters=8, save_interval=2):
     """Resume, and rank `rank`'s allocator fails in F of micro-batch 1 at `iteration`."""
     job = Job(workdir, gpt_args(workdir, "--inject-oom", str(rank), str(iteration), train_iters=train_iters,
                                 save_interval=save_interval), nproc=2, name="oom", launcher="direct")
+    return _stopped_run(job, workdir, "out of memory")
+
+
+def _stopped_run(job, workdir, marker):
+    """A run that must stop by itself once `marker` is logged: how long each rank took to exit, and what is left."""
     try:
-        job.wait_for(lambda: "out of memory" in job.output(), 600)
+        job.wait_for(lambda: marker in job.output(), 600)
         seconds = _exit_seconds(job, time.monotonic())
         codes = job.wait(5)
     finally:
