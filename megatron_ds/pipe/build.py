@@ -21,7 +21,7 @@ from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
-from .partition import is_cost_method, stock_cost_bounds
+from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
 from .sequence_parallel import SequenceParallelPipelineEngine, sequence_parallel_params
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
@@ -43,11 +43,12 @@ def topology(pp: int, tp: int = 1):
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
-                          seq_length: int = None, *, layers=None, loss_fn=None, settings=None):
+                          seq_length: int = None, *, layers=None, loss_fn=None, settings=None, plan=None):
     """`layers`/`loss_fn` replace the GPT's layer specs and loss (e.g. benchmarking layers);
-    config.num_layers and hidden_size still give their count and the activation shape. `settings`: the
-    ds_config's "pipeline" section as parsed at start-up (None: parsed here)."""
-    settings = settings or pipeline_settings(ds_config)
+    config.num_layers and hidden_size still give their count and the activation shape. `settings` and
+    `plan`: the ds_config's "pipeline" section and the PipelinePlan as made at start-up (None: made here,
+    for callers without a parse, such as tests and benchmarks)."""
+    settings = plan.settings if plan is not None else settings or pipeline_settings(ds_config)
     tp = getattr(config, "tensor_model_parallel_size", 1)
     if getattr(config, "sequence_parallel", False) and tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
@@ -63,8 +64,11 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
         if is_cost_method(settings.partition_method):
             return CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         return PipelineModule(**common)
-    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length, settings)
-    return ChunkedPipelineModule(plan=plan, **common)
+    if plan is None:
+        plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length,
+                                        settings)
+    parts = chunk_cost_bounds(settings.partition_method, config, plan.placement)
+    return ChunkedPipelineModule(plan=plan, parts=parts, **common)
 
 
 @contextmanager

@@ -40,7 +40,7 @@ class ScheduleEngine(PipelineEngine):
     the sequence-parallel gradients over the TP group, see sequence_parallel.py)."""
 
     def __init__(self, *args, plan, tracer=None, **kwargs):
-        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py)
+        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py); "auto" swaps in one placed alike
         self.tracer = tracer or Tracer()
         super().__init__(*args, **kwargs)
         # Set by _start for each iteration: its schedule, the receive to post ahead of each op,

@@ -43,7 +43,8 @@ def setup_model_and_optimizer(args):
     args.ffn_hidden_size = config.ffn_hidden_size
     module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
                                    activation_checkpoint_interval=args.activation_checkpoint_interval,
-                                   seq_length=args.seq_length, settings=args.pipeline_settings)
+                                   seq_length=args.seq_length, settings=args.pipeline_settings,
+                                   plan=args.pipeline_plan)
     optimizer = build_optimizer(module, args)
     lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
                                decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,

@@ -42,8 +42,9 @@ def test_plan_starts_on_a_schedule_that_fits():
     plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100, timers_end_iter=9), 4, 1)
     assert plan.schedule.name == "zb-h1" and plan.auto.timers == (1, 9)
     assert plan.places_alike({"schedule": "zb-h2"}) and not plan.places_alike({"schedule": "zbv"})
-    plan.switch({"schedule": "zb-h2"})
-    assert plan.schedule.name == "zb-h2" and plan.settings.schedule == "zb-h2"
+    switched = plan.switch({"schedule": "zb-h2"})
+    assert switched.schedule.name == "zb-h2" and switched.settings.schedule == "zb-h2"
+    assert plan.schedule.name == "zb-h1" and plan.settings.schedule == "zb-h1"  # a switch is a new plan
 
 
 def test_seq1f1b_cuts_and_switch():
@@ -52,10 +53,10 @@ def test_seq1f1b_cuts_and_switch():
     assert [(c.k, c.lengths) for c in plan.auto.cuts] == [(2, (8, 8))]
     assert sum(plan.auto.cuts[0].costs) == pytest.approx(2) and plan.auto.cuts[0].costs[1] > plan.auto.cuts[0].costs[0]
     assert plan.auto.probe == {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True}
-    plan.switch({"schedule": "seq1f1b", "seq_splits": 2})
-    assert (plan.schedule.name, plan.schedule.seq_splits, plan.segment_lengths) == ("seq1f1b", 2, [8, 8])
+    plan = plan.switch({"schedule": "seq1f1b", "seq_splits": 2})
+    assert (plan.schedule.name, plan.schedule.seq_splits, plan.segment_lengths) == ("seq1f1b", 2, (8, 8))
     assert plan.segment(1) == slice(8, 16) and plan.message_shape((0, 0, 1)) == (2, 8, 32)
-    plan.switch({"schedule": "zb-h1"})  # back: whole sequences again
+    plan = plan.switch({"schedule": "zb-h1"})  # back: whole sequences again
     assert plan.segment_lengths is None and plan.segment(0) == slice(None)
     # even segments: k=2 and k=4; under sequence parallelism over 8 ranks 4-token segments cannot be split
     even = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100, seq_split_method="even"), 4, 1)
@@ -66,7 +67,7 @@ def test_seq1f1b_cuts_and_switch():
                                                             seq_split_method="even")), sp, 16)] == [2]
     # a budget only Seq1F1B fits starts on it (B/W split, so F, B and W are timed) and probes the other size
     small = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=1.8, seq_split_method="even"), 4, 1)
-    assert (small.schedule.name, small.schedule.seq_splits, small.segment_lengths) == ("seq1f1b", 4, [4] * 4)
+    assert (small.schedule.name, small.schedule.seq_splits, small.segment_lengths) == ("seq1f1b", 4, (4,) * 4)
     assert small.auto.probe is None  # k=2 needs 2.5 units
 
 

@@ -40,7 +40,7 @@ def test_eval_program_runs_the_forwards_only():
 
 def test_seq1f1b_segments_cut_tokens_and_messages():
     plan = plan_for({"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"})
-    assert plan.segment_lengths == [32, 32]
+    assert plan.segment_lengths == (32, 32)
     assert plan.segment(1) == slice(32, 64)
     assert plan.message_shape(("act", 0, 0, 0, 1)) == (2, 32, 32)
     whole = plan_for({"schedule": "1f1b"})
@@ -51,7 +51,7 @@ def test_sequence_parallel_messages_carry_the_tensor_rank_shard():
     assert plan_for({"schedule": "zbv"}, tp=4).message_shape(("act", 0, 0, 0, 0)) == (2, 64, 32)  # TP alone
     assert plan_for({"schedule": "zbv"}, tp=4, sp=True).message_shape(("grad", 0, 3, 0, 0)) == (2, 16, 32)
     seq = plan_for({"schedule": "seq1f1b", "seq_splits": 3}, tp=2, sp=True)
-    assert seq.segment_lengths == [16, 16, 32]  # balanced: each segment is split over the TP ranks on its own
+    assert seq.segment_lengths == (16, 16, 32)  # balanced: each segment is split over the TP ranks on its own
     assert [seq.message_shape(("act", 0, 0, 0, i)) for i in range(3)] == [(2, 8, 32), (2, 8, 32), (2, 16, 32)]
 
 

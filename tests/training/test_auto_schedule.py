@@ -137,9 +137,11 @@ def test_searched_choice_is_switched_after_the_build():
     plan = PipelinePlan.from_config(SIZES, chosen_ds_config(ds(), dec), PP, 1)
     assert plan.schedule.name == "zb-h1" and plan.auto is None
     holder = AutoSchedule({}, {"decision": dec, "decided_at": 4})
-    holder.attach(SimpleNamespace(plan=plan))
+    engine = SimpleNamespace(plan=plan)
+    holder.attach(engine)
     want = auto.zb_search(PP, M, **choice["search"])
-    assert plan.schedule.name == choice["label"] and plan.schedule.ranks == want.ranks
+    assert engine.plan.schedule.name == choice["label"] and engine.plan.schedule.ranks == want.ranks
+    assert plan.schedule.name == "zb-h1"  # the build's plan is not changed: the engine holds a new one
 
 
 def test_the_trainer_saves_the_decision_in_force(tmp_path):
