@@ -1,4 +1,5 @@
 """PipelinePlan: the run's schedule, placement, shapes and segments, computed once, without torch."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,21 @@ def test_one_plan_serves_module_and_engine():
     assert plan.for_micro_batches(8) is plan.schedule  # built once, then cached
     assert plan.for_micro_batches(4).micro_batches == 4
     assert plan.needs_data(0) and not plan.needs_data(1)  # rank 0 holds stage 0 and the loss stage
+
+
+def test_the_plan_is_frozen_and_a_switch_is_a_new_plan():
+    plan = plan_for({"schedule": "zb-h1"})
+    for name, value in (("settings", None), ("micro_batches", 4), ("segment_lengths", (32, 32)), ("make", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(plan, name, value)
+    ops = plan.program(0, 8, True).ops
+    switched = plan.switch({"schedule": "zb-h2"})
+    assert switched is not plan and switched.placement == plan.placement
+    assert (plan.settings.schedule, plan.schedule.name) == ("zb-h1", "zb-h1")  # the old plan runs as it did
+    assert plan.program(0, 8, True).ops == ops and switched.program(0, 8, True).ops != ops
+    assert switched.schedule.name == "zb-h2" and switched.micro_batches == plan.micro_batches
+    with pytest.raises(ValueError, match="places chunks"):
+        plan.switch({"schedule": "zbv"})
 
 
 def test_eval_program_runs_the_forwards_only():
