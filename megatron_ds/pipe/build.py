@@ -65,6 +65,9 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
             return CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         return PipelineModule(**common)
     if plan is None:
+        if settings.auto:  # the engine needs its AutoPlan, which only make_plan hands out
+            raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan.make_plan, pass it '
+                             "here and its AutoPlan to initialize_engine")
         plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length,
                                         settings)
     parts = chunk_cost_bounds(settings.partition_method, config, plan.placement)
@@ -84,11 +87,12 @@ def deepspeed_engine_class(name: str, factory):
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
-                      settings=None):
+                      settings=None, auto_plan=None):
+    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds."""
     tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
     sequence_parallel = bool(sequence_parallel_params(module))
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
-        factory = functools.partial(ScheduleEngine, plan=module.plan, tracer=tracer)
+        factory = functools.partial(ScheduleEngine, plan=module.plan, auto_plan=auto_plan, tracer=tracer)
     else:  # the stock engine: DeepSpeed's own, or with the sequence-parallel gradient sum
         if sequence_parallel:
             ds_config = sequence_parallel_ds_config(ds_config)

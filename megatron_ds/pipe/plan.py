@@ -160,9 +160,9 @@ class RankProgram:
 @dataclass(frozen=True)
 class PipelinePlan:
     """Frozen: a switch of schedule ("auto") is a new plan, which the engine then holds. `sequence_shards`:
-    the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1. `auto`: the
-    AutoPlan of a `"schedule": "auto"` start (None otherwise). `make`: `(pp, m)` -> a searched schedule
-    (schedules/auto.py) that "auto" switched to; None: the settings build it."""
+    the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1. `make`: `(pp, m)`
+    -> a searched schedule (schedules/auto.py) that "auto" switched to; None: the settings build it.
+    An "auto" run's AutoPlan is not part of it: make_plan hands it out beside the plan, for the engine."""
     settings: PipelineSettings
     pp: int
     micro_batch_size: int
@@ -171,7 +171,6 @@ class PipelinePlan:
     hidden_size: int
     segment_lengths: tuple | None = None
     sequence_shards: int = 1
-    auto: AutoPlan | None = None
     make: object = None
     # memos of pure functions of the fields above (not state: a switch starts new ones)
     _schedules: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -184,35 +183,8 @@ class PipelinePlan:
     @classmethod
     def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
                     settings: PipelineSettings | None = None) -> "PipelinePlan":
-        """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
-        max_position_embeddings) on pp x dp ranks, as the ds_config asks (`settings`: its "pipeline"
-        section as parsed once at start-up; None: parsed here)."""
-        settings = settings or pipeline_settings(ds_config)
-        if settings.stock:
-            raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
-        zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-        if zero_stage != 1:
-            raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
-                              f'{{"stage": 1}} (it is {zero_stage})')
-        mbs, gas = micro_batches_per_step(ds_config, dp)
-        seq = seq_length or config.max_position_embeddings
-        auto_plan = None
-        if settings.auto:
-            settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
-        try:
-            schedule = settings.build_schedule(pp, gas)
-        except ScheduleError as exc:
-            raise ConfigError(f'ds_config "pipeline": {exc}') from None
-        check_layers(schedule, config.num_layers, settings)
-        lengths = None
-        if schedule.seq_splits > 1:  # a schedule file may carry its own cut
-            lengths = schedule.segment_lengths or segment_lengths(settings, config, seq)
-            if sum(lengths) != seq:
-                raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": segment_lengths {lengths} '
-                                  f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
-        shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
-                                 getattr(config, "sequence_parallel", False), seq, lengths)
-        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards, auto_plan)
+        """make_plan's plan, for callers that run no "auto" timing (an "auto" run starts on it untimed)."""
+        return make_plan(config, ds_config, pp, dp, seq_length, settings)[0]
 
     @property
     def schedule(self) -> Schedule:
@@ -242,15 +214,15 @@ class PipelinePlan:
         """Whether the schedule `section` names places the chunks as this plan's does."""
         return self._settings_for(section).build_schedule(self.pp, self.micro_batches).placement == self.placement
 
-    def switch(self, section: dict, make=None) -> "PipelinePlan":
+    def switch(self, section: dict, make=None, cuts: tuple = ()) -> "PipelinePlan":
         """The plan that runs the schedule a ds_config "pipeline" `section` names (or `make(pp, m)`'s,
         a searched one placed as `section`'s); it must place the chunks as the module was cut
         (another placement needs a new module: training/auto_schedule.py). A Seq1F1B section cuts the
-        sequence as "auto" weighed it."""
+        sequence as "auto" weighed it (`cuts`: its AutoPlan's)."""
         settings = self._settings_for(section)
         lengths = None
         if settings.seq_splits > 1:
-            lengths = next(c.lengths for c in self.auto.cuts if c.k == settings.seq_splits)
+            lengths = next(c.lengths for c in cuts if c.k == settings.seq_splits)
         new = dataclasses.replace(self, settings=settings, make=make, segment_lengths=lengths)
         if new.placement != self.placement:
             raise ValueError(f"{section} places chunks {new.placement}, the module holds {self.placement}")
@@ -283,3 +255,37 @@ class PipelinePlan:
     def needs_data(self, rank: int) -> bool:
         """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica."""
         return any(st in (0, self.schedule.loss_stage) for _, st in self.schedule.chunks_on(rank))
+
+
+def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
+              settings: PipelineSettings | None = None) -> tuple[PipelinePlan, AutoPlan | None]:
+    """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
+    max_position_embeddings) on pp x dp ranks, as the ds_config asks, and under "schedule": "auto" the
+    AutoPlan of its start (else None), which the engine holds. `settings`: the "pipeline" section as
+    parsed once at start-up (None: parsed here)."""
+    settings = settings or pipeline_settings(ds_config)
+    if settings.stock:
+        raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
+    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if zero_stage != 1:
+        raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
+                          f'{{"stage": 1}} (it is {zero_stage})')
+    mbs, gas = micro_batches_per_step(ds_config, dp)
+    seq = seq_length or config.max_position_embeddings
+    auto_plan = None
+    if settings.auto:
+        settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
+    try:
+        schedule = settings.build_schedule(pp, gas)
+    except ScheduleError as exc:
+        raise ConfigError(f'ds_config "pipeline": {exc}') from None
+    check_layers(schedule, config.num_layers, settings)
+    lengths = None
+    if schedule.seq_splits > 1:  # a schedule file may carry its own cut
+        lengths = schedule.segment_lengths or segment_lengths(settings, config, seq)
+        if sum(lengths) != seq:
+            raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": segment_lengths {lengths} '
+                              f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
+    shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
+                             getattr(config, "sequence_parallel", False), seq, lengths)
+    return PipelinePlan(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards), auto_plan

@@ -58,20 +58,20 @@ WHAT = {
 }
 
 
-def run_key(plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
-    """What the decision of an "auto" run with this (unswitched) PipelinePlan depends on."""
+def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
+    """What the decision of an "auto" run with this (unswitched) PipelinePlan and AutoPlan depends on."""
     dtype = next((k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled")), "fp32")
-    return {"pp": plan.pp, "micro_batches": plan.micro_batches, "num_layers": plan.auto.num_layers,
-            "budget": plan.auto.budget, "micro_batch_size": plan.micro_batch_size, "seq_length": plan.seq_length,
+    return {"pp": plan.pp, "micro_batches": plan.micro_batches, "num_layers": auto_plan.num_layers,
+            "budget": auto_plan.budget, "micro_batch_size": plan.micro_batch_size, "seq_length": plan.seq_length,
             "hidden_size": plan.hidden_size, "ffn_hidden_size": getattr(config, "ffn_hidden_size", None),
             "num_attention_heads": getattr(config, "num_attention_heads", None),
             "tp": getattr(config, "tensor_model_parallel_size", 1),
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
             "recompute": recompute,
             "dtype": dtype, "device": device,
-            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, plan.auto.num_layers,
-                                                                      plan.auto.cuts)),
-            "cuts": [list(c.lengths) for c in plan.auto.cuts]}
+            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches,
+                                                                      auto_plan.num_layers, auto_plan.cuts)),
+            "cuts": [list(c.lengths) for c in auto_plan.cuts]}
 
 
 def _same(a, b) -> bool:
@@ -191,7 +191,7 @@ def device_name() -> str:
 def use_ds_config(args, ds_config: dict) -> None:
     """The chosen schedule's ds_config, its "pipeline" section and plan, for the build that follows."""
     args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
-    args.pipeline_plan = run_plan(args)
+    run_plan(args)
 
 
 def prepare(args):
@@ -200,7 +200,7 @@ def prepare(args):
     settings = args.pipeline_settings
     if not settings.auto:
         return None
-    key = run_key(args.pipeline_plan, model_config(args), args.ds_config, device_name(),
+    key = run_key(args.pipeline_plan, args.auto_plan, model_config(args), args.ds_config, device_name(),
                   args.activation_checkpoint_interval)
     if not args.load:
         return AutoSchedule(key)

@@ -52,6 +52,6 @@ def setup_model_and_optimizer(args):
                                use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
                                override_lr_scheduler=args.override_lr_scheduler)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                               settings=args.pipeline_settings)
+                               settings=args.pipeline_settings, auto_plan=args.auto_plan)
     print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
     return engine, lr_scheduler
