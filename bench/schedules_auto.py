@@ -72,6 +72,7 @@ def worker(p, opts, out_root):
     import torch.distributed as dist
     from megatron_ds.model import GPTConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.pipe.plan import make_plan
     from megatron_ds.testing.timed import TimedCosts, TimedLoss, timed_layer_specs
     from megatron_ds.training.auto_schedule import switch_engine
 
@@ -84,9 +85,11 @@ def worker(p, opts, out_root):
                       max_position_embeddings=SEQ)
 
     def build(cfg):
+        plan, auto_plan = make_plan(shape, cfg, p, dist.get_world_size() // p)
         module = build_pipeline_module(shape, cfg, p, layers=timed_layer_specs(2 * p, HIDDEN, costs),
-                                       loss_fn=TimedLoss(costs))
-        return initialize_engine(module, cfg, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3))
+                                       loss_fn=TimedLoss(costs), plan=plan)
+        return initialize_engine(module, cfg, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3),
+                                 auto_plan=auto_plan)
 
     g = torch.Generator().manual_seed(0)
     data = [((torch.randn(MBS, SEQ, HIDDEN, generator=g),), torch.randn(MBS, SEQ, HIDDEN, generator=g))

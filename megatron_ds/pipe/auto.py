@@ -48,7 +48,7 @@ class AutoDecision:
 
 
 class AutoSwitch:
-    """Owned by a ScheduleEngine whose plan has an AutoPlan; see the module docstring."""
+    """Owned by the ScheduleEngine of an "auto" run, with its AutoPlan (pipe/plan.py); see the module docstring."""
 
     choose = staticmethod(auto.decide)  # rank 0's decision: decide(pp, m, num_layers, budget, Measured, cuts)
 
@@ -72,21 +72,21 @@ class AutoSwitch:
         probing = timed and self.auto_plan.probe is not None and (self.calls - start) % 2 == 1
         eng.tracer.listener = self.record if timed else None
         if probing:
-            eng.plan.switch(self.auto_plan.probe)
+            eng.plan = eng.plan.switch(self.auto_plan.probe, cuts=self.auto_plan.cuts)
         try:
             loss = run()
         finally:
             eng.tracer.listener = None
             if probing:
-                eng.plan.switch(self.start_section)
+                eng.plan = eng.plan.switch(self.start_section, cuts=self.auto_plan.cuts)
         self.calls += 1
         if self.calls == end:
             decision = self.decide()
-            eng.auto, eng.plan.auto = None, None
+            eng.auto = None
             choice = decision["choice"]
             alike = eng.plan.places_alike(choice["section"])
             if alike:
-                eng.plan.switch(choice["section"], auto.schedule_maker(choice))
+                eng.plan = eng.plan.switch(choice["section"], auto.schedule_maker(choice), self.auto_plan.cuts)
             if eng.on_auto_decision is not None:
                 eng.on_auto_decision(AutoDecision(decision, rebuild=not alike))
         return loss

@@ -22,7 +22,7 @@ from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
-from .partition import is_cost_method, stock_cost_bounds
+from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
 from .sequence_parallel import SequenceParallelPipelineEngine, sequence_parallel_params
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
@@ -44,11 +44,12 @@ def topology(pp: int, tp: int = 1):
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
-                          seq_length: int = None, *, layers=None, loss_fn=None, settings=None):
+                          seq_length: int = None, *, layers=None, loss_fn=None, settings=None, plan=None):
     """`layers`/`loss_fn` replace the GPT's layer specs and loss (e.g. benchmarking layers);
-    config.num_layers and hidden_size still give their count and the activation shape. `settings`: the
-    ds_config's "pipeline" section as parsed at start-up (None: parsed here)."""
-    settings = settings or pipeline_settings(ds_config)
+    config.num_layers and hidden_size still give their count and the activation shape. `settings` and
+    `plan`: the ds_config's "pipeline" section and the PipelinePlan as made at start-up (None: made here,
+    for callers without a parse, such as tests and benchmarks)."""
+    settings = plan.settings if plan is not None else settings or pipeline_settings(ds_config)
     tp = getattr(config, "tensor_model_parallel_size", 1)
     if getattr(config, "sequence_parallel", False) and tp == 1:
         raise ConfigError("--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
@@ -66,8 +67,14 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
         else:
             module = PipelineModule(**common)
         return compiled(module, settings, defer_weight_grads=False)
-    plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length, settings)
-    module = ChunkedPipelineModule(plan=plan, **common)
+    if plan is None:
+        if settings.auto:  # the engine needs its AutoPlan, which only make_plan hands out
+            raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan.make_plan, pass it '
+                             "here and its AutoPlan to initialize_engine")
+        plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length,
+                                        settings)
+    parts = chunk_cost_bounds(settings.partition_method, config, plan.placement)
+    module = ChunkedPipelineModule(plan=plan, parts=parts, **common)
     # "auto" may switch to a schedule that splits backward: its layers leave the linears eager from the start
     return compiled(module, settings, defer_weight_grads=settings.auto or plan.splits_backward)
 
@@ -92,11 +99,12 @@ def deepspeed_engine_class(name: str, factory):
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
-                      settings=None):
+                      settings=None, auto_plan=None):
+    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds."""
     tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
     sequence_parallel = bool(sequence_parallel_params(module))
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
-        factory = functools.partial(ScheduleEngine, plan=module.plan, tracer=tracer)
+        factory = functools.partial(ScheduleEngine, plan=module.plan, auto_plan=auto_plan, tracer=tracer)
     else:  # the stock engine: DeepSpeed's own, or with the sequence-parallel gradient sum
         if sequence_parallel:
             ds_config = sequence_parallel_ds_config(ds_config)

@@ -39,8 +39,8 @@ class ScheduleEngine(PipelineEngine):
     handlers for the step's reductions and optimizer step, ours for the ops; ReduceTiedGrads first sums
     the sequence-parallel gradients over the TP group, see sequence_parallel.py)."""
 
-    def __init__(self, *args, plan, tracer=None, **kwargs):
-        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py)
+    def __init__(self, *args, plan, auto_plan=None, tracer=None, **kwargs):
+        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py); "auto" swaps in one placed alike
         self.tracer = tracer or Tracer()
         super().__init__(*args, **kwargs)
         # Set by _start for each iteration: its schedule, the receive to post ahead of each op,
@@ -55,7 +55,7 @@ class ScheduleEngine(PipelineEngine):
         self._loss_sum = None
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
                                  if plan.settings.post_validation else None)
-        self.auto = AutoSwitch(self, plan.auto) if plan.auto else None  # "schedule": "auto", until it switches
+        self.auto = AutoSwitch(self, auto_plan) if auto_plan else None  # "schedule": "auto", until it decides
         self.on_auto_decision = None  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
 
     def train_batch(self, data_iter=None):

@@ -35,9 +35,11 @@ class CostPartitionedPipelineModule(PipelineModule):
 
 class ChunkedPipelineModule(PipelineModule):
 
-    def __init__(self, layers, plan, **kwargs):
-        """`plan` (a PipelinePlan) places the chunks: placement[replica][stage] -> pipeline rank."""
-        self.plan = plan
+    def __init__(self, layers, plan, parts=None, **kwargs):
+        """`plan` (a PipelinePlan) places the chunks: placement[replica][stage] -> pipeline rank.
+        `parts`: the layer bounds of the virtual stages under a cost partition method
+        (partition.chunk_cost_bounds; None: DeepSpeed's method cuts them)."""
+        self.plan, self.given_parts = plan, parts
         self.placement = [list(row) for row in plan.placement]
         super().__init__(layers, **kwargs)
         self.replica_sync = None
@@ -50,8 +52,8 @@ class ChunkedPipelineModule(PipelineModule):
         return len(self.placement[0])
 
     def _partition_layers(self, method="uniform"):
-        if self.plan.parts is not None:  # a cost method: the plan has cut them (pipe/partition.py)
-            self.parts = given_parts(self, self.plan.parts, method)
+        if self.given_parts is not None:  # a cost method cut them (pipe/partition.py)
+            self.parts = given_parts(self, self.given_parts, method)
         else:
             # The parent cuts the layers into num_stages parts: make that the virtual-stage count
             # for the call, then give num_stages back its DeepSpeed meaning (the pipeline size).

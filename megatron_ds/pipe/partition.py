@@ -173,6 +173,13 @@ def cost_bounds(method: str, config, placement: Sequence[Sequence[int]], num_spe
     return balanced_bounds(layer_costs(method, config, num_specs), placement)
 
 
+def chunk_cost_bounds(method: str, config, placement: Sequence[Sequence[int]]) -> list[int] | None:
+    """The virtual stages' layer bounds under a cost method; None: DeepSpeed's method cuts them when the
+    module is built. Not part of the PipelinePlan: "flops" weighs the head by the vocabulary the
+    tokenizer pads, known only at build time (parse time checks the cut with the unpadded one)."""
+    return cost_bounds(method, config, placement) if is_cost_method(method) else None
+
+
 def stock_cost_bounds(config, settings, pp: int) -> list[int]:
     """The cost cut for DeepSpeed's own engine: one stage per rank, in rank order."""
     return cost_bounds(settings.partition_method, config, [list(range(pp))])

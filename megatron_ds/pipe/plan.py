@@ -1,10 +1,11 @@
 """The plan of one pipeline run (pure data, no torch): which schedule, where its chunks sit, the
 micro-batch shape and the Seq1F1B segment lengths.
 
-pipe/build.py makes it once from the ds_config and the model's sizes, before any layer is
-built, and hands the same object to ChunkedPipelineModule (which cuts the layers by its
-placement) and to ScheduleEngine (which runs its op lists). Every setting that cannot work
-is refused here, as a ConfigError naming the key, the value and the rule.
+It is made once per run, at parse time (training/fork_flags.check_schedule_shape; pipe/build.py
+makes it only for callers without a parse), and the same object goes to ChunkedPipelineModule
+(which cuts the layers by its placement) and to ScheduleEngine (which runs its op lists). It is
+frozen: an "auto" switch is a new plan, placed alike, that the engine holds from then on. Every
+setting that cannot work is refused here, as a ConfigError naming the key, the value and the rule.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead
-from .partition import cost_bounds, is_cost_method
+from .partition import is_cost_method
 
 
 def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
@@ -163,61 +164,38 @@ class RankProgram:
     ahead: dict
 
 
+@dataclass(frozen=True)
 class PipelinePlan:
+    """Frozen: a switch of schedule ("auto") is a new plan, which the engine then holds. `sequence_shards`:
+    the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1. `make`: `(pp, m)`
+    -> a searched schedule (schedules/auto.py) that "auto" switched to; None: the settings build it.
+    An "auto" run's AutoPlan is not part of it: make_plan hands it out beside the plan, for the engine."""
+    settings: PipelineSettings
+    pp: int
+    micro_batch_size: int
+    micro_batches: int
+    seq_length: int
+    hidden_size: int
+    segment_lengths: tuple | None = None
+    sequence_shards: int = 1
+    make: object = None
+    # memos of pure functions of the fields above (not state: a switch starts new ones)
+    _schedules: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
+    _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def __init__(self, settings: PipelineSettings, pp: int, micro_batch_size: int, micro_batches: int,
-                 seq_length: int, hidden_size: int, segment_lengths: list | None = None, sequence_shards: int = 1,
-                 parts: list | None = None, auto_plan=None):
-        """`sequence_shards`: the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1.
-        `parts`: the layer bounds of the virtual stages under a cost partition method (None: DeepSpeed's
-        method cuts them when the module is built)."""
-        self.settings, self.pp, self.parts = settings, pp, parts
-        self.auto = auto_plan  # AutoPlan while "schedule": "auto" has not switched yet
-        self.micro_batch_size, self.micro_batches = micro_batch_size, micro_batches
-        self.seq_length, self.hidden_size = seq_length, hidden_size
-        self.segment_lengths = list(segment_lengths) if segment_lengths else None
-        self.sequence_shards = sequence_shards
-        self._schedules: dict[int, Schedule] = {}
-        self._programs: dict[tuple, RankProgram] = {}
-        self._make = None
-        self._cuts = {c.k: list(c.lengths) for c in auto_plan.cuts} if auto_plan else {}  # for switch()
-        self.schedule = self.for_micro_batches(micro_batches)
+    def __post_init__(self):
+        if self.segment_lengths is not None:
+            object.__setattr__(self, "segment_lengths", tuple(self.segment_lengths) or None)
 
     @classmethod
     def from_config(cls, config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
                     settings: PipelineSettings | None = None) -> "PipelinePlan":
-        """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
-        max_position_embeddings) on pp x dp ranks, as the ds_config asks (`settings`: its "pipeline"
-        section as parsed once at start-up; None: parsed here)."""
-        settings = settings or pipeline_settings(ds_config)
-        if settings.stock:
-            raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
-        zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
-        if zero_stage != 1:
-            raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
-                              f'{{"stage": 1}} (it is {zero_stage})')
-        mbs, gas = micro_batches_per_step(ds_config, dp)
-        seq = seq_length or config.max_position_embeddings
-        auto_plan = None
-        if settings.auto:
-            settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
-        try:
-            schedule = settings.build_schedule(pp, gas)
-        except ScheduleError as exc:
-            raise ConfigError(f'ds_config "pipeline": {exc}') from None
-        check_layers(schedule, config.num_layers, settings)
-        parts = None
-        if is_cost_method(settings.partition_method):
-            parts = cost_bounds(settings.partition_method, config, schedule.placement)
-        lengths = None
-        if schedule.seq_splits > 1:  # a schedule file may carry its own cut
-            lengths = schedule.segment_lengths or segment_lengths(settings, config, seq)
-            if sum(lengths) != seq:
-                raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": segment_lengths {lengths} '
-                                  f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
-        shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
-                                 getattr(config, "sequence_parallel", False), seq, lengths)
-        return cls(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards, parts, auto_plan)
+        """make_plan's plan, for callers that run no "auto" timing (an "auto" run starts on it untimed)."""
+        return make_plan(config, ds_config, pp, dp, seq_length, settings)[0]
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.for_micro_batches(self.micro_batches)
 
     @property
     def placement(self) -> list:
@@ -235,8 +213,8 @@ class PipelinePlan:
     def for_micro_batches(self, m: int) -> Schedule:
         """This run's schedule for `m` micro-batches (eval and batch ramp-up use other counts)."""
         if m not in self._schedules:
-            if self._make:  # a searched schedule (schedules/auto.py), after "auto" switched to it
-                self._schedules[m] = self._make(self.pp, m)
+            if self.make:  # a searched schedule (schedules/auto.py), after "auto" switched to it
+                self._schedules[m] = self.make(self.pp, m)
             else:  # unequal segments: the generator holds no more tokens than 1F1B (schedules/token_cap.py)
                 self._schedules[m] = self.settings.build_schedule(self.pp, m, self.segment_lengths)
         return self._schedules[m]
@@ -248,21 +226,19 @@ class PipelinePlan:
         """Whether the schedule `section` names places the chunks as this plan's does."""
         return self._settings_for(section).build_schedule(self.pp, self.micro_batches).placement == self.placement
 
-    def switch(self, section: dict, make=None) -> None:
-        """Run the schedule a ds_config "pipeline" `section` names from now on (or `make(pp, m)`'s,
+    def switch(self, section: dict, make=None, cuts: tuple = ()) -> "PipelinePlan":
+        """The plan that runs the schedule a ds_config "pipeline" `section` names (or `make(pp, m)`'s,
         a searched one placed as `section`'s); it must place the chunks as the module was cut
         (another placement needs a new module: training/auto_schedule.py). A Seq1F1B section cuts the
-        sequence as "auto" weighed it."""
+        sequence as "auto" weighed it (`cuts`: its AutoPlan's)."""
         settings = self._settings_for(section)
-        lengths = self._cuts[settings.seq_splits] if settings.seq_splits > 1 else None
-        schedule = (make(self.pp, self.micro_batches) if make
-                    else settings.build_schedule(self.pp, self.micro_batches, lengths))
-        if schedule.placement != self.schedule.placement:
-            raise ValueError(f"{section} places chunks {schedule.placement}, the module holds {self.schedule.placement}")
-        self.settings, self._make, self.segment_lengths = settings, make, lengths
-        self._schedules.clear()
-        self._programs.clear()
-        self.schedule = self.for_micro_batches(self.micro_batches)
+        lengths = None
+        if settings.seq_splits > 1:
+            lengths = next(c.lengths for c in cuts if c.k == settings.seq_splits)
+        new = dataclasses.replace(self, settings=settings, make=make, segment_lengths=lengths)
+        if new.placement != self.placement:
+            raise ValueError(f"{section} places chunks {new.placement}, the module holds {self.placement}")
+        return new
 
     def program(self, rank: int, m: int, train: bool) -> RankProgram:
         """Rank `rank`'s ops for `m` micro-batches; evaluation runs the forwards only."""
@@ -291,3 +267,37 @@ class PipelinePlan:
     def needs_data(self, rank: int) -> bool:
         """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica."""
         return any(st in (0, self.schedule.loss_stage) for _, st in self.schedule.chunks_on(rank))
+
+
+def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
+              settings: PipelineSettings | None = None) -> tuple[PipelinePlan, AutoPlan | None]:
+    """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
+    max_position_embeddings) on pp x dp ranks, as the ds_config asks, and under "schedule": "auto" the
+    AutoPlan of its start (else None), which the engine holds. `settings`: the "pipeline" section as
+    parsed once at start-up (None: parsed here)."""
+    settings = settings or pipeline_settings(ds_config)
+    if settings.stock:
+        raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
+    zero_stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if zero_stage != 1:
+        raise ConfigError(f'schedule {settings.schedule!r} runs with ZeRO stage 1: set "zero_optimization": '
+                          f'{{"stage": 1}} (it is {zero_stage})')
+    mbs, gas = micro_batches_per_step(ds_config, dp)
+    seq = seq_length or config.max_position_embeddings
+    auto_plan = None
+    if settings.auto:
+        settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
+    try:
+        schedule = settings.build_schedule(pp, gas)
+    except ScheduleError as exc:
+        raise ConfigError(f'ds_config "pipeline": {exc}') from None
+    check_layers(schedule, config.num_layers, settings)
+    lengths = None
+    if schedule.seq_splits > 1:  # a schedule file may carry its own cut
+        lengths = schedule.segment_lengths or segment_lengths(settings, config, seq)
+        if sum(lengths) != seq:
+            raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": segment_lengths {lengths} '
+                              f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
+    shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
+                             getattr(config, "sequence_parallel", False), seq, lengths)
+    return PipelinePlan(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards), auto_plan

@@ -185,7 +185,8 @@ def _err(msg):
 # functions they call in model_args, fork_flags, observability and universal.
 DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size", "micro_batch_size",
            "global_batch_size", "gradient_accumulation_steps", "clip_grad", "zero_stage", "bf16", "fp16",
-           "gpt_config", "pipeline_settings", "activation_checkpoint_interval", "ds_config", "rampup_batch_size",
+           "gpt_config", "pipeline_settings", "pipeline_plan", "auto_plan", "activation_checkpoint_interval",
+           "ds_config", "rampup_batch_size",
            "batch_schedule", "train_iters", "train_samples", "lr_decay_steps", "lr_warmup_steps",
            "save_interval", "loss_curve",
            "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
@@ -489,7 +490,7 @@ def print_args(args, write=print):
     """Megatron's argument dump: sorted, dotted."""
     write("------------------------ arguments ------------------------")
     for name in sorted(vars(args)):
-        if name in ("ds_config", "batch_schedule", "pipeline_settings", "gpt_config"):
+        if name in ("ds_config", "batch_schedule", "pipeline_settings", "pipeline_plan", "auto_plan", "gpt_config"):
             continue
         write(f"  {name} {'.' * (48 - len(name))} {getattr(args, name)}")
     write(f"  ds_config {'.' * 39} {json.dumps(args.ds_config, sort_keys=True)}")

@@ -35,11 +35,11 @@ import torch.distributed as dist
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.auto import chosen_ds_config
 from megatron_ds.pipe.config import pipeline_settings
-from megatron_ds.pipe.plan import PipelinePlan
 from megatron_ds.schedules import auto
 
 from . import timeouts
 from .checkpointing import LoadPlan, read_latest_tag, restore
+from .fork_flags import run_plan
 from .initialize import get_rng_state, set_rng_state
 from .model_setup import model_config, setup_model_and_optimizer
 from .nonfinite import NanGuard
@@ -58,20 +58,20 @@ WHAT = {
 }
 
 
-def run_key(plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
-    """What the decision of an "auto" run with this (unswitched) PipelinePlan depends on."""
+def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
+    """What the decision of an "auto" run with this (unswitched) PipelinePlan and AutoPlan depends on."""
     dtype = next((k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled")), "fp32")
-    return {"pp": plan.pp, "micro_batches": plan.micro_batches, "num_layers": plan.auto.num_layers,
-            "budget": plan.auto.budget, "micro_batch_size": plan.micro_batch_size, "seq_length": plan.seq_length,
+    return {"pp": plan.pp, "micro_batches": plan.micro_batches, "num_layers": auto_plan.num_layers,
+            "budget": auto_plan.budget, "micro_batch_size": plan.micro_batch_size, "seq_length": plan.seq_length,
             "hidden_size": plan.hidden_size, "ffn_hidden_size": getattr(config, "ffn_hidden_size", None),
             "num_attention_heads": getattr(config, "num_attention_heads", None),
             "tp": getattr(config, "tensor_model_parallel_size", 1),
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
             "recompute": recompute,
             "dtype": dtype, "device": device,
-            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, plan.auto.num_layers,
-                                                                      plan.auto.cuts)),
-            "cuts": [list(c.lengths) for c in plan.auto.cuts]}
+            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches,
+                                                                      auto_plan.num_layers, auto_plan.cuts)),
+            "cuts": [list(c.lengths) for c in auto_plan.cuts]}
 
 
 def _same(a, b) -> bool:
@@ -152,7 +152,7 @@ class AutoSchedule:
         engine.on_auto_decision = self._report
         if self.decision is not None and self.decision["choice"].get("search"):
             choice = self.decision["choice"]
-            engine.plan.switch(choice["section"], auto.schedule_maker(choice))
+            engine.plan = engine.plan.switch(choice["section"], auto.schedule_maker(choice))
 
     def _report(self, report) -> None:
         self.reported = report
@@ -188,16 +188,20 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def use_ds_config(args, ds_config: dict) -> None:
+    """The chosen schedule's ds_config, its "pipeline" section and plan, for the build that follows."""
+    args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
+    run_plan(args)
+
+
 def prepare(args):
     """Before the model is built: None unless "schedule": "auto"; else its AutoSchedule, and when --load
-    holds a decision still valid, args.ds_config / args.pipeline_settings select the chosen schedule."""
+    holds a decision still valid, args.ds_config / pipeline_settings / pipeline_plan select the chosen schedule."""
     settings = args.pipeline_settings
     if not settings.auto:
         return None
-    config = model_config(args)
-    plan = PipelinePlan.from_config(config, args.ds_config, args.pipeline_model_parallel_size,
-                                    args.data_parallel_size, args.seq_length, settings)
-    key = run_key(plan, config, args.ds_config, device_name(), args.activation_checkpoint_interval)
+    key = run_key(args.pipeline_plan, args.auto_plan, model_config(args), args.ds_config, device_name(),
+                  args.activation_checkpoint_interval)
     if not args.load:
         return AutoSchedule(key)
     box = [(None, None)]
@@ -211,8 +215,7 @@ def prepare(args):
     if line:
         print_rank_0(line)
     if record is not None:
-        args.ds_config = chosen_ds_config(args.ds_config, record["decision"])
-        args.pipeline_settings = pipeline_settings(args.ds_config)
+        use_ds_config(args, chosen_ds_config(args.ds_config, record["decision"]))
     return AutoSchedule(key, record)
 
 
@@ -266,7 +269,7 @@ def rebuild_trainer_engine(trainer, decision: dict) -> None:
     args = trainer.args
 
     def build(ds_config):
-        args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
+        use_ds_config(args, ds_config)
         engine, trainer.lr_scheduler = setup_model_and_optimizer(args)
         return engine
 

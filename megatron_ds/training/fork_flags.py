@@ -16,8 +16,8 @@ import sys
 
 from megatron_ds.errors import record_for_launcher
 from megatron_ds.pipe.config import ConfigError
-from megatron_ds.pipe.partition import is_cost_method, stock_cost_bounds
-from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.pipe.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
+from megatron_ds.pipe.plan import make_plan
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
 
 from .errors import ArgumentsError
@@ -254,10 +254,19 @@ def _apply_recompute(args):
         args.checkpoint_num_layers = args.recompute_num_layers
 
 
+def run_plan(args):
+    """args.pipeline_plan and args.auto_plan (an "auto" run's, else None): pipe/plan.make_plan from the flags
+    and the "pipeline" section (at parse time, and for the schedule "auto" chose)."""
+    args.pipeline_plan, args.auto_plan = make_plan(args.gpt_config, args.ds_config, args.pipeline_model_parallel_size,
+                                                   args.data_parallel_size, args.seq_length, args.pipeline_settings)
+
+
 def check_schedule_shape(args):
     """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
-    segments): the pipeline plan the model build makes, made here before any rank starts (it is torch-free)."""
+    segments): args.pipeline_plan (and args.auto_plan), made here before any rank starts (it is torch-free)
+    and handed to the model build (None under DeepSpeed's engine)."""
     settings = args.pipeline_settings  # the "pipeline" section, parsed once (merge_ds_config); passed down from here
+    args.pipeline_plan = args.auto_plan = None
     if settings.stock and not is_cost_method(settings.partition_method):
         return
     sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
@@ -265,8 +274,8 @@ def check_schedule_shape(args):
         if settings.stock:
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)
             return
-        PipelinePlan.from_config(sizes, args.ds_config, args.pipeline_model_parallel_size, args.data_parallel_size,
-                                 args.seq_length, settings)
+        run_plan(args)
+        chunk_cost_bounds(settings.partition_method, sizes, args.pipeline_plan.placement)  # the build cuts again
     except ConfigError as exc:
         how = (f" (micro-batches per step = --global-batch-size {args.global_batch_size} / (--micro-batch-size "
                f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}))" if "micro_batches" in str(exc)

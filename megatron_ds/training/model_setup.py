@@ -43,7 +43,8 @@ def setup_model_and_optimizer(args):
     args.ffn_hidden_size = config.ffn_hidden_size
     module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
                                    activation_checkpoint_interval=args.activation_checkpoint_interval,
-                                   seq_length=args.seq_length, settings=args.pipeline_settings)
+                                   seq_length=args.seq_length, settings=args.pipeline_settings,
+                                   plan=args.pipeline_plan)
     optimizer = build_optimizer(module, args)
     lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
                                decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
@@ -51,6 +52,6 @@ def setup_model_and_optimizer(args):
                                use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
                                override_lr_scheduler=args.override_lr_scheduler)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                               settings=args.pipeline_settings)
+                               settings=args.pipeline_settings, auto_plan=args.auto_plan)
     print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
     return engine, lr_scheduler

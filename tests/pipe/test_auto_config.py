@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.plan import PipelinePlan, seq1f1b_cuts
+from megatron_ds.pipe.plan import PipelinePlan, make_plan, seq1f1b_cuts
 from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,43 +37,45 @@ def test_bad_auto_sections(section, message):
 
 
 def test_plan_starts_on_a_schedule_that_fits():
-    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=2), 4, 1)
-    assert plan.schedule.name == "zbv-min" and plan.auto.budget == 2 and plan.auto.timers == (1, 4)
-    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100, timers_end_iter=9), 4, 1)
-    assert plan.schedule.name == "zb-h1" and plan.auto.timers == (1, 9)
+    plan, start = make_plan(SIZES, cfg(schedule="auto", memory_budget=2), 4, 1)
+    assert plan.schedule.name == "zbv-min" and start.budget == 2 and start.timers == (1, 4)
+    plan, start = make_plan(SIZES, cfg(schedule="auto", memory_budget=100, timers_end_iter=9), 4, 1)
+    assert plan.schedule.name == "zb-h1" and start.timers == (1, 9)
+    assert PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100, timers_end_iter=9), 4, 1) == plan
     assert plan.places_alike({"schedule": "zb-h2"}) and not plan.places_alike({"schedule": "zbv"})
-    plan.switch({"schedule": "zb-h2"})
-    assert plan.schedule.name == "zb-h2" and plan.settings.schedule == "zb-h2"
+    switched = plan.switch({"schedule": "zb-h2"})
+    assert switched.schedule.name == "zb-h2" and switched.settings.schedule == "zb-h2"
+    assert plan.schedule.name == "zb-h1" and plan.settings.schedule == "zb-h1"  # a switch is a new plan
 
 
 def test_seq1f1b_cuts_and_switch():
     # seq 16, balanced segments in multiples of 8: only k=2 cuts it; the probe times 2-segment ops
-    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100), 4, 1)
-    assert [(c.k, c.lengths) for c in plan.auto.cuts] == [(2, (8, 8))]
-    assert sum(plan.auto.cuts[0].costs) == pytest.approx(2) and plan.auto.cuts[0].costs[1] > plan.auto.cuts[0].costs[0]
-    assert plan.auto.probe == {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True}
-    plan.switch({"schedule": "seq1f1b", "seq_splits": 2})
-    assert (plan.schedule.name, plan.schedule.seq_splits, plan.segment_lengths) == ("seq1f1b", 2, [8, 8])
+    plan, start = make_plan(SIZES, cfg(schedule="auto", memory_budget=100), 4, 1)
+    assert [(c.k, c.lengths) for c in start.cuts] == [(2, (8, 8))]
+    assert sum(start.cuts[0].costs) == pytest.approx(2) and start.cuts[0].costs[1] > start.cuts[0].costs[0]
+    assert start.probe == {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True}
+    plan = plan.switch({"schedule": "seq1f1b", "seq_splits": 2}, cuts=start.cuts)
+    assert (plan.schedule.name, plan.schedule.seq_splits, plan.segment_lengths) == ("seq1f1b", 2, (8, 8))
     assert plan.segment(1) == slice(8, 16) and plan.message_shape((0, 0, 1)) == (2, 8, 32)
-    plan.switch({"schedule": "zb-h1"})  # back: whole sequences again
+    plan = plan.switch({"schedule": "zb-h1"})  # back: whole sequences again
     assert plan.segment_lengths is None and plan.segment(0) == slice(None)
     # even segments: k=2 and k=4; under sequence parallelism over 8 ranks 4-token segments cannot be split
-    even = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=100, seq_split_method="even"), 4, 1)
-    assert [(c.k, c.lengths) for c in even.auto.cuts] == [(2, (8, 8)), (4, (4, 4, 4, 4))]
-    assert even.auto.probe["seq_splits"] == 4  # the most segments that fit
+    _, even = make_plan(SIZES, cfg(schedule="auto", memory_budget=100, seq_split_method="even"), 4, 1)
+    assert [(c.k, c.lengths) for c in even.cuts] == [(2, (8, 8)), (4, (4, 4, 4, 4))]
+    assert even.probe["seq_splits"] == 4  # the most segments that fit
     sp = SimpleNamespace(**vars(SIZES), tensor_model_parallel_size=8, sequence_parallel=True)
     assert [c.k for c in seq1f1b_cuts(pipeline_settings(cfg(schedule="auto", memory_budget=100,
                                                             seq_split_method="even")), sp, 16)] == [2]
     # a budget only Seq1F1B fits starts on it (B/W split, so F, B and W are timed) and probes the other size
-    small = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget=1.8, seq_split_method="even"), 4, 1)
-    assert (small.schedule.name, small.schedule.seq_splits, small.segment_lengths) == ("seq1f1b", 4, [4] * 4)
-    assert small.auto.probe is None  # k=2 needs 2.5 units
+    small, small_start = make_plan(SIZES, cfg(schedule="auto", memory_budget=1.8, seq_split_method="even"), 4, 1)
+    assert (small.schedule.name, small.schedule.seq_splits, small.segment_lengths) == ("seq1f1b", 4, (4,) * 4)
+    assert small_start.probe is None  # k=2 needs 2.5 units
 
 
 def test_budget_in_bytes():
     # one unit at pp=4: 2 layers x 16*2*32*(34 + 5*4*16/32) * 4/2 bytes (fp32) = 180224 bytes
-    plan = PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget="540672B"), 4, 1)
-    assert plan.auto.budget == pytest.approx(3.0) and plan.schedule.name == "seq1f1b"  # 2 segments: 2.5 units
+    plan, start = make_plan(SIZES, cfg(schedule="auto", memory_budget="540672B"), 4, 1)
+    assert start.budget == pytest.approx(3.0) and plan.schedule.name == "seq1f1b"  # 2 segments: 2.5 units
     with pytest.raises(ConfigError, match=r'"360447B" = 2 micro-batches of 180224 bytes .*the smallest budget that '
                                           r'fits is 2 .* \(x 180224 bytes = 360448 bytes\)'):
         PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget="360447B"), 4, 1)

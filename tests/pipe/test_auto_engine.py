@@ -43,6 +43,7 @@ def auto_rank_run(pp, gas, steps, cases):
     import torch.distributed as dist
     from megatron_ds.pipe.auto import AutoSwitch
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.pipe.plan import make_plan
     from megatron_ds.schedules import auto
     from megatron_ds.training.auto_schedule import switch_engine
     from tests.gpt_harness import capture_grads_before_reduce, ds_config, layer_key, micro_batch, optimizer_for, EVAL_STEP
@@ -51,8 +52,9 @@ def auto_rank_run(pp, gas, steps, cases):
     dp = dist.get_world_size() // pp
 
     def build(cfg):
-        module = build_pipeline_module(config, cfg, pp)
-        return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters()))
+        plan, auto_plan = make_plan(config, cfg, pp, dp)
+        module = build_pipeline_module(config, cfg, pp, plan=plan)
+        return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters()), auto_plan=auto_plan)
 
     out = []
     for label, budget in cases:
@@ -60,7 +62,7 @@ def auto_rank_run(pp, gas, steps, cases):
         pipeline = {"schedule": "auto", "memory_budget": budget, "timers_start_iter": 0, "timers_end_iter": 2,
                     "seq_split_method": "even"}
         engine = build(ds_config(pp, dp, gas, pipeline=pipeline))
-        start, probe = (engine.plan.schedule.name, engine.plan.schedule.seq_splits), engine.plan.auto.probe
+        start, probe = (engine.plan.schedule.name, engine.plan.schedule.seq_splits), engine.auto.auto_plan.probe
         grads, losses, switched_at, reports = [], [], None, []
         engine.on_auto_decision = reports.append
         capture_grads_before_reduce(engine, grads)

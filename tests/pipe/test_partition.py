@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.partition import balanced_bounds, cost_bounds, layer_flops
+from megatron_ds.pipe.partition import balanced_bounds, chunk_cost_bounds, cost_bounds, layer_flops
 from megatron_ds.pipe.plan import PipelinePlan
 from megatron_ds.schedules import placement
 
@@ -109,24 +109,33 @@ def test_balanced_bounds_one_stage_per_rank_is_the_linear_optimum():
     assert balanced_bounds(weights, placement.linear(3)) == [0, 4, 9, 10]  # 6 | 5 | 5
 
 
+def _config(layers):
+    return SimpleNamespace(num_layers=layers, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+                           max_position_embeddings=16, vocab_size=64)
+
+
 def _plan(schedule, layers, **pipeline):
-    config = SimpleNamespace(num_layers=layers, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
-                             max_position_embeddings=16, vocab_size=64)
+    config = _config(layers)
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1},
           "pipeline": {"schedule": schedule, **pipeline}}
     return PipelinePlan.from_config(config, ds, 2, 1)
 
 
-def test_plan_carries_the_cost_cut_and_the_padding_rule():
-    assert _plan("zbv", 8).parts is None                   # DeepSpeed's method cuts at build time
+def _parts(schedule, layers, **pipeline):
+    plan = _plan(schedule, layers, **pipeline)
+    return chunk_cost_bounds(plan.settings.partition_method, _config(layers), plan.placement)
+
+
+def test_the_cost_cut_and_the_padding_rule():
+    assert _parts("zbv", 8) is None                   # DeepSpeed's method cuts at build time
     # rank 0: the embedding, then the final norm and the head (1 + 5); rank 1: the 6 layers
-    assert _plan("zbv", 6, partition_method="costs:[1, 1, 1, 1, 1, 1, 1, 0, 5]").parts == [0, 1, 4, 7, 9]
+    assert _parts("zbv", 6, partition_method="costs:[1, 1, 1, 1, 1, 1, 1, 0, 5]") == [0, 1, 4, 7, 9]
     with pytest.raises(ConfigError) as info:
         _plan("zbv", 6)
     assert ("--num-layers 6 must be a multiple of 4, or give --allow-padding-num-layers "
             '(ds_config "pipeline.allow_padding_num_layers": true)') in str(info.value)
-    assert _plan("zbv", 6, allow_padding_num_layers=True).parts is None
-    assert _plan("zbv", 6, partition_method="flops").parts is not None  # cost cuts are unequal anyway
+    assert _parts("zbv", 6, allow_padding_num_layers=True) is None
+    assert _parts("zbv", 6, partition_method="flops") is not None  # cost cuts are unequal anyway
     with pytest.raises(ConfigError, match="at least one transformer layer per virtual stage"):
         _plan("zbv", 3, allow_padding_num_layers=True)
     with pytest.raises(ConfigError, match="must be true or false"):

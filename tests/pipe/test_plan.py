@@ -1,4 +1,5 @@
 """PipelinePlan: the run's schedule, placement, shapes and segments, computed once, without torch."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,21 @@ def test_one_plan_serves_module_and_engine():
     assert plan.needs_data(0) and not plan.needs_data(1)  # rank 0 holds stage 0 and the loss stage
 
 
+def test_the_plan_is_frozen_and_a_switch_is_a_new_plan():
+    plan = plan_for({"schedule": "zb-h1"})
+    for name, value in (("settings", None), ("micro_batches", 4), ("segment_lengths", (32, 32)), ("make", None)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(plan, name, value)
+    ops = plan.program(0, 8, True).ops
+    switched = plan.switch({"schedule": "zb-h2"})
+    assert switched is not plan and switched.placement == plan.placement
+    assert (plan.settings.schedule, plan.schedule.name) == ("zb-h1", "zb-h1")  # the old plan runs as it did
+    assert plan.program(0, 8, True).ops == ops and switched.program(0, 8, True).ops != ops
+    assert switched.schedule.name == "zb-h2" and switched.micro_batches == plan.micro_batches
+    with pytest.raises(ValueError, match="places chunks"):
+        plan.switch({"schedule": "zbv"})
+
+
 def test_eval_program_runs_the_forwards_only():
     plan = plan_for({"schedule": "zb-h1"})
     train, evaluate = plan.program(1, 8, True), plan.program(1, 8, False)
@@ -40,7 +56,7 @@ def test_eval_program_runs_the_forwards_only():
 
 def test_seq1f1b_segments_cut_tokens_and_messages():
     plan = plan_for({"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"})
-    assert plan.segment_lengths == [32, 32]
+    assert plan.segment_lengths == (32, 32)
     assert plan.segment(1) == slice(32, 64)
     assert plan.message_shape(("act", 0, 0, 0, 1)) == (2, 32, 32)
     whole = plan_for({"schedule": "1f1b"})
@@ -51,7 +67,7 @@ def test_sequence_parallel_messages_carry_the_tensor_rank_shard():
     assert plan_for({"schedule": "zbv"}, tp=4).message_shape(("act", 0, 0, 0, 0)) == (2, 64, 32)  # TP alone
     assert plan_for({"schedule": "zbv"}, tp=4, sp=True).message_shape(("grad", 0, 3, 0, 0)) == (2, 16, 32)
     seq = plan_for({"schedule": "seq1f1b", "seq_splits": 3}, tp=2, sp=True)
-    assert seq.segment_lengths == [16, 16, 32]  # balanced: each segment is split over the TP ranks on its own
+    assert seq.segment_lengths == (16, 16, 32)  # balanced: each segment is split over the TP ranks on its own
     assert [seq.message_shape(("act", 0, 0, 0, i)) for i in range(3)] == [(2, 8, 32), (2, 8, 32), (2, 16, 32)]
 
 

@@ -58,7 +58,7 @@ def test_generator_caps_and_the_cli_exports_the_engines_order(capsys):
     ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 1},
           "pipeline": {"schedule": "seq1f1b", "seq_splits": 4}}
     plan = PipelinePlan.from_config(config, ds, 4, 1)
-    assert plan.segment_lengths == lengths and plan.schedule.ranks == built.ranks
+    assert plan.segment_lengths == tuple(lengths) and plan.schedule.ranks == built.ranks
     assert main(["show", "--schedule", "seq1f1b", "--pp", "4", "--micro-batches", "8", "--seq-splits", "4",
                  "--seq-length", "2048", "--hidden-size", "256"]) == 0
     assert "makespan" in capsys.readouterr().out

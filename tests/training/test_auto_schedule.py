@@ -10,7 +10,7 @@ import pytest
 
 from megatron_ds.pipe.auto import chosen_ds_config
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.pipe.plan import make_plan
 from megatron_ds.schedules import auto
 from megatron_ds.pipe.auto import AutoDecision
 from megatron_ds.training.auto_schedule import (FORMAT, NAME, AutoSchedule, differences, read_record, resume_choice,
@@ -28,7 +28,7 @@ def ds(**pipeline):
 
 
 def key_for(cfg, sizes=SIZES, pp=PP, device="cpu"):
-    return run_key(PipelinePlan.from_config(sizes, cfg, pp, 1), sizes, cfg, device)
+    return run_key(*make_plan(sizes, cfg, pp, 1), sizes, cfg, device)
 
 
 def decision(budget=6.0):
@@ -134,12 +134,14 @@ def searched_decision():
 def test_searched_choice_is_switched_after_the_build():
     dec = searched_decision()
     choice = dec["choice"]
-    plan = PipelinePlan.from_config(SIZES, chosen_ds_config(ds(), dec), PP, 1)
-    assert plan.schedule.name == "zb-h1" and plan.auto is None
+    plan, auto_plan = make_plan(SIZES, chosen_ds_config(ds(), dec), PP, 1)
+    assert plan.schedule.name == "zb-h1" and auto_plan is None
     holder = AutoSchedule({}, {"decision": dec, "decided_at": 4})
-    holder.attach(SimpleNamespace(plan=plan))
+    engine = SimpleNamespace(plan=plan)
+    holder.attach(engine)
     want = auto.zb_search(PP, M, **choice["search"])
-    assert plan.schedule.name == choice["label"] and plan.schedule.ranks == want.ranks
+    assert engine.plan.schedule.name == choice["label"] and engine.plan.schedule.ranks == want.ranks
+    assert plan.schedule.name == "zb-h1"  # the build's plan is not changed: the engine holds a new one
 
 
 def test_the_trainer_saves_the_decision_in_force(tmp_path):
