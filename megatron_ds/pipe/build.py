@@ -82,7 +82,8 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
 def compiled(module, settings, defer_weight_grads: bool):
     """The module with its transformer layers compiled when "pipeline.compile_layers" asks for it."""
     if settings.compile_layers:
-        compile_layers([m for m in module.modules() if isinstance(m, TransformerLayer)], defer_weight_grads)
+        compile_layers([m for m in module.modules() if isinstance(m, TransformerLayer)], defer_weight_grads,
+                       cuda_graphs=settings.cuda_graphs)
     return module
 
 

@@ -45,6 +45,7 @@ class PipelineSettings:
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
     vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
     compile_layers: bool = False   # torch.compile each transformer layer (model/compile.py), any engine
+    cuda_graphs: bool = False      # the compiled layers replayed as CUDA graphs (inductor's cudagraph trees)
 
     @property
     def stock(self):
@@ -96,8 +97,11 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
+    if section.get("cuda_graphs") and not section.get("compile_layers"):
+        raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs are the compiled layers\' '
+                          '(torch.compile mode "reduce-overhead"), so it needs "compile_layers": true too')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
-                "compile_layers"):
+                "compile_layers", "cuda_graphs"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     if in_file:
@@ -124,6 +128,7 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         op_costs=section.get("op_costs"),
         vocab_parallel=section.get("vocab_parallel", False),
         compile_layers=section.get("compile_layers", False),
+        cuda_graphs=section.get("cuda_graphs", False),
     )
     if fixed:
         settings = dataclasses.replace(settings, **fixed)

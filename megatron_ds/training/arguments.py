@@ -145,6 +145,9 @@ def build_parser():
     g.add_argument("--zero-stage", type=int, default=None)
     g.add_argument("--compile-layers", action="store_true",
                    help='torch.compile each transformer layer ("pipeline.compile_layers" = true; default off)')
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help='replay the compiled layers as CUDA graphs ("pipeline.cuda_graphs" = true; needs '
+                        '--compile-layers; CUDA only)')
     g.add_argument("--loss-chunk-size", type=int, default=0,
                    help="the LM head and cross-entropy run this many tokens at a time, the (tokens x vocabulary) "
                         "logits never whole (Liger's fused linear cross-entropy, in torch; 0: off)")
