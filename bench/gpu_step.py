@@ -12,7 +12,12 @@ transformers. --toy: a small fp32 model that runs on CPU in seconds (what CI run
 
     python -m bench.gpu_step                      # on one GPU: seq 2048 x mb 4, 8192 x 1, 16384 x 1
     python -m bench.gpu_step --toy --count-ops    # on CPU
-    python -m bench.gpu_step --cases 1f1b,seq1f1b-k4-bw --compile both --shapes 2048x4
+    python -m bench.gpu_step --cases 1f1b,seq1f1b-k4-bw --compile off,on,graphs --shapes 2048x4
+
+--compile takes a comma-separated list of off (eager), on (compiled layers; torch.compile for
+transformers) and graphs (compiled layers replayed as CUDA graphs, "pipeline.cuda_graphs"; transformers
+with mode "reduce-overhead"); "both" is off,on. A case that fails prints its error as its row and the
+bench goes on; --json PATH writes every row as it is measured.
 
 With Liger-Kernel importable on CUDA, a "transformers + liger" row patches LlamaForCausalLM with its
 kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for comparison with compile.
@@ -20,7 +25,9 @@ kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for comparison with 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import os
 import statistics
 import time
@@ -33,7 +40,11 @@ ENGINE_CASES = {  # name -> ds_config "pipeline" section (None: DeepSpeed's own 
     "seq1f1b-k2-bw": {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True},
     "seq1f1b-k4": {"schedule": "seq1f1b", "seq_splits": 4},
     "seq1f1b-k4-bw": {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True},
+    "1f1b-loss-chunks": {"schedule": "1f1b"},
 }
+# name -> GPTConfig fields of the case: the head and loss over LOSS_CHUNK tokens at a time (--loss-chunk-size)
+LOSS_CHUNK = {False: 4096, True: 32}  # toy -> tokens per chunk
+CONFIG_CASES = {"1f1b-loss-chunks": lambda toy: {"loss_chunk_size": LOSS_CHUNK[toy]}}
 HF_CASES = ("transformers",)
 ISSUE_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                    ffn_hidden_size=5440, vocab_size=50304)
@@ -46,8 +57,10 @@ def build_parser():
     p.add_argument("--toy", action="store_true", help="a small fp32 model, shape 64x2, 3 timed iterations (CPU)")
     p.add_argument("--cases", default=",".join([*ENGINE_CASES, *HF_CASES]),
                    help=f"comma-separated, of {', '.join([*ENGINE_CASES, *HF_CASES])}")
-    p.add_argument("--compile", choices=["off", "on", "both"], default="both",
-                   help="compiled layers (ours, DeepSpeed's) / torch.compile (transformers)")
+    p.add_argument("--compile", default="both",
+                   help="comma-separated of off, on, graphs (or both = off,on): eager, compiled layers (ours, "
+                        "DeepSpeed's) / torch.compile (transformers), and those replayed as CUDA graphs")
+    p.add_argument("--json", default=None, help="write the rows here (rewritten after each case)")
     p.add_argument("--shapes", default=None, help="SEQxMB,... (default 2048x4,8192x1,16384x1; --toy 64x2)")
     p.add_argument("--global-batch-sequences", type=int, default=None,
                    help="sequences per iteration (default: 16 at seq 2048, else 4 micro-batches)")
@@ -93,14 +106,18 @@ class Shape:
         return f"seq {self.seq}, micro-batch {self.mb}, {self.gas} micro-batches"
 
 
-def engine_step(pipeline, compiled, config, shape, bf16):
+VARIANTS = {"off": "", "on": " compiled", "graphs": " graphs"}  # --compile value -> row label suffix
+
+
+def engine_step(pipeline, variant, config, shape, bf16):
     """A train_batch closure of our (or DeepSpeed's) engine at PP=1."""
     import torch
     from megatron_ds.model import position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     ds_config = {"train_micro_batch_size_per_gpu": shape.mb, "gradient_accumulation_steps": shape.gas,
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
-                 "pipeline": {**(pipeline or {}), "compile_layers": compiled}}
+                 "pipeline": {**(pipeline or {}), "compile_layers": variant != "off",
+                              "cuda_graphs": variant == "graphs"}}
     if bf16:
         ds_config["bf16"] = {"enabled": True}
     module = build_pipeline_module(config, ds_config, 1, seq_length=shape.seq)
@@ -116,7 +133,7 @@ def engine_step(pipeline, compiled, config, shape, bf16):
     return step, engine
 
 
-def hf_step(compiled, config, shape, bf16, liger=False):
+def hf_step(variant, config, shape, bf16, liger=False):
     """The same model as transformers' LlamaForCausalLM (bf16 weights on CUDA), AdamW, one closure per step."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -132,7 +149,7 @@ def hf_step(compiled, config, shape, bf16, liger=False):
                      mlp_bias=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(hf).to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
     opt = adamw(model.parameters())
-    forward = torch.compile(model) if compiled else model
+    forward = model if variant == "off" else torch.compile(model, mode="reduce-overhead" if variant == "graphs" else None)
 
     def step(i):
         total = 0.0
@@ -145,6 +162,12 @@ def hf_step(compiled, config, shape, bf16, liger=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(total)
+    if variant == "graphs":  # cudagraph trees: each step a new generation of the graphs' outputs
+        plain = step
+
+        def step(i):
+            torch.compiler.cudagraph_mark_step_begin()
+            return plain(i)
     return step, model
 
 
@@ -210,13 +233,20 @@ def measure(make, shape, config, warmup, iterations, ops):
 
 
 def table(shape, rows, flops_per_iteration, peak):
-    base = next((r["ms"] for name, r in rows if name == "deepspeed"), None)
+    ok = [(name, r) for name, r in rows if "error" not in r]
+    base = next((r["ms"] for name, r in ok if name == "deepspeed"), None)
+    anchor = next((r["ms"] for name, r in ok if name == "transformers compiled"), None)
     lines = [f"## {shape}", "",
-             "| run | ms / iteration | vs DeepSpeed | TFLOP/s | MFU | peak GB | loss first -> last | aten ops | launches | syncs "
-             "| compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | ms / iteration | vs DeepSpeed | vs transformers compiled | TFLOP/s | MFU | peak GB "
+             "| loss first -> last | aten ops | launches | syncs | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 10)
+            continue
         tflops = flops_per_iteration / (r["ms"] / 1000.0) / 1e12
-        cells = [name, f"{r['ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-", f"{tflops:.2f}",
+        cells = [name, f"{r['ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
+                 f"{r['ms'] / anchor:.3f}" if anchor else "-", f"{tflops:.2f}",
                  f"{100 * tflops / peak:.1f} %" if peak else "-",
                  f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
                  f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
@@ -245,7 +275,9 @@ def main(argv=None):
     unknown = [c for c in cases if c not in ENGINE_CASES and c not in HF_CASES]
     if unknown:
         raise SystemExit(f"--cases: unknown {unknown}; choose from {[*ENGINE_CASES, *HF_CASES]}")
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    modes = [m for v in args.compile.split(",") for m in (["off", "on"] if v == "both" else [v])]
+    if not modes or any(m not in VARIANTS for m in modes):
+        raise SystemExit(f"--compile {args.compile}: a comma-separated list of {', '.join(VARIANTS)} (or both)")
     warmup = args.warmup if args.warmup is not None else (1 if args.toy else 5)
     iterations = args.iterations if args.iterations is not None else (3 if args.toy else 20)
     cuda = torch.cuda.is_available()
@@ -260,23 +292,47 @@ def main(argv=None):
     for shape in shapes_of(args):
         config = model_config(args.toy, shape.seq)
         rows = []
+        runs = []
         for case in cases:
-            for compiled in modes:
-                label = case + (" compiled" if compiled else "")
+            for variant in modes:
                 if case in HF_CASES:
-                    make = lambda c=compiled: hf_step(c, config, shape, bf16)  # noqa: E731
+                    make = lambda v=variant: hf_step(v, config, shape, bf16)  # noqa: E731
                 else:
-                    make = lambda p=ENGINE_CASES[case], c=compiled: engine_step(p, c, config, shape, bf16)  # noqa: E731
-                rows.append((label, measure(make, shape, config, warmup, iterations, args.count_ops)))
-                print(f"  {label}: {rows[-1][1]['ms']:.1f} ms", flush=True)
+                    c = dataclasses.replace(config, **CONFIG_CASES[case](args.toy)) if case in CONFIG_CASES else config
+                    make = lambda p=ENGINE_CASES[case], v=variant, c=c: engine_step(p, v, c, shape, bf16)  # noqa: E731
+                runs.append((case + VARIANTS[variant], make))
         if cuda and "transformers" in cases and _liger_available():
-            make = lambda: hf_step(False, config, shape, bf16, liger=True)  # noqa: E731
-            rows.append(("transformers + liger", measure(make, shape, config, warmup, iterations, args.count_ops)))
+            runs.append(("transformers + liger", lambda: hf_step("off", config, shape, bf16, liger=True)))
+        for label, make in runs:
+            rows.append((label, measured_or_error(make, shape, config, warmup, iterations, args.count_ops)))
+            print(f"  {label}: " + (f"failed: {rows[-1][1]['error']}" if "error" in rows[-1][1] else
+                                    f"{rows[-1][1]['ms']:.1f} ms, compile {rows[-1][1]['compile_s']:.1f} s"), flush=True)
+            results[f"{shape.seq}x{shape.mb}"] = dict(rows)
+            if args.json:
+                write_json(args.json, device, results)
         flops = model_flops_per_sequence(config, shape.seq) * shape.mb * shape.gas
         print(table(shape, rows, flops, peak), flush=True)
         print(flush=True)
-        results[(shape.seq, shape.mb)] = dict(rows)
     return results
+
+
+def measured_or_error(make, shape, config, warmup, iterations, ops):
+    """measure(), or {"error": the exception's first line} so one failing case leaves the others their rows."""
+    import torch
+    try:
+        return measure(make, shape, config, warmup, iterations, ops)
+    except Exception as exc:  # noqa: BLE001 - a bench row, not control flow: the table says what failed
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+
+
+def write_json(path, device, results):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"device": device, "shapes": results}, fh, indent=1)
+    os.replace(tmp, path)
 
 
 def _liger_available():

@@ -12,7 +12,9 @@ def run_bench():
     from bench import gpu_step
     eager = gpu_step.main(ARGS + ["--compile", "off", "--cases", "deepspeed,1f1b,seq1f1b-k4,transformers"])
     compiled = gpu_step.main(ARGS + ["--compile", "on", "--cases", "seq1f1b-k4"])
-    rows = {**eager[(64, 2)], **compiled[(64, 2)]}
+    rows = {**eager["64x2"], **compiled["64x2"]}
+    failed = {name: r["error"] for name, r in rows.items() if "error" in r}
+    assert not failed, failed
     return {name: dict(ops=r["ops"], ms=r["ms"], losses=r["losses"]) for name, r in rows.items()}
 
 
