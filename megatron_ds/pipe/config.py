@@ -97,13 +97,16 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     method = section.get("seq_split_method", "balanced")
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
-    if section.get("cuda_graphs") and not section.get("compile_layers"):
-        raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs are the compiled layers\' '
-                          '(torch.compile mode "reduce-overhead"), so it needs "compile_layers": true too')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
                 "compile_layers", "cuda_graphs"):
         if not isinstance(section.get(key, False), bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
+    if section.get("cuda_graphs") and not section.get("compile_layers"):
+        raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs are the compiled layers\' '
+                          '(torch.compile mode "reduce-overhead"), so it needs "compile_layers": true too')
+    if section.get("cuda_graphs") and schedule == STOCK:
+        raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs of an iteration are released when '
+                          "our engine starts the next; DeepSpeed's own engine does not, so name a \"schedule\"")
     if in_file:
         return _file_settings(section, schedule, method)
     return _checked(section, schedule, method)

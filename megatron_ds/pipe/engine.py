@@ -65,6 +65,11 @@ class ScheduleEngine(PipelineEngine):
 
     # -- schedule ------------------------------------------------------------------------------
     def _start(self, micro_batches, train):
+        if self.plan.settings.cuda_graphs:
+            # One generation of inductor's CUDA graphs per iteration: by default a generation ends at the
+            # first backward after forwards, which would overwrite the outputs micro-batches still in
+            # flight (every schedule but PP=1's 1F1B keeps some) hold for their backward.
+            torch.compiler.cudagraph_mark_step_begin()
         program = self.plan.program(self.stage_id, micro_batches, train)
         self.sched, ops, self._ahead = program.schedule, program.ops, program.ahead
         self._sync_after = last_backward_ops(ops) if train and self.module.replica_sync else {}

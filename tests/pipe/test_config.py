@@ -46,6 +46,7 @@ def test_op_costs_build_the_v_order_for_them():
     ({"schedule": "auto", "memory_budget": 3, "op_costs": [1, 1.5, 0.5]}, ["op_costs", "auto", "itself"]),
     ({"schedule": "1f1b", "vocab_parallel": "yes"}, ["pipeline.vocab_parallel", "true or false"]),
     ({"schedule": "1f1b", "cuda_graphs": True}, ["pipeline.cuda_graphs", "compile_layers"]),
+    ({"cuda_graphs": True, "compile_layers": True}, ["pipeline.cuda_graphs", "DeepSpeed's own engine", "schedule"]),
     ({"cuda_graphs": 1, "compile_layers": True}, ["pipeline.cuda_graphs", "true or false"]),
     ({"vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "deepspeed"]),
     ({"schedule": "auto", "memory_budget": 3, "vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "auto"]),
