@@ -41,10 +41,12 @@ ENGINE_CASES = {  # name -> ds_config "pipeline" section (None: DeepSpeed's own 
     "seq1f1b-k4": {"schedule": "seq1f1b", "seq_splits": 4},
     "seq1f1b-k4-bw": {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True},
     "1f1b-loss-chunks": {"schedule": "1f1b"},
+    "1f1b-liger": {"schedule": "1f1b"},
 }
 # name -> GPTConfig fields of the case: the head and loss over LOSS_CHUNK tokens at a time (--loss-chunk-size)
 LOSS_CHUNK = {False: 4096, True: 32}  # toy -> tokens per chunk
-CONFIG_CASES = {"1f1b-loss-chunks": lambda toy: {"loss_chunk_size": LOSS_CHUNK[toy]}}
+CONFIG_CASES = {"1f1b-loss-chunks": lambda toy: {"loss_chunk_size": LOSS_CHUNK[toy]},
+                "1f1b-liger": lambda toy: {"liger_kernel": True}}  # Liger's fused linear cross-entropy (CUDA)
 HF_CASES = ("transformers",)
 ISSUE_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                    ffn_hidden_size=5440, vocab_size=50304)
