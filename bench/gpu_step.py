@@ -17,10 +17,12 @@ transformers. --toy: a small fp32 model that runs on CPU in seconds (what CI run
 --compile takes a comma-separated list of off (eager), on (compiled layers; torch.compile for
 transformers) and graphs (compiled layers replayed as CUDA graphs, "pipeline.cuda_graphs"; transformers
 with mode "reduce-overhead"); "both" is off,on. A case that fails prints its error as its row and the
-bench goes on; --json PATH writes every row as it is measured.
+bench goes on; --json PATH writes every row as it is measured. A case may name its own variants:
+--cases deepspeed@off,1f1b@off+on+graphs.
 
-With Liger-Kernel importable on CUDA, a "transformers + liger" row patches LlamaForCausalLM with its
-kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for comparison with compile.
+Liger-Kernel (CUDA, when installed): "transformers-liger" patches LlamaForCausalLM with its kernels
+(RMSNorm, SwiGLU, RoPE, fused linear cross-entropy; the patch stays for the process, so it runs last),
+"1f1b-liger" is ours with --use-liger-kernel (its fused linear cross-entropy as the head + loss).
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ ENGINE_CASES = {  # name -> ds_config "pipeline" section (None: DeepSpeed's own 
 LOSS_CHUNK = {False: 4096, True: 32}  # toy -> tokens per chunk
 CONFIG_CASES = {"1f1b-loss-chunks": lambda toy: {"loss_chunk_size": LOSS_CHUNK[toy]},
                 "1f1b-liger": lambda toy: {"liger_kernel": True}}  # Liger's fused linear cross-entropy (CUDA)
-HF_CASES = ("transformers",)
+HF_CASES = ("transformers", "transformers-liger")  # -liger: patched with Liger-Kernel's kernels (CUDA)
 ISSUE_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                    ffn_hidden_size=5440, vocab_size=50304)
 TOY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
@@ -275,13 +277,13 @@ def main(argv=None):
     import torch
     from megatron_ds.schedules.flops import model_flops_per_sequence
     from megatron_ds.training.device_peak import this_device_peak
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in ENGINE_CASES and c not in HF_CASES]
-    if unknown:
-        raise SystemExit(f"--cases: unknown {unknown}; choose from {[*ENGINE_CASES, *HF_CASES]}")
-    modes = [m for v in args.compile.split(",") for m in (["off", "on"] if v == "both" else [v])]
-    if not modes or any(m not in VARIANTS for m in modes):
-        raise SystemExit(f"--compile {args.compile}: a comma-separated list of {', '.join(VARIANTS)} (or both)")
+    modes = variants_of(args.compile.split(","), "--compile")
+    cases = []  # (case, its variants): "NAME@off+graphs" picks a case's own, else --compile's
+    for item in (c for c in args.cases.split(",") if c):
+        name, _, own = item.partition("@")
+        if name not in ENGINE_CASES and name not in HF_CASES:
+            raise SystemExit(f"--cases: unknown {name!r}; choose from {[*ENGINE_CASES, *HF_CASES]}")
+        cases.append((name, variants_of(own.split("+"), f"--cases {item}") if own else modes))
     warmup = args.warmup if args.warmup is not None else (1 if args.toy else 5)
     iterations = args.iterations if args.iterations is not None else (3 if args.toy else 20)
     cuda = torch.cuda.is_available()
@@ -297,16 +299,14 @@ def main(argv=None):
         config = model_config(args.toy, shape.seq)
         rows = []
         runs = []
-        for case in cases:
-            for variant in modes:
+        for case, variants in cases:
+            for variant in variants:
                 if case in HF_CASES:
-                    make = lambda v=variant: hf_step(v, config, shape, bf16)  # noqa: E731
+                    make = lambda v=variant, c=case: hf_step(v, config, shape, bf16, c == "transformers-liger")  # noqa: E731
                 else:
                     c = dataclasses.replace(config, **CONFIG_CASES[case](args.toy)) if case in CONFIG_CASES else config
                     make = lambda p=ENGINE_CASES[case], v=variant, c=c: engine_step(p, v, c, shape, bf16)  # noqa: E731
                 runs.append((case + VARIANTS[variant], make))
-        if cuda and "transformers" in cases and _liger_available():
-            runs.append(("transformers + liger", lambda: hf_step("off", config, shape, bf16, liger=True)))
         for label, make in runs:
             rows.append((label, measured_or_error(make, shape, config, warmup, iterations, args.count_ops)))
             print(f"  {label}: " + (f"failed: {rows[-1][1]['error']}" if "error" in rows[-1][1] else
@@ -318,6 +318,13 @@ def main(argv=None):
         print(table(shape, rows, flops, peak), flush=True)
         print(flush=True)
     return results
+
+
+def variants_of(values, where):
+    out = [m for v in values for m in (["off", "on"] if v == "both" else [v])]
+    if not out or any(m not in VARIANTS for m in out):
+        raise SystemExit(f"{where}: a list of {', '.join(VARIANTS)} (or both)")
+    return out
 
 
 def measured_or_error(make, shape, config, warmup, iterations, ops):
@@ -337,14 +344,6 @@ def write_json(path, device, results):
     with open(tmp, "w") as fh:
         json.dump({"device": device, "shapes": results}, fh, indent=1)
     os.replace(tmp, path)
-
-
-def _liger_available():
-    try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":
