@@ -9,6 +9,7 @@ import functools
 from contextlib import contextmanager
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -81,7 +82,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
 
 def compiled(module, settings, defer_weight_grads: bool):
     """The module with its transformer layers compiled when "pipeline.compile_layers" asks for it."""
-    if settings.compile_layers:
+    if settings.compiles_layers(torch.cuda.is_available()):
         compile_layers([m for m in module.modules() if isinstance(m, TransformerLayer)], defer_weight_grads,
                        cuda_graphs=settings.cuda_graphs)
     return module

@@ -44,8 +44,14 @@ class PipelineSettings:
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
     vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
-    compile_layers: bool = False   # torch.compile each transformer layer (model/compile.py), any engine
+    compile_layers: Optional[bool] = None  # torch.compile each transformer layer (model/compile.py); None: compiles_layers
     cuda_graphs: bool = False      # the compiled layers replayed as CUDA graphs (inductor's cudagraph trees)
+
+    def compiles_layers(self, cuda: bool) -> bool:
+        """Whether the layers run compiled: as "compile_layers" says, else the default measured to pay
+        (docs/perf/gpu_h200.md): on CUDA, where compiling the layers took seconds and every schedule's
+        step got faster or no slower; on CPU off (inductor's C++ compile is minutes, the step no faster)."""
+        return cuda if self.compile_layers is None else self.compile_layers
 
     @property
     def stock(self):
@@ -99,11 +105,11 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
                 "compile_layers", "cuda_graphs"):
-        if not isinstance(section.get(key, False), bool):
+        if key in section and not isinstance(section[key], bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
-    if section.get("cuda_graphs") and not section.get("compile_layers"):
+    if section.get("cuda_graphs") and section.get("compile_layers") is False:
         raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs are the compiled layers\' '
-                          '(torch.compile mode "reduce-overhead"), so it needs "compile_layers": true too')
+                          '(torch.compile mode "reduce-overhead"), so it contradicts "compile_layers": false')
     if section.get("cuda_graphs") and schedule == STOCK:
         raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs of an iteration are released when '
                           "our engine starts the next; DeepSpeed's own engine does not, so name a \"schedule\"")
@@ -130,7 +136,7 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         remeasure=section.get("remeasure", False),
         op_costs=section.get("op_costs"),
         vocab_parallel=section.get("vocab_parallel", False),
-        compile_layers=section.get("compile_layers", False),
+        compile_layers=section.get("compile_layers"),
         cuda_graphs=section.get("cuda_graphs", False),
     )
     if fixed:

@@ -12,6 +12,7 @@ parallel size. The flags and the ds_config keys "train_micro_batch_size_per_gpu"
 "gradient_accumulation_steps" and "train_batch_size" may each be given or left
 out; what is missing is derived, what is given must agree.
 """
+import argparse
 import json
 import os
 
@@ -143,11 +144,11 @@ def build_parser():
     g.add_argument("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None)
-    g.add_argument("--compile-layers", action="store_true",
-                   help='torch.compile each transformer layer ("pipeline.compile_layers" = true; default off)')
+    g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help='torch.compile each transformer layer ("pipeline.compile_layers"; default: on with CUDA, '
+                        'off on CPU)')
     g.add_argument("--enable-cuda-graph", action="store_true",
-                   help='replay the compiled layers as CUDA graphs ("pipeline.cuda_graphs" = true; needs '
-                        '--compile-layers; CUDA only)')
+                   help='replay the compiled layers as CUDA graphs ("pipeline.cuda_graphs" = true; CUDA only)')
     g.add_argument("--loss-chunk-size", type=int, default=0,
                    help="the LM head and cross-entropy run this many tokens at a time, the (tokens x vocabulary) "
                         "logits never whole (Liger's fused linear cross-entropy, in torch; 0: off)")

@@ -21,6 +21,10 @@ def test_cuda_graphs_ride_on_the_compiled_layers():
                                         "cuda_graphs": True}})
     assert (s.compile_layers, s.cuda_graphs) == (True, True)
     assert pipeline_settings({}).cuda_graphs is False
+    # the layers compile by default on CUDA only; the key decides where given
+    assert [pipeline_settings({}).compiles_layers(cuda) for cuda in (False, True)] == [False, True]
+    off = pipeline_settings({"pipeline": {"compile_layers": False}})
+    assert [off.compiles_layers(cuda) for cuda in (False, True)] == [False, False]
 
 
 def test_op_costs_build_the_v_order_for_them():
@@ -45,7 +49,7 @@ def test_op_costs_build_the_v_order_for_them():
     ({"op_costs": [1, 1.5, 0.5]}, ["op_costs", "named", "schedule"]),
     ({"schedule": "auto", "memory_budget": 3, "op_costs": [1, 1.5, 0.5]}, ["op_costs", "auto", "itself"]),
     ({"schedule": "1f1b", "vocab_parallel": "yes"}, ["pipeline.vocab_parallel", "true or false"]),
-    ({"schedule": "1f1b", "cuda_graphs": True}, ["pipeline.cuda_graphs", "compile_layers"]),
+    ({"schedule": "1f1b", "cuda_graphs": True, "compile_layers": False}, ["pipeline.cuda_graphs", "compile_layers"]),
     ({"cuda_graphs": True, "compile_layers": True}, ["pipeline.cuda_graphs", "DeepSpeed's own engine", "schedule"]),
     ({"cuda_graphs": 1, "compile_layers": True}, ["pipeline.cuda_graphs", "true or false"]),
     ({"vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "deepspeed"]),
