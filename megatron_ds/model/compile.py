@@ -1,7 +1,7 @@
 """Regional torch.compile: each transformer layer its own compiled region (torchtitan's apply_compile).
 
-Every TransformerLayer is compiled in place (`nn.Module.compile`: parameter names, state dicts and
-checkpoints unchanged) with static shapes; layers share one compiled graph per input shape, as their
+Every TransformerLayer, and the final norm, is compiled in place (`nn.Module.compile`: parameter
+names, state dicts and checkpoints unchanged) with static shapes; layers share one compiled graph per input shape, as their
 code and parameter shapes are the same. The runtime's hooks cannot live inside a graph, so a few calls
 stay eager (`outside_graph`), each a graph break by design:
 
