@@ -3,8 +3,8 @@ schedule (compiled layers on and off), and transformers' LlamaForCausalLM (eager
 anchor, on the same LLaMA-style model and tokens. Prints, per sequence shape, ms per iteration (median
 after warm-up) and its ratio to DeepSpeed's engine, model TFLOP/s (schedules/flops.py) and MFU where the
 card's bf16 peak is known, peak memory, the first and last loss, and with --count-ops the aten operators,
-and on CUDA the kernel launches and host synchronisations, of one iteration (torch.profiler; torch's
-sync debug mode).
+the host synchronisations (on CUDA torch's sync debug mode, on CPU the tensor-to-Python reads), and
+on CUDA the kernel launches, of one iteration (torch.profiler).
 
 The issue-24 model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
 RoPE, untied head, vocabulary 50304; bf16 weights on CUDA, ZeRO-1 for the engines, fused AdamW for
@@ -183,7 +183,9 @@ def adamw(params):
 
 def count_ops(step, i):
     """(aten operators, kernel launches, host synchronisations) of one call of step(i): torch.profiler's
-    events; on CUDA the launches, and the synchronising calls torch's sync debug mode reports (None on CPU)."""
+    events; on CUDA the launches, and the synchronising calls torch's sync debug mode reports; on CPU
+    (no launches: None) the tensor-to-Python reads (.item(), float(t), bool(t): aten::_local_scalar_dense),
+    each of which waits for the device on CUDA."""
     import warnings
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -201,7 +203,7 @@ def count_ops(step, i):
     names = [e.name for e in prof.events()]
     aten = sum(1 for n in names if n.startswith("aten::"))
     if not cuda:
-        return aten, None, None
+        return aten, None, sum(1 for n in names if n == "aten::_local_scalar_dense")
     launches = sum(1 for n in names if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     syncs = sum(1 for w in caught if "synchroniz" in str(w.message))
     return aten, launches, syncs
