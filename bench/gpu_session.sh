@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a borrowed GPU (minutes are scarce): install the carried wheels (.whl/: DeepSpeed built from
-# its sdist and the pure-Python packages the image lacks), run the CUDA tests for at most TESTS_SECONDS,
+# its sdist and the pure-Python packages the image lacks), run the CUDA tests for at most TESTS_SECONDS
+# (GPU_TESTS names more test files: tests/training/test_cuda_training.py),
 # then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as it happens, so a
 # call cut off at its limit still brings back what ran; the tables are printed at the end.
 #
@@ -20,8 +21,8 @@ cat "$OUT/setup.log"
 tests_seconds=$1
 shift
 if [ "$tests_seconds" -gt 0 ]; then
-  timeout "$tests_seconds" python3 -m pytest -q -x -p no:cacheprovider tests/pipe/test_cuda_compile.py \
-    tests/model/test_cuda.py tests/training/test_cuda_training.py > "$OUT/tests.log" 2>&1
+  timeout "$tests_seconds" python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py \
+    tests/pipe/test_cuda_compile.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "tests: exit $?" >> "$OUT/tests.log"
   tail -n 25 "$OUT/tests.log"
 fi
