@@ -84,7 +84,7 @@ def compiled(module, settings, defer_weight_grads: bool):
     """The module with its transformer layers, and the final norm, compiled when "pipeline.compile_layers"
     asks for it (the final norm runs once per op, as a layer does: eager, it dispatches a score of
     operators forward and backward, which every Seq1F1B segment pays again)."""
-    if settings.compiles_layers(torch.cuda.is_available()):
+    if settings.compiles_layers(torch.cuda.is_available(), defer_weight_grads or settings.seq_splits > 1):
         compile_layers([m for m in module.modules() if isinstance(m, (TransformerLayer, FinalNorm))],
                        defer_weight_grads, cuda_graphs=settings.cuda_graphs)
     return module

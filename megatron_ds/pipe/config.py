@@ -47,11 +47,16 @@ class PipelineSettings:
     compile_layers: Optional[bool] = None  # torch.compile each transformer layer (model/compile.py); None: compiles_layers
     cuda_graphs: bool = False      # the compiled layers replayed as CUDA graphs (inductor's cudagraph trees)
 
-    def compiles_layers(self, cuda: bool) -> bool:
+    def compiles_layers(self, cuda: bool, splits_ops: bool) -> bool:
         """Whether the layers run compiled: as "compile_layers" says, else the default measured to pay
-        (docs/perf/gpu_h200.md): on CUDA, where compiling the layers took seconds and every schedule's
-        step got faster or no slower; on CPU off (inductor's C++ compile is minutes, the step no faster)."""
-        return cuda if self.compile_layers is None else self.compile_layers
+        (docs/perf/gpu_h200.md): on CUDA where each layer is one graph (no deferred weight gradients, no
+        Seq1F1B segments: `splits_ops` false), which compiled in 8-9 s and made the step 7-8 % faster;
+        off where the runtime's hooks cut the layer into several graphs (a Seq1F1B k=4 + B/W step was
+        1.14-1.58x slower compiled: the host pays each graph's call), and off on CPU. "cuda_graphs"
+        asks for them compiled on CUDA whatever the schedule."""
+        if self.compile_layers is not None:
+            return self.compile_layers
+        return cuda and (self.cuda_graphs or not splits_ops)
 
     @property
     def stock(self):

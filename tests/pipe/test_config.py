@@ -21,10 +21,13 @@ def test_cuda_graphs_ride_on_the_compiled_layers():
                                         "cuda_graphs": True}})
     assert (s.compile_layers, s.cuda_graphs) == (True, True)
     assert pipeline_settings({}).cuda_graphs is False
-    # the layers compile by default on CUDA only; the key decides where given
-    assert [pipeline_settings({}).compiles_layers(cuda) for cuda in (False, True)] == [False, True]
-    off = pipeline_settings({"pipeline": {"compile_layers": False}})
-    assert [off.compiles_layers(cuda) for cuda in (False, True)] == [False, False]
+    # by default the layers compile on CUDA where each is one graph; the key decides where given
+    default = pipeline_settings({})
+    assert [default.compiles_layers(cuda, splits) for cuda in (False, True) for splits in (False, True)] == \
+        [False, False, True, False]
+    for value in (False, True):
+        given = pipeline_settings({"pipeline": {"schedule": "1f1b", "compile_layers": value}})
+        assert {given.compiles_layers(cuda, splits) for cuda in (False, True) for splits in (False, True)} == {value}
 
 
 def test_op_costs_build_the_v_order_for_them():
