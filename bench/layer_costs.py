@@ -1,4 +1,5 @@
-"""TF, TB and TW of one transformer layer, measured, and every catalogue schedule simulated with them.
+"""TF, TB and TW of one transformer layer and of the embedding and the LM head + loss, measured, and
+every catalogue schedule simulated with them, each also with vocabulary parallelism.
 
 One TransformerLayer of the model the flags describe (pretrain_gpt.py's names: --hidden-size,
 --num-attention-heads, --seq-length, --micro-batch-size, the family flags --swiglu,
@@ -6,19 +7,30 @@ One TransformerLayer of the model the flags describe (pretrain_gpt.py's names: -
 runs on the device at hand (CUDA when available: torch.cuda.Event timing; else CPU, wall
 clock), with the model's own B/W split (model/linear.py): TF = forward, TB = backward inside
 WeightGradStore.deferring (input gradients, the weight GEMMs queued), TW = draining the queue.
-Each is the median of --repeats runs after --warmup ones.
+The embedding, the final norm and the LM head with its loss (gpt_loss) over a --vocab-size
+vocabulary (tied unless --untie-embeddings-and-output-weights) are timed the same way: the untied
+head's weight GEMM defers to W like a layer's; the embedding's weight gradient and the tied head's
+come in B, as in the engine. Each is the median of --repeats runs after --warmup ones. What one
+micro-batch's forward keeps for its backward (autograd's saved tensors, parameters not counted) gives
+the logits' memory in units of one 1F1B stage's activations.
 
-The simulator (megatron_ds.schedules.simulate) then takes TF, TB, TW x (--num-layers / --pp),
-the costs of one 1F1B stage, and gives every schedule of the catalogue (each variant:
-virtual stages, sequence splits with FLOP-balanced segments, B/W split) for --pp ranks and
---micro-batches micro-batches: its iteration time, bubble (max over ranks of idle / makespan),
-peak activation memory (micro-batches of one 1F1B stage) and iteration time / 1F1B's, fastest first.
-Communication is not modelled (--p2p-latency-ms adds a fixed latency per message).
+The simulator (megatron_ds.schedules.compare over ModelCosts) then takes TF, TB, TW x (--num-layers
+/ --pp) per 1F1B stage, the embedding's (F, B, W) on the first stage and the head's on the last
+(rank 0 under the V placements, which hold both ends), and the logits held from the head's forward
+to its W (head_memory); the final norm (a few h FLOPs per token) is left out. Every schedule of the
+catalogue (each variant: virtual stages, sequence splits with FLOP-balanced segments, B/W split)
+for --pp ranks and --micro-batches micro-batches, and its "+vocab" twin (the embedding and the
+head sliced over the ranks by vocabulary, their passes placed by generators/vocab.py): iteration
+time, bubble (max over ranks of idle / makespan), peak activation memory (micro-batches of one 1F1B
+stage, logits included), iteration time / 1F1B's and / the balanced ideal (the same schedule with
+the embedding's and head's time spread evenly over the ranks, ModelCosts.balanced), fastest first.
+A "+vocab" row can beat that ideal: its passes run beside the pipeline's dependencies, so the head's
+time stretches no fill or drain. Communication is not modelled (--p2p-latency-ms adds a fixed
+latency per message). The header gives the embedding's and the head's cost in layers.
 
---costs-out FILE also times the embedding and the LM head with its loss (F + backward, for a
---vocab-size vocabulary, tied unless --untie-embeddings-and-output-weights) and writes
-{"layer_costs": [ms of F+B+W of each pipeline layer: embedding, --num-layers transformer
-layers, final norm, head], ...}: the file "pipeline.partition_method" = "costs:FILE" balances.
+--costs-out FILE writes {"layer_costs": [ms of F+B+W of each pipeline layer: embedding,
+--num-layers transformer layers, final norm, head], ...}: the file "pipeline.partition_method" =
+"costs:FILE" balances.
 
     python -m bench.layer_costs --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
         --micro-batch-size 1 --pp 4 --micro-batches 16 --swiglu --normalization rmsnorm \\
@@ -31,6 +43,7 @@ import os
 import statistics
 import time
 
+from megatron_ds.schedules.costs import ModelCosts
 from megatron_ds.training.model_args import add_model_args, validate_model_args
 
 
@@ -57,7 +70,7 @@ def build_parser():
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--warmup", type=int, default=3)
     g.add_argument("--device", default=None, help="default cuda when available, else cpu")
-    g.add_argument("--vocab-size", type=int, default=50304, help="for --costs-out: the padded vocabulary")
+    g.add_argument("--vocab-size", type=int, default=50304, help="the padded vocabulary of the embedding and head timed")
     g.add_argument("--time-segments", action="store_true",
                    help="also time each Seq1F1B segment (at each --seq-splits) through the K/V cache, beside "
                         "its FLOP share")
@@ -137,31 +150,61 @@ def layer_and_inputs(args):
     return layer, x, grad, Timer(device), device, dtype
 
 
-def measure_layer(args):
-    """(TF, TB, TW, device name) in seconds: medians over args.repeats after args.warmup."""
-    import torch
+def time_passes(args, timer, forward, backward, reset):
+    """(F, B, W) seconds, medians over args.repeats after args.warmup: F = forward(), B = backward(its
+    output) inside WeightGradStore.deferring (input gradients; the weight GEMMs a B/W split defers are
+    queued), W = draining the queue; reset() after each run."""
     from megatron_ds.model import WeightGradStore
 
-    layer, x, grad, timer, device, dtype = layer_and_inputs(args)
-    x.requires_grad_()
     times = {"F": [], "B": [], "W": []}
     for i in range(args.warmup + args.repeats):
         out = {}
-        tf = timer(lambda: out.setdefault("y", layer(x)))
+        tf = timer(lambda: out.setdefault("y", forward()))
         queue = []
 
         def backward_input():
             with WeightGradStore.deferring(queue):
-                torch.autograd.backward(out["y"], grad)
+                backward(out["y"])
         tb = timer(backward_input)
         tw = timer(lambda: WeightGradStore.drain(queue))
         if i >= args.warmup:
             for kind, t in zip("FBW", (tf, tb, tw)):
                 times[kind].append(t)
+        reset()
+    return tuple(statistics.median(times[k]) for k in "FBW")
+
+
+def saved_bytes(forward, params) -> int:
+    """Bytes the autograd graph of forward() keeps for its backward: each storage once, parameters
+    not counted (what a micro-batch's forward holds until its backward)."""
+    import torch
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    held = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            held[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(held.values())
+
+
+def measure_layer(args):
+    """(TF, TB, TW, device name, activation bytes of one micro-batch) of one layer, times in seconds."""
+    import torch
+
+    layer, x, grad, timer, device, dtype = layer_and_inputs(args)
+    x.requires_grad_()
+
+    def reset():
         x.grad = None
         layer.zero_grad(set_to_none=True)
+    times = time_passes(args, timer, lambda: layer(x), lambda y: torch.autograd.backward(y, grad), reset)
+    held = saved_bytes(lambda: layer(x), layer.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return (*(statistics.median(times[k]) for k in "FBW"), f"{name} {str(dtype).replace('torch.', '')}")
+    return (*times, f"{name} {str(dtype).replace('torch.', '')}", held)
 
 
 def measure_segments(args, k):
@@ -213,7 +256,10 @@ def print_segments(args, tf, tb, tw):
 
 
 def measure_ends(args):
-    """Seconds of forward + backward of the embedding, the final norm and the LM head with its loss."""
+    """{"embedding", "norm", "head"}: (F, B, W) seconds of the embedding, the final norm and the LM head
+    with its loss, split as time_passes splits a layer (the untied head's weight GEMM defers to W; the
+    embedding's weight gradient and the tied head's come in B), and "head bytes": what the head + loss
+    forward holds for its backward (the logits and their fp32 softmax)."""
     import torch
     from megatron_ds.model import Embedding, FinalNorm, LMHead, gpt_loss, position_ids_like
     from megatron_ds.model.layers import lm_head
@@ -230,21 +276,25 @@ def measure_ends(args):
     norm = FinalNorm(config, 1).to(device=device, dtype=dtype)
     head = (LMHead(config, 2).to(device=device, dtype=dtype) if config.untie_embeddings_and_output_weights
             else lambda x: lm_head(embed, x))
-    steps = {"embedding": lambda: embed((tokens, position_ids_like(tokens))).backward(grad),
-             "norm": lambda: norm(hidden).backward(grad),
-             "head": lambda: gpt_loss(head(hidden), labels).backward()}
-    out = {}
-    for name, step in steps.items():
-        times = [timer(step) for _ in range(args.warmup + args.repeats)]
-        out[name] = statistics.median(times[args.warmup:])
+    modules = [embed, norm] + ([head] if config.untie_embeddings_and_output_weights else [])
+
+    def reset():
+        hidden.grad = None
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+    with_grad = lambda y: y.backward(grad)  # noqa: E731
+    out = {"embedding": time_passes(args, timer, lambda: embed((tokens, position_ids_like(tokens))), with_grad, reset),
+           "norm": time_passes(args, timer, lambda: norm(hidden), with_grad, reset),
+           "head": time_passes(args, timer, lambda: gpt_loss(head(hidden), labels), lambda y: y.backward(), reset)}
+    params = [p for module in modules for p in module.parameters()]
+    out["head bytes"] = saved_bytes(lambda: gpt_loss(head(hidden), labels), params)
     return out
 
 
-def write_costs(args, tf, tb, tw, device):
+def write_costs(args, layer, ends, device):
     """The per-layer costs file of "pipeline.partition_method": "costs:FILE" (written whole, then renamed)."""
     import json
-    ends = measure_ends(args)
-    costs = [ends["embedding"]] + [tf + tb + tw] * args.num_layers + [ends["norm"], ends["head"]]
+    costs = [sum(ends["embedding"])] + [layer] * args.num_layers + [sum(ends["norm"]), sum(ends["head"])]
     data = {"layer_costs": [round(c * 1e3, 6) for c in costs], "unit": "ms of forward + backward",
             "layers": ["embedding"] + [f"transformer {i}" for i in range(1, args.num_layers + 1)]
             + ["final norm", "head + loss"], "device": device, "vocab_size": args.vocab_size}
@@ -252,38 +302,43 @@ def write_costs(args, tf, tb, tw, device):
     with open(tmp, "w") as fh:
         json.dump(data, fh, indent=1)
     os.replace(tmp, args.costs_out)
-    print(f"\nembedding {ends['embedding'] * 1e3:.3f} ms, final norm {ends['norm'] * 1e3:.3f} ms, head + loss "
-          f"{ends['head'] * 1e3:.3f} ms (= {ends['head'] / (tf + tb + tw):.2f} layers): wrote {args.costs_out}")
+    print(f"\nwrote {args.costs_out}")
 
 
-def schedule_rows(args, tf, tb, tw):
-    """[(label, makespan, bubble, peak memory) or (label, None, reason)] for every catalogue variant."""
-    from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, simulate
+def model_costs(args, tf, tb, tw, layer_bytes, ends) -> ModelCosts:
+    """The simulator's costs: the layers as one 1F1B stage (--num-layers / --pp of them), the embedding
+    on the first stage, the head + loss on the last (rank 0 under the V placements), and one
+    micro-batch's logits in units of a 1F1B stage's activations (head_memory)."""
+    per_stage = args.num_layers / args.pp
+    return ModelCosts(tf * per_stage, tb * per_stage, tw * per_stage, embed=ends["embedding"], head=ends["head"],
+                      head_memory=ends["head bytes"] / (layer_bytes * per_stage))
+
+
+def schedule_rows(args, costs: ModelCosts) -> list[dict]:
+    """schedules.compare's rows for every catalogue variant, each also "+vocab" (the vocabulary passes
+    spread over the ranks) where it can carry them; Seq1F1B's segments cost their FLOP shares."""
+    from megatron_ds.schedules.compare import compare_rows
     from megatron_ds.schedules.seq_split import balanced_segment_lengths, segment_costs
 
-    rows = []
-    for spec in CATALOG.values():
-        for note, knobs in spec.variants(virtual_stages=args.virtual_stages, seq_splits=tuple(args.seq_splits),
-                                         op_costs=(tf, tb, tw)):
-            label = f"{spec.name} {note}".strip()
-            try:
-                schedule = build_schedule(spec.name, args.pp, args.micro_batches, **knobs)
-                seq_costs = None
-                if schedule.seq_splits > 1:
-                    lengths = balanced_segment_lengths(args.seq_length, schedule.seq_splits, args.hidden_size,
-                                                       args.ffn_hidden_size)
-                    seq_costs = segment_costs(lengths, args.hidden_size, args.ffn_hidden_size)
-                sim = simulate(schedule, tf, tb, tw, p2p_latency=args.p2p_latency_ms / 1e3, seq_costs=seq_costs)
-            except ScheduleError as exc:
-                rows.append((label, None, str(exc)))
-                continue
-            rows.append((label, sim.makespan, sim.bubble_ratio, sim.peak_memory_max))
-    return rows
+    def seq_costs(k):
+        lengths = balanced_segment_lengths(args.seq_length, k, args.hidden_size, args.ffn_hidden_size)
+        return segment_costs(lengths, args.hidden_size, args.ffn_hidden_size)
+    return compare_rows(args.pp, args.micro_batches, costs.tf, costs.tb, costs.tw,
+                        p2p_latency=args.p2p_latency_ms / 1e3, virtual_stages=args.virtual_stages,
+                        seq_splits=tuple(args.seq_splits), embed=costs.embed, head=costs.head,
+                        head_memory=costs.head_memory, vocab_parallel=True, seq_costs=seq_costs)
+
+
+def label(row: dict) -> str:
+    return f"{row['schedule']} {row['setting']}".strip()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    TF, TB, TW, device = measure_layer(args)
+    TF, TB, TW, device, layer_bytes = measure_layer(args)
+    ends = measure_ends(args)
+    costs = model_costs(args, TF, TB, TW, layer_bytes, ends)
+    layer = TF + TB + TW
     per_stage = args.num_layers / args.pp
     print(f"one transformer layer, hidden {args.hidden_size}, heads {args.num_attention_heads}"
           f"{f' (K/V {args.num_key_value_heads})' if args.num_key_value_heads != args.num_attention_heads else ''}, "
@@ -291,23 +346,32 @@ def main(argv=None):
           f"(median of {args.repeats} after {args.warmup} warm-up):")
     print(f"  TF {TF * 1e3:.3f} ms   TB {TB * 1e3:.3f} ms   TW {TW * 1e3:.3f} ms   "
           f"(TB+TW)/TF {(TB + TW) / TF:.2f}")
+    for name, what in (("embedding", "embedding"), ("head", "head + loss"), ("norm", "final norm")):
+        f, b, w = ends[name]
+        print(f"  {what:<12} F {f * 1e3:.3f}  B {b * 1e3:.3f}  W {w * 1e3:.3f} ms  = {(f + b + w) / layer:.2f} layers"
+              f"{f' (vocabulary {args.vocab_size})' if name != 'norm' else ' (left out of the simulation)'}")
+    print(f"  one micro-batch's logits hold {costs.head_memory:.2f} of a 1F1B stage's activations")
     print(f"\npp={args.pp}, {args.micro_batches} micro-batches, {args.num_layers} layers "
-          f"({per_stage:g} per 1F1B stage), simulated:")
-    rows = schedule_rows(args, TF * per_stage, TB * per_stage, TW * per_stage)
-    base = next(r[1] for r in rows if r[0] == "1f1b")
-    done = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1])
-    print(f"{'schedule':<24}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}")
-    for label, makespan, bubble, peak in done:
-        print(f"{label:<24}{makespan * 1e3:>14.3f}{bubble:>8.3f}{peak:>10.2f}{makespan / base:>8.3f}")
-    print(f'\n"costed" rows: ds_config "pipeline": {{"schedule": "zbv-half", "op_costs": '
+          f"({per_stage:g} per 1F1B stage), the embedding on the first stage and the head + loss "
+          f"({sum(ends['head']) / layer:.2f} layers) on the last, simulated:")
+    rows = schedule_rows(args, costs)
+    base = next(r["makespan"] for r in rows if label(r) == "1f1b")
+    done = sorted((r for r in rows if "error" not in r), key=lambda r: r["makespan"])
+    print(f"{'schedule':<34}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}{'/ ideal':>9}")
+    for r in done:
+        print(f"{label(r):<34}{r['makespan'] * 1e3:>14.3f}{r['bubble']:>8.3f}{r['peak_memory']:>10.2f}"
+              f"{r['makespan'] / base:>8.3f}{r['makespan'] / r['ideal']:>9.3f}")
+    print('\n"+vocab" rows: vocabulary parallelism ("pipeline": {"vocab_parallel": true}), the embedding and '
+          'the head sliced over the ranks; "/ ideal": over the same schedule with their time spread evenly')
+    print(f'"costed" rows: ds_config "pipeline": {{"schedule": "zbv-half", "op_costs": '
           f'[{TF * 1e3:.3g}, {TB * 1e3:.3g}, {TW * 1e3:.3g}]}} (or zbv-min) runs that order')
-    for label, _, reason in (r for r in rows if r[1] is None):
-        print(f"{label:<24}{'n/a':>14}  {reason}")
+    for r in (r for r in rows if "error" in r):
+        print(f"{label(r):<34}{'n/a':>14}  {r['error']}")
     if args.time_segments:
         print_segments(args, TF, TB, TW)
     if args.costs_out:
-        write_costs(args, TF, TB, TW, device)
-    return TF, TB, TW, rows
+        write_costs(args, layer, ends, device)
+    return costs, rows
 
 
 if __name__ == "__main__":

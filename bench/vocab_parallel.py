@@ -10,7 +10,8 @@ its scatter-add backward 2/3): a large vocabulary makes both dear. Three placeme
 - vocab: L/S layers per stage, the embedding and the head sliced over the p ranks, their passes
   placed by the schedule ("vocab_parallel": true).
 The balanced ideal is the same schedule with the head's and embedding's cost spread evenly over
-the stages at no overhead; "vs ideal" is each iteration's ratio to it.
+the ranks at no overhead (ModelCosts.balanced, as bench.layer_costs's "/ ideal"); "vs ideal" is each
+iteration's ratio to it.
 
 Memory per rank, in one layer's activations of one micro-batch (A), for a LLaMA-7B-like shape
 (h = s = 4096, micro-batch 1, bf16 with fp32 Adam, activations 34 sh bytes per layer): a layer's
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from megatron_ds.pipe.partition import balanced_bounds
 from megatron_ds.schedules import build_schedule, simulate
+from megatron_ds.schedules.costs import ModelCosts, evaluate
 
 SCHEDULES = {"1f1b": {}, "interleaved": {"virtual_stages": 2}, "zb-h1": {}, "zbv": {}, "zbv-half": {},
              "seq1f1b": {"seq_splits": 2}}
@@ -60,9 +62,9 @@ def run(name: str, pp: int, m: int, head: float, layers: int, schedules: dict | 
     bounds = balanced_bounds(weights, base.placement)
     cut = [len(range(max(a, 1), min(b, layers + 1))) for a, b in zip(bounds, bounds[1:])]
     out["cost"] = _simulate(base, cut, head, embed, vocab_layers=False)
-    spread = (layers + head + sum(embed) / 3) / stages   # every stage's share of the whole model, per F/B/W
-    res = simulate(base, [spread] * stages, [spread] * stages, [spread] * stages, check=False)
-    out["ideal"] = Placement(res.makespan, [], [])
+    per_rank = layers / pp   # one 1F1B stage's F, B and W, in one layer's F
+    model = ModelCosts(per_rank, per_rank, per_rank, embed=embed, head=(head,) * 3)
+    out["ideal"] = Placement(evaluate(base, model.balanced(pp), check=False).makespan, [], [])
     return out
 
 

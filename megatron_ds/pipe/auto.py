@@ -17,6 +17,7 @@ swap, done here; any other needs the module rebuilt, which the owner of the engi
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import statistics
 import time
@@ -118,6 +119,8 @@ class AutoSwitch:
         box = [None]
         if dist.get_rank() == 0:
             measured = merge(gathered, eng.plan.schedule.stages, self.schedules)
+            measured = dataclasses.replace(measured, head_share=measurement.head_share(
+                self.auto_plan.head_layers, self.auto_plan.num_layers, eng.plan.schedule.stages))
             measured = measurement.calibrate(measured, eng.num_stages, traced_runs([t for *_, t in gathered], self.schedules),
                                       self.auto_plan.cuts)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,

@@ -23,7 +23,7 @@ from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead
-from .partition import is_cost_method
+from .partition import is_cost_method, layer_flops
 
 
 def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
@@ -113,6 +113,7 @@ class AutoPlan:
     budget_text: str
     cuts: tuple = ()
     probe: dict | None = None
+    head_layers: float = 0.0  # the head + loss's forward FLOPs in transformer layers' (pipe/partition.layer_flops)
 
 
 def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
@@ -150,8 +151,9 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
         raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}{in_bytes}') from None
     concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
     probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts)
+    flops = layer_flops(config)
     return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text,
-                              cuts, probe.section() if probe else None)
+                              cuts, probe.section() if probe else None, flops[-1] / flops[1])
 
 
 @dataclass(frozen=True)

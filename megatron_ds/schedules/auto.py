@@ -242,7 +242,8 @@ def describe(decision: dict) -> str:
     line += (f"; runner-up {r['label']} ({r['makespan'] * 1e3:.1f} ms, memory {r['memory']:g})" if r
              else "; no runner-up fits")
     return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "
-                   f"TW={k['tw'] * 1e3:.2f} ms, head F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms, "
+                   f"TW={k['tw'] * 1e3:.2f} ms, embedding F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['embed'])} ms, "
+                   f"head + loss F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms, "
                    f"fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
                    f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}; "
                    f"{k['op_residual'] * 1e3:.2f} ms of it from the traced makespans), "

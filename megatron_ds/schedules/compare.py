@@ -1,35 +1,47 @@
 """One table of every schedule's makespan, bubble and memory for the same p, m and costs."""
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 from .catalog import BASELINE, CATALOG, build_schedule
 from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
 
 
 def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 1.0, *,
-                 p2p_latency: float = 0.0, virtual_stages: int = 2, seq_splits: int = 2,
+                 p2p_latency: float = 0.0, virtual_stages: int = 2, seq_splits=2,
                  act_size=None, embed=(0.0, 0.0, 0.0), head=(0.0, 0.0, 0.0), head_memory: float = 0.0,
-                 vocab_parallel: bool = False) -> list[dict]:
+                 vocab_parallel: bool = False, seq_costs: Callable[[int], list] | None = None) -> list[dict]:
     """Simulate each schedule (with `vocab_parallel`, each also with the vocabulary passes: "+vocab");
-    a refused setting gives a row with its reason."""
+    a refused setting gives a row with its reason. `seq_splits`: Seq1F1B's segment count, or a tuple
+    of them; `seq_costs(k)`: the relative costs of k segments (default: equal). Every row's "ideal"
+    is its schedule's makespan with the embedding and the head spread evenly (ModelCosts.balanced)."""
+    splits = (seq_splits,) if isinstance(seq_splits, int) else tuple(seq_splits)
     variants = [(name, kwargs, note) for name, spec in CATALOG.items()
-                for note, kwargs in spec.variants(virtual_stages, (seq_splits,), op_costs=(tf, tb, tw))]
+                for note, kwargs in spec.variants(virtual_stages, splits, op_costs=(tf, tb, tw))]
     if vocab_parallel:
         variants = [row for name, kwargs, note in variants for row in
                     ((name, kwargs, note), (name, {**kwargs, "vocab_parallel": True}, f"{note} +vocab".strip()))]
     costs = ModelCosts(tf, tb, tw, embed=tuple(embed), head=tuple(head), head_memory=head_memory)
-    rows, base = [], None
+    rows, base, ideal = [], None, {}
     for name, kwargs, note in variants:
         row = {"schedule": name, "setting": note}
         try:
-            res = evaluate(build_schedule(name, pp, m, **kwargs), costs,
-                           p2p_latency=p2p_latency, act_size=act_size)
+            schedule = _built(name, pp, m, tuple(sorted(kwargs.items())))
+            shares = seq_costs(schedule.seq_splits) if seq_costs and schedule.seq_splits > 1 else None
+            res = evaluate(schedule, costs, p2p_latency=p2p_latency, act_size=act_size, seq_costs=shares)
+            plain = tuple(sorted((k, v) for k, v in kwargs.items() if k != "vocab_parallel"))
+            if (name, plain) not in ideal:
+                bare = _built(name, pp, m, plain) if schedule.vocab_parallel else schedule
+                ideal[(name, plain)] = evaluate(bare, costs.balanced(pp), p2p_latency=p2p_latency,
+                                                seq_costs=shares).makespan
         except ScheduleError as exc:
             row["error"] = str(exc)
             rows.append(row)
             continue
         row.update(makespan=res.makespan, bubble=res.bubble_ratio, peak_memory=res.peak_memory_max,
-                   p2p=res.p2p_messages)
+                   p2p=res.p2p_messages, ideal=ideal[(name, plain)])
         if name == BASELINE and not kwargs.get("vocab_parallel"):
             base = res.makespan
         rows.append(row)
@@ -37,6 +49,11 @@ def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 
         if "makespan" in row and base:
             row["speedup"] = base / row["makespan"]
     return rows
+
+
+@functools.lru_cache(maxsize=256)  # the vocabulary passes' placement takes seconds at p=8; tables repeat it
+def _built(name: str, pp: int, m: int, knobs: tuple):
+    return build_schedule(name, pp, m, **dict(knobs))
 
 
 def format_table(rows: list[dict], title: str = "") -> str:

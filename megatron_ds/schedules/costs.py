@@ -11,7 +11,9 @@ schedule chooser needs: build each candidate, evaluate it on the same ModelCosts
 many small ops (sequence segments, V chunks) dearer than their shares of the work.
 Under vocab_parallel the embedding and the head leave stage 0 and the loss stage: each rank's
 vocabulary passes carry 1/p of them (simulate's `head`, `embed`). `head_memory` is what one
-micro-batch's logits hold, in the activation unit (simulate's).
+micro-batch's logits hold, in the activation unit (simulate's). `balanced` is the ideal that
+vocabulary parallelism is judged against: the embedding's and the head's times spread evenly over
+the p ranks at no overhead.
 """
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ class ModelCosts:
                 costs[-1] += self.head[i]
             out.append(costs)
         return out[0], out[1], out[2]
+
+    def balanced(self, pp: int) -> "ModelCosts":
+        """The same model with the embedding's and the head's (F, B, W) spread evenly over the p
+        1F1B stages (each kind into its own kind), no vocabulary passes and no logits held."""
+        spread = [t + (e + h) / pp for t, e, h in zip((self.tf, self.tb, self.tw), self.embed, self.head)]
+        return ModelCosts(*spread, op_overhead=self.op_overhead)
 
 
 def evaluate(schedule: Schedule, costs: ModelCosts, **kwargs) -> SimResult:

@@ -29,6 +29,7 @@ class Measured:
     op_overhead: tuple = (0.0, 0.0, 0.0)
     op_sizes: tuple = (1,)  # the segment counts the micro-batches were timed at
     op_residual: float = 0.0  # of op_overhead, what `calibrate` added
+    head_share: float = 0.0  # of the loss stage's time, the head + loss's by FLOPs (with no interior stage)
 
 
 def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
@@ -88,14 +89,24 @@ def calibrate(measured: Measured, pp: int, runs: list, cuts: tuple = ()) -> Meas
     return dataclasses.replace(measured, op_overhead=tuple(c + b for c in measured.op_overhead), op_residual=b)
 
 
+def head_share(head_layers: float, num_layers: int, stages: int) -> float:
+    """The head + loss's share of the loss stage's time when it costs `head_layers` transformer layers
+    and the stage holds its 1/stages of `num_layers` layers."""
+    return head_layers / (num_layers / stages + head_layers) if head_layers > 0 else 0.0
+
+
 def model_costs(measured: Measured, pp: int) -> ModelCosts:
     """ModelCosts from per-stage times of equal layer counts: the layers cost what the interior
-    stages cost (the cheaper end stage when there are none), the ends' excess is the embedding's
-    (stage 0) and the LM head's (last stage)."""
+    stages cost, the ends' excess is the embedding's (stage 0) and the LM head + loss's (last stage).
+    With no interior stage (two stages) the last stage's `head_share` is the head's, the rest its
+    layers' (without a share: the cheaper end stage is taken as layers alone)."""
     stages = len(measured.f)
     body, embed, head = [], [], []
     for times in (measured.f, measured.b, measured.w):
-        inner = times[1:-1] or [min(times[0], times[-1])]
+        if stages <= 2 and measured.head_share > 0:
+            inner = [times[-1] * (1 - measured.head_share)]
+        else:
+            inner = times[1:-1] or [min(times[0], times[-1])]
         layer = statistics.median(inner)
         body.append(layer * stages / pp)  # one 1F1B stage holds stages/pp of these
         embed.append(max(0.0, times[0] - layer))

@@ -36,6 +36,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.auto import chosen_ds_config
 from megatron_ds.pipe.config import pipeline_settings
 from megatron_ds.schedules import auto
+from megatron_ds.schedules.flops import vocab_size
 
 from . import timeouts
 from .checkpointing import LoadPlan, read_latest_tag, restore
@@ -54,7 +55,7 @@ WHAT = {
     "num_attention_heads": "--num-attention-heads", "tp": "--tensor-model-parallel-size",
     "sequence_parallel": "--sequence-parallel", "recompute": "activation checkpointing interval",
     "dtype": "precision", "device": "device", "candidates": "candidate schedules",
-    "cuts": "Seq1F1B segment lengths",
+    "cuts": "Seq1F1B segment lengths", "vocab_size": "padded vocabulary",
 }
 
 
@@ -71,7 +72,7 @@ def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: in
             "dtype": dtype, "device": device,
             "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches,
                                                                       auto_plan.num_layers, auto_plan.cuts)),
-            "cuts": [list(c.lengths) for c in auto_plan.cuts]}
+            "cuts": [list(c.lengths) for c in auto_plan.cuts], "vocab_size": vocab_size(config)}
 
 
 def _same(a, b) -> bool:

@@ -1,5 +1,7 @@
-"""bench/layer_costs.py at toy size: positive measured costs and a table row for every catalogue
-schedule variant. Structure only - timings on a loaded test machine prove nothing."""
+"""bench/layer_costs.py at toy size: positive measured costs, a table row for every catalogue schedule
+variant (and its vocabulary-parallel twin), each the simulation of the measured costs with the
+embedding and the head + loss in it. Timings on a loaded test machine prove nothing, so the vocabulary
+test compares sizes far apart (a head of about 0.2 layers against about 40)."""
 import pytest
 
 from bench import layer_costs
@@ -12,20 +14,22 @@ TINY = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32
 @pytest.mark.parametrize("family", [[], ["--swiglu", "--normalization", "rmsnorm", "--position-embedding-type",
                                          "rope", "--num-key-value-heads", "2", "--disable-bias-linear"]])
 def test_layer_costs_measures_and_simulates_every_catalogue_schedule(family, capsys):
-    tf, tb, tw, rows = layer_costs.main(TINY + family)
-    assert tf > 0 and tb > 0 and tw > 0
+    costs, rows = layer_costs.main(TINY + family)
+    assert costs.tf > 0 and costs.tb > 0 and costs.tw > 0 and sum(costs.head) > 0 and sum(costs.embed) > 0
+    assert costs.head_memory > 0
     out = capsys.readouterr().out
     table = out[out.index("schedule "):].split("\n\n")[0].splitlines()[1:]
-    labels = [line[:24].strip() for line in table]
+    labels = [line[:34].strip() for line in table]
     assert {label.split()[0] for label in labels} == set(CATALOG)
     assert {"zbv-half costed", "zbv-min costed"} <= set(labels)  # the V orders built for the measured times
+    assert {f"{name} +vocab" for name in ("1f1b", "zb-h1", "zbv", "gpipe", "dualpipev")} <= set(labels)
     assert '"schedule": "zbv-half", "op_costs": [' in out
-    assert sorted(labels) == sorted(r[0] for r in rows)
-    timed = [r for r in rows if r[1] is not None]
-    assert all(makespan > 0 and 0 <= bubble < 1 for _, makespan, bubble, _ in timed)
-    assert [float(line.split()[-1]) for line in table if line[:24].strip() == "1f1b"] == [1.0]
-    assert [line.split()[-4] for line in table[:len(timed)]] == sorted(
-        (line.split()[-4] for line in table[:len(timed)]), key=float)  # fastest first
+    assert sorted(labels) == sorted(layer_costs.label(r) for r in rows)
+    timed = [r for r in rows if "error" not in r]
+    assert len(timed) == len(rows)
+    assert all(r["makespan"] > 0 and 0 <= r["bubble"] < 1 and r["ideal"] > 0 for r in timed)
+    assert [float(line.split()[-2]) for line in table if line[:34].strip() == "1f1b"] == [1.0]
+    assert [line.split()[-5] for line in table] == sorted((line.split()[-5] for line in table), key=float)
 
 
 def test_bad_model_flags_exit_2():
@@ -61,3 +65,40 @@ def test_time_segments_prints_each_segment_beside_its_flop_share(capsys):
         assert [int(r[0]) for r in rows] == balanced_segment_lengths(32, k, 32)
         assert all(float(v) > 0 for r in rows for v in r[1:])
         assert abs(sum(float(r[-1]) for r in rows) - 1.0) < 0.01  # FLOP shares of the whole layer
+
+
+def test_the_vocabulary_enters_every_row():
+    """The measured embedding and head + loss are in every simulated row: a 512x larger vocabulary
+    makes the naive rows slower against their balanced ideal, and the vocabulary-parallel rows
+    faster than the naive ones and closer to that ideal (1F1B, ZB-H1, ZB-V)."""
+    from megatron_ds.schedules import build_schedule
+    from megatron_ds.schedules.costs import ModelCosts, evaluate
+
+    flags = TINY + ["--num-layers", "4", "--repeats", "5", "--warmup", "2", "--seq-splits", "2"]
+    (small, small_rows), (large, large_rows) = (layer_costs.main(flags + ["--vocab-size", str(v)]) for v in (64, 32768))
+    layer = lambda c: c.tf + c.tb + c.tw  # noqa: E731  (one 1F1B stage: two layers)
+    assert sum(small.head) < layer(small) and sum(large.head) > 2 * layer(large)
+    assert small.head_memory < 1 < large.head_memory / 4
+    for costs, rows in ((small, small_rows), (large, large_rows)):
+        by = {layer_costs.label(r): r for r in rows}
+        for name, knobs in (("1f1b", {}), ("zbv", {}), ("interleaved", {"virtual_stages": 2})):
+            res = evaluate(build_schedule(name, 2, 4, **knobs), costs)
+            row = by[f"{name} v=2" if knobs else name]
+            assert (row["makespan"], row["peak_memory"]) == (res.makespan, res.peak_memory_max)
+            bare = evaluate(build_schedule(name, 2, 4, **knobs), ModelCosts(costs.tf, costs.tb, costs.tw))
+            assert row["makespan"] > bare.makespan and row["peak_memory"] >= bare.peak_memory_max
+            vocab = evaluate(build_schedule(name, 2, 4, vocab_parallel=True, **knobs), costs)
+            assert by[f"{name} v=2 +vocab" if knobs else f"{name} +vocab"]["makespan"] == vocab.makespan
+    small_by = {layer_costs.label(r): r for r in small_rows}
+    large_by = {layer_costs.label(r): r for r in large_rows}
+    naive = [label for label in large_by if not label.endswith("+vocab")]
+    for label in naive:
+        if label.split()[0] == "bitpipe":  # its twin pipelines put a head on every rank at p=2 already
+            continue
+        off = lambda r: r["makespan"] / r["ideal"]  # noqa: E731
+        assert off(large_by[label]) > off(small_by[label]) + 0.1, label
+        if f"{label} +vocab" in large_by:
+            assert large_by[f"{label} +vocab"]["makespan"] < large_by[label]["makespan"], label
+    for label in ("1f1b", "zb-h1", "zbv"):
+        assert abs(off(large_by[f"{label} +vocab"]) - 1) < abs(off(large_by[label]) - 1), label
+    assert large_by["1f1b"]["peak_memory"] > large.head_memory > small_by["1f1b"]["peak_memory"]

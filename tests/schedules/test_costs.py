@@ -36,3 +36,13 @@ def test_cli_show_takes_head_and_embedding_costs(capsys):
     assert main(["show", "--schedule", "zbv", "--pp", "4", "--micro-batches", "8",
                  "--head-cost", "1,1,1", "--embed-cost", "0.25,0.25,0"]) == 0
     assert "makespan 52.000" in capsys.readouterr().out
+
+
+def test_balanced_spreads_the_embedding_and_head_over_the_ranks():
+    costs = ModelCosts(1, 1, 1, embed=(0.5, 0.25, 0), head=(2, 2, 1), head_memory=3.0)
+    even = costs.balanced(4)
+    assert (even.tf, even.tb, even.tw, even.embed, even.head, even.head_memory) == (
+        1 + 2.5 / 4, 1 + 2.25 / 4, 1 + 1 / 4, (0, 0, 0), (0, 0, 0), 0.0)
+    naive, ideal = (evaluate(build_schedule("1f1b", 4, 8), c) for c in (costs, even))
+    assert sum(ideal.busy) == sum(naive.busy) and len(set(ideal.busy)) == 1
+    assert ideal.makespan < naive.makespan

@@ -48,3 +48,20 @@ def test_calibrate_adds_what_the_simulator_misses_per_op():
     assert measurement.calibrate(measured, 4, runs[:1], cuts) == measured  # one op count: nothing to fit
     faster = [(s, t - 0.001 * measurement.ops_per_rank(s)) for s, t in zip((start, probe), sim)]
     assert measurement.calibrate(measured, 4, faster, cuts).op_residual == 0  # never below 0
+
+
+def test_two_stages_split_the_loss_stage_by_the_heads_flop_share():
+    """pp=2, one stage per rank, 2 layers per stage of F, B, W = 1, 2, 0.5; the head + loss 3 layers'
+    worth, the embedding (0.5, 0.2, 0): no interior stage shows a layer alone, so the head's FLOP share
+    of the last stage tells the layers from the head, and the first stage's excess is the embedding."""
+    layer, embed = (1.0, 2.0, 0.5), (0.5, 0.2, 0.0)
+    f, b, w = ([2 * t + e, (2 + 3) * t] for t, e in zip(layer, embed))
+    share = measurement.head_share(3.0, 4, 2)
+    assert share == pytest.approx(3 / 5)
+    costs = measurement.model_costs(auto.Measured(f, b, w, head_share=share), 2)
+    assert (costs.tf, costs.tb, costs.tw) == pytest.approx((2.0, 4.0, 1.0))
+    assert costs.embed == pytest.approx(embed) and costs.head == pytest.approx((3.0, 6.0, 1.5))
+    s = auto.build_schedule("1f1b", 2, 4)
+    assert auto.evaluate(s, costs).busy == pytest.approx([4 * (fi + bi + wi) for fi, bi, wi in zip(f, b, w)])
+    blind = measurement.model_costs(auto.Measured(f, b, w), 2)  # the cheaper end taken as layers alone
+    assert blind.embed == (0.0, 0.0, 0.0) and sum(blind.head) < sum(costs.head)

@@ -64,6 +64,8 @@ def test_the_same_run_reuses_the_decision(tmp_path):
     (ds(), SimpleNamespace(**{**vars(SIZES), "hidden_size": 64}), PP, "cpu", "--hidden-size 32 then, 64 now"),
     ({**ds(), "bf16": {"enabled": True}}, SIZES, PP, "cpu", "precision fp32 then, bf16 now"),
     (ds(), SIZES, PP, "NVIDIA H100", "device cpu then, NVIDIA H100 now"),
+    (ds(), SimpleNamespace(**{**vars(SIZES), "vocab_size": 256000}), PP, "cpu",
+     "padded vocabulary 50304 then, 256000 now"),  # the head's cost is part of what was timed
 ])
 def test_another_run_times_again(tmp_path, cfg, sizes, pp, device, why):
     step = saved(tmp_path, key_for(ds()))
@@ -158,3 +160,11 @@ def test_the_trainer_saves_the_decision_in_force(tmp_path):
     assert record == {"format": FORMAT, "iteration": 6, "decided_at": 2, "key": {"pp": 2}, "decision": dec}
     write_step_file(str(tmp_path), name, record)
     assert read_record(str(tmp_path)) == json.loads(json.dumps(record))
+
+
+def test_the_auto_plan_weighs_the_head_by_flops():
+    from megatron_ds.pipe.partition import layer_flops
+    for vocab in (1024, 256000):
+        sizes = SimpleNamespace(**{**vars(SIZES), "vocab_size": vocab})
+        flops = layer_flops(sizes)
+        assert make_plan(sizes, ds(), PP, 1)[1].head_layers == flops[-1] / flops[1] > 0
