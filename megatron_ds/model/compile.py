@@ -26,17 +26,28 @@ import torch
 RECOMPILE_LIMIT = 64
 
 
+_OUTSIDE = []  # [(fn, its cell)]: the disabled twins are made when layers are compiled (dynamo's import
+# takes seconds, which every eager process, test ranks and tools included, would pay at import)
+
+
 def outside_graph(fn):
     """`fn` unchanged in eager mode; under torch.compile a call dynamo leaves out of the graph (it runs
     eagerly between two compiled pieces). Eager code pays nothing for it."""
-    disabled = torch.compiler.disable(fn)
+    disabled = []  # [torch.compiler.disable(fn)], filled by compile_layers
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
+            return disabled[0](*args, **kwargs)
         return fn(*args, **kwargs)
+    _OUTSIDE.append((fn, disabled))
     return call
+
+
+def _disable_outside_calls():
+    for fn, disabled in _OUTSIDE:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
 
 
 class CompileMode:
@@ -50,6 +61,7 @@ def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor",
     inductor replays each compiled graph as a CUDA graph (mode "reduce-overhead": one launch for a
     graph's kernels, its inputs copied into static buffers); on CPU it changes nothing."""
     CompileMode.linears_outside = defer_weight_grads
+    _disable_outside_calls()
     limits = torch._dynamo.config
     limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
     limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)

@@ -37,7 +37,6 @@ Outside an open segment attention is plain full causal attention.
 from contextlib import contextmanager
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
 
 def queries_reversed(device) -> bool:
@@ -168,6 +167,8 @@ class Segment:
             return self.cache._reversed_mask(lq, lk, q.dtype, q.device)
         if lq == lk:
             return None
+        # lazy: torch.nn.attention.bias imports dynamo (seconds), which an eager run never needs otherwise
+        from torch.nn.attention.bias import causal_lower_right
         return causal_lower_right(lq, lk)  # flash / memory-efficient kernels, nothing materialised
 
 

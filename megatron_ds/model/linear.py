@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .compile import CompileMode
+from .compile import CompileMode, outside_graph
 
 
 class WeightGradStore:
@@ -100,7 +100,7 @@ def linear(x, weight, bias=None):
     return _LinearFunction.apply(x, weight, bias)
 
 
-_eager_linear = torch.compiler.disable(_LinearFunction.apply)
+_eager_linear = outside_graph(_LinearFunction.apply)
 
 
 class Linear(torch.nn.Linear):
