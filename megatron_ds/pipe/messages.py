@@ -17,6 +17,8 @@ from collections import defaultdict
 
 from megatron_ds.schedules.kinds import ACT, GRAD
 
+from .vocab_messages import vocab_outgoing
+
 STEP = {ACT: 1, GRAD: -1}  # an activation goes to the next stage, a gradient to the previous one
 
 
@@ -56,17 +58,26 @@ def lookahead(ops, remote_keys):
     return ahead
 
 
-class MessagePlan:
-    """For each (src, dst) pair, the messages src sends to dst, in src's op order."""
+def all_outgoing(schedule, rank, op, train=True):
+    """Every (key, destination rank) `op` on `rank` sends to another rank, in send order: its
+    activation or gradient, and under vocabulary parallelism those of vocab_messages.py."""
+    out = outgoing(schedule, rank, op)
+    sends = [out] if out else []
+    if schedule.vocab_parallel:
+        sends += [(key, dst) for key, dst in vocab_outgoing(schedule, op, train) if dst != rank]
+    return sends
 
-    def __init__(self, schedule, op_lists):
+
+class MessagePlan:
+    """For each (src, dst) pair, the messages src sends to dst, in src's op order. `train`: the op
+    lists hold backwards (evaluation's vocabulary messages are fewer)."""
+
+    def __init__(self, schedule, op_lists, train=True):
         self.schedule = schedule
         self.sends = defaultdict(list)  # (src, dst) -> [key, ...]
         self.source = {}  # key -> src rank
         for src, ops in enumerate(op_lists):
             for op in ops:
-                out = outgoing(schedule, src, op)
-                if out:
-                    key, dst = out
+                for key, dst in all_outgoing(schedule, src, op, train):
                     self.sends[(src, dst)].append(key)
                     self.source[key] = src
