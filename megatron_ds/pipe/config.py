@@ -200,14 +200,15 @@ def _check_vocab_parallel(settings):
             check_vocab_parallel(CATALOG[settings.schedule], True)
     except ScheduleError as exc:
         raise ConfigError(f"{key}: {exc}") from None
-    if settings.schedule not in VOCAB_PARALLEL_ENGINE:
+    if settings.schedule not in VOCAB_PARALLEL_ENGINE:  # a schedule file, or a catalogue entry not proven yet
         raise ConfigError(f"{key} with \"schedule\": {json.dumps(settings.schedule)}: the engine runs the vocabulary "
-                          f"passes under {', '.join(VOCAB_PARALLEL_ENGINE)} so far; python -m megatron_ds.schedules "
-                          "show/export/compare --vocab-parallel simulate the others")
+                          f"passes under the named schedules {', '.join(VOCAB_PARALLEL_ENGINE)} so far; python -m "
+                          "megatron_ds.schedules show/export/compare --vocab-parallel simulate any schedule")
 
 
 # The schedules whose vocabulary-parallel runs equal the single-process reference (tests/pipe/test_vocab_engine.py).
-VOCAB_PARALLEL_ENGINE = ("1f1b", "zb-h1", "interleaved", "zbv", "zbv-half", "seq1f1b")
+VOCAB_PARALLEL_ENGINE = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zbv", "bitpipe", "seq1f1b", "zbv-half",
+                         "zbv-min", "dualpipev")
 
 
 def _check_auto(settings, section):

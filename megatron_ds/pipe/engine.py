@@ -154,9 +154,8 @@ class ScheduleEngine(PipelineEngine):
 
     def _post_ahead(self, op):
         """Post the next receiving op's irecv as `op` starts: its message moves while `op` runs."""
-        ahead = self._ahead.get(op)
-        if ahead is not None:
-            self.p2p.post(ahead)
+        for key in self._ahead.get(op, ()):
+            self.p2p.post(key)
 
     def _take(self, op):
         key = incoming_key(op)
@@ -335,10 +334,11 @@ class ScheduleEngine(PipelineEngine):
 
 
 def last_backward_ops(ops):
-    """{op: chunk} for the op after which each chunk's gradients are complete on this rank."""
+    """{op: chunk} for the op after which each chunk's gradients are complete on this rank (a vocabulary
+    op's stage names a slice, not a chunk)."""
     last = {}
     for op in ops:
-        if op.kind is not Kind.F:
+        if op.kind is not Kind.F and not op.kind.traits.vocab:
             last[(op.replica, op.stage)] = op
     return {op: chunk for chunk, op in last.items()}
 

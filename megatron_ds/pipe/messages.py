@@ -17,7 +17,7 @@ from collections import defaultdict
 
 from megatron_ds.schedules.kinds import ACT, GRAD
 
-from .vocab_messages import vocab_outgoing
+from .vocab_messages import vocab_incoming, vocab_outgoing
 
 STEP = {ACT: 1, GRAD: -1}  # an activation goes to the next stage, a gradient to the previous one
 
@@ -46,15 +46,22 @@ def incoming_key(op):
     return (what, op.replica, op.stage - STEP[what], op.mb, op.seq)
 
 
-def lookahead(ops, remote_keys):
-    """{op: the message key the next receiving op after it consumes}, for the keys in `remote_keys`."""
+def lookahead(ops, remote_keys, reads=None):
+    """{op: the keys of the messages the next receiving op after it reads}, of those in `remote_keys`.
+    `reads(op)`: the keys op reads (default: its incoming_key). A key read twice on a rank (vocabulary
+    parallelism's statistics, read by T and the loss stage's backward) arrives once, for its first reader."""
+    reads = reads or (lambda op: [incoming_key(op)])
+    seen, first_reads = set(), []
+    for op in ops:
+        keys = [key for key in reads(op) if key in remote_keys and key not in seen]
+        seen.update(keys)
+        first_reads.append(keys)
     ahead, following = {}, None
-    for op in reversed(ops):
+    for op, keys in zip(reversed(ops), reversed(first_reads)):
         if following is not None:
             ahead[op] = following
-        key = incoming_key(op)
-        if key in remote_keys:
-            following = key
+        if keys:
+            following = keys
     return ahead
 
 
@@ -66,6 +73,14 @@ def all_outgoing(schedule, rank, op, train=True):
     if schedule.vocab_parallel:
         sends += [(key, dst) for key, dst in vocab_outgoing(schedule, op, train) if dst != rank]
     return sends
+
+
+def reads(schedule):
+    """The keys an op reads, for lookahead: its incoming_key, and under vocabulary parallelism those of
+    vocab_messages.vocab_incoming."""
+    if not schedule.vocab_parallel:
+        return None
+    return lambda op: [incoming_key(op), *vocab_incoming(schedule, op)]
 
 
 class MessagePlan:

@@ -22,7 +22,7 @@ from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_
                                              segment_costs)
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
-from .messages import MessagePlan, lookahead
+from .messages import MessagePlan, lookahead, reads
 from .vocab_messages import width
 from .partition import is_cost_method
 
@@ -113,9 +113,10 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
         if on:
             raise ConfigError(f"{key} with {what}: not supported together yet (docs/SCHEDULES.md: Vocabulary "
                               "parallelism)")
-    if config.vocab_size and config.vocab_size % pp:  # known at parse when given (else the tokenizer pads it)
-        raise ConfigError(f"{key}: the vocabulary of {config.vocab_size} rows does not split over the {pp} pipeline "
-                          f"ranks; pad it to a multiple of {pp} (--make-vocab-size-divisible-by)")
+    vocab = getattr(config, "vocab_size", None)  # known at parse when given (else the tokenizer pads it later)
+    if vocab and vocab % pp:
+        raise ConfigError(f"{key}: the vocabulary of {vocab} rows does not split over the {pp} pipeline ranks; "
+                          f"pad it to a multiple of {pp} (--make-vocab-size-divisible-by)")
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
 @dataclass(frozen=True)
 class RankProgram:
     """What one rank runs for one batch size: its ops, the whole pipeline's messages, and for each
-    op the message whose receive to post when it starts."""
+    op the messages whose receives to post when it starts."""
     schedule: Schedule
     ops: list
     messages: MessagePlan
@@ -265,8 +266,9 @@ class PipelinePlan:
             forwards = (Kind.F, Kind.EF, Kind.S)  # evaluation: the loss from the S passes' statistics
             op_lists = sched.ranks if train else [[op for op in ops if op.kind in forwards] for ops in sched.ranks]
             messages = MessagePlan(sched, op_lists, train)
+            remote = {k for k, src in messages.source.items() if src != rank}
             self._programs[key] = RankProgram(sched, op_lists[rank], messages,
-                                              lookahead(op_lists[rank], messages.source))
+                                              lookahead(op_lists[rank], remote, reads(sched)))
         return self._programs[key]
 
     def segment(self, seq: int) -> slice:

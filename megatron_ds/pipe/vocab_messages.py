@@ -13,7 +13,7 @@ instead (per-pair FIFO, posted in the sender's order: messages.py). Per micro-ba
 Evaluation runs EF, F and S only: S then sends its statistics to the loss stage's rank alone.
 A message a rank sends itself is a local hand-over.
 """
-from megatron_ds.schedules.kinds import EF, F, GRAD, S
+from megatron_ds.schedules.kinds import EF, EW, F, GRAD, S, T
 
 EMB, HID, STAT, SHARE, EGRAD = "emb", "hid", "stat", "share", "egrad"
 FLOAT32 = (STAT, SHARE)  # softmax statistics travel in fp32 whatever the model's dtype
@@ -36,6 +36,24 @@ def vocab_outgoing(schedule, op, train: bool) -> list:
         return stats + [((SHARE, rep, stage, mb, seq), loss_rank)]
     if train and op.kind.traits.sends == GRAD and stage == 0:
         return [((EGRAD, rep, 0, mb, seq), r) for r in ranks]
+    return []
+
+
+def vocab_incoming(schedule, op) -> list:
+    """The vocabulary message keys `op` reads (some of them its own rank's), as pipe/vocab_passes.py
+    reads them: for posting their receives ahead (messages.lookahead)."""
+    rep, stage, mb, seq = op.unit
+    slices = range(schedule.pp)
+    if op.kind is F and stage == 0:
+        return [(EMB, rep, j, mb, seq) for j in slices]
+    if op.kind is S:
+        return [(HID, rep, schedule.loss_stage, mb, seq)]
+    if op.kind is T:
+        return [(STAT, rep, j, mb, seq) for j in slices]
+    if op.kind.traits.consumes == GRAD and stage == schedule.loss_stage:
+        return [(what, rep, j, mb, seq) for what in (STAT, SHARE) for j in slices]
+    if op.kind is EW:
+        return [(EGRAD, rep, 0, mb, seq)]
     return []
 
 

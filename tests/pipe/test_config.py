@@ -40,9 +40,6 @@ def test_op_costs_build_the_v_order_for_them():
     ({"schedule": "1f1b", "vocab_parallel": "yes"}, ["pipeline.vocab_parallel", "true or false"]),
     ({"vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "deepspeed"]),
     ({"schedule": "auto", "memory_budget": 3, "vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "auto"]),
-    # A schedule whose vocabulary-parallel run is not proven equal yet is refused, not run untested.
-    ({"schedule": "dualpipev", "vocab_parallel": True}, ["pipeline.vocab_parallel", "dualpipev",
-                                                         "runs the vocabulary passes under", "--vocab-parallel"]),
 ])
 def test_bad_settings_name_key_value_and_rule(section, words):
     with pytest.raises(ConfigError) as err:
