@@ -3,8 +3,8 @@ schedule (compiled layers on and off), and transformers' LlamaForCausalLM (eager
 anchor, on the same LLaMA-style model and tokens. Prints, per sequence shape, ms per iteration (median
 after warm-up) and its ratio to DeepSpeed's engine, model TFLOP/s (schedules/flops.py) and MFU where the
 card's bf16 peak is known, peak memory, the first and last loss, and with --count-ops the aten operators,
-and on CUDA the kernel launches and host synchronisations, of one iteration (torch.profiler; torch's
-sync debug mode).
+the host synchronisations (on CUDA torch's sync debug mode, on CPU the tensor-to-Python reads), and
+on CUDA the kernel launches, of one iteration (torch.profiler).
 
 The issue-24 model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
 RoPE, untied head, vocabulary 50304; bf16 weights on CUDA, ZeRO-1 for the engines, fused AdamW for
@@ -12,15 +12,24 @@ transformers. --toy: a small fp32 model that runs on CPU in seconds (what CI run
 
     python -m bench.gpu_step                      # on one GPU: seq 2048 x mb 4, 8192 x 1, 16384 x 1
     python -m bench.gpu_step --toy --count-ops    # on CPU
-    python -m bench.gpu_step --cases 1f1b,seq1f1b-k4-bw --compile both --shapes 2048x4
+    python -m bench.gpu_step --cases 1f1b,seq1f1b-k4-bw --compile off,on,graphs --shapes 2048x4
 
-With Liger-Kernel importable on CUDA, a "transformers + liger" row patches LlamaForCausalLM with its
-kernels (RMSNorm, SwiGLU, RoPE, fused linear cross-entropy) for comparison with compile.
+--compile takes a comma-separated list of off (eager), on (compiled layers; torch.compile for
+transformers) and graphs (compiled layers replayed as CUDA graphs, "pipeline.cuda_graphs"; transformers
+with mode "reduce-overhead"); "both" is off,on. A case that fails prints its error as its row and the
+bench goes on; --json PATH writes every row as it is measured. A case may name its own variants:
+--cases deepspeed@off,1f1b@off+on+graphs.
+
+Liger-Kernel (CUDA, when installed): "transformers-liger" patches LlamaForCausalLM with its kernels
+(RMSNorm, SwiGLU, RoPE, fused linear cross-entropy; the patch stays for the process, so it runs last),
+"1f1b-liger" is ours with --use-liger-kernel (its fused linear cross-entropy as the head + loss).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import os
 import statistics
 import time
@@ -33,8 +42,14 @@ ENGINE_CASES = {  # name -> ds_config "pipeline" section (None: DeepSpeed's own 
     "seq1f1b-k2-bw": {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True},
     "seq1f1b-k4": {"schedule": "seq1f1b", "seq_splits": 4},
     "seq1f1b-k4-bw": {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True},
+    "1f1b-loss-chunks": {"schedule": "1f1b"},
+    "1f1b-liger": {"schedule": "1f1b"},
 }
-HF_CASES = ("transformers",)
+# name -> GPTConfig fields of the case: the head and loss over LOSS_CHUNK tokens at a time (--loss-chunk-size)
+LOSS_CHUNK = {False: 4096, True: 32}  # toy -> tokens per chunk
+CONFIG_CASES = {"1f1b-loss-chunks": lambda toy: {"loss_chunk_size": LOSS_CHUNK[toy]},
+                "1f1b-liger": lambda toy: {"liger_kernel": True}}  # Liger's fused linear cross-entropy (CUDA)
+HF_CASES = ("transformers", "transformers-liger")  # -liger: patched with Liger-Kernel's kernels (CUDA)
 ISSUE_MODEL = dict(num_layers=16, hidden_size=2048, num_attention_heads=16, num_key_value_heads=4,
                    ffn_hidden_size=5440, vocab_size=50304)
 TOY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, ffn_hidden_size=128,
@@ -46,8 +61,10 @@ def build_parser():
     p.add_argument("--toy", action="store_true", help="a small fp32 model, shape 64x2, 3 timed iterations (CPU)")
     p.add_argument("--cases", default=",".join([*ENGINE_CASES, *HF_CASES]),
                    help=f"comma-separated, of {', '.join([*ENGINE_CASES, *HF_CASES])}")
-    p.add_argument("--compile", choices=["off", "on", "both"], default="both",
-                   help="compiled layers (ours, DeepSpeed's) / torch.compile (transformers)")
+    p.add_argument("--compile", default="both",
+                   help="comma-separated of off, on, graphs (or both = off,on): eager, compiled layers (ours, "
+                        "DeepSpeed's) / torch.compile (transformers), and those replayed as CUDA graphs")
+    p.add_argument("--json", default=None, help="write the rows here (rewritten after each case)")
     p.add_argument("--shapes", default=None, help="SEQxMB,... (default 2048x4,8192x1,16384x1; --toy 64x2)")
     p.add_argument("--global-batch-sequences", type=int, default=None,
                    help="sequences per iteration (default: 16 at seq 2048, else 4 micro-batches)")
@@ -93,14 +110,18 @@ class Shape:
         return f"seq {self.seq}, micro-batch {self.mb}, {self.gas} micro-batches"
 
 
-def engine_step(pipeline, compiled, config, shape, bf16):
+VARIANTS = {"off": "", "on": " compiled", "graphs": " graphs"}  # --compile value -> row label suffix
+
+
+def engine_step(pipeline, variant, config, shape, bf16):
     """A train_batch closure of our (or DeepSpeed's) engine at PP=1."""
     import torch
     from megatron_ds.model import position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     ds_config = {"train_micro_batch_size_per_gpu": shape.mb, "gradient_accumulation_steps": shape.gas,
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
-                 "pipeline": {**(pipeline or {}), "compile_layers": compiled}}
+                 "pipeline": {**(pipeline or {}), "compile_layers": variant != "off",
+                              "cuda_graphs": variant == "graphs"}}
     if bf16:
         ds_config["bf16"] = {"enabled": True}
     module = build_pipeline_module(config, ds_config, 1, seq_length=shape.seq)
@@ -116,7 +137,7 @@ def engine_step(pipeline, compiled, config, shape, bf16):
     return step, engine
 
 
-def hf_step(compiled, config, shape, bf16, liger=False):
+def hf_step(variant, config, shape, bf16, liger=False):
     """The same model as transformers' LlamaForCausalLM (bf16 weights on CUDA), AdamW, one closure per step."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -132,7 +153,7 @@ def hf_step(compiled, config, shape, bf16, liger=False):
                      mlp_bias=False, attn_implementation="sdpa")
     model = LlamaForCausalLM(hf).to(device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
     opt = adamw(model.parameters())
-    forward = torch.compile(model) if compiled else model
+    forward = model if variant == "off" else torch.compile(model, mode="reduce-overhead" if variant == "graphs" else None)
 
     def step(i):
         total = 0.0
@@ -145,6 +166,12 @@ def hf_step(compiled, config, shape, bf16, liger=False):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(total)
+    if variant == "graphs":  # cudagraph trees: each step a new generation of the graphs' outputs
+        plain = step
+
+        def step(i):
+            torch.compiler.cudagraph_mark_step_begin()
+            return plain(i)
     return step, model
 
 
@@ -156,7 +183,9 @@ def adamw(params):
 
 def count_ops(step, i):
     """(aten operators, kernel launches, host synchronisations) of one call of step(i): torch.profiler's
-    events; on CUDA the launches, and the synchronising calls torch's sync debug mode reports (None on CPU)."""
+    events; on CUDA the launches, and the synchronising calls torch's sync debug mode reports; on CPU
+    (no launches: None) the tensor-to-Python reads (.item(), float(t), bool(t): aten::_local_scalar_dense),
+    each of which waits for the device on CUDA."""
     import warnings
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -174,22 +203,24 @@ def count_ops(step, i):
     names = [e.name for e in prof.events()]
     aten = sum(1 for n in names if n.startswith("aten::"))
     if not cuda:
-        return aten, None, None
+        return aten, None, sum(1 for n in names if n == "aten::_local_scalar_dense")
     launches = sum(1 for n in names if n in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
     syncs = sum(1 for w in caught if "synchroniz" in str(w.message))
     return aten, launches, syncs
 
 
 def measure(make, shape, config, warmup, iterations, ops):
-    """ms per iteration (median), losses, peak memory (GB, CUDA), ops and compile seconds of one case."""
+    """ms per iteration (median), losses, peak memory (GB above what was allocated before the case, with its
+parameters and optimizer state: CUDA), ops and compile seconds of one case."""
     import torch
     from megatron_ds.model.compile import compile_seconds
     cuda = torch.cuda.is_available()
     compile_before = compile_seconds()
-    step, owner = make()
-    if cuda:
+    if cuda:  # the case's own memory: what earlier cases' engines still hold (DeepSpeed keeps some) is left out
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        held_before = torch.cuda.memory_allocated()
+    step, owner = make()
     losses, times = [], []
     for i in range(warmup + iterations):
         start = time.perf_counter()
@@ -200,7 +231,7 @@ def measure(make, shape, config, warmup, iterations, ops):
     counted = count_ops(step, warmup + iterations) if ops else (None, None, None)
     row = dict(ms=1000.0 * statistics.median(times[warmup:]), losses=losses, ops=counted[0], launches=counted[1],
                syncs=counted[2],
-               peak_gb=torch.cuda.max_memory_allocated() / 2 ** 30 if cuda else None,
+               peak_gb=(torch.cuda.max_memory_allocated() - held_before) / 2 ** 30 if cuda else None,
                compile_s=compile_seconds() - compile_before)
     del step, owner
     gc.collect()
@@ -210,13 +241,20 @@ def measure(make, shape, config, warmup, iterations, ops):
 
 
 def table(shape, rows, flops_per_iteration, peak):
-    base = next((r["ms"] for name, r in rows if name == "deepspeed"), None)
+    ok = [(name, r) for name, r in rows if "error" not in r]
+    base = next((r["ms"] for name, r in ok if name == "deepspeed"), None)
+    anchor = next((r["ms"] for name, r in ok if name == "transformers compiled"), None)
     lines = [f"## {shape}", "",
-             "| run | ms / iteration | vs DeepSpeed | TFLOP/s | MFU | peak GB | loss first -> last | aten ops | launches | syncs "
-             "| compile s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | ms / iteration | vs DeepSpeed | vs transformers compiled | TFLOP/s | MFU | peak GB "
+             "| loss first -> last | aten ops | launches | syncs | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 10)
+            continue
         tflops = flops_per_iteration / (r["ms"] / 1000.0) / 1e12
-        cells = [name, f"{r['ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-", f"{tflops:.2f}",
+        cells = [name, f"{r['ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
+                 f"{r['ms'] / anchor:.3f}" if anchor else "-", f"{tflops:.2f}",
                  f"{100 * tflops / peak:.1f} %" if peak else "-",
                  f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
                  f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
@@ -241,11 +279,13 @@ def main(argv=None):
     import torch
     from megatron_ds.schedules.flops import model_flops_per_sequence
     from megatron_ds.training.device_peak import this_device_peak
-    cases = [c for c in args.cases.split(",") if c]
-    unknown = [c for c in cases if c not in ENGINE_CASES and c not in HF_CASES]
-    if unknown:
-        raise SystemExit(f"--cases: unknown {unknown}; choose from {[*ENGINE_CASES, *HF_CASES]}")
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    modes = variants_of(args.compile.split(","), "--compile")
+    cases = []  # (case, its variants): "NAME@off+graphs" picks a case's own, else --compile's
+    for item in (c for c in args.cases.split(",") if c):
+        name, _, own = item.partition("@")
+        if name not in ENGINE_CASES and name not in HF_CASES:
+            raise SystemExit(f"--cases: unknown {name!r}; choose from {[*ENGINE_CASES, *HF_CASES]}")
+        cases.append((name, variants_of(own.split("+"), f"--cases {item}") if own else modes))
     warmup = args.warmup if args.warmup is not None else (1 if args.toy else 5)
     iterations = args.iterations if args.iterations is not None else (3 if args.toy else 20)
     cuda = torch.cuda.is_available()
@@ -260,31 +300,52 @@ def main(argv=None):
     for shape in shapes_of(args):
         config = model_config(args.toy, shape.seq)
         rows = []
-        for case in cases:
-            for compiled in modes:
-                label = case + (" compiled" if compiled else "")
+        runs = []
+        for case, variants in cases:
+            for variant in variants:
                 if case in HF_CASES:
-                    make = lambda c=compiled: hf_step(c, config, shape, bf16)  # noqa: E731
+                    make = lambda v=variant, c=case: hf_step(v, config, shape, bf16, c == "transformers-liger")  # noqa: E731
                 else:
-                    make = lambda p=ENGINE_CASES[case], c=compiled: engine_step(p, c, config, shape, bf16)  # noqa: E731
-                rows.append((label, measure(make, shape, config, warmup, iterations, args.count_ops)))
-                print(f"  {label}: {rows[-1][1]['ms']:.1f} ms", flush=True)
-        if cuda and "transformers" in cases and _liger_available():
-            make = lambda: hf_step(False, config, shape, bf16, liger=True)  # noqa: E731
-            rows.append(("transformers + liger", measure(make, shape, config, warmup, iterations, args.count_ops)))
+                    c = dataclasses.replace(config, **CONFIG_CASES[case](args.toy)) if case in CONFIG_CASES else config
+                    make = lambda p=ENGINE_CASES[case], v=variant, c=c: engine_step(p, v, c, shape, bf16)  # noqa: E731
+                runs.append((case + VARIANTS[variant], make))
+        for label, make in runs:
+            rows.append((label, measured_or_error(make, shape, config, warmup, iterations, args.count_ops)))
+            print(f"  {label}: " + (f"failed: {rows[-1][1]['error']}" if "error" in rows[-1][1] else
+                                    f"{rows[-1][1]['ms']:.1f} ms, compile {rows[-1][1]['compile_s']:.1f} s"), flush=True)
+            results[f"{shape.seq}x{shape.mb}"] = dict(rows)
+            if args.json:
+                write_json(args.json, device, results)
         flops = model_flops_per_sequence(config, shape.seq) * shape.mb * shape.gas
         print(table(shape, rows, flops, peak), flush=True)
         print(flush=True)
-        results[(shape.seq, shape.mb)] = dict(rows)
     return results
 
 
-def _liger_available():
+def variants_of(values, where):
+    out = [m for v in values for m in (["off", "on"] if v == "both" else [v])]
+    if not out or any(m not in VARIANTS for m in out):
+        raise SystemExit(f"{where}: a list of {', '.join(VARIANTS)} (or both)")
+    return out
+
+
+def measured_or_error(make, shape, config, warmup, iterations, ops):
+    """measure(), or {"error": the exception's first line} so one failing case leaves the others their rows."""
+    import torch
     try:
-        import liger_kernel  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        return measure(make, shape, config, warmup, iterations, ops)
+    except Exception as exc:  # noqa: BLE001 - a bench row, not control flow: the table says what failed
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+
+
+def write_json(path, device, results):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump({"device": device, "shapes": results}, fh, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

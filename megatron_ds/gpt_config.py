@@ -36,6 +36,12 @@ class GPTConfig:
     tensor_model_parallel_size: int = 1  # the layers split heads, MLP columns and vocabulary over this many ranks
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
+    liger_kernel: bool = False  # the LM head and loss as Liger-Kernel's fused linear cross-entropy (CUDA)
+
+    @property
+    def head_hands_weight(self):
+        """The head gives the loss (hidden, weight), which multiplies them itself (never the whole logits)."""
+        return bool(self.loss_chunk_size or self.liger_kernel)
 
     def __post_init__(self):
         if not self.num_key_value_heads:
@@ -93,6 +99,11 @@ def config_problem(c) -> str:
     chunk = getattr(c, "loss_chunk_size", 0) or 0
     if not isinstance(chunk, int) or chunk < 0:
         return f"--loss-chunk-size must be a whole number of tokens >= 0 (0: off), got {chunk!r}"
+    if getattr(c, "liger_kernel", False) and chunk:
+        return "--use-liger-kernel and --loss-chunk-size both fuse the LM head with its loss: give one"
+    if getattr(c, "liger_kernel", False) and c.tensor_model_parallel_size > 1:
+        return ("--use-liger-kernel: Liger's fused linear cross-entropy takes the whole vocabulary; with "
+                "--tensor-model-parallel-size > 1 use --loss-chunk-size (vocabulary-parallel)")
     if c.position_embedding_type == "rope" and not c.rope_theta > 0:
         return f"--rope-theta must be positive, got {c.rope_theta}"
     return ""

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
 from .compile import outside_graph
-from .kv_cache import SegmentKVCache, queries_reversed, segment_outputs
+from .kv_cache import SegmentKVCache, queries_reversed, segment_outputs, segment_queries
 from .positions import alibi_bias, rope_tables, rotate
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
@@ -59,7 +59,7 @@ class CausalSelfAttention(nn.Module):
             tables = _segment_rope_tables if segmented else rope_tables
             q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, 0, s, q.device, q.dtype))
         if segmented:
-            y = _attend_through_cache(self, q, k, v)
+            y = _attend_through_cache(self, segment_queries(q), k, v)
         else:
             y = self._attend(q, k, v, self._mask(q, k, None))
         return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
@@ -100,9 +100,8 @@ def _segment_rope_tables(head_dim, theta, start, length, device, dtype):
 
 @outside_graph  # the cache is Python state per micro-batch: eager between a compiled layer's graphs
 def _attend_through_cache(attn, q, k, v):
-    """Attention of the open segment's queries to the keys/values of its own and every earlier position
-    (b, heads, s, head_dim), in the queries' order (segment.queries)."""
+    """Attention of the open segment's queries q, already in their order (segment_queries), to the
+    keys/values of its own and every earlier position (b, heads, s, head_dim)."""
     segment = SegmentKVCache.current()
     k, v = segment.extend(attn.layer_idx, k, v)
-    q = segment.queries(q)
     return attn._attend(q, k, v, attn._mask(q, k, segment))

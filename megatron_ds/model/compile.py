@@ -1,7 +1,7 @@
 """Regional torch.compile: each transformer layer its own compiled region (torchtitan's apply_compile).
 
-Every TransformerLayer is compiled in place (`nn.Module.compile`: parameter names, state dicts and
-checkpoints unchanged) with static shapes; layers share one compiled graph per input shape, as their
+Every TransformerLayer, and the final norm, is compiled in place (`nn.Module.compile`: parameter
+names, state dicts and checkpoints unchanged) with static shapes; layers share one compiled graph per input shape, as their
 code and parameter shapes are the same. The runtime's hooks cannot live inside a graph, so a few calls
 stay eager (`outside_graph`), each a graph break by design:
 
@@ -45,15 +45,17 @@ class CompileMode:
     linears_outside = False  # deferred weight gradients: the linears' backward must stay eager
 
 
-def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor"):
-    """Compile every module of `modules` (the transformer layers) in place; returns how many."""
+def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor", cuda_graphs: bool = False):
+    """Compile every module of `modules` (the transformer layers) in place; returns how many. `cuda_graphs`:
+    inductor replays each compiled graph as a CUDA graph (mode "reduce-overhead": one launch for a
+    graph's kernels, its inputs copied into static buffers); on CPU it changes nothing."""
     CompileMode.linears_outside = defer_weight_grads
     limits = torch._dynamo.config
     limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
     limits.accumulated_recompile_limit = max(limits.accumulated_recompile_limit, 4 * RECOMPILE_LIMIT)
     count = 0
     for module in modules:
-        module.compile(backend=backend, dynamic=False)
+        module.compile(backend=backend, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
         count += 1
     return count
 

@@ -28,7 +28,7 @@ i + j <= lk - 1, and the mask is a strided view of one row of lq + lk - 1 values
 
 Backward runs last segment first. The gradient reaching the returned keys/values
 covers [0, offset + len): the part of earlier positions is kept here for the
-earlier segments, which add it to their own when their backward runs. Each
+earlier segments, whose backward adds its own into it in place (no new buffer per segment). Each
 segment's autograd graph thus stays separate (the runtime runs one graph per op),
 and all of this happens in the op's backward for inputs (B), never in W.
 
@@ -43,6 +43,15 @@ from torch.nn.attention.bias import causal_lower_right
 def queries_reversed(device) -> bool:
     """Whether a segment's queries go last position first on `device` (see the module's docstring)."""
     return torch.device(device).type != "cuda"
+
+
+def segment_queries(q):
+    """A copy of q (b, heads, s, head_dim), last position first where queries_reversed, in the
+    projection's (b, s, heads, head_dim) memory order (so the attention output reshapes without
+    a copy). k and v live in the cache now: the copy alone keeps q from holding on to the fused
+    qkv projection output. Pure: a compiled layer runs it, and its backward, in its graph."""
+    q = q.transpose(1, 2)
+    return (q.flip(1) if queries_reversed(q.device) else q.contiguous()).transpose(1, 2)
 
 
 def segment_outputs(y):
@@ -65,8 +74,10 @@ class _Entry:
         """Fresh tensors over the storages, (b, heads, positions, head_dim). Fresh ones, each with its own
         version counter: writing the new positions must not trip autograd's in-place check on the
         views earlier segments saved for backward (they do not see those positions)."""
-        return [torch.empty(0, dtype=self.dtype, device=s.device).set_(s, 0, (positions, *self.shape))
-                .permute(1, 2, 0, 3) for s in self.storages]
+        b, h, d = self.shape
+        strides = (h * d, d, b * h * d, 1)  # positions outermost in memory
+        return [torch.empty(0, dtype=self.dtype, device=s.device).set_(s, 0, (b, h, positions, d), strides)
+                for s in self.storages]
 
     def write(self, offset, k, v, total):
         end = offset + k.shape[2]
@@ -81,8 +92,8 @@ class _Entry:
         if end > self.capacity:
             self._resize(end)
         keys, values = self._tensors(end)
-        keys[:, :, offset:end].copy_(k)
-        values[:, :, offset:end].copy_(v)
+        _positions(keys, offset, end).copy_(k)
+        _positions(values, offset, end).copy_(v)
         self.filled = max(self.filled, end)
         return keys, values
 
@@ -93,11 +104,13 @@ class _Entry:
             raise RuntimeError(f"the segment ending at position {end} ran backward while the one ending at "
                                f"{expected} was due: segments must run backward last segment first")
         if self.grad_keys is not None:
-            grad_k, grad_v = grad_k + self.grad_keys, grad_v + self.grad_values
+            # into what the later segments left: the positions [0, end) only earlier segments take
+            grad_k, grad_v = self.grad_keys.add_(grad_k), self.grad_values.add_(grad_v)
         self.grad_end = offset
-        self.grad_keys, self.grad_values = (grad_k[:, :, :offset], grad_v[:, :, :offset]) if offset else (None, None)
+        self.grad_keys, self.grad_values = ((_positions(grad_k, 0, offset), _positions(grad_v, 0, offset))
+                                            if offset else (None, None))
         self._resize(offset)  # no earlier segment sees this one's positions: release them now
-        return grad_k[:, :, offset:], grad_v[:, :, offset:]
+        return _positions(grad_k, offset, end), _positions(grad_v, offset, end)
 
     def _resize(self, positions):
         """Grow or shrink the storages in place to `positions`; the views earlier segments saved keep
@@ -106,6 +119,12 @@ class _Entry:
             s.resize_(positions * self.position_bytes)
         self.capacity = positions
         self.filled = min(self.filled, positions)
+
+
+def _positions(t, start, stop):
+    """t[:, :, start:stop] of a (b, heads, positions, head_dim) tensor as one view operator."""
+    b, h, _, d = t.shape
+    return t.as_strided((b, h, stop - start, d), t.stride(), t.storage_offset() + start * t.stride(2))
 
 
 class _Extend(torch.autograd.Function):
@@ -134,12 +153,8 @@ class Segment:
         return _Extend.apply(k, v, entry, self.offset, self.total)
 
     def queries(self, q):
-        """A copy of q (b, heads, s, head_dim), last position first where queries_reversed, in the
-        projection's (b, s, heads, head_dim) memory order (so the attention output reshapes without
-        a copy). k and v live in the cache now: the copy alone keeps q from holding on to the fused
-        qkv projection output."""
-        q = q.transpose(1, 2)
-        return (q.flip(1) if queries_reversed(q.device) else q.contiguous()).transpose(1, 2)
+        """The segment's queries in the order its causal mask expects (segment_queries)."""
+        return segment_queries(q)
 
     def outputs(self, y):
         """The attention block's output (b, s, hidden) back in position order."""

@@ -63,7 +63,7 @@ class Embedding(nn.Module):
         super().__init__()
         gen = _generator(config, layer_idx)
         self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
-        self.loss_chunk_size = config.loss_chunk_size  # as the tied head (lm_head)
+        self.hands_weight = config.head_hands_weight  # as the tied head (lm_head)
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
                                           init_method=_normal(config.init_method_std, gen))
         learned = config.position_embedding_type == "learned_absolute"
@@ -96,14 +96,14 @@ class TiedLMHead(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
         super().__init__()
         self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
-        self.loss_chunk_size = config.loss_chunk_size
+        self.hands_weight = config.head_hands_weight
         self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group=self.group,
                                           init_method=_normal(config.init_method_std, _generator(config, layer_idx)))
 
 
 def lm_head(embedding, hidden):
     """The tied LM head is the word embedding, transposed (with TP: this rank's vocabulary rows)."""
-    if embedding.loss_chunk_size:
+    if embedding.hands_weight:
         return head_input(hidden, embedding.group, embedding.sequence_parallel), embedding.wte.weight
     if embedding.group is None:
         return F.linear(hidden, embedding.wte.weight)
@@ -127,10 +127,10 @@ class LMHead(ColumnParallelLinear):
         super().__init__(config.hidden_size, config.vocab_size, bias=False, group=tensor_parallel_group(config),
                          sequence_parallel=config.sequence_parallel,
                          init_method=_normal(config.init_method_std, _generator(config, layer_idx)))
-        self.loss_chunk_size = config.loss_chunk_size
+        self.hands_weight = config.head_hands_weight
 
     def forward(self, x):
-        if self.loss_chunk_size:
+        if self.hands_weight:
             return head_input(x, self.group, self.sequence_parallel), self.weight
         return super().forward(x)
 
@@ -207,6 +207,8 @@ def loss_function(config: GPTConfig):
     """gpt_loss, or with tensor parallelism its vocab-parallel twin over the TP group; with
     --loss-chunk-size the chunked head + loss on the head's (hidden, weight)."""
     group = tensor_parallel_group(config)
+    if config.liger_kernel:
+        return liger_head_loss
     if config.loss_chunk_size:
         return functools.partial(chunked_head_loss, chunk=config.loss_chunk_size, group=group)
     return gpt_loss if group is None else functools.partial(vocab_parallel_loss, group=group)
@@ -216,3 +218,14 @@ def chunked_head_loss(outputs, labels, chunk, group=None):
     """The loss of a chunked head's (hidden, weight): gpt_loss of hidden @ weight^T, never whole."""
     hidden, weight = outputs
     return chunked_linear_cross_entropy(hidden, weight, labels, chunk, group)
+
+
+def liger_head_loss(outputs, labels):
+    """The loss of the head's (hidden, weight) by Liger-Kernel's fused linear cross-entropy (--use-liger-kernel):
+    Triton kernels that make the gradients chunk by chunk in the forward, fp32 accumulation. Summed, then
+    scaled as gpt_loss: by the token count (a Seq1F1B segment: the micro-batch's)."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # lazy: an optional CUDA extra
+    hidden, weight = outputs
+    labels, num_tokens = labels if isinstance(labels, (tuple, list)) else (labels, labels.numel())
+    fused = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
+    return fused(weight, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)) / num_tokens

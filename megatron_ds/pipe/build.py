@@ -9,6 +9,7 @@ import functools
 from contextlib import contextmanager
 
 import deepspeed
+import torch
 import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -16,7 +17,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelD
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs
 from megatron_ds.model.compile import compile_layers
-from megatron_ds.model.layers import TransformerLayer, loss_function
+from megatron_ds.model.layers import FinalNorm, TransformerLayer, loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 
@@ -85,9 +86,12 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
 
 
 def compiled(module, settings, defer_weight_grads: bool):
-    """The module with its transformer layers compiled when "pipeline.compile_layers" asks for it."""
-    if settings.compile_layers:
-        compile_layers([m for m in module.modules() if isinstance(m, TransformerLayer)], defer_weight_grads)
+    """The module with its transformer layers, and the final norm, compiled when "pipeline.compile_layers"
+    asks for it (the final norm runs once per op, as a layer does: eager, it dispatches a score of
+    operators forward and backward, which every Seq1F1B segment pays again)."""
+    if settings.compiles_layers(torch.cuda.is_available(), defer_weight_grads or settings.seq_splits > 1):
+        compile_layers([m for m in module.modules() if isinstance(m, (TransformerLayer, FinalNorm))],
+                       defer_weight_grads, cuda_graphs=settings.cuda_graphs)
     return module
 
 

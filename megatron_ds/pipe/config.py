@@ -44,7 +44,19 @@ class PipelineSettings:
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
     vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
-    compile_layers: bool = False   # torch.compile each transformer layer (model/compile.py), any engine
+    compile_layers: Optional[bool] = None  # torch.compile each transformer layer (model/compile.py); None: compiles_layers
+    cuda_graphs: bool = False      # the compiled layers replayed as CUDA graphs (inductor's cudagraph trees)
+
+    def compiles_layers(self, cuda: bool, splits_ops: bool) -> bool:
+        """Whether the layers run compiled: as "compile_layers" says, else the default measured to pay
+        (docs/perf/gpu_h200.md): on CUDA where each layer is one graph (no deferred weight gradients, no
+        Seq1F1B segments: `splits_ops` false), which compiled in 8-9 s and made the step 7-8 % faster;
+        off where the runtime's hooks cut the layer into several graphs (a Seq1F1B k=4 + B/W step was
+        1.14-1.58x slower compiled: the host pays each graph's call), and off on CPU. "cuda_graphs"
+        asks for them compiled on CUDA whatever the schedule."""
+        if self.compile_layers is not None:
+            return self.compile_layers
+        return cuda and (self.cuda_graphs or not splits_ops)
 
     @property
     def stock(self):
@@ -97,9 +109,15 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
-                "compile_layers"):
-        if not isinstance(section.get(key, False), bool):
+                "compile_layers", "cuda_graphs"):
+        if key in section and not isinstance(section[key], bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
+    if section.get("cuda_graphs") and section.get("compile_layers") is False:
+        raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs are the compiled layers\' '
+                          '(torch.compile mode "reduce-overhead"), so it contradicts "compile_layers": false')
+    if section.get("cuda_graphs") and schedule == STOCK:
+        raise ConfigError('ds_config "pipeline.cuda_graphs" = true: the graphs of an iteration are released when '
+                          "our engine starts the next; DeepSpeed's own engine does not, so name a \"schedule\"")
     if in_file:
         return _file_settings(section, schedule, method)
     return _checked(section, schedule, method)
@@ -123,7 +141,8 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         remeasure=section.get("remeasure", False),
         op_costs=section.get("op_costs"),
         vocab_parallel=section.get("vocab_parallel", False),
-        compile_layers=section.get("compile_layers", False),
+        compile_layers=section.get("compile_layers"),
+        cuda_graphs=section.get("cuda_graphs", False),
     )
     if fixed:
         settings = dataclasses.replace(settings, **fixed)

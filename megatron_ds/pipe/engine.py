@@ -79,6 +79,11 @@ class ScheduleEngine(PipelineEngine):
 
     # -- schedule ------------------------------------------------------------------------------
     def _start(self, micro_batches, train):
+        if self.plan.settings.cuda_graphs:
+            # One generation of inductor's CUDA graphs per iteration: by default a generation ends at the
+            # first backward after forwards, which would overwrite the outputs micro-batches still in
+            # flight (every schedule but PP=1's 1F1B keeps some) hold for their backward.
+            torch.compiler.cudagraph_mark_step_begin()
         program = self.plan.program(self.stage_id, micro_batches, train)
         self.sched, ops, self._ahead = program.schedule, program.ops, program.ahead
         self._sync_after = last_backward_ops(ops) if train and self.module.replica_sync else {}
@@ -119,23 +124,29 @@ class ScheduleEngine(PipelineEngine):
     def _exec_load_micro_batches(self):
         self._batches = None
         if self.plan.needs_data(self.stage_id):
-            self._batches = [next(self.data_iterator) for _ in range(self.sched.micro_batches)]
+            self._batches = [self._on_device(next(self.data_iterator)) for _ in range(self.sched.micro_batches)]
             lengths = self.plan.segment_lengths
             if lengths and any(labels.shape[1] != sum(lengths) for _, labels in self._batches):
                 raise RuntimeError(f"seq_splits={self.sched.seq_splits} cuts {sum(lengths)}-token sequences into "
                                    f"{lengths}; a micro-batch has another length")
 
+    def _on_device(self, batch):
+        """A micro-batch moved to the device once: a copy from pageable memory synchronises the host (the
+        stock engine's count), which Seq1F1B would pay again per segment; segments are views of it."""
+        inputs, labels = batch
+        return tuple(t.to(self.device) for t in inputs), labels.to(self.device)
+
     def _inputs(self, mb, seq):
         inputs, _ = self._batches[mb]
         cut = self.plan.segment(seq)
-        return tuple(t[:, cut].to(self.device) for t in inputs)
+        return tuple(t[:, cut] for t in inputs)
 
     def _labels(self, mb, seq):
         _, labels = self._batches[mb]
         if self.sched.seq_splits == 1:
-            return labels.to(self.device)
+            return labels
         # A segment's loss is divided by the whole micro-batch's token count: they sum to its loss.
-        return labels[:, self.plan.segment(seq)].to(self.device), labels.numel()
+        return labels[:, self.plan.segment(seq)], labels.numel()
 
     def _open_segment(self, replica, stage, mb, seq):
         """Attention sees the K/V cache of (replica, stage, mb) while an op on segment `seq` runs."""

@@ -107,6 +107,7 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
     key = 'ds_config "pipeline.vocab_parallel" = true'
     refused = [(getattr(config, "tensor_model_parallel_size", 1) > 1, "--tensor-model-parallel-size > 1"),
                (getattr(config, "loss_chunk_size", None), "--loss-chunk-size"),
+               (getattr(config, "liger_kernel", False), "--use-liger-kernel"),
                (is_cost_method(settings.partition_method), f'"partition_method": "{settings.partition_method}"'),
                (settings.post_validation, '"post_validation": true')]
     for on, what in refused:

@@ -65,13 +65,13 @@ class VocabPasses:
     # -- data --------------------------------------------------------------------------------------
     def _tokens(self, op):
         (tokens, _), _ = self.engine._batches[op.mb]
-        return tokens[:, self.engine.plan.segment(op.seq)].to(self.engine.device)
+        return tokens[:, self.engine.plan.segment(op.seq)]  # on the device already (engine._on_device)
 
     def _labels(self, op):
         """(this segment's labels, the token count of its whole micro-batch: a segment's losses are
         divided by it, so they add up to the micro-batch's mean)."""
         _, labels = self.engine._batches[op.mb]
-        return labels[:, self.engine.plan.segment(op.seq)].to(self.engine.device), labels.numel()
+        return labels[:, self.engine.plan.segment(op.seq)], labels.numel()
 
     def _grad_loss(self, op):
         """d(the step's loss) / d(one token's loss): the engine's loss scaling of a mean token loss."""

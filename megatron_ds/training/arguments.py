@@ -12,6 +12,7 @@ parallel size. The flags and the ds_config keys "train_micro_batch_size_per_gpu"
 "gradient_accumulation_steps" and "train_batch_size" may each be given or left
 out; what is missing is derived, what is given must agree.
 """
+import argparse
 import json
 import os
 
@@ -24,7 +25,7 @@ from .disk_full import add_disk_full_args, check_disk_full_args
 from .exit_signal import add_exit_signal_args
 from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
-from .model_args import add_model_args, run_gpt_config, validate_model_args
+from .model_args import add_model_args, check_liger, run_gpt_config, validate_model_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .out_of_memory import add_out_of_memory_args, check_out_of_memory_args
@@ -143,11 +144,17 @@ def build_parser():
     g.add_argument("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed compatibility; always on")
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None)
-    g.add_argument("--compile-layers", action="store_true",
-                   help='torch.compile each transformer layer ("pipeline.compile_layers" = true; default off)')
+    g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help='torch.compile each transformer layer ("pipeline.compile_layers"; default: on with CUDA, '
+                        'off on CPU)')
+    g.add_argument("--enable-cuda-graph", action="store_true",
+                   help='replay the compiled layers as CUDA graphs ("pipeline.cuda_graphs" = true; CUDA only)')
     g.add_argument("--loss-chunk-size", type=int, default=0,
                    help="the LM head and cross-entropy run this many tokens at a time, the (tokens x vocabulary) "
                         "logits never whole (Liger's fused linear cross-entropy, in torch; 0: off)")
+    g.add_argument("--use-liger-kernel", action="store_true",
+                   help="the LM head and cross-entropy as Liger-Kernel's fused linear cross-entropy (transformers' "
+                        "name; CUDA, pip install liger-kernel): the logits never whole, gradients made in the forward")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="set by the deepspeed launcher")
     add_fork_args(p)
@@ -204,6 +211,8 @@ def validate_args(args):
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
+    if args.use_liger_kernel:  # after the config's own rules: a flag conflict before the machine's lacks
+        check_liger()
     _check_parallel(args)
     args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))

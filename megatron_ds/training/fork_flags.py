@@ -201,8 +201,10 @@ def apply_fork_flags(args, ds_config):
         pipe.set("allow_padding_num_layers", True, "--allow-padding-num-layers")
     if args.enable_vocab_parallel:
         pipe.set("vocab_parallel", True, "--enable-vocab-parallel")
-    if getattr(args, "compile_layers", False):
-        pipe.set("compile_layers", True, "--compile-layers")
+    if args.compile_layers is not None:
+        pipe.set("compile_layers", args.compile_layers, "--compile-layers" if args.compile_layers else "--no-compile-layers")
+    if args.enable_cuda_graph:
+        pipe.set("cuda_graphs", True, "--enable-cuda-graph")
     _apply_recompute(args)
     if args.kill_switch_file is not None:
         if args.kill_switch_path not in (None, args.kill_switch_file):

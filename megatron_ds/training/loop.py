@@ -73,7 +73,7 @@ class Trainer:
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
         self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
         self.signals = exit_signal.Listener(args.exit_signal_handler)
-        self.compile_logged = False  # --compile-layers: the compile time is logged once, after the first steps
+        self.compile_logged = False  # compiled layers: the compile time is logged once, after the first steps
 
     # ---- pieces
 
@@ -210,10 +210,12 @@ class Trainer:
             bar.write(line)
         else:
             print_rank_last(line)
-        if args.pipeline_settings.compile_layers and not self.compile_logged:
+        if not self.compile_logged:
             from megatron_ds.model.compile import compile_summary  # lazy: torch, after the flags are checked
-            self.compile_logged = True
-            print_rank_0(compile_summary() or "> compiled transformer layers: nothing compiled yet")
+            summary = compile_summary()  # None while nothing compiled: an eager run never logs it
+            if summary:
+                self.compile_logged = True
+                print_rank_0(summary)
         self.tb.timers(self.timers, self.iteration, normalizer=n)
         self.tb.flush()
 

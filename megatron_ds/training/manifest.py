@@ -17,6 +17,7 @@ import os
 import zlib
 
 from . import disk_full
+from .rank_share import from_rank0, gather, share
 from .errors import CheckpointError
 
 NAME = "manifest.json"
@@ -44,39 +45,14 @@ def _files(step_dir):
     return sorted(found)
 
 
-def _gather(item):
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [item]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, item)
-    return out
-
-
-def _share(items):
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        return items
-    return items[dist.get_rank()::dist.get_world_size()]
-
-
-def _from_rank0(fn):
-    import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return fn()
-    box = [fn() if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def write_manifest(step_dir):
     """Every rank: checksum a share of step_dir's files; rank 0 writes the manifest. Call after a barrier."""
     import torch.distributed as dist
-    files = _from_rank0(lambda: _files(step_dir))  # one list, even where a shared file system lags
+    files = from_rank0(lambda: _files(step_dir))  # one list, even where a shared file system lags
     mine = {rel: {"size": os.path.getsize(os.path.join(step_dir, rel)), "crc32": checksum(os.path.join(step_dir, rel))}
-            for rel in _share(files)}
+            for rel in share(files)}
     entries = {}
-    for part in _gather(mine):
+    for part in gather(mine):
         entries.update(part)
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = os.path.join(step_dir, NAME)
@@ -122,8 +98,8 @@ def verify_manifest(step_dir, skip=lambda rel: False):
         problems.append(manifest["error"])
     elif manifest is not None:
         listed = sorted(rel for rel in manifest["files"] if not skip(rel))
-        problems = [p for p in (_problem(step_dir, rel, manifest["files"][rel]) for rel in _share(listed)) if p]
-    reports = _gather((present, problems))
+        problems = [p for p in (_problem(step_dir, rel, manifest["files"][rel]) for rel in share(listed)) if p]
+    reports = gather((present, problems))
     if len({p for p, _ in reports}) > 1:
         problems.append(f"{NAME} is visible to some ranks only")
     problems = sorted({p for _, ps in reports for p in ps} | set(problems))

@@ -79,6 +79,17 @@ def validate_model_args(args):
             raise ArgumentsError(f"--rope-theta must be positive, got {args.rope_theta}")
 
 
+def check_liger():
+    """--use-liger-kernel needs the package and a CUDA device (its kernels are Triton's)."""
+    import importlib.util
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ArgumentsError("--use-liger-kernel: liger_kernel is not importable (pip install liger-kernel)")
+    import torch
+    if not torch.cuda.is_available():
+        raise ArgumentsError("--use-liger-kernel: Liger's kernels are Triton's, for CUDA devices; this machine "
+                             "has none (--loss-chunk-size is the same fused head and loss in torch)")
+
+
 def run_gpt_config(args):
     """The run's GPTConfig, built once at parse time, with the tensor-parallel split it runs under. The
     vocabulary is --pad-vocab-size-to's, else None until the tokenizer pads it (model_setup.model_config)."""
@@ -101,7 +112,8 @@ def gpt_config_from_args(args):
                      ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
                      attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
                      init_method_std=args.init_method_std, seed=args.seed,
-                     loss_chunk_size=getattr(args, "loss_chunk_size", 0) or 0, **family)
+                     loss_chunk_size=getattr(args, "loss_chunk_size", 0) or 0,
+                     liger_kernel=getattr(args, "use_liger_kernel", False), **family)
 
 
 def model_family_flags(config) -> list:

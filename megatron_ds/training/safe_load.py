@@ -29,7 +29,7 @@ import os
 import re
 
 from .errors import CheckpointError
-from .manifest import _from_rank0, _gather, _share
+from .rank_share import from_rank0, gather, share
 
 
 def allowed_globals():
@@ -165,9 +165,9 @@ def step_files(step_dir, skip=lambda rel: False):
 def check_step(step_dir, skip=lambda rel: False):
     """Every rank: try a share of the step's .pt files weights-only; all raise one error naming every
     file refused (or that cannot be read) and what it needs."""
-    files = _from_rank0(lambda: step_files(step_dir, skip))
-    mine = [p for p in (_try(os.path.join(step_dir, rel)) for rel in _share(files)) if p]
-    problems = sorted({tuple(p) for part in _gather(mine) for p in part})
+    files = from_rank0(lambda: step_files(step_dir, skip))
+    mine = [p for p in (_try(os.path.join(step_dir, rel)) for rel in share(files)) if p]
+    problems = sorted({tuple(p) for part in gather(mine) for p in part})
     if len(problems) == 1 and problems[0][1].startswith("needs "):
         path, needs = problems[0]
         raise CheckpointError(f"{path} is refused: loading it {needs}, {WHY}")

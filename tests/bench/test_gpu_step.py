@@ -1,8 +1,10 @@
 """bench/gpu_step.py at toy size on CPU (structure, not timings: CI keeps it working), and the host work
 per iteration it counts (torch.profiler, aten operators dispatched, PP=1): an eager Seq1F1B k=4 step
-dispatches about 4x the operators of the eager unsplit step; with compiled layers it must stay at most
-1.85x (measured 1.79x with a 2-layer toy model, where embedding, head, loss and optimizer, not compiled,
-weigh most; the issue's goal is 1.5x). The test fails if the count grows past that bound. One process."""
+dispatches about 4x the operators of the eager unsplit step; with compiled layers (and final norm) it must
+stay at most 1.5x, the issue's goal (measured 1.42x with a 2-layer toy model, where the embedding, head,
+loss and optimizer, not compiled, and CPU attention's own operators, run per segment, weigh most). The
+test fails if the count grows past that bound, or if any of our steps reads a tensor into Python (.item(),
+float(t): a host synchronisation on CUDA) more often than DeepSpeed's engine does. One process."""
 from megatron_ds.testing.launcher import run_ranks
 
 ARGS = ["--toy", "--count-ops", "--iterations", "1", "--warmup", "1"]
@@ -12,8 +14,10 @@ def run_bench():
     from bench import gpu_step
     eager = gpu_step.main(ARGS + ["--compile", "off", "--cases", "deepspeed,1f1b,seq1f1b-k4,transformers"])
     compiled = gpu_step.main(ARGS + ["--compile", "on", "--cases", "seq1f1b-k4"])
-    rows = {**eager[(64, 2)], **compiled[(64, 2)]}
-    return {name: dict(ops=r["ops"], ms=r["ms"], losses=r["losses"]) for name, r in rows.items()}
+    rows = {**eager["64x2"], **compiled["64x2"]}
+    failed = {name: r["error"] for name, r in rows.items() if "error" in r}
+    assert not failed, failed
+    return {name: dict(ops=r["ops"], ms=r["ms"], losses=r["losses"], syncs=r["syncs"]) for name, r in rows.items()}
 
 
 def test_toy_bench_runs_and_host_ops_stay_bounded():
@@ -25,4 +29,8 @@ def test_toy_bench_runs_and_host_ops_stay_bounded():
         assert max(abs(a - b) for a, b in zip(rows[name]["losses"], rows["deepspeed"]["losses"])) < 1e-5, name
     unsplit, split, compiled = rows["1f1b"]["ops"], rows["seq1f1b-k4"]["ops"], rows["seq1f1b-k4 compiled"]["ops"]
     assert split > 3 * unsplit  # what the segments cost eagerly (3.9x measured)
-    assert compiled <= 1.85 * unsplit, (compiled, unsplit, compiled / unsplit)
+    assert compiled <= 1.5 * unsplit, (compiled, unsplit, compiled / unsplit)
+    # the stock engine's reads: its gradient-norm check and the caller's float(loss); segments add none
+    assert rows["deepspeed"]["syncs"] > 0
+    for name in ("1f1b", "seq1f1b-k4", "seq1f1b-k4 compiled"):
+        assert rows[name]["syncs"] <= rows["deepspeed"]["syncs"], (name, rows[name]["syncs"], rows["deepspeed"]["syncs"])

@@ -106,3 +106,24 @@ def test_nothing_materialised_on_cuda():
                 layers(x[:, start:start + 32])
     assert cache.mask_tensors() == []
     assert {t.device.type for t in cache.kv_tensors()} == {"cuda"}
+
+
+@pytest.mark.parametrize("segment", [False, True], ids=["mean", "segment-sum"])
+def test_liger_fused_head_loss_equals_gpt_loss(segment):
+    """--use-liger-kernel: Liger's fused linear cross-entropy equals the head's logits + gpt_loss in fp32
+    (loss, input and weight gradients), as the whole mean and as a Seq1F1B segment's sum / token count."""
+    pytest.importorskip("liger_kernel")
+    from megatron_ds.model.layers import liger_head_loss
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 256, 128, generator=g).cuda().requires_grad_()
+    weight = (0.05 * torch.randn(1000, 128, generator=g)).cuda().requires_grad_()
+    labels = torch.randint(0, 1000, (2, 256), generator=g).cuda()
+    target = (labels, 4 * labels.numel()) if segment else labels
+    results = []
+    for fused in (False, True):
+        h, w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+        loss = liger_head_loss((h, w), target) if fused else gpt_loss(h @ w.t(), target)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for (a, b), name in zip(zip(*results), ("loss", "hidden grad", "weight grad")):
+        assert (a - b).abs().max().item() < 1e-5 * max(1.0, b.abs().max().item()), name

@@ -16,6 +16,20 @@ def test_schedule_keys_are_read():
     assert (s.schedule, s.virtual_stages, s.stock) == ("interleaved", 2, False)
 
 
+def test_cuda_graphs_ride_on_the_compiled_layers():
+    s = pipeline_settings({"pipeline": {"schedule": "seq1f1b", "seq_splits": 2, "compile_layers": True,
+                                        "cuda_graphs": True}})
+    assert (s.compile_layers, s.cuda_graphs) == (True, True)
+    assert pipeline_settings({}).cuda_graphs is False
+    # by default the layers compile on CUDA where each is one graph; the key decides where given
+    default = pipeline_settings({})
+    assert [default.compiles_layers(cuda, splits) for cuda in (False, True) for splits in (False, True)] == \
+        [False, False, True, False]
+    for value in (False, True):
+        given = pipeline_settings({"pipeline": {"schedule": "1f1b", "compile_layers": value}})
+        assert {given.compiles_layers(cuda, splits) for cuda in (False, True) for splits in (False, True)} == {value}
+
+
 def test_op_costs_build_the_v_order_for_them():
     s = pipeline_settings({"pipeline": {"schedule": "zbv-half", "op_costs": [3.08, 4.37, 2.04]}})
     assert s.build_schedule(4, 16).ranks == build_schedule("zbv-half", 4, 16, op_costs=(3.08, 4.37, 2.04)).ranks
@@ -38,6 +52,9 @@ def test_op_costs_build_the_v_order_for_them():
     ({"op_costs": [1, 1.5, 0.5]}, ["op_costs", "named", "schedule"]),
     ({"schedule": "auto", "memory_budget": 3, "op_costs": [1, 1.5, 0.5]}, ["op_costs", "auto", "itself"]),
     ({"schedule": "1f1b", "vocab_parallel": "yes"}, ["pipeline.vocab_parallel", "true or false"]),
+    ({"schedule": "1f1b", "cuda_graphs": True, "compile_layers": False}, ["pipeline.cuda_graphs", "compile_layers"]),
+    ({"cuda_graphs": True, "compile_layers": True}, ["pipeline.cuda_graphs", "DeepSpeed's own engine", "schedule"]),
+    ({"cuda_graphs": 1, "compile_layers": True}, ["pipeline.cuda_graphs", "true or false"]),
     ({"vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "deepspeed"]),
     ({"schedule": "auto", "memory_budget": 3, "vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "auto"]),
 ])

@@ -48,6 +48,8 @@ def pipeline(*extra, ds=None):
     (["--enable-zbh1-pipeline"], {"schedule": "zb-h1"}),
     (["--enable-zbh1-pipeline", "--enable-optimizer-post-validation"], {"schedule": "zb-h1", "post_validation": True}),
     (["--enable-bitpipe-schedule"], {"schedule": "bitpipe"}),
+    (["--enable-zbh1-pipeline", "--compile-layers", "--enable-cuda-graph"],
+     {"schedule": "zb-h1", "compile_layers": True, "cuda_graphs": True}),
     (["--num-layers-per-virtual-pipeline-stage", "2"], {"schedule": "interleaved", "virtual_stages": 2}),
     (["--num-layers-per-virtual-pipeline-stage", "1"], {"schedule": "interleaved", "virtual_stages": 4}),
     (["--zero-bubble-v-schedule", "--num-layers-per-virtual-pipeline-stage", "2"], {"schedule": "zbv"}),

@@ -108,3 +108,18 @@ def test_one_gpt_config_from_the_flags_at_parse_time():
     with pytest.raises(ArgumentsError, match=r"--ffn-hidden-size \(256\) must be divisible by "
                                              r"--tensor-model-parallel-size \(3\)"):
         parse_args(BASE + flags + ["--tensor-model-parallel-size", "3"], env={"WORLD_SIZE": "3", "RANK": "0"})
+
+
+def test_liger_kernel_needs_its_package_a_gpu_and_no_loss_chunks():
+    import importlib.util
+    import torch
+    with pytest.raises(ArgumentsError, match="--use-liger-kernel and --loss-chunk-size"):
+        config(*LLAMA, "--use-liger-kernel", "--loss-chunk-size", "64")
+    if importlib.util.find_spec("liger_kernel") is None:
+        with pytest.raises(ArgumentsError, match="not importable.*pip install liger-kernel"):
+            config(*LLAMA, "--use-liger-kernel")
+    elif not torch.cuda.is_available():
+        with pytest.raises(ArgumentsError, match="Triton's, for CUDA"):
+            config(*LLAMA, "--use-liger-kernel")
+    else:
+        assert config(*LLAMA, "--use-liger-kernel").liger_kernel

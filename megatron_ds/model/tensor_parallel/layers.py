@@ -170,6 +170,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _split_parameter((num_embeddings, embedding_dim), init_method, group, 0)
 
     def forward(self, tokens):
+        if self.group is None:  # the whole table: no token outside it to zero, no group to sum over
+            return F.embedding(tokens, self.weight)
         local = tokens - self.vocab_start
         outside = (local < 0) | (local >= self.num_local)
         rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a borrowed GPU (minutes are scarce): install the carried wheels (.whl/: DeepSpeed built from
+# its sdist and the pure-Python packages the image lacks), run the CUDA tests for at most TESTS_SECONDS
+# (GPU_TESTS names more test files: tests/training/test_cuda_training.py),
+# then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as it happens, so a
+# call cut off at its limit still brings back what ran; the tables are printed at the end.
+#
+#   bash bench/gpu_session.sh 150 "--shapes 2048x4 --cases deepspeed,1f1b --compile off,on --count-ops"
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu_session}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl > "$OUT/setup.log" 2>&1 \
+    || { cat "$OUT/setup.log"; exit 1; }
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  python3 -c "import torch, deepspeed, transformers; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
+} >> "$OUT/setup.log" 2>&1
+cat "$OUT/setup.log"
+tests_seconds=$1
+shift
+if [ "$tests_seconds" -gt 0 ]; then
+  timeout "$tests_seconds" python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py \
+    tests/pipe/test_cuda_compile.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
+  echo "tests: exit $?" >> "$OUT/tests.log"
+  tail -n 25 "$OUT/tests.log"
+fi
+run=0
+for bench_args in "$@"; do
+  run=$((run + 1))
+  # shellcheck disable=SC2086 - each argument is a list of bench flags
+  python3 -m bench.gpu_step $bench_args --json "$OUT/bench$run.json" > "$OUT/bench$run.log" 2>&1
+  echo "bench $run: exit $?" >> "$OUT/bench$run.log"
+  grep -E '^(device|##|\||  [a-z0-9]|bench [0-9]+: exit)|Error' "$OUT/bench$run.log" | cut -c1-400
+done
