@@ -85,6 +85,8 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
 def layer_key(module, name):
     """PipelineModule parameter name -> (global layer index, local name); None for the unused copy."""
     head, rest = name.split(".", 1)
+    if head == "vocab_slice":  # one rank's rows; whole_vocabulary gathers them
+        return (head, rest)
     if head == "tied_modules":
         key, local = rest.split(".", 1)
         return (0, local)
@@ -111,10 +113,11 @@ def engine_rank_runs(pp, gas, steps, pipelines, **kw):
 
 
 def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2, seq=SEQ,
-                    model=None):
+                    model=None, probe=None):
     """Per-rank side: train `steps` steps, return losses, first-step grads and final weights.
     The pipeline section's "activation_checkpoint_interval" (a DeepSpeed key) checkpoints layers.
-    `model`: GPTConfig options (a model family) on top of tiny_config."""
+    `model`: GPTConfig options (a model family) on top of tiny_config. `probe(engine)`: what it returns
+    after the run is the result's "probe"."""
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
@@ -134,10 +137,24 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
     weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
+    grads, weights = whole_vocabulary(engine, config, grads[0]), whole_vocabulary(engine, config, weights)
     eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size, seq) for j in range(gas)])
     eval_loss = float(engine.eval_batch(eval_batches))
-    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
-                grad_norms=norms, engine=engine_facts(engine))
+    return dict(losses=losses, grads=grads, weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
+                grad_norms=norms, engine=engine_facts(engine), probe=probe(engine) if probe else None)
+
+
+def whole_vocabulary(engine, config, tensors):
+    """`tensors` with a vocabulary-parallel run's slices (keys ("vocab_slice", name)) gathered over the
+    pipeline ranks into whole matrices, keyed as the reference keys them (a collective: every rank)."""
+    import torch.distributed as dist
+    whole = {"wte": (0, "wte.weight"), "head": (config.num_layers + 2, "weight")}
+    out = {k: t for k, t in tensors.items() if k[0] != "vocab_slice"}
+    for (_, name), t in sorted((k, t) for k, t in tensors.items() if k[0] == "vocab_slice"):
+        parts = [torch.empty_like(t) for _ in range(engine.num_stages)]
+        dist.all_gather(parts, t.contiguous(), group=engine.grid.get_pipe_parallel_group())
+        out[whole[name]] = torch.cat(parts)
+    return out
 
 
 def engine_facts(engine):

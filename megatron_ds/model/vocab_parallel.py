@@ -143,3 +143,35 @@ def _per_token(grad_loss, like: torch.Tensor) -> torch.Tensor:
     against a (..., width) tensor."""
     g = torch.as_tensor(grad_loss, dtype=like.dtype, device=like.device)
     return g.unsqueeze(-1) if g.dim() else g
+
+
+# --- the barrier as point-to-point messages ------------------------------------------------------
+# A pipeline runtime cannot call collectives: every rank runs its own op order, so the ranks would
+# enter them in different orders. It sends each slice's statistics to the ranks that need them
+# instead (pipe/vocab_messages.py), and each receiver merges them here, in slice order.
+
+def statistics_message(s: SliceStatistics) -> torch.Tensor:
+    """What every T (and the loss) needs of a slice: (max, sum of exp, target's logit) per token, (..., 3)."""
+    return torch.stack([s.max, s.sum_exp, s.target_logit], dim=-1)
+
+
+def share_message(s: SliceStatistics) -> torch.Tensor:
+    """What the loss stage's backward needs of a slice: [P_j W_j, W_j[target]] per token, (..., 2 width)."""
+    return torch.cat([s.softmax_grad, s.target_rows], dim=-1)
+
+
+def merge_statistics(messages: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss per token, alpha of every slice stacked) from every slice's statistics_message."""
+    maxes, sums, target_logits = torch.stack(messages).unbind(-1)
+    global_max = maxes.max(dim=0).values
+    scaled = sums * (maxes - global_max).exp()
+    total = scaled.sum(dim=0)
+    return total.log() + global_max - target_logits.sum(dim=0), scaled / total
+
+
+def merged_input_grad(alphas: torch.Tensor, shares: list[torch.Tensor],
+                      grad_loss: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """sum_j (alpha_j P_j W_j - W_j[target]) from every slice's share_message, times the loss's gradient."""
+    width = shares[0].shape[-1] // 2
+    grad = sum(a.unsqueeze(-1) * s[..., :width] - s[..., width:] for a, s in zip(alphas, shares))
+    return grad * _per_token(grad_loss, grad)

@@ -19,6 +19,7 @@ from megatron_ds.model import GPTConfig, gpt_layer_specs
 from megatron_ds.model.compile import compile_layers
 from megatron_ds.model.layers import FinalNorm, TransformerLayer, loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
+from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
@@ -57,7 +58,9 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                           "--tensor-model-parallel-size > 1")
     if tp > 1:
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
-    common = dict(layers=gpt_layer_specs(config) if layers is None else layers,
+    if layers is None:  # under vocabulary parallelism the word embedding and the output layer sit beside them
+        layers = vocab_layer_specs(config) if settings.vocab_parallel else gpt_layer_specs(config)
+    common = dict(layers=layers,
                   loss_fn=loss_fn or loss_function(config), topology=topology(pp, tp),
                   partition_method=settings.partition_method,
                   activation_checkpoint_interval=activation_checkpoint_interval,
@@ -76,6 +79,8 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                                         settings)
     parts = chunk_cost_bounds(settings.partition_method, config, plan.placement)
     module = ChunkedPipelineModule(plan=plan, parts=parts, **common)
+    if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab_passes.py)
+        module.vocab_slice = VocabSlice(config, module.stage_id, pp)
     # "auto" may switch to a schedule that splits backward: its layers leave the linears eager from the start
     return compiled(module, settings, defer_weight_grads=settings.auto or plan.splits_backward)
 

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from megatron_ds.errors import UserError
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op
-from megatron_ds.schedules.kinds import Kind
+from megatron_ds.schedules.kinds import VOCAB, Kind
 
 from . import instructions as ins
 from .auto import AutoSwitch
@@ -26,9 +27,21 @@ from .p2p import P2P
 from .post_validation import PostValidation
 from .sequence_parallel import with_sequence_parallel_reduction
 from .trace import Tracer, through_tracer
+from .vocab_passes import VocabPasses
 
 
 LAYOUT_KEY = "megatron_ds_pipeline_layout"
+
+
+class VocabCheckpointError(UserError, NotImplementedError):
+    """A checkpoint asked of a vocabulary-parallel run, whose layout cannot be saved yet."""
+
+
+def vocab_handler(kind):
+    """The instruction handler of vocabulary op `kind` (EF, S, T, EW)."""
+    def run(engine, replica, stage, mb, seq):
+        engine._exec_vocab_op(replica, stage, mb, seq, kind)
+    return run
 
 
 class ScheduleEngine(PipelineEngine):
@@ -56,6 +69,7 @@ class ScheduleEngine(PipelineEngine):
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
                                  if plan.settings.post_validation else None)
         self.auto = AutoSwitch(self, auto_plan) if auto_plan else None  # "schedule": "auto", until it decides
+        self.vocab = VocabPasses(self) if plan.settings.vocab_parallel else None  # the vocabulary slice's passes
         self.on_auto_decision = None  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
 
     def train_batch(self, data_iter=None):
@@ -76,7 +90,9 @@ class ScheduleEngine(PipelineEngine):
         if self._sync_after:
             self.module.replica_sync.launched.clear()
         self.p2p = P2P(program.messages, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r),
-                       self.plan.message_shape, self._dtype, self.device)
+                       self.plan.message_shape, lambda key: VocabPasses.dtype_of(key, self._dtype), self.device)
+        if self.vocab:
+            self.vocab.start(program.schedule, ops, train)
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train)
 
@@ -149,9 +165,8 @@ class ScheduleEngine(PipelineEngine):
 
     def _post_ahead(self, op):
         """Post the next receiving op's irecv as `op` starts: its message moves while `op` runs."""
-        ahead = self._ahead.get(op)
-        if ahead is not None:
-            self.p2p.post(ahead)
+        for key in self._ahead.get(op, ()):
+            self.p2p.post(key)
 
     def _take(self, op):
         key = incoming_key(op)
@@ -163,7 +178,9 @@ class ScheduleEngine(PipelineEngine):
     def _exec_forward_op(self, replica, stage, mb, seq):
         op = Op(Kind.F, replica, stage, mb, seq)
         self._post_ahead(op)
-        if stage == 0:
+        if stage == 0 and self.vocab:
+            x = (self.vocab.embedding_sum(op).requires_grad_(self.module.training), self._inputs(mb, seq)[1])
+        elif stage == 0:
             x = self._inputs(mb, seq)
         else:
             x = self._take(op).detach().requires_grad_(self.module.training)
@@ -172,7 +189,9 @@ class ScheduleEngine(PipelineEngine):
         if not self.module.training and seq == self.sched.seq_splits - 1:
             self._kv.free((replica, stage, mb))
         unit = (replica, stage, mb, seq)
-        if stage == self.sched.loss_stage:
+        if stage == self.sched.loss_stage and self.vocab:  # the loss comes of every rank's S pass
+            self.vocab.hidden_out(op, out)
+        elif stage == self.sched.loss_stage:
             loss = self.module.loss_fn(out, self._labels(mb, seq))
             self._loss_sum += loss.detach().float()
             out = loss
@@ -185,7 +204,9 @@ class ScheduleEngine(PipelineEngine):
         unit, op = (replica, stage, mb, seq), Op(kind, replica, stage, mb, seq)
         self._post_ahead(op)
         x, out = self._stash.pop(unit)
-        if stage == self.sched.loss_stage:
+        if stage == self.sched.loss_stage and self.vocab:
+            root, grad = out, self.vocab.loss_input_grad(op, out)
+        elif stage == self.sched.loss_stage:
             root, grad = self._scale_loss(out), None
         else:
             root, grad = out, self._take(op)
@@ -200,6 +221,8 @@ class ScheduleEngine(PipelineEngine):
             self._kv.free((replica, stage, mb))  # segment 0 runs the micro-batch's last backward here
         if stage > 0:
             self._emit(op, x.grad)
+        elif self.vocab:
+            self.vocab.embedding_grad_out(op, x[0].grad)
         self._backward_done(op)
 
     @contextlib.contextmanager
@@ -235,13 +258,21 @@ class ScheduleEngine(PipelineEngine):
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
         self._backward_done(op)
 
+    def _exec_vocab_op(self, replica, stage, mb, seq, kind):
+        op = Op(kind, replica, stage, mb, seq)
+        self._post_ahead(op)
+        run = {Kind.EF: self.vocab.embedding_forward, Kind.S: self.vocab.s_pass, Kind.T: self.vocab.t_pass,
+               Kind.EW: self.vocab.embedding_weight_grad}[kind]
+        run(op)
+
     def _exec_reduce_replica_grads(self):
         if self.module.replica_sync:
             self.module.replica_sync.wait()
 
     def _exec_finish_p2p(self):
+        leftovers = self.vocab.finish() if self.vocab else []
         self.p2p.finish()
-        leftovers = [k for k in (*self._stash, *self._wgrad)] if self.module.training else []
+        leftovers += [k for k in (*self._stash, *self._wgrad)] if self.module.training else []
         leftovers += self._kv.keys()  # segment K/V caches never freed
         if leftovers or self._local:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone: {leftovers or list(self._local)}")
@@ -284,9 +315,21 @@ class ScheduleEngine(PipelineEngine):
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         """Records the layout; what loads under another one is decided by training/checkpointing.py."""
+        self._refuse_vocab_checkpoint("written")
         state = dict(client_state or {})
         state[LAYOUT_KEY] = pipeline_layout(self)
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        self._refuse_vocab_checkpoint("read")
+        return super().load_checkpoint(*args, **kwargs)
+
+    def _refuse_vocab_checkpoint(self, done):
+        """The layer files would miss the vocabulary slices, and a load could not reassemble them."""
+        if self.vocab:
+            raise VocabCheckpointError(f'ds_config "pipeline.vocab_parallel" = true: checkpoints of the vocabulary-'
+                                       f"sliced embedding and output layer are not {done} yet; run without --save/"
+                                       "--load, or without vocabulary parallelism")
 
     _INSTRUCTION_MAP = through_tracer(with_sequence_parallel_reduction({
         **PipelineEngine._INSTRUCTION_MAP,
@@ -296,15 +339,17 @@ class ScheduleEngine(PipelineEngine):
         ins.BackwardInputOp: _exec_backward_input_op,
         ins.BackwardWeightOp: _exec_backward_weight_op,
         ins.FinishP2P: _exec_finish_p2p,
+        **{ins.KIND_TO_INSTRUCTION[kind]: vocab_handler(kind) for kind in VOCAB},
         ins.ReduceReplicaGrads: _exec_reduce_replica_grads,
     }))
 
 
 def last_backward_ops(ops):
-    """{op: chunk} for the op after which each chunk's gradients are complete on this rank."""
+    """{op: chunk} for the op after which each chunk's gradients are complete on this rank (a vocabulary
+    op's stage names a slice, not a chunk)."""
     last = {}
     for op in ops:
-        if op.kind is not Kind.F:
+        if op.kind is not Kind.F and not op.kind.traits.vocab:
             last[(op.replica, op.stage)] = op
     return {op: chunk for chunk, op in last.items()}
 

@@ -33,6 +33,22 @@ class BackwardWeightOp(OpInstruction):
     """W: the queued weight GEMMs."""
 
 
+class EmbeddingSliceForwardOp(OpInstruction):
+    """EF: this rank's vocabulary rows of the embedding lookup."""
+
+
+class OutputSlicePassOp(OpInstruction):
+    """S: this rank's slice of the logits, their statistics and input-gradient share."""
+
+
+class OutputSliceWeightOp(OpInstruction):
+    """T: this rank's output-layer slice weight gradient."""
+
+
+class EmbeddingSliceWeightOp(OpInstruction):
+    """EW: this rank's embedding rows' weight gradient."""
+
+
 class ReduceReplicaGrads(ds_schedule.PipeInstruction):
     """Finish the twin-chunk gradient all-reduces of a two-replica schedule."""
 
@@ -41,7 +57,9 @@ class FinishP2P(ds_schedule.PipeInstruction):
     """Wait for outstanding sends and check that every message was consumed."""
 
 
-KIND_TO_INSTRUCTION = {Kind.F: ForwardOp, Kind.BW: BackwardOp, Kind.B: BackwardInputOp, Kind.W: BackwardWeightOp}
+KIND_TO_INSTRUCTION = {Kind.F: ForwardOp, Kind.BW: BackwardOp, Kind.B: BackwardInputOp, Kind.W: BackwardWeightOp,
+                       Kind.EF: EmbeddingSliceForwardOp, Kind.S: OutputSlicePassOp, Kind.T: OutputSliceWeightOp,
+                       Kind.EW: EmbeddingSliceWeightOp}
 INSTRUCTION_TO_KIND = {cls.__name__: kind for kind, cls in KIND_TO_INSTRUCTION.items()}
 
 

@@ -17,6 +17,8 @@ from collections import defaultdict
 
 from megatron_ds.schedules.kinds import ACT, GRAD
 
+from .vocab_messages import vocab_incoming, vocab_outgoing
+
 STEP = {ACT: 1, GRAD: -1}  # an activation goes to the next stage, a gradient to the previous one
 
 
@@ -44,29 +46,53 @@ def incoming_key(op):
     return (what, op.replica, op.stage - STEP[what], op.mb, op.seq)
 
 
-def lookahead(ops, remote_keys):
-    """{op: the message key the next receiving op after it consumes}, for the keys in `remote_keys`."""
+def lookahead(ops, remote_keys, reads=None):
+    """{op: the keys of the messages the next receiving op after it reads}, of those in `remote_keys`.
+    `reads(op)`: the keys op reads (default: its incoming_key). A key read twice on a rank (vocabulary
+    parallelism's statistics, read by T and the loss stage's backward) arrives once, for its first reader."""
+    reads = reads or (lambda op: [incoming_key(op)])
+    seen, first_reads = set(), []
+    for op in ops:
+        keys = [key for key in reads(op) if key in remote_keys and key not in seen]
+        seen.update(keys)
+        first_reads.append(keys)
     ahead, following = {}, None
-    for op in reversed(ops):
+    for op, keys in zip(reversed(ops), reversed(first_reads)):
         if following is not None:
             ahead[op] = following
-        key = incoming_key(op)
-        if key in remote_keys:
-            following = key
+        if keys:
+            following = keys
     return ahead
 
 
-class MessagePlan:
-    """For each (src, dst) pair, the messages src sends to dst, in src's op order."""
+def all_outgoing(schedule, rank, op, train=True):
+    """Every (key, destination rank) `op` on `rank` sends to another rank, in send order: its
+    activation or gradient, and under vocabulary parallelism those of vocab_messages.py."""
+    out = outgoing(schedule, rank, op)
+    sends = [out] if out else []
+    if schedule.vocab_parallel:
+        sends += [(key, dst) for key, dst in vocab_outgoing(schedule, op, train) if dst != rank]
+    return sends
 
-    def __init__(self, schedule, op_lists):
+
+def reads(schedule):
+    """The keys an op reads, for lookahead: its incoming_key, and under vocabulary parallelism those of
+    vocab_messages.vocab_incoming."""
+    if not schedule.vocab_parallel:
+        return None
+    return lambda op: [incoming_key(op), *vocab_incoming(schedule, op)]
+
+
+class MessagePlan:
+    """For each (src, dst) pair, the messages src sends to dst, in src's op order. `train`: the op
+    lists hold backwards (evaluation's vocabulary messages are fewer)."""
+
+    def __init__(self, schedule, op_lists, train=True):
         self.schedule = schedule
         self.sends = defaultdict(list)  # (src, dst) -> [key, ...]
         self.source = {}  # key -> src rank
         for src, ops in enumerate(op_lists):
             for op in ops:
-                out = outgoing(schedule, src, op)
-                if out:
-                    key, dst = out
+                for key, dst in all_outgoing(schedule, src, op, train):
                     self.sends[(src, dst)].append(key)
                     self.source[key] = src

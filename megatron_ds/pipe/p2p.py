@@ -12,10 +12,10 @@ import torch.distributed as dist
 class P2P:
     """One rank's side of a MessagePlan for one iteration."""
 
-    def __init__(self, plan, rank, group_rank_of, shape_of, dtype, device):
+    def __init__(self, plan, rank, group_rank_of, shape_of, dtype_of, device):
         self.plan, self.rank = plan, rank
         self.group_rank_of = group_rank_of  # pipeline rank -> global rank
-        self.shape_of, self.dtype, self.device = shape_of, dtype, device
+        self.shape_of, self.dtype_of, self.device = shape_of, dtype_of, device  # message key -> its shape, dtype
         self.posted_upto = defaultdict(int)  # src -> how many of its messages to us are posted
         self.pending_recv = {}  # key -> (work, tensor)
         self.pending_send = []
@@ -30,7 +30,7 @@ class P2P:
         expected = self.plan.sends[(src, self.rank)]
         while key not in self.pending_recv:
             nxt = expected[self.posted_upto[src]]
-            buf = torch.empty(self.shape_of(nxt), dtype=self.dtype, device=self.device)
+            buf = torch.empty(self.shape_of(nxt), dtype=self.dtype_of(nxt), device=self.device)
             self.pending_recv[nxt] = (dist.irecv(buf, self.group_rank_of(src)), buf)
             self.posted_upto[src] += 1
 

@@ -22,7 +22,8 @@ from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_
                                              segment_costs)
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
-from .messages import MessagePlan, lookahead
+from .messages import MessagePlan, lookahead, reads
+from .vocab_messages import width
 from .partition import is_cost_method, layer_flops
 
 
@@ -101,6 +102,24 @@ def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: 
     return tp
 
 
+def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> None:
+    """What the engine's vocabulary passes (pipe/vocab_passes.py) do not combine with yet."""
+    key = 'ds_config "pipeline.vocab_parallel" = true'
+    refused = [(getattr(config, "tensor_model_parallel_size", 1) > 1, "--tensor-model-parallel-size > 1"),
+               (getattr(config, "loss_chunk_size", None), "--loss-chunk-size"),
+               (getattr(config, "liger_kernel", False), "--use-liger-kernel"),
+               (is_cost_method(settings.partition_method), f'"partition_method": "{settings.partition_method}"'),
+               (settings.post_validation, '"post_validation": true')]
+    for on, what in refused:
+        if on:
+            raise ConfigError(f"{key} with {what}: not supported together yet (docs/SCHEDULES.md: Vocabulary "
+                              "parallelism)")
+    vocab = getattr(config, "vocab_size", None)  # known at parse when given (else the tokenizer pads it later)
+    if vocab and vocab % pp:
+        raise ConfigError(f"{key}: the vocabulary of {vocab} rows does not split over the {pp} pipeline ranks; "
+                          f"pad it to a multiple of {pp} (--make-vocab-size-divisible-by)")
+
+
 @dataclass(frozen=True)
 class AutoPlan:
     """`"schedule": "auto"`: the budget in memory units (schedules/auto.py), the timed iterations
@@ -159,7 +178,7 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
 @dataclass(frozen=True)
 class RankProgram:
     """What one rank runs for one batch size: its ops, the whole pipeline's messages, and for each
-    op the message whose receive to post when it starts."""
+    op the messages whose receives to post when it starts."""
     schedule: Schedule
     ops: list
     messages: MessagePlan
@@ -247,10 +266,12 @@ class PipelinePlan:
         key = (rank, m, train)
         if key not in self._programs:
             sched = self.for_micro_batches(m)
-            op_lists = sched.ranks if train else [[op for op in ops if op.kind is Kind.F] for ops in sched.ranks]
-            messages = MessagePlan(sched, op_lists)
+            forwards = (Kind.F, Kind.EF, Kind.S)  # evaluation: the loss from the S passes' statistics
+            op_lists = sched.ranks if train else [[op for op in ops if op.kind in forwards] for ops in sched.ranks]
+            messages = MessagePlan(sched, op_lists, train)
+            remote = {k for k, src in messages.source.items() if src != rank}
             self._programs[key] = RankProgram(sched, op_lists[rank], messages,
-                                              lookahead(op_lists[rank], messages.source))
+                                              lookahead(op_lists[rank], remote, reads(sched)))
         return self._programs[key]
 
     def segment(self, seq: int) -> slice:
@@ -262,13 +283,16 @@ class PipelinePlan:
 
     def message_shape(self, key: tuple) -> tuple:
         """(micro batch, tokens, hidden) of a message; its last field is the segment. Under sequence
-        parallelism a message is this TP rank's shard of the tokens."""
+        parallelism a message is this TP rank's shard of the tokens. A vocabulary message's last
+        dimension is its own (vocab_messages.width)."""
         seq = self.segment_lengths[key[-1]] if self.segment_lengths else self.seq_length
-        return (self.micro_batch_size, seq // self.sequence_shards, self.hidden_size)
+        return (self.micro_batch_size, seq // self.sequence_shards, width(key, self.hidden_size))
 
     def needs_data(self, rank: int) -> bool:
-        """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica."""
-        return any(st in (0, self.schedule.loss_stage) for _, st in self.schedule.chunks_on(rank))
+        """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica; under
+        vocabulary parallelism every rank (its EF reads the tokens, its S the labels)."""
+        chunks = self.schedule.chunks_on(rank)
+        return self.settings.vocab_parallel or any(st in (0, self.schedule.loss_stage) for _, st in chunks)
 
 
 def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
@@ -286,6 +310,8 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
                           f'{{"stage": 1}} (it is {zero_stage})')
     mbs, gas = micro_batches_per_step(ds_config, dp)
     seq = seq_length or config.max_position_embeddings
+    if settings.vocab_parallel:
+        check_vocab_parallel_run(settings, config, pp)
     auto_plan = None
     if settings.auto:
         settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
@@ -293,6 +319,9 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
         schedule = settings.build_schedule(pp, gas)
     except ScheduleError as exc:
         raise ConfigError(f'ds_config "pipeline": {exc}') from None
+    if schedule.vocab_parallel and not settings.vocab_parallel:
+        raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": the file places vocabulary passes '
+                          '(EF, S, T, EW); the engine runs them for the named schedules with "vocab_parallel": true')
     check_layers(schedule, config.num_layers, settings)
     lengths = None
     if schedule.seq_splits > 1:  # a schedule file may carry its own cut

@@ -9,6 +9,7 @@ import pytest
 
 from megatron_ds.pipe.config import ConfigError
 from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=64)
@@ -98,3 +99,22 @@ def test_planning_imports_no_torch():
             "print('torch' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+def test_vocab_parallel_plan_loads_data_everywhere_and_refuses_what_it_cannot_run(tmp_path):
+    plan = plan_for({"schedule": "1f1b", "vocab_parallel": True})
+    assert all(plan.needs_data(r) for r in range(4))  # EF reads the tokens, S the labels, on every rank
+    assert [plan.message_shape((what, 0, 1, 0, 0)) for what in ("emb", "stat", "share")] == [
+        (2, 64, 32), (2, 64, 3), (2, 64, 64)]
+    for extra, words in [({"tp": 2}, "--tensor-model-parallel-size > 1"),
+                         ({"pipeline": {"partition_method": "flops"}}, '"partition_method": "flops"')]:
+        section = {"schedule": "1f1b", "vocab_parallel": True, **extra.pop("pipeline", {})}
+        with pytest.raises(ConfigError, match=f"vocab_parallel.* with {words}: not supported"):
+            plan_for(section, **extra)
+    path = tmp_path / "v.json"  # a file carrying vocabulary passes, run without the key
+    path.write_text(build_schedule("1f1b", 4, 8, vocab_parallel=True).to_json())
+    with pytest.raises(ConfigError, match="the file places vocabulary passes"):
+        plan_for({"schedule": f"file:{path}"})
+    with pytest.raises(ConfigError, match='vocab_parallel.* with "schedule": "file:.*runs the vocabulary passes under '
+                                          'the named schedules gpipe'):  # a file's order is not proven yet
+        plan_for({"schedule": f"file:{path}", "vocab_parallel": True})

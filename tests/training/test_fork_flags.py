@@ -164,9 +164,13 @@ def test_allow_padding_num_layers():
         parse("--allow-padding-num-layers", ds={"pipeline": {"schedule": "zbv", "allow_padding_num_layers": False}})
 
 
-def test_enable_vocab_parallel_sets_the_key_and_is_refused_until_the_engine_runs_it():
-    with pytest.raises(ArgumentsError, match="pipeline.vocab_parallel.*engine does not run"):
-        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel")
+def test_enable_vocab_parallel_sets_the_key_and_refuses_what_the_engine_does_not_run():
+    section = pipeline("--enable-zbh1-pipeline", "--enable-vocab-parallel")
+    assert section == {"schedule": "zb-h1", "vocab_parallel": True}
+    with pytest.raises(ArgumentsError, match="vocab_parallel.*--save: checkpoints .* not written"):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--save", "ckpt")
+    with pytest.raises(ArgumentsError, match="vocab_parallel.*--tensor-model-parallel-size > 1: not supported"):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2")
 
 
 def test_cost_partition_checked_at_parse_time():

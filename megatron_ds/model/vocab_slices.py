@@ -1,0 +1,57 @@
+"""The GPT's layers under vocabulary parallelism (docs/SCHEDULES.md: Vocabulary parallelism): the
+word embedding and the output layer leave the pipeline's layer list, every pipeline rank holds one
+vocabulary slice of them (VocabSlice), and the first layer starts from the word embeddings summed
+over the slices (EmbeddingSum). The passes that use the slices are model/vocab_parallel.py's.
+
+Each slice is cut from the whole matrix drawn as Embedding and LMHead draw it, so any pipeline size
+starts from the single-process reference's weights.
+"""
+import torch
+import torch.nn as nn
+from deepspeed.pipe import LayerSpec
+
+from megatron_ds.gpt_config import GPTConfig
+from .layers import Embedding, FinalNorm, LMHead, TransformerLayer
+from .vocab_parallel import vocab_range
+
+
+class EmbeddingSum(Embedding):
+    """Layer 0 without its word embedding: input (word embeddings, the slices' sum; position_ids)."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)  # draws the word embedding first, as the reference does
+        del self.wte
+
+    def forward(self, inputs):
+        x, position_ids = inputs
+        if self.wpe is not None:
+            x = x + self.wpe(position_ids)
+        if self.ln_emb is not None:
+            x = self.ln_emb(x)
+        return self.drop(x)
+
+
+class VocabSlice(nn.Module):
+    """Rows [start, end) of the word embedding (`wte`) and of the untied output layer (`head`; None
+    when tied: the output layer is `wte`)."""
+
+    def __init__(self, config: GPTConfig, rank: int, world: int):
+        super().__init__()
+        self.start, self.end = vocab_range(config.vocab_size, rank, world)
+        rows = slice(self.start, self.end)
+        self.wte = nn.Parameter(Embedding(config, 0).wte.weight.detach()[rows].clone())
+        self.head = None
+        if not config.tied_head:
+            self.head = nn.Parameter(LMHead(config, config.num_layers + 2).weight.detach()[rows].clone())
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.wte if self.head is None else self.head
+
+
+def vocab_layer_specs(config: GPTConfig):
+    """The pipeline's layers when the vocabulary slices sit beside them: the GPT's without the output
+    layer, the embedding without its word table (global indices as gpt_layer_specs')."""
+    L = config.num_layers
+    return ([LayerSpec(EmbeddingSum, config, 0)] + [LayerSpec(TransformerLayer, config, i) for i in range(1, L + 1)]
+            + [LayerSpec(FinalNorm, config, L + 1)])
