@@ -1,4 +1,11 @@
-"""Run a function on N gloo ranks of this machine, in fresh (spawned) processes; return every rank's result.
+"""Run a function on N gloo ranks of this machine, in fresh processes; return every rank's result.
+
+On a machine without CUDA the ranks are forked from a multiprocessing fork server that imported
+torch, DeepSpeed and the pipeline package once per calling process: a spawned rank spends ~5 s of CPU
+on those imports, which on a 2-core machine was most of a test launch. Each rank still starts from
+that clean, just-imported state, with the caller's environment, working directory and stdout/stderr
+of the moment. With CUDA the ranks are spawned (DeepSpeed's accelerator probe initialises the CUDA
+driver at import, and a child forked after that cannot use the GPU).
 
 Each rank gets the torch.distributed environment of a launcher (MASTER_ADDR/PORT, RANK,
 LOCAL_RANK, WORLD_SIZE) and one thread. A rank that raises fails the launch with its
@@ -21,7 +28,12 @@ import traceback
 from megatron_ds.training.initialize import free_port
 
 
-def _entry(rank, world_size, port, fn, args, kwargs, queue, env, quiet):
+def _entry(rank, world_size, port, fn, args, kwargs, queue, env, quiet, stdio=None):
+    if stdio is not None:  # forked from the server: take the caller's environment and output of now
+        os.environ.clear()
+        os.environ.update(stdio.environ)
+        for target, fd in ((1, stdio.stdout), (2, stdio.stderr)):
+            os.dup2(fd.detach(), target)
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
@@ -126,12 +138,58 @@ def child_env(root, **extra) -> dict:
     return env
 
 
+# What every rank imports; the fork server imports it once (pipe.build pulls in the model and torch._dynamo).
+_PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_ds.pipe.build"]
+_server = []  # [the context], once started
+
+
+def _context():
+    """The fork server's context with the preload imported (started on first use), or spawn's under CUDA."""
+    if not _server:
+        import torch
+        if torch.cuda.is_available():
+            return mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        from multiprocessing import forkserver
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        before = os.environ.get("PYTHONPATH")
+        os.environ.update(child_env(root))  # the server imports megatron_ds from where this one came from
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop("PYTHONPATH")
+            if before is not None:
+                os.environ["PYTHONPATH"] = before
+        _server.append(ctx)
+    return _server[0]
+
+
+class _Stdio:
+    """The caller's environment and its stdout/stderr file descriptors as they are at this launch (under
+    pytest, the current test's capture), handed to a forked rank: the fork server holds those of its start."""
+
+    def __init__(self):
+        self.environ = dict(os.environ)
+
+    def __reduce__(self):  # called while the rank is being sent to the server, which passes the fds along
+        from multiprocessing.reduction import DupFd
+        return _stdio, (self.environ, DupFd(1), DupFd(2))
+
+
+def _stdio(environ, stdout, stderr):
+    out = _Stdio.__new__(_Stdio)
+    out.environ, out.stdout, out.stderr = environ, stdout, stderr
+    return out
+
+
 def run_ranks(world_size, fn, *args, timeout=300, env=None, quiet=False, **kwargs):
-    """[fn(*args, **kwargs) on rank r for r in range(world_size)]; fn must be importable (spawn)."""
-    ctx = mp.get_context("spawn")
+    """[fn(*args, **kwargs) on rank r for r in range(world_size)]; fn must be importable (as for spawn)."""
+    ctx = _context()
+    stdio = _Stdio() if ctx.get_start_method() == "forkserver" else None
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, kwargs, queue, env or {}, quiet),
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, kwargs, queue, env or {}, quiet, stdio),
                          daemon=True) for r in range(world_size)]
     results, errors = {}, []
     signals = _Signals()

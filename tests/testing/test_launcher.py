@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,3 +103,30 @@ def test_child_env_puts_the_clone_first_and_keeps_pythonpath(tmp_path, monkeypat
     assert proc.stdout.split() == ["from", "PYTHONPATH", os.path.join(ROOT, "megatron_ds", "testing", "__init__.py")]
     monkeypatch.delenv("PYTHONPATH")
     assert child_env(ROOT)["PYTHONPATH"] == ROOT
+
+
+def _report(word):
+    print("out:" + word, flush=True)
+    print("err:" + word, file=sys.stderr, flush=True)
+    return os.environ.get("LAUNCHER_PROBE"), os.getcwd(), os.environ["RANK"]
+
+
+@pytest.fixture(scope="module")
+def started_server():
+    """The fork server started before any test's own capture exists (as in the suite, by an earlier test)."""
+    from megatron_ds.testing import launcher
+    launcher._context()
+
+
+def test_ranks_see_the_callers_environment_folder_and_output_of_each_launch(started_server, tmp_path, monkeypatch,
+                                                                            capfd):
+    """Ranks forked from the fork server still get what a spawned rank gets: the caller's environment and
+    working folder at this launch, and its stdout/stderr (here this test's capfd), not those the server
+    started with."""
+    from megatron_ds.testing.launcher import run_ranks
+    for word, folder in (("first", tmp_path), ("second", ROOT)):
+        monkeypatch.setenv("LAUNCHER_PROBE", word)
+        monkeypatch.chdir(folder)
+        assert run_ranks(2, _report, word) == [(word, str(folder), "0"), (word, str(folder), "1")]
+        out, err = capfd.readouterr()
+        assert out.count("out:" + word) == 2 and err.count("err:" + word) == 2, (out, err)
