@@ -20,7 +20,7 @@ fp32 sums: mean over tokens, or for a Seq1F1B segment the sum over its tokens / 
 import torch
 import torch.distributed as dist
 
-from .linear import WeightGradStore, _accumulate
+from .linear import WeightGradStore, accumulate_grad
 from .tensor_parallel import comm
 
 
@@ -98,7 +98,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad = _grad_logits(h2[start:end], weight, y[start:end], lse[start:end], scale, group)
                     part = grad.t().matmul(h2[start:end])
                     total = part if total is None else total.add_(part)
-                _accumulate(weight, total)
+                accumulate_grad(weight, total)
             WeightGradStore._queue.append(weight_pass)
         grad_hidden = None if grad_hidden is None else grad_hidden.view(ctx.shape)
         return grad_hidden, grad_weight, None, None, None, None

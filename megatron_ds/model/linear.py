@@ -36,7 +36,8 @@ class WeightGradStore:
         queue.clear()
 
 
-def _accumulate(param, grad):
+def accumulate_grad(param, grad):
+    """param.grad += grad, as autograd's AccumulateGrad does (for gradients made outside autograd)."""
     if param.grad is None:
         param.grad = grad
     else:

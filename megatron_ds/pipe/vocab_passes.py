@@ -12,16 +12,10 @@ ZeRO-1's step see them like any other.
 import torch
 
 from megatron_ds.model import vocab_parallel as vp
+from megatron_ds.model.linear import accumulate_grad
 from megatron_ds.schedules.kinds import S
 
 from .vocab_messages import EGRAD, EMB, FLOAT32, HID, SHARE, STAT, key, vocab_outgoing
-
-
-def _accumulate(param, grad):
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
 
 
 class VocabPasses:
@@ -102,14 +96,14 @@ class VocabPasses:
         stats = vp.Statistics(loss=None, alpha=alphas[op.stage], input_grad=None)
         with torch.no_grad():
             grad = vp.output_t_pass(self.slices.pop(op.unit), stats, hidden, self._grad_loss(op))
-        _accumulate(self.slice.output_weight, grad.to(self.slice.output_weight.dtype))
+        accumulate_grad(self.slice.output_weight, grad.to(self.slice.output_weight.dtype))
 
     def embedding_weight_grad(self, op):
         """EW: the gradient of this slice's rows, from stage 0's input gradient."""
         grad_output = self._fetch(key(EGRAD, op, 0))
         with torch.no_grad():
             grad = vp.embedding_weight_grad(self._tokens(op), grad_output, self.slice.wte.shape[0], self.slice.start)
-        _accumulate(self.slice.wte, grad.to(self.slice.wte.dtype))
+        accumulate_grad(self.slice.wte, grad.to(self.slice.wte.dtype))
 
     # -- the transformer stages' ends --------------------------------------------------------------
     def embedding_sum(self, op):

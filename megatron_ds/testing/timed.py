@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_ds.model.linear import WeightGradStore, _accumulate
+from megatron_ds.model.linear import WeightGradStore, accumulate_grad
 
 
 MAX_CARRY = 0.01  # seconds of lateness a sleep may make up for
@@ -100,7 +100,7 @@ class _TimedFunction(torch.autograd.Function):
             grad_w = weight_grad(start + costs.tb * share)
             return grad_x, grad_w, None, None
         costs.sleep_until(start + costs.tb * share)
-        queue.append(lambda: _accumulate(weight, weight_grad(time.perf_counter())))
+        queue.append(lambda: accumulate_grad(weight, weight_grad(time.perf_counter())))
         return grad_x, None, None, None
 
 
