@@ -113,11 +113,10 @@ def engine_rank_runs(pp, gas, steps, pipelines, **kw):
 
 
 def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2, seq=SEQ,
-                    model=None, probe=None):
+                    model=None):
     """Per-rank side: train `steps` steps, return losses, first-step grads and final weights.
     The pipeline section's "activation_checkpoint_interval" (a DeepSpeed key) checkpoints layers.
-    `model`: GPTConfig options (a model family) on top of tiny_config. `probe(engine)`: what it returns
-    after the run is the result's "probe"."""
+    `model`: GPTConfig options (a model family) on top of tiny_config."""
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
@@ -141,7 +140,7 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
     eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size, seq) for j in range(gas)])
     eval_loss = float(engine.eval_batch(eval_batches))
     return dict(losses=losses, grads=grads, weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
-                grad_norms=norms, engine=engine_facts(engine), probe=probe(engine) if probe else None)
+                grad_norms=norms, engine=engine_facts(engine))
 
 
 def whole_vocabulary(engine, config, tensors):

@@ -23,6 +23,8 @@ import re
 
 from deepspeed.checkpoint import constants as C
 
+from .vocab_slices import ATTR
+
 LAYER = r"\d+"
 
 
@@ -70,9 +72,11 @@ def _pattern(name):
     return rf"^{re.escape(name)}$"
 
 
-def universal_checkpoint_info(config, padded_vocab_size):
+def universal_checkpoint_info(config, padded_vocab_size, vocab_parallel=False):
     """The UNIVERSAL_CHECKPOINT_INFO dict for a model of `config` (its tensor_model_parallel_size
-    is the TP size the checkpoint is saved with)."""
+    is the TP size the checkpoint is saved with). `vocab_parallel`: the step's optimizer shards hold
+    vocabulary slices (model/vocab_slices.py) whose names every pipeline rank shares, which the
+    converter would write over one another: it is told to refuse them."""
     tp = config.tensor_model_parallel_size
     kinds = {}
     sub_params = {}
@@ -98,4 +102,9 @@ def universal_checkpoint_info(config, padded_vocab_size):
         C.SUB_PARAM_SHARD_WIDTHS: {pattern: [[s // tp] * tp for s in sections]
                                    for pattern, sections in sub_params.items()},
     }
+    if vocab_parallel:  # the converter's one refusal by pattern (it names the key after AutoTP)
+        info[C.AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS] = {
+            rf"^{ATTR}\.": "vocabulary-parallel slices (every pipeline rank's under one name); resume from the "
+                           "saved step itself (--load without --universal-checkpoint), under any pipeline or "
+                           "data-parallel size, vocabulary parallelism on or off"}
     return info

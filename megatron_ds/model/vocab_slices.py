@@ -11,8 +11,11 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec
 
 from megatron_ds.gpt_config import GPTConfig
+from .gpt import TIED_ATTR, TIED_KEY
 from .layers import Embedding, FinalNorm, LMHead, TransformerLayer
 from .vocab_parallel import vocab_range
+
+ATTR = "vocab_slice"  # the pipeline module's attribute (pipe/build.py): its parameters are named ATTR.wte, ATTR.head
 
 
 class EmbeddingSum(Embedding):
@@ -43,10 +46,35 @@ class VocabSlice(nn.Module):
         self.head = None
         if not config.tied_head:
             self.head = nn.Parameter(LMHead(config, config.num_layers + 2).weight.detach()[rows].clone())
+        self.names = whole_names(config)
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self.wte if self.head is None else self.head
+
+
+def whole_names(config: GPTConfig) -> dict:
+    """How this layout's parameter names read in the layout without vocabulary parallelism (gpt_layer_specs
+    under DeepSpeed's PipelineModule), which is how the optimizer state is matched across layouts
+    (training/zero_relayout.py): "slices" {slice parameter: the whole one it is rows of}, "prefixes" {prefix:
+    its replacement} (tied, layer 0 is a tied module there). Plain data: checkpoints record it."""
+    if config.tied_head:
+        tied = f"tied_modules.{TIED_KEY}."
+        return {"slices": {f"{ATTR}.wte": tied + TIED_ATTR}, "prefixes": {"0.": tied}}
+    return {"slices": {f"{ATTR}.wte": "0.wte.weight", f"{ATTR}.head": f"{config.num_layers + 2}.weight"},
+            "prefixes": {}}
+
+
+def whole_name(name: str, names: dict | None) -> str:
+    """`name` as the layout without vocabulary parallelism has it (`names`: whole_names'; None: unchanged)."""
+    if not names:
+        return name
+    if name in names["slices"]:
+        return names["slices"][name]
+    for prefix, replacement in names["prefixes"].items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 def vocab_layer_specs(config: GPTConfig):

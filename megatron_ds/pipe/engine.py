@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
-from megatron_ds.errors import UserError
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules import Op
@@ -31,10 +30,6 @@ from .vocab_passes import VocabPasses
 
 
 LAYOUT_KEY = "megatron_ds_pipeline_layout"
-
-
-class VocabCheckpointError(UserError, NotImplementedError):
-    """A checkpoint asked of a vocabulary-parallel run, whose layout cannot be saved yet."""
 
 
 def vocab_handler(kind):
@@ -314,22 +309,11 @@ class ScheduleEngine(PipelineEngine):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
-        """Records the layout; what loads under another one is decided by training/checkpointing.py."""
-        self._refuse_vocab_checkpoint("written")
+        """Records the layout; what loads under another one is decided by training/checkpointing.py. Under
+        vocabulary parallelism the layer files hold the whole matrices (pipe/vocab_checkpoint.py)."""
         state = dict(client_state or {})
         state[LAYOUT_KEY] = pipeline_layout(self)
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
-
-    def load_checkpoint(self, *args, **kwargs):
-        self._refuse_vocab_checkpoint("read")
-        return super().load_checkpoint(*args, **kwargs)
-
-    def _refuse_vocab_checkpoint(self, done):
-        """The layer files would miss the vocabulary slices, and a load could not reassemble them."""
-        if self.vocab:
-            raise VocabCheckpointError(f'ds_config "pipeline.vocab_parallel" = true: checkpoints of the vocabulary-'
-                                       f"sliced embedding and output layer are not {done} yet; run without --save/"
-                                       "--load, or without vocabulary parallelism")
 
     _INSTRUCTION_MAP = through_tracer(with_sequence_parallel_reduction({
         **PipelineEngine._INSTRUCTION_MAP,
@@ -356,10 +340,15 @@ def last_backward_ops(ops):
 
 def pipeline_layout(engine):
     """What ZeRO's optimizer partitioning depends on: pipeline and DP sizes, chunk placement
-    (DeepSpeed's stock engine: one stage per rank)."""
+    (DeepSpeed's stock engine: one stage per rank), and under vocabulary parallelism "vocab_parallel":
+    how its parameter names read without it (model/vocab_slices.whole_names)."""
     plan = getattr(engine, "plan", None)  # a ScheduleEngine's
     placement = [list(row) for row in plan.placement] if plan else [list(range(engine.num_stages))]
-    return {"pp": engine.num_stages, "dp": engine.dp_world_size, "placement": placement}
+    layout = {"pp": engine.num_stages, "dp": engine.dp_world_size, "placement": placement}
+    vocab = getattr(engine.module, "vocab_slice", None)
+    if vocab is not None:
+        layout["vocab_parallel"] = vocab.names
+    return layout
 
 
 def saved_layout(state):

@@ -7,10 +7,13 @@ schedules). One chunk at a time is exposed to PipelineModule.forward, so
 activation checkpointing, tied layers and layer checkpoint files (named by
 global layer index) work per chunk exactly as DeepSpeed does them.
 """
+import contextlib
+
 from deepspeed.pipe import PipelineModule
 
 from .config import ConfigError
 from .replicas import ReplicaSync
+from .vocab_checkpoint import gather_whole, load_slice, save_head, with_whole_embedding, without_whole_embedding
 
 
 def given_parts(module, parts, method):
@@ -105,22 +108,35 @@ class ChunkedPipelineModule(PipelineModule):
         self.activate(chunk)
         return super().forward(inputs)
 
-    def save_state_dict(self, *args, **kwargs):
+    def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):
+        # vocabulary parallelism: the files hold the whole matrices, which their writers gather
+        whole = gather_whole(self) if getattr(self, "vocab_slice", None) is not None else {}
         for chunk in self.chunks:
             if chunk[0] == 0:  # a checkpoint holds one copy of each layer
                 self.activate(chunk)
-                super().save_state_dict(*args, **kwargs)
+                saving = (with_whole_embedding(self.forward_funcs[0], whole["wte"])
+                          if whole.get("wte") is not None and self._local_start == 0 else contextlib.nullcontext())
+                with saving:
+                    super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
+                if whole.get("head") is not None and self._local_stop == len(self._layer_specs):
+                    save_head(self, save_dir, checkpoint_engine, whole["head"])
 
-    def load_state_dir(self, *args, **kwargs):
+    def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         # The parent re-broadcasts tied weights after loading: a collective, so do it
         # once here rather than once per chunk.
+        vocab = getattr(self, "vocab_slice", None)
         self._synchronize_tied_weights = lambda: None
         try:
             for chunk in self.chunks:
                 self.activate(chunk)
-                super().load_state_dir(*args, **kwargs)
+                loading = (without_whole_embedding(self.forward_funcs[0]) if vocab is not None
+                           and self._local_start == 0 else contextlib.nullcontext())
+                with loading:
+                    super().load_state_dir(load_dir, checkpoint_engine, strict)
         finally:
             del self._synchronize_tied_weights
         self._synchronize_tied_weights()
+        if vocab is not None:
+            load_slice(self, load_dir)
         if self.replica_sync:
             self.replica_sync.broadcast_weights()

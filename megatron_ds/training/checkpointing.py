@@ -23,8 +23,9 @@ Loading is decided here and only here (`plan_load`): the weights load under any
 layout; the lr schedule, DeepSpeed's step counters and the data position load
 unless --finetune; the optimizer state loads as DeepSpeed saved it under the same
 layout, and is re-cut parameter by parameter (zero_relayout.py) under another
-schedule, pipeline or data-parallel size, so a resumed run continues the same
-training whatever layout it resumes under. Another tensor-parallel size goes through
+schedule, pipeline or data-parallel size, or with vocabulary parallelism switched on
+or off (its layer files hold the whole matrices: pipe/vocab_checkpoint.py), so a
+resumed run continues the same training whatever layout it resumes under. Another tensor-parallel size goes through
 DeepSpeed's universal checkpoint (universal.py): every checkpoint carries the
 `universal_checkpoint_info` its converter needs, and a run with --universal-checkpoint
 loads the converted folder (SAVE/latest_universal) under any TP x PP x DP.
@@ -140,7 +141,9 @@ def _stopped_by_disk(args, step_dir):
 
 def universal_info(args):
     """What DeepSpeed's ds_to_universal needs to know of the model (Megatron-DeepSpeed's client state key)."""
-    return universal_checkpoint_info(model_config(args), args.padded_vocab_size)
+    settings = getattr(args, "pipeline_settings", None)
+    return universal_checkpoint_info(model_config(args), args.padded_vocab_size,
+                                     vocab_parallel=bool(settings and settings.vocab_parallel))
 
 
 def read_latest_tag(load_dir, universal=False):
@@ -276,7 +279,9 @@ def restore(engine, load_dir, tag, plan):
         fresh_optimizer(engine.optimizer)
     if plan.optimizer == "by_name":
         try:
-            restore_by_name(engine.optimizer, os.path.join(load_dir, tag))
+            saved_names = (saved_layout(read_saved_state(load_dir, tag)) or {}).get("vocab_parallel")
+            restore_by_name(engine.optimizer, os.path.join(load_dir, tag), saved_names,
+                            getattr(engine.module, "vocab_slice", None))
         except RelayoutError as e:
             raise CheckpointError(f"checkpoint {load_dir}/{tag}: {e}") from e
     return client_state or {}

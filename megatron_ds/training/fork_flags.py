@@ -271,10 +271,6 @@ def check_schedule_shape(args):
     args.pipeline_plan = args.auto_plan = None
     if settings.stock and not is_cost_method(settings.partition_method):
         return
-    checkpoint = [flag for flag in ("save", "load") if getattr(args, flag, None)]
-    if settings.vocab_parallel and checkpoint:  # the engine refuses too; here it stops before any step is lost
-        _err(f'ds_config "pipeline.vocab_parallel" = true with --{" and --".join(checkpoint)}: checkpoints of the '
-             "vocabulary-sliced embedding and output layer are not written or read yet")
     sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
     try:
         if settings.stock:

@@ -65,6 +65,12 @@ def apply_universal(args, ds_config, err):
         err(f"--universal-checkpoint disagrees with ds_config \"checkpoint\": {{\"load_universal\": false}} in "
             f"{args.deepspeed_config}; give one of them")
     args.universal_checkpoint = bool(args.universal_checkpoint or key)
+    settings = getattr(args, "pipeline_settings", None)
+    if args.universal_checkpoint and settings is not None and settings.vocab_parallel:
+        err("--universal-checkpoint with ds_config \"pipeline.vocab_parallel\" = true: DeepSpeed's universal "
+            "checkpoint knows no vocabulary slices (its converter refuses a vocabulary-parallel step too); --load "
+            "the saved step itself, which resumes under any pipeline or data-parallel size, vocabulary "
+            "parallelism on or off")
     if args.universal_checkpoint:
         ds_config["checkpoint"] = {**section, "load_universal": True}
         if not args.load:

@@ -9,6 +9,12 @@ saved rank and cut again for this rank's partition. This is what DeepSpeed's uni
 checkpoint does offline; here it happens at load time, for fp32 master weights and every
 optimizer state tensor (Adam's moments), with the optimizer's step count kept.
 
+Vocabulary parallelism (model/vocab_slices.py) names its parameters otherwise: each pipeline rank's
+slice of the word embedding and of the output layer is rows [start, end) of the whole parameter, and
+tied, layer 0 is no tied module. Both sides are read in the names of the layout without it
+(whole_names, recorded in the saved pipeline layout): the saved slices are joined in pipeline-rank
+order, and this rank's slice is cut from the whole parameter's state.
+
 The DeepSpeed 0.19 ZeRO stage 1/2 members used (private, checked on upgrade):
 `optimizer` (the wrapped torch optimizer, one flat fp32 parameter per group),
 `bit16_groups`, `single_partition_of_fp32_groups`, `param_names`, `_hp_optimizer_states_linked`,
@@ -22,6 +28,7 @@ import re
 
 import torch
 
+from megatron_ds.model.vocab_slices import whole_name
 from megatron_ds.pipe.zero_internals import ZeroInternals
 
 from . import safe_load
@@ -53,16 +60,19 @@ def _group_states(sd, group):
     return base[group], sd["base_optimizer_state_step"]  # elastic_checkpoint: a list of group states
 
 
-def gather_by_name(ckpt_dir):
+def gather_by_name(ckpt_dir, names=None):
     """{parameter name: {state key: flat tensor}}, the optimizer step and one shard's own state dict.
 
     A parameter cut between data-parallel ranks is the concatenation of its slices in
-    data-parallel order; one held by several pipeline ranks (tied embeddings) is taken once.
+    data-parallel order; one held by several pipeline ranks (tied embeddings) is taken once;
+    a vocabulary slice (`names`: the saved layout's whole_names) is joined with the other
+    pipeline ranks' in rank order, under the whole parameter's name.
     """
     files = shard_files(ckpt_dir)
     if not files:
         raise RelayoutError(f"{ckpt_dir} holds no ZeRO optimizer shards (*zero_pp_rank_*optim_states.pt)")
-    params, step, first = {}, None, None
+    slices = (names or {}).get("slices", {})
+    params, rows, step, first = {}, {}, None, None
     for pp in sorted({p for p, _ in files}):
         pieces = {}
         for dp in sorted(d for p, d in files if p == pp):
@@ -79,13 +89,23 @@ def gather_by_name(ckpt_dir):
                     piece = {k: v.narrow(0, addr.start, addr.numel) for k, v in tensors.items()}
                     pieces.setdefault(name, []).append(piece)
         for name, parts in pieces.items():
-            params.setdefault(name, {k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+            whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            if name in slices:
+                rows.setdefault(slices[name], []).append(whole)
+            else:
+                params.setdefault(whole_name(name, names), whole)
+    for name, parts in rows.items():
+        params[name] = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return params, step, first
 
 
-def restore_by_name(zero, ckpt_dir):
-    """Fill this rank's ZeRO partitions (fp32 masters and optimizer state) from `ckpt_dir`'s shards."""
-    params, step, shard = gather_by_name(ckpt_dir)
+def restore_by_name(zero, ckpt_dir, saved_names=None, vocab_slice=None):
+    """Fill this rank's ZeRO partitions (fp32 masters and optimizer state) from `ckpt_dir`'s shards.
+
+    `saved_names`: the checkpoint's whole_names (saved under vocabulary parallelism, else None);
+    `vocab_slice`: this run's VocabSlice (None without vocabulary parallelism)."""
+    params, step, shard = gather_by_name(ckpt_dir, saved_names)
+    names = vocab_slice.names if vocab_slice is not None else None
     internals = ZeroInternals(zero)
     internals.load_global_state(shard)
     base = zero.optimizer
@@ -96,10 +116,13 @@ def restore_by_name(zero, ckpt_dir):
             mapping = ZeroInternals.hp_mapping(lp)
             if mapping is None:  # no slice of this parameter in this data-parallel rank's partition
                 continue
-            name = zero.param_names[lp]
+            name = whole_name(zero.param_names[lp], names)
             if name not in params:
                 raise RelayoutError(f"parameter {name} is not in the checkpoint's optimizer shards")
             saved = params[name]
+            if names and zero.param_names[lp] in names["slices"]:  # rows [start, end) of the whole
+                first = vocab_slice.start * (lp.numel() // (vocab_slice.end - vocab_slice.start))
+                saved = {k: v.narrow(0, first, lp.numel()) for k, v in saved.items()}
             if saved[FP32].numel() != lp.numel():
                 raise RelayoutError(f"parameter {name} has {lp.numel()} elements, "
                                     f"{saved[FP32].numel()} in the checkpoint")

@@ -167,8 +167,10 @@ def test_allow_padding_num_layers():
 def test_enable_vocab_parallel_sets_the_key_and_refuses_what_the_engine_does_not_run():
     section = pipeline("--enable-zbh1-pipeline", "--enable-vocab-parallel")
     assert section == {"schedule": "zb-h1", "vocab_parallel": True}
-    with pytest.raises(ArgumentsError, match="vocab_parallel.*--save: checkpoints .* not written"):
-        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--save", "ckpt")
+    args = parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--save", "ckpt", "--load", "ckpt")
+    assert (args.save, args.load) == ("ckpt", "ckpt")  # saved and loaded as any layout (pipe/vocab_checkpoint.py)
+    with pytest.raises(ArgumentsError, match='--universal-checkpoint with ds_config "pipeline.vocab_parallel"'):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--load", "ckpt", "--universal-checkpoint")
     with pytest.raises(ArgumentsError, match="vocab_parallel.*--tensor-model-parallel-size > 1: not supported"):
         parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2")
 

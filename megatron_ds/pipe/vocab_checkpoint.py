@@ -1,0 +1,89 @@
+"""The layer files of a vocabulary-parallel run (docs/SCHEDULES.md: Vocabulary parallelism).
+
+They are those of the run without it: layer 0's holds the whole word embedding (`wte.weight`) and
+layer L+2's the whole untied output layer (`weight`; tied, there is none, as gpt_layer_specs has it),
+so any layout, the offline readers (convert/ds_format.py) and the Hugging Face export read them
+unchanged. A save gathers the slices over the pipeline group; a load cuts each rank's rows from the
+files, whichever layout wrote them.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+WTE, HEAD = "wte.weight", "weight"  # the keys of layer 0's and of the output layer's files
+
+
+def head_layer(module) -> int:
+    """The output layer's global index: one past the vocabulary-parallel layer list (L+2)."""
+    return len(module._layer_specs)
+
+
+def gather_whole(module) -> dict:
+    """{"wte": the whole word embedding, "head": the whole output layer}, each on the rank that writes its
+    file (data-parallel rank 0's owner of layer 0, of the final norm: replica 0's), None elsewhere and
+    for a tied head: every pipeline rank's rows in rank order (vocab_range cuts equal slices in order).
+    A collective of data-parallel rank 0's pipeline group, gathered to the writer alone (the whole
+    matrices may be large)."""
+    grid, vocab = module._grid, module.vocab_slice
+    writers = {"wte": module.stage_owner(0), "head": module.stage_owner(len(module._layer_specs) - 1)}
+    whole = dict.fromkeys(writers)
+    if grid.data_parallel_id != 0:
+        return whole
+    group = grid.get_pipe_parallel_group()
+    for key, writer in writers.items():
+        part = getattr(vocab, key)
+        if part is None:
+            continue
+        mine = module.stage_id == writer
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))] if mine else None
+        dist.gather(part.detach().contiguous(), parts, dst=grid.stage_to_global(stage_id=writer), group=group)
+        if mine:
+            whole[key] = torch.cat(parts)
+    return whole
+
+
+@contextlib.contextmanager
+def with_whole_embedding(layer0, wte):
+    """Layer 0's state dict (the embedding without its word table) with the whole one added."""
+    handle = layer0.register_state_dict_post_hook(
+        lambda module, state, prefix, meta: state.__setitem__(prefix + WTE, wte))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def without_whole_embedding(layer0):
+    """Layer 0 loads its file without the word table (load_slice cuts this rank's rows of it)."""
+    handle = layer0.register_load_state_dict_pre_hook(
+        lambda module, state, prefix, *rest: state.pop(prefix + WTE, None))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def layer_path(module, ckpt_dir, idx):
+    return module.ckpt_layer_path(ckpt_dir, idx - module._local_start)  # DeepSpeed's name for global layer idx
+
+
+def save_head(module, save_dir, checkpoint_engine, head):
+    """The output layer's file, as LMHead's own, through the checkpoint engine like every layer file."""
+    checkpoint_engine.save(state_dict={HEAD: head}, path=layer_path(module, save_dir, head_layer(module)))
+
+
+def load_slice(module, load_dir):
+    """This rank's rows of the word embedding and the output layer, from the whole ones in the files."""
+    vocab = module.vocab_slice
+    rows = slice(vocab.start, vocab.end)
+    files = [(vocab.wte, 0, WTE)] + ([(vocab.head, head_layer(module), HEAD)] if vocab.head is not None else [])
+    with torch.no_grad():
+        for param, idx, key in files:
+            # mmap: only this rank's rows are read (every file was checked weights-only before the load began)
+            state = torch.load(layer_path(module, load_dir, idx), map_location="cpu", weights_only=True, mmap=True)
+            if key not in state or state[key].shape[0] < vocab.end:
+                raise RuntimeError(f"{layer_path(module, load_dir, idx)}: no whole {key!r} to cut rows "
+                                   f"[{vocab.start}, {vocab.end}) from")
+            param.copy_(state[key][rows])
