@@ -21,14 +21,14 @@ WORLD, GAS, LAYERS, STEPS, LR, CLIP = 4, 4, 4, 3, 1e-3, 0.05
 MODELS = {**FAMILIES, "bloom": dict(position_embedding_type="alibi", embed_layernorm=True)}
 SCHEDULES = {"1f1b": {}, "zbv": {},
              "seq1f1b": {"seq_splits": 2, "seq_split_method": "even", "split_backward": True}}
-CASES = [(model, schedule, dict(tp=2, sp=sp)) for schedule in SCHEDULES for sp in (False, True)
+CASES = [(model, schedule, dict(pp=2, tp=2, sp=sp)) for schedule in SCHEDULES for sp in (False, True)
          for model in ("gpt2", "llama")] + [
-    ("bloom", "zbv", dict(tp=1, sp=False)), ("bloom", "1f1b", dict(tp=2, sp=True))]
+    ("bloom", "zbv", dict(pp=2, tp=1, sp=False)), ("bloom", "1f1b", dict(pp=2, tp=2, sp=True))]
 
 
 def _case_id(case):
     model, schedule, layout = case
-    return f"{model}-{schedule}-tp{layout['tp']}" + ("-sp" if layout["sp"] else "")
+    return f"{model}-{schedule}-pp{layout['pp']}tp{layout['tp']}" + ("-sp" if layout["sp"] else "")
 
 
 def _whole(engine, module, config, tensors):
@@ -58,7 +58,7 @@ def vp_tp_run(model, schedule, layout):
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     config = tiny_config(LAYERS, **MODELS[model], tensor_model_parallel_size=layout["tp"],
                          sequence_parallel=layout["sp"])
-    pp = 2
+    pp = layout["pp"]
     dp = dist.get_world_size() // (pp * layout["tp"])
     pipeline = {"schedule": schedule, "vocab_parallel": True, **SCHEDULES[schedule]}
     cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)
@@ -97,7 +97,7 @@ def _reference(model, dp):
 def test_vocab_parallel_with_tensor_parallel_equals_reference(runs, index):
     model, schedule, layout = CASES[index]
     results = [rank[index] for rank in runs]
-    ref = _reference(model, WORLD // (2 * layout["tp"]))
+    ref = _reference(model, WORLD // (layout["pp"] * layout["tp"]))
     assert_matches_reference(results, ref)
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["grad_norms"], ref["grad_norms"])) < 1e-5, \
