@@ -169,8 +169,8 @@ def test_enable_vocab_parallel_sets_the_key_and_refuses_what_the_engine_does_not
     assert section == {"schedule": "zb-h1", "vocab_parallel": True}
     with pytest.raises(ArgumentsError, match="vocab_parallel.*--save: checkpoints .* not written"):
         parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--save", "ckpt")
-    with pytest.raises(ArgumentsError, match="vocab_parallel.*--tensor-model-parallel-size > 1: not supported"):
-        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2")
+    with pytest.raises(ArgumentsError, match="vocab_parallel.*--loss-chunk-size: not supported"):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--loss-chunk-size", "16")
 
 
 def test_cost_partition_checked_at_parse_time():
