@@ -19,7 +19,7 @@ import torch
 from megatron_ds.model import vocab_parallel as vp
 from megatron_ds.model.linear import accumulate_grad
 from megatron_ds.model.tensor_parallel import comm
-from megatron_ds.schedules.kinds import S
+from megatron_ds.schedules.kinds import EF, EW, S, T
 
 from .vocab_messages import EGRAD, EMB, FLOAT32, HID, SHARE, STAT, key, vocab_outgoing
 
@@ -80,6 +80,10 @@ class VocabPasses:
         return self.engine._scale_loss(torch.tensor(1.0 / tokens, dtype=torch.float32, device=self.engine.device))
 
     # -- the vocabulary ops ------------------------------------------------------------------------
+    def run(self, op):
+        """The pass of vocabulary op `op` (EF, S, T or EW)."""
+        {EF: self.embedding_forward, S: self.s_pass, T: self.t_pass, EW: self.embedding_weight_grad}[op.kind](op)
+
     def embedding_forward(self, op):
         """EF: this slice's rows of the lookup, to stage 0's rank."""
         with torch.no_grad():
