@@ -23,6 +23,14 @@ same tensor when they are tied). Per micro-batch:
 - output_t_pass (T): the slice's weight gradient (alpha_j P_j - onehot_j)^T X, times the loss's
   gradient per token.
 All in fp32 statistics; the logits' dtype is the weight's.
+
+Under tensor parallelism (`tp`: the TP group, None without) the TP ranks of one pipeline rank cut its
+block of V/p rows again t ways, and run each pass together, so a collective over the TP group is
+safe inside one: EF sums the TP ranks' rows into the block's, S all-reduces the statistics into the
+block's and sums the input-gradient shares, and every message between pipeline ranks is then what it
+is without TP; T and EW stay local. Under sequence parallelism (`sequence_parallel`) the hidden
+states and their gradients between stages are this TP rank's shard of the tokens: EF and S
+reduce-scatter along the sequence what they sum, S and T gather X, EW gathers its input gradient.
 """
 from __future__ import annotations
 
@@ -30,6 +38,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .tensor_parallel import comm
+from .tensor_parallel.mappings import SEQ_DIM
 
 
 def vocab_range(vocab_size: int, rank: int, world: int) -> tuple[int, int]:
@@ -49,10 +60,23 @@ def _local(ids: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torc
 
 # --- the input embedding -------------------------------------------------------------------------
 
-def embedding_forward(ids: torch.Tensor, weight: torch.Tensor, start: int) -> torch.Tensor:
-    """EF: this slice's rows of the lookup, zeros for tokens outside it (the group's sum is the lookup)."""
+def embedding_forward(ids: torch.Tensor, weight: torch.Tensor, start: int, tp=None,
+                      sequence_parallel: bool = False) -> torch.Tensor:
+    """EF: this slice's rows of the lookup, zeros for tokens outside it (the group's sum is the lookup);
+    with TP summed over the TP group into the block's (SP: this rank's shard of the tokens)."""
     local, outside = _local(ids, start, weight.shape[0])
-    return torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    rows = torch.nn.functional.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return _sum_over_tp(rows, tp, sequence_parallel)
+
+
+def _sum_over_tp(x: torch.Tensor, tp, sequence_parallel: bool) -> torch.Tensor:
+    """The TP group's sum of x (per token): whole, or under SP this rank's shard of the tokens."""
+    return comm.reduce_scatter(x, SEQ_DIM, tp) if sequence_parallel else comm.all_reduce(x, tp)
+
+
+def _whole_sequence(x: torch.Tensor, tp, sequence_parallel: bool) -> torch.Tensor:
+    """Every token's x from this TP rank's shard under SP (else x is whole already)."""
+    return comm.all_gather(x, SEQ_DIM, tp) if sequence_parallel else x
 
 
 def reduce_embedding(partial: torch.Tensor, group=None, dst: int | None = None) -> torch.Tensor:
@@ -64,8 +88,10 @@ def reduce_embedding(partial: torch.Tensor, group=None, dst: int | None = None) 
     return partial
 
 
-def embedding_weight_grad(ids: torch.Tensor, grad_output: torch.Tensor, rows: int, start: int) -> torch.Tensor:
-    """EW: the gradient of this slice's rows, given the embedding output's gradient."""
+def embedding_weight_grad(ids: torch.Tensor, grad_output: torch.Tensor, rows: int, start: int, tp=None,
+                          sequence_parallel: bool = False) -> torch.Tensor:
+    """EW: the gradient of this slice's rows, given the embedding output's gradient (SP: its shard)."""
+    grad_output = _whole_sequence(grad_output, tp, sequence_parallel)
     local, outside = _local(ids, start, rows)
     grad = grad_output.masked_fill(outside.unsqueeze(-1), 0.0).reshape(-1, grad_output.shape[-1])
     out = torch.zeros(rows, grad_output.shape[-1], dtype=grad_output.dtype, device=grad_output.device)
@@ -77,7 +103,7 @@ def embedding_weight_grad(ids: torch.Tensor, grad_output: torch.Tensor, rows: in
 @dataclass
 class SliceStatistics:
     """What one slice's S pass leaves for the barrier and its T pass (per token: shape of targets)."""
-    softmax: torch.Tensor        # P_j, fp32, (..., rows): the slice's own softmax
+    softmax: torch.Tensor        # P_j, fp32, (..., rows): the slice's own softmax (TP: this rank's rows of the block's)
     max: torch.Tensor            # m_j
     sum_exp: torch.Tensor        # s_j
     target_logit: torch.Tensor   # the target's logit where it falls in the slice, else 0
@@ -95,20 +121,26 @@ class Statistics:
     input_grad: torch.Tensor     # d loss / d X, already times the loss's gradient per token
 
 
-def output_s_pass(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, start: int) -> SliceStatistics:
-    """S: the slice's logits, their statistics and its share of the input gradient (no collective)."""
+def output_s_pass(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, start: int, tp=None,
+                  sequence_parallel: bool = False) -> SliceStatistics:
+    """S: the slice's logits, their statistics and its share of the input gradient (no collective
+    between pipeline ranks). With TP the statistics and the shares are the block's (every TP rank's
+    rows): the same statistics on each TP rank, the shares under SP this rank's shard of the tokens."""
+    x = _whole_sequence(x, tp, sequence_parallel)
     logits = (x @ weight.t()).float()
-    local_max = logits.max(dim=-1).values
+    local_max = comm.all_reduce(logits.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
     exp = (logits - local_max.unsqueeze(-1)).exp_()
-    sum_exp = exp.sum(dim=-1)
-    softmax = exp.div_(sum_exp.unsqueeze(-1))
     local, outside = _local(targets, start, weight.shape[0])
     target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+    sum_exp, target_logit = comm.all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), tp).unbind(0)
+    softmax = exp.div_(sum_exp.unsqueeze(-1))
     w = weight.float()
     # The 1-barrier form: the input gradient's GEMM runs before the statistics are known; the barrier
     # corrects it by one scalar per token (alpha).
     target_rows = w[local].masked_fill(outside.unsqueeze(-1), 0.0)
-    return SliceStatistics(softmax, local_max, sum_exp, target_logit, softmax @ w, target_rows, local, outside)
+    shares = _sum_over_tp(torch.cat([softmax @ w, target_rows], dim=-1), tp, sequence_parallel)
+    softmax_grad, target_rows = shares.chunk(2, dim=-1)
+    return SliceStatistics(softmax, local_max, sum_exp, target_logit, softmax_grad, target_rows, local, outside)
 
 
 def reduce_statistics(s: SliceStatistics, grad_loss: torch.Tensor | float = 1.0, group=None) -> Statistics:
@@ -129,8 +161,10 @@ def reduce_statistics(s: SliceStatistics, grad_loss: torch.Tensor | float = 1.0,
 
 
 def output_t_pass(s: SliceStatistics, stats: Statistics, x: torch.Tensor,
-                  grad_loss: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """T: the slice's weight gradient (alpha P_j - onehot_j)^T X, times the loss's gradient per token."""
+                  grad_loss: torch.Tensor | float = 1.0, tp=None, sequence_parallel: bool = False) -> torch.Tensor:
+    """T: the slice's weight gradient (alpha P_j - onehot_j)^T X, times the loss's gradient per token
+    (SP: X gathered again from this rank's shard, as the TP head's weight gradient does)."""
+    x = _whole_sequence(x, tp, sequence_parallel)
     grad_logits = s.softmax * stats.alpha.unsqueeze(-1)
     grad_logits.scatter_add_(-1, s.local_targets.unsqueeze(-1), (s.outside.float() - 1.0).unsqueeze(-1))
     grad_logits = grad_logits * _per_token(grad_loss, grad_logits)

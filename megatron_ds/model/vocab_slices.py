@@ -3,9 +3,14 @@ word embedding and the output layer leave the pipeline's layer list, every pipel
 vocabulary slice of them (VocabSlice), and the first layer starts from the word embeddings summed
 over the slices (EmbeddingSum). The passes that use the slices are model/vocab_parallel.py's.
 
-Each slice is cut from the whole matrix drawn as Embedding and LMHead draw it, so any pipeline size
-starts from the single-process reference's weights.
+Each slice is cut from the whole matrix drawn as Embedding and LMHead draw it without TP, so any
+pipeline and TP size starts from the single-process reference's weights. With TP, pipeline rank j's
+block of V/p rows is cut again over its TP ranks (rank t: the block's t-th V/(p TP) rows, as the TP
+layers split a vocabulary), and the first stage takes the slices' sum as the TP Embedding takes its
+own: under SP as this rank's shard of the tokens.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 from deepspeed.pipe import LayerSpec
@@ -13,6 +18,7 @@ from deepspeed.pipe import LayerSpec
 from megatron_ds.gpt_config import GPTConfig
 from .gpt import TIED_ATTR, TIED_KEY
 from .layers import Embedding, FinalNorm, LMHead, TransformerLayer
+from .tensor_parallel import comm, gather_from_sequence, mark_parallel, scatter_to_sequence, tensor_parallel_group
 from .vocab_parallel import vocab_range
 
 ATTR = "vocab_slice"  # the pipeline module's attribute (pipe/build.py): its parameters are named ATTR.wte, ATTR.head
@@ -27,25 +33,37 @@ class EmbeddingSum(Embedding):
 
     def forward(self, inputs):
         x, position_ids = inputs
+        if self.wpe is None and self.ln_emb is None:  # under SP x is already this rank's shard
+            return self.drop(x)
+        if self.sequence_parallel:  # positions and the norm see every token, as in Embedding
+            x = gather_from_sequence(x, self.group, tensor_parallel_output_grad=False)
         if self.wpe is not None:
             x = x + self.wpe(position_ids)
         if self.ln_emb is not None:
             x = self.ln_emb(x)
+        if self.sequence_parallel:
+            x = scatter_to_sequence(x, self.group)
         return self.drop(x)
 
 
 class VocabSlice(nn.Module):
     """Rows [start, end) of the word embedding (`wte`) and of the untied output layer (`head`; None
-    when tied: the output layer is `wte`)."""
+    when tied: the output layer is `wte`): pipeline rank `rank` of `world`'s block, or with TP this
+    TP rank's part of it (`group`: the TP group, None without)."""
 
     def __init__(self, config: GPTConfig, rank: int, world: int):
         super().__init__()
-        self.start, self.end = vocab_range(config.vocab_size, rank, world)
+        self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
+        tp = comm.world_size(self.group)
+        self.start, self.end = vocab_range(config.vocab_size, rank * tp + comm.rank(self.group), world * tp)
         rows = slice(self.start, self.end)
-        self.wte = nn.Parameter(Embedding(config, 0).wte.weight.detach()[rows].clone())
+        whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False)
+        self.wte = nn.Parameter(Embedding(whole, 0).wte.weight.detach()[rows].clone())
         self.head = None
         if not config.tied_head:
-            self.head = nn.Parameter(LMHead(config, config.num_layers + 2).weight.detach()[rows].clone())
+            self.head = nn.Parameter(LMHead(whole, config.num_layers + 2).weight.detach()[rows].clone())
+        for p in self.parameters():  # each TP rank's rows differ: the gradient norm counts them all
+            mark_parallel(p, 0, self.group)
         self.names = whole_names(config)
 
     @property

@@ -256,9 +256,7 @@ class ScheduleEngine(PipelineEngine):
     def _exec_vocab_op(self, replica, stage, mb, seq, kind):
         op = Op(kind, replica, stage, mb, seq)
         self._post_ahead(op)
-        run = {Kind.EF: self.vocab.embedding_forward, Kind.S: self.vocab.s_pass, Kind.T: self.vocab.t_pass,
-               Kind.EW: self.vocab.embedding_weight_grad}[kind]
-        run(op)
+        self.vocab.run(op)
 
     def _exec_reduce_replica_grads(self):
         if self.module.replica_sync:

@@ -23,7 +23,7 @@ from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_
 
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead, reads
-from .vocab_messages import width
+from .vocab_messages import token_shards, width
 from .partition import is_cost_method, layer_flops
 
 
@@ -105,8 +105,7 @@ def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: 
 def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> None:
     """What the engine's vocabulary passes (pipe/vocab_passes.py) do not combine with yet."""
     key = 'ds_config "pipeline.vocab_parallel" = true'
-    refused = [(getattr(config, "tensor_model_parallel_size", 1) > 1, "--tensor-model-parallel-size > 1"),
-               (getattr(config, "loss_chunk_size", None), "--loss-chunk-size"),
+    refused = [(getattr(config, "loss_chunk_size", None), "--loss-chunk-size"),
                (getattr(config, "liger_kernel", False), "--use-liger-kernel"),
                (is_cost_method(settings.partition_method), f'"partition_method": "{settings.partition_method}"'),
                (settings.post_validation, '"post_validation": true')]
@@ -115,9 +114,11 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
             raise ConfigError(f"{key} with {what}: not supported together yet (docs/SCHEDULES.md: Vocabulary "
                               "parallelism)")
     vocab = getattr(config, "vocab_size", None)  # known at parse when given (else the tokenizer pads it later)
-    if vocab and vocab % pp:
-        raise ConfigError(f"{key}: the vocabulary of {vocab} rows does not split over the {pp} pipeline ranks; "
-                          f"pad it to a multiple of {pp} (--make-vocab-size-divisible-by)")
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if vocab and vocab % (pp * tp):
+        ranks = f"{pp} pipeline ranks" if tp == 1 else f"{pp} pipeline x {tp} tensor-parallel ranks"
+        raise ConfigError(f"{key}: the vocabulary of {vocab} rows does not split over the {ranks}; "
+                          f"pad it to a multiple of {pp * tp} (--make-vocab-size-divisible-by)")
 
 
 @dataclass(frozen=True)
@@ -286,7 +287,7 @@ class PipelinePlan:
         parallelism a message is this TP rank's shard of the tokens. A vocabulary message's last
         dimension is its own (vocab_messages.width)."""
         seq = self.segment_lengths[key[-1]] if self.segment_lengths else self.seq_length
-        return (self.micro_batch_size, seq // self.sequence_shards, width(key, self.hidden_size))
+        return (self.micro_batch_size, seq // token_shards(key, self.sequence_shards), width(key, self.hidden_size))
 
     def needs_data(self, rank: int) -> bool:
         """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica; under

@@ -11,7 +11,22 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from megatron_ds.errors import UserError
+from megatron_ds.model.tensor_parallel import comm
+
 WTE, HEAD = "wte.weight", "weight"  # the keys of layer 0's and of the output layer's files
+
+
+class VocabCheckpointError(UserError, NotImplementedError):
+    """A checkpoint of vocabulary slices that are split over tensor-parallel ranks too."""
+
+
+def check_tensor_parallel(vocab_slice, done):
+    """A TP rank's layer file holds rows [t V/TP, (t+1) V/TP), which span other pipeline and TP ranks'
+    slices: not gathered or cut here yet (fork_flags refuses it at start-up)."""
+    if comm.world_size(vocab_slice.group) > 1:
+        raise VocabCheckpointError(f'ds_config "pipeline.vocab_parallel" = true with tensor parallelism: checkpoints '
+                                   f"of the vocabulary slices are not {done} yet at TP > 1")
 
 
 def head_layer(module) -> int:
@@ -26,6 +41,7 @@ def gather_whole(module) -> dict:
     A collective of data-parallel rank 0's pipeline group, gathered to the writer alone (the whole
     matrices may be large)."""
     grid, vocab = module._grid, module.vocab_slice
+    check_tensor_parallel(vocab, "written")
     writers = {"wte": module.stage_owner(0), "head": module.stage_owner(len(module._layer_specs) - 1)}
     whole = dict.fromkeys(writers)
     if grid.data_parallel_id != 0:
@@ -77,6 +93,7 @@ def save_head(module, save_dir, checkpoint_engine, head):
 def load_slice(module, load_dir):
     """This rank's rows of the word embedding and the output layer, from the whole ones in the files."""
     vocab = module.vocab_slice
+    check_tensor_parallel(vocab, "read")
     rows = slice(vocab.start, vocab.end)
     files = [(vocab.wte, 0, WTE)] + ([(vocab.head, head_layer(module), HEAD)] if vocab.head is not None else [])
     with torch.no_grad():

@@ -11,7 +11,8 @@ instead (per-pair FIFO, posted in the sender's order: messages.py). Per micro-ba
   (each T, and the loss), and its input-gradient share (SHARE) to the loss stage's rank;
 - stage 0's backward: the embedding output's gradient (EGRAD) to every rank, for EW.
 Evaluation runs EF, F and S only: S then sends its statistics to the loss stage's rank alone.
-A message a rank sends itself is a local hand-over.
+A message a rank sends itself is a local hand-over. With TP each TP rank runs this plan with its peers
+of the same TP rank (each message is its pipeline rank's block, summed over TP inside the passes).
 """
 from megatron_ds.schedules.kinds import EF, EW, F, GRAD, S, T
 
@@ -60,6 +61,13 @@ def vocab_incoming(schedule, op) -> list:
 def key(what: str, op, stage: int) -> tuple:
     """The key of message `what` about `op`'s micro-batch (and segment) from stage or slice `stage`."""
     return (what, op.replica, stage, op.mb, op.seq)
+
+
+def token_shards(message_key: tuple, shards: int) -> int:
+    """How many ways a message's tokens are cut under sequence parallelism: STAT is whole (the block's
+    statistics, the same on each TP rank, which T and the loss read for every token); the others are
+    this TP rank's shard, as the activations between stages."""
+    return 1 if message_key[0] == STAT else shards
 
 
 def width(message_key: tuple, hidden: int) -> int:

@@ -8,12 +8,18 @@ make, and stage 0's backward hands its input's gradient to every rank's EW.
 Data moves as the messages of vocab_messages.py; one a rank sends itself is kept here. The slices'
 weight gradients are added into the parameters' .grad, as a W op's, so DeepSpeed's reduction and
 ZeRO-1's step see them like any other.
+
+With TP the TP ranks of a pipeline rank run the same ops at once, each on its part of the block
+(model/vocab_parallel.py sums over them inside EF and S); the messages go between the pipeline ranks
+of one TP rank. Under SP they carry this TP rank's shard of the tokens, but for the statistics,
+which cover every token (T weighs every token, and every TP rank reports the whole loss).
 """
 import torch
 
 from megatron_ds.model import vocab_parallel as vp
 from megatron_ds.model.linear import accumulate_grad
-from megatron_ds.schedules.kinds import S
+from megatron_ds.model.tensor_parallel import comm
+from megatron_ds.schedules.kinds import EF, EW, S, T
 
 from .vocab_messages import EGRAD, EMB, FLOAT32, HID, SHARE, STAT, key, vocab_outgoing
 
@@ -25,6 +31,7 @@ class VocabPasses:
         self.engine = engine
         self.slice = engine.module.vocab_slice
         self.rank = engine.stage_id
+        self._tp = (self.slice.group, self.slice.sequence_parallel)  # the passes' TP group and SP
         self.sched, self.ops, self.train = None, [], True
         self.kept = {}        # message key -> tensor: sent to this rank by itself, or received and still needed
         self.slices = {}      # unit -> SliceStatistics, from this rank's S to its T
@@ -73,10 +80,14 @@ class VocabPasses:
         return self.engine._scale_loss(torch.tensor(1.0 / tokens, dtype=torch.float32, device=self.engine.device))
 
     # -- the vocabulary ops ------------------------------------------------------------------------
+    def run(self, op):
+        """The pass of vocabulary op `op` (EF, S, T or EW)."""
+        {EF: self.embedding_forward, S: self.s_pass, T: self.t_pass, EW: self.embedding_weight_grad}[op.kind](op)
+
     def embedding_forward(self, op):
         """EF: this slice's rows of the lookup, to stage 0's rank."""
         with torch.no_grad():
-            rows = vp.embedding_forward(self._tokens(op), self.slice.wte, self.slice.start)
+            rows = vp.embedding_forward(self._tokens(op), self.slice.wte, self.slice.start, *self._tp)
         self._send(op, {EMB: rows})
 
     def s_pass(self, op):
@@ -84,7 +95,7 @@ class VocabPasses:
         hidden = self._fetch(key(HID, op, self.sched.loss_stage), keep=self.train)
         labels, _ = self._labels(op)
         with torch.no_grad():
-            s = vp.output_s_pass(hidden, self.slice.output_weight, labels, self.slice.start)
+            s = vp.output_s_pass(hidden, self.slice.output_weight, labels, self.slice.start, *self._tp)
         if self.train:
             self.slices[op.unit] = s
         self._send(op, {STAT: vp.statistics_message(s), SHARE: vp.share_message(s)})
@@ -95,14 +106,15 @@ class VocabPasses:
         _, alphas = self._statistics(op)
         stats = vp.Statistics(loss=None, alpha=alphas[op.stage], input_grad=None)
         with torch.no_grad():
-            grad = vp.output_t_pass(self.slices.pop(op.unit), stats, hidden, self._grad_loss(op))
+            grad = vp.output_t_pass(self.slices.pop(op.unit), stats, hidden, self._grad_loss(op), *self._tp)
         accumulate_grad(self.slice.output_weight, grad.to(self.slice.output_weight.dtype))
 
     def embedding_weight_grad(self, op):
         """EW: the gradient of this slice's rows, from stage 0's input gradient."""
         grad_output = self._fetch(key(EGRAD, op, 0))
         with torch.no_grad():
-            grad = vp.embedding_weight_grad(self._tokens(op), grad_output, self.slice.wte.shape[0], self.slice.start)
+            grad = vp.embedding_weight_grad(self._tokens(op), grad_output, self.slice.wte.shape[0], self.slice.start,
+                                            *self._tp)
         accumulate_grad(self.slice.wte, grad.to(self.slice.wte.dtype))
 
     # -- the transformer stages' ends --------------------------------------------------------------
@@ -118,6 +130,8 @@ class VocabPasses:
     def loss_input_grad(self, op, hidden):
         """The loss stage's output gradient: sum_j (alpha_j P_j W_j - W_j[target]), per token scaled."""
         _, alphas = self._statistics(op)
+        if self.slice.sequence_parallel:  # the statistics cover every token, the shares this rank's shard
+            alphas = comm.split(alphas, -1, self.slice.group)
         shares = [self._fetch(key(SHARE, op, j)) for j in range(self.sched.pp)]
         return vp.merged_input_grad(alphas, shares, self._grad_loss(op)).to(hidden.dtype)
 

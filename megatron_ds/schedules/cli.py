@@ -9,7 +9,7 @@ from .catalog import CATALOG, build_schedule
 from .compare import compare_rows, format_table
 from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
-from .render import ascii_timeline, summary_table
+from .render import ascii_timeline, plot_timeline, summary_table
 from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths, segment_costs
 
 
@@ -103,6 +103,8 @@ def _show(args) -> None:
     print(ascii_timeline(res, width=args.width))
     print()
     print(summary_table(res))
+    if args.plot:
+        print(f"timeline drawn to {plot_timeline(res, args.plot)}")
 
 
 def _compare(args) -> None:
@@ -130,6 +132,7 @@ def parser() -> argparse.ArgumentParser:
     _cost_args(show)
     _model_cost_args(show)
     show.add_argument("--width", type=int, default=None, help="columns of the timeline")
+    show.add_argument("--plot", metavar="PATH", help="also draw the timeline to PATH (.png or .svg; matplotlib)")
     show.set_defaults(run=_show)
     cmp_ = sub.add_parser("compare", help="every schedule's makespan, bubble and memory")
     cmp_.add_argument("--pp", type=int, required=True)

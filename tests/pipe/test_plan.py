@@ -106,8 +106,18 @@ def test_vocab_parallel_plan_loads_data_everywhere_and_refuses_what_it_cannot_ru
     assert all(plan.needs_data(r) for r in range(4))  # EF reads the tokens, S the labels, on every rank
     assert [plan.message_shape((what, 0, 1, 0, 0)) for what in ("emb", "stat", "share")] == [
         (2, 64, 32), (2, 64, 3), (2, 64, 64)]
-    for extra, words in [({"tp": 2}, "--tensor-model-parallel-size > 1"),
-                         ({"pipeline": {"partition_method": "flops"}}, '"partition_method": "flops"')]:
+    # under SP (TP=2) the messages carry this TP rank's shard of the tokens, but for the block's statistics
+    sp = plan_for({"schedule": "1f1b", "vocab_parallel": True}, tp=2, sp=True)
+    assert [sp.message_shape((what, 0, 1, 0, 0)) for what in ("emb", "hid", "stat", "share", "egrad")] == [
+        (2, 32, 32), (2, 32, 32), (2, 64, 3), (2, 32, 64), (2, 32, 32)]
+    with pytest.raises(ConfigError, match=r"vocabulary of 36 rows does not split over the 4 pipeline x 2 tensor-"
+                                          r"parallel ranks; pad it to a multiple of 8"):
+        PipelinePlan.from_config(SimpleNamespace(**vars(MODEL), vocab_size=36, tensor_model_parallel_size=2),
+                                 {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+                                  "zero_optimization": {"stage": 1},
+                                  "pipeline": {"schedule": "1f1b", "vocab_parallel": True}}, 4, 1)
+    for extra, words in [({"pipeline": {"partition_method": "flops"}}, '"partition_method": "flops"'),
+                         ({"pipeline": {"post_validation": True}}, '"post_validation": true')]:
         section = {"schedule": "1f1b", "vocab_parallel": True, **extra.pop("pipeline", {})}
         with pytest.raises(ConfigError, match=f"vocab_parallel.* with {words}: not supported"):
             plan_for(section, **extra)

@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import subprocess
@@ -90,6 +91,11 @@ def test_vocab_parallel_export_show_compare(tmp_path, capsys):
     assert main(["show", *args, "--head-cost", "2,2,2", "--head-memory", "4"]) == 0
     shown = capsys.readouterr().out
     assert "|S" in shown and "peak activation memory" in shown
+    if importlib.util.find_spec("matplotlib"):
+        assert main(["show", *args, "--plot", str(tmp_path / "vp.svg")]) == 0
+        svg = (tmp_path / "vp.svg").read_text()
+        assert f"timeline drawn to {tmp_path / 'vp.svg'}" in capsys.readouterr().out
+        assert "<!-- EW -->" in svg and "<!-- S -->" in svg  # the legend names the vocabulary passes
     assert main(["compare", "--pp", "2", "--micro-batches", "4", "--head-cost", "2,2,2", "--vocab-parallel"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     naive = next(r for r in rows if r[:1] == ["1f1b"] and r[1] != "+vocab")

@@ -23,6 +23,9 @@ SCRIPT = textwrap.dedent("""
         time.sleep(600)
 
     if __name__ == "__main__":
+        # as a foreground shell starts it: pytest run in the background (`cmd &` in a script) hands its
+        # children SIGINT ignored, which run_ranks then rightly leaves ignored
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             for i in range(3):
                 try:

@@ -171,8 +171,10 @@ def test_enable_vocab_parallel_sets_the_key_and_refuses_what_the_engine_does_not
     assert (args.save, args.load) == ("ckpt", "ckpt")  # saved and loaded as any layout (pipe/vocab_checkpoint.py)
     with pytest.raises(ArgumentsError, match='--universal-checkpoint with ds_config "pipeline.vocab_parallel"'):
         parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--load", "ckpt", "--universal-checkpoint")
-    with pytest.raises(ArgumentsError, match="vocab_parallel.*--tensor-model-parallel-size > 1: not supported"):
-        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2")
+    with pytest.raises(ArgumentsError, match="vocab_parallel.*--tensor-model-parallel-size 2 and --save: checkpoints"):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2", "--save", "c")
+    with pytest.raises(ArgumentsError, match="vocab_parallel.*--loss-chunk-size: not supported"):
+        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--loss-chunk-size", "16")
 
 
 def test_cost_partition_checked_at_parse_time():

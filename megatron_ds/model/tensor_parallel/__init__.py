@@ -9,7 +9,7 @@ from megatron_ds.parallel_layout import ParallelConfigError, check_model_split, 
 from .comm import CommCounter
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_parallel_loss
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, column_parallel_linear,
-                     gather_full, shard, unshard)
+                     gather_full, mark_parallel, shard, unshard)
 from .mappings import (copy_to_region, gather_from_region, gather_from_sequence, reduce_from_region,
                        reduce_scatter_to_sequence, scatter_to_region, scatter_to_sequence)
 from .rng import Dropout, get_rng_tracker, model_parallel_manual_seed

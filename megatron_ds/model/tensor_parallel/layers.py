@@ -34,7 +34,7 @@ def unshard(pieces, dim=0, sections=None):
     return torch.cat([per_rank[r][i] for i in range(len(sections)) for r in range(world)], dim)
 
 
-def _mark_parallel(param, dim, group):
+def mark_parallel(param, dim, group):
     """DeepSpeed's gradient norm counts a parameter with this mark on every tensor-parallel rank
     (and an unmarked one on tensor-parallel rank 0 only); Megatron's attribute names."""
     if group is not None:
@@ -46,7 +46,7 @@ def _split_parameter(full_shape, init_method, group, dim, sections=None):
     full = torch.empty(full_shape)
     init_method(full)
     param = nn.Parameter(shard(full, comm.rank(group), comm.world_size(group), dim, sections).contiguous())
-    _mark_parallel(param, dim, group)
+    mark_parallel(param, dim, group)
     return param
 
 
@@ -116,7 +116,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features // comm.world_size(group)))
-            _mark_parallel(self.bias, 0, group)
+            mark_parallel(self.bias, 0, group)
 
     def forward(self, x):
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)

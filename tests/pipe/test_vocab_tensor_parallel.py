@@ -1,0 +1,105 @@
+"""Vocabulary parallelism under tensor and sequence parallelism (pipe/vocab_passes.py with the TP
+collectives of model/vocab_parallel.py), and on the BLOOM family, equals the single-process reference:
+losses, eval loss, the global gradient norm (clipping active, so every TP rank's rows must count in it),
+every first-step gradient and the weights after 3 steps with the TP slices and the vocabulary blocks
+gathered back into whole matrices, 1e-5 fp32 at lr 1e-3 (as tests/pipe/test_vocab_engine.py).
+PP=2 x TP=2 under 1F1B, ZB-V and Seq1F1B (B/W split), each tied (GPT-2: learned positions, so under SP
+stage 0 gathers the sequence to add them) and untied (LLaMA: rope, GQA, SwiGLU), each with and without
+--sequence-parallel; BLOOM (embedding layernorm, alibi) at TP=1 (PP=2 x DP=2, ZB-V) and with TP=2 and SP
+(1F1B: the embedding norm on the gathered sequence). One launch of 4 ranks runs every case.
+"""
+import functools
+
+import pytest
+
+from megatron_ds.testing.launcher import run_ranks
+from tests.gpt_harness import (assert_matches_reference, capture_grads_before_reduce, ds_config, layer_key,
+                               micro_batch, optimizer_for, reference_run, tiny_config, whole_vocabulary)
+from tests.pipe.test_tensor_parallel import FAMILIES
+
+WORLD, GAS, LAYERS, STEPS, LR, CLIP = 4, 4, 4, 3, 1e-3, 0.05
+MODELS = {**FAMILIES, "bloom": dict(position_embedding_type="alibi", embed_layernorm=True)}
+SCHEDULES = {"1f1b": {}, "zbv": {},
+             "seq1f1b": {"seq_splits": 2, "seq_split_method": "even", "split_backward": True}}
+CASES = [(model, schedule, dict(pp=2, tp=2, sp=sp)) for schedule in SCHEDULES for sp in (False, True)
+         for model in ("gpt2", "llama")] + [
+    ("bloom", "zbv", dict(pp=2, tp=1, sp=False)), ("bloom", "1f1b", dict(pp=2, tp=2, sp=True))]
+
+
+def _case_id(case):
+    model, schedule, layout = case
+    return f"{model}-{schedule}-pp{layout['pp']}tp{layout['tp']}" + ("-sp" if layout["sp"] else "")
+
+
+def _whole(engine, module, config, tensors):
+    """{layer key: tensor} with every TP slice, and every vocabulary slice over TP and then over the pipeline
+    ranks, gathered into the whole tensor (collectives: every rank)."""
+    import torch
+    import torch.distributed as dist
+    from megatron_ds.model.tensor_parallel import gather_full, tensor_parallel_group
+    group, out = tensor_parallel_group(config), {}
+    for name, _ in module.named_parameters():
+        owner, pname = name.rsplit(".", 1)
+        key = layer_key(module, name)
+        if key[0] == "vocab_slice" and group is not None:  # pipeline rank j's block: its TP ranks' rows in order
+            parts = [torch.empty_like(tensors[key]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensors[key].contiguous(), group=group)
+            out[key] = torch.cat(parts)
+        else:
+            out[key] = gather_full(module.get_submodule(owner), pname, tensors[key], group)
+    return whole_vocabulary(engine, config, out)
+
+
+def vp_tp_run(model, schedule, layout):
+    import deepspeed
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="gloo")
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    config = tiny_config(LAYERS, **MODELS[model], tensor_model_parallel_size=layout["tp"],
+                         sequence_parallel=layout["sp"])
+    pp = layout["pp"]
+    dp = dist.get_world_size() // (pp * layout["tp"])
+    pipeline = {"schedule": schedule, "vocab_parallel": True, **SCHEDULES[schedule]}
+    cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)
+    module = build_pipeline_module(config, cfg, pp)
+    engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR))
+    grads = []
+    capture_grads_before_reduce(engine, grads)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    losses, norms = [], []
+    for step in range(STEPS):
+        batches = iter([micro_batch(step, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
+        losses.append(float(engine.train_batch(batches)))
+        norms.append(float(engine.get_global_grad_norm()))
+    weights = {layer_key(module, n): p.detach() for n, p in module.named_parameters()}
+    eval_batches = iter([micro_batch(99, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
+    return dict(losses=losses, grads=_whole(engine, module, config, grads[0]),
+                weights=_whole(engine, module, config, weights), dp_rank=dp_rank,
+                eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms)
+
+
+def all_cases():
+    return [vp_tp_run(*case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_ranks(WORLD, all_cases, timeout=900)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model, dp):
+    return reference_run(tiny_config(LAYERS, **MODELS[model]), dp, GAS, STEPS, clip=CLIP, lr=LR)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_vocab_parallel_with_tensor_parallel_equals_reference(runs, index):
+    model, schedule, layout = CASES[index]
+    results = [rank[index] for rank in runs]
+    ref = _reference(model, WORLD // (layout["pp"] * layout["tp"]))
+    assert_matches_reference(results, ref)
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["grad_norms"], ref["grad_norms"])) < 1e-5, \
+            (r["grad_norms"], ref["grad_norms"])
+    assert ref["grad_norms"][0] > CLIP  # clipping is active, so a miscounted norm would change the weights
