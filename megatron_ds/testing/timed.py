@@ -75,47 +75,48 @@ class TimedCosts:
 class _TimedFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, costs, start):
+    def forward(ctx, x, weight, costs, scale, start):
         share = costs.share(x)
         ctx.save_for_backward(x, weight)
-        ctx.costs, ctx.share = costs, share
+        ctx.costs, ctx.share, ctx.scale = costs, share, scale
         y = x * weight
-        costs.sleep_until(start + costs.tf * share)
+        costs.sleep_until(start + costs.tf * scale[0] * share)
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         start = time.perf_counter()
         x, weight = ctx.saved_tensors
-        costs, share = ctx.costs, ctx.share
+        costs, share, (_, scale_b, scale_w) = ctx.costs, ctx.share, ctx.scale
         grad_x = grad_out * weight
 
         def weight_grad(start):
             grad_w = (grad_out * x).reshape(-1, x.shape[-1]).sum(0)
-            costs.sleep_until(start + costs.tw * share)
+            costs.sleep_until(start + costs.tw * scale_w * share)
             return grad_w
 
         queue = WeightGradStore._queue
         if queue is None:
-            grad_w = weight_grad(start + costs.tb * share)
-            return grad_x, grad_w, None, None
-        costs.sleep_until(start + costs.tb * share)
+            grad_w = weight_grad(start + costs.tb * scale_b * share)
+            return grad_x, grad_w, None, None, None
+        costs.sleep_until(start + costs.tb * scale_b * share)
         queue.append(lambda: accumulate_grad(weight, weight_grad(time.perf_counter())))
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 class TimedLayer(torch.nn.Module):
-    """y = x * w, taking costs.tf / tb / tw seconds (see the module docstring)."""
+    """y = x * w, taking costs.tf / tb / tw seconds (see the module docstring), each times its entry
+    of `scale` (a layer that also carries an embedding's or a head's cost)."""
 
-    def __init__(self, hidden: int, costs: TimedCosts):
+    def __init__(self, hidden: int, costs: TimedCosts, scale: tuple = (1.0, 1.0, 1.0)):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(hidden))
-        self.costs = costs
+        self.costs, self.scale = costs, tuple(scale)
 
     def forward(self, x):
-        if isinstance(x, (tuple, list)):  # the first stage gets the batch's input tuple
-            (x,) = x
-        return _TimedFunction.apply(x, self.weight, self.costs, time.perf_counter())
+        if isinstance(x, (tuple, list)):  # the first stage gets the batch's input tuple: the input first
+            x = x[0]                      # (under vocabulary parallelism: the embedding sum, position ids)
+        return _TimedFunction.apply(x, self.weight, self.costs, self.scale, time.perf_counter())
 
 
 def timed_loss(output, target):
