@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from bench.vocab_parallel_timed import PLACEMENTS, analyse, embed_costs, markdown, vocab_op_seconds, worker
+from bench.vocab_parallel_timed import PLACEMENTS, analyse, claims, embed_costs, markdown, vocab_op_seconds, worker
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import load_iteration, steps
 from megatron_ds.testing.launcher import run_ranks
@@ -35,6 +35,7 @@ def test_measured_table_and_timed_passes(tmp_path):
     text = markdown(table, OPTS)
     assert "p=2, m=4, L=4 layers (2 per rank), head + loss = 3 layers" in text
     assert [line.split("|")[1].strip() for line in text.splitlines()[4:]] == OPTS["schedules"]
+    assert [line.split(":")[0] for line in claims(table)] == OPTS["schedules"]
     # every S pass on every rank lasts its simulated cost: 1/p of the head's F + B (a sleep may end up
     # to 10 ms early in all, paying back lateness: timed.MAX_CARRY)
     s_seconds = vocab_op_seconds(Kind.S, 3.0, embed_costs(3.0), 2, 0.005)
