@@ -62,3 +62,21 @@ def test_timed_costs_past_deadline_sleeps_nothing_and_keeps_the_debt():
     start = time.perf_counter()
     costs.sleep_until(start - 1.0)  # the call's own work overran its cost
     assert time.perf_counter() - start < 0.5 and costs.late == 0.002
+
+
+def test_timed_layer_scale_multiplies_each_cost_and_takes_the_first_stage_tuple():
+    costs = TimedCosts(tf=0.01, tb=0.01, tw=0.01)
+    layer = TimedLayer(4, costs, scale=(3.0, 1.0, 20.0))  # a layer that also carries a head's F and W
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    start = time.perf_counter()
+    y = layer((x, torch.arange(3)))  # vocabulary parallelism's first stage: (embedding sum, position ids)
+    assert time.perf_counter() - start >= 0.03
+    assert torch.equal(y, x)  # w = 1
+    queue = []
+    start = time.perf_counter()
+    with WeightGradStore.deferring(queue):
+        y.sum().backward()
+    assert 0.01 <= time.perf_counter() - start < 0.21  # B: TB once, the scaled TW left to W
+    start = time.perf_counter()
+    WeightGradStore.drain(queue)
+    assert time.perf_counter() - start >= 0.2
