@@ -60,15 +60,15 @@ def vocab_op_seconds(kind, head: float, embed: tuple, pp: int, layer_s: float) -
 
 # -- worker side (one process per pipeline rank) -------------------------------------------------
 
-def timed_vocab_passes(engine, seconds):
-    """The engine's VocabPasses, each pass then sleeping `seconds[kind]` from the end of its last wait."""
+def timed_vocab_passes(engine, costs, seconds):
+    """The engine's VocabPasses (imported here: the launching process needs no torch), each pass then
+    sleeping `seconds[kind]` counted from the last message it waited for (costs: the TimedCosts whose
+    lateness the sleeps share)."""
     from megatron_ds.pipe.vocab_passes import VocabPasses
     from megatron_ds.schedules.kinds import Kind
 
     class TimedVocabPasses(VocabPasses):
-        def __init__(self, engine, costs):
-            super().__init__(engine)
-            self.costs, self.resume = costs, 0.0
+        resume = 0.0
 
         def _fetch(self, message_key, keep=False):
             tensor = super()._fetch(message_key, keep)
@@ -78,7 +78,7 @@ def timed_vocab_passes(engine, seconds):
         def _timed(self, kind, run, op):
             self.resume = time.perf_counter()
             run(op)
-            self.costs.sleep_until(self.resume + seconds[kind])
+            costs.sleep_until(self.resume + seconds[kind])
 
         def embedding_forward(self, op):
             self._timed(Kind.EF, super().embedding_forward, op)
@@ -92,11 +92,11 @@ def timed_vocab_passes(engine, seconds):
         def embedding_weight_grad(self, op):
             self._timed(Kind.EW, super().embedding_weight_grad, op)
 
-    return TimedVocabPasses
+    return TimedVocabPasses(engine)
 
 
-def ds_config(schedule, placement, m, trace_dir):
-    pipeline = dict(SCHEDULES[schedule], schedule=schedule, partition_method="uniform", trace_dir=trace_dir)
+def ds_config(schedule, placement, m):
+    pipeline = dict(SCHEDULES[schedule], schedule=schedule, partition_method="uniform")
     if placement == "vocab":
         pipeline["vocab_parallel"] = True
     return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m, "gradient_clipping": 0.0,
@@ -119,14 +119,14 @@ def build_engine(schedule, placement, opts, costs):
         scales[0] = [1.0 + x for x in embed]
         scales[-1] = [1.0 + head] * 3
     specs = [LayerSpec(TimedLayer, HIDDEN, costs, tuple(s)) for s in scales]
-    cfg = ds_config(schedule, placement, opts["micro_batches"], None)
+    cfg = ds_config(schedule, placement, opts["micro_batches"])
     shape = GPTConfig(vocab_size=VOCAB_ROWS, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=1,
                       max_position_embeddings=SEQ)
     module = build_pipeline_module(shape, cfg, p, layers=specs, loss_fn=timed_loss)
     engine = initialize_engine(module, cfg, optimizer=torch.optim.SGD(module.parameters(), lr=1e-3))
     if placement == "vocab":
         seconds = {k: vocab_op_seconds(k, head, embed, p, opts["layer_ms"] / 1e3) for k in VOCAB}
-        engine.vocab = timed_vocab_passes(engine, seconds)(engine, costs)
+        engine.vocab = timed_vocab_passes(engine, costs, seconds)  # the engine's passes, timed
     return engine
 
 
