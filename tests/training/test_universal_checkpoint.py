@@ -3,7 +3,7 @@ SwiGLU, untied head, so the QKV and gate|up sub-parameter splits are exercised).
 
 Two TP=2 x PP=2 runs (4 ranks each, fp32 and bf16, side by side) are both the uninterrupted references
 and, saving at iteration 3, the checkpoints; DeepSpeed's own converter (python -m
-deepspeed.checkpoint.ds_to_universal) makes the universal folders; then every resume runs side by side:
+megatron_ds.training.universal, which runs deepspeed.checkpoint.ds_to_universal) makes the universal folders; then every resume runs side by side:
 - fp32 at PP=2 x DP=2 and at TP=1 x PP=1 (1 rank): iterations 4..8 equal the uninterrupted run's
   (rel 1e-5), with its consumed samples and lr;
 - a third (TP=1, --no-load-optim) shows the optimizer state is what keeps the losses equal;
@@ -42,7 +42,7 @@ CAPTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "universal_ca
 
 
 def _convert(step_dir):
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step_dir),
+    cmd = [sys.executable, "-m", "megatron_ds.training.universal", "--input_folder", str(step_dir),
            "--output_folder", f"{step_dir}_universal", "--num_extract_workers", "1", "--num_merge_workers", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -249,7 +249,7 @@ def test_plan_refuses_another_tp_size_without_universal():
         _plan(SAVED, {**SAVED, "tp": 1}, checkpoint="/ck/global_step3")
     msg = str(e.value)
     assert "--tensor-model-parallel-size 2, this run has 1" in msg and "--universal-checkpoint" in msg
-    assert ("python -m deepspeed.checkpoint.ds_to_universal --input_folder /ck/global_step3 "
+    assert ("python -m megatron_ds.training.universal --input_folder /ck/global_step3 "
             "--output_folder /ck/global_step3_universal") in msg
     assert _plan(SAVED, {**SAVED, "dp": 2}).optimizer == "by_name"  # PP/DP at the same TP: re-cut as before
 
@@ -268,7 +268,7 @@ def test_universal_load_of_a_plain_checkpoint_exits_2_naming_the_conversion(tmp_
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("pretrain_gpt.py: error: --universal-checkpoint: ")
-    assert (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/global_step3 "
+    assert (f"python -m megatron_ds.training.universal --input_folder {ckpt}/global_step3 "
             f"--output_folder {ckpt}/global_step3_universal") in lines[0]
 
 
