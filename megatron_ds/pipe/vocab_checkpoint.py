@@ -9,7 +9,10 @@ files, whichever layout wrote them.
 A universal checkpoint (training/universal.py) names the whole parameters as the layout without
 vocabulary parallelism does: under `universal_names` DeepSpeed's universal loader reads each renamed
 parameter's folder under its whole name, and each slice cuts its rows from the whole one's fp32
-weights and Adam moments.
+weights and Adam moments. DeepSpeed 0.19 members used there (checked on upgrade): the ZeRO optimizer's
+`param_names`, each bit16 parameter's `load_hp_checkpoint_state` (deepspeed/checkpoint/
+universal_checkpoint.enable_universal_checkpoint) and its `_hp_mapping`'s `lp_fragment_address`,
+`get_hp_fragment` and `optim_fragment`, which DeepSpeed's loader then maps into the flat optimizer state.
 """
 import contextlib
 import functools

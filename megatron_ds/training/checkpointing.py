@@ -285,7 +285,8 @@ def restore(engine, load_dir, tag, plan):
     if plan.optimizer == "by_name":
         try:
             saved_names = (saved_layout(read_saved_state(load_dir, tag)) or {}).get("vocab_parallel")
-            restore_by_name(engine.optimizer, os.path.join(load_dir, tag), saved_names, vocab)
+            restore_by_name(engine.optimizer, os.path.join(load_dir, tag), saved_names, vocab,
+                            engine.grid.get_slice_parallel_rank(), engine.grid.get_slice_parallel_world_size())
         except RelayoutError as e:
             raise CheckpointError(f"checkpoint {load_dir}/{tag}: {e}") from e
     return client_state or {}
