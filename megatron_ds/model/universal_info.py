@@ -23,7 +23,7 @@ import re
 
 from deepspeed.checkpoint import constants as C
 
-from .vocab_slices import ATTR
+from .vocab_slices import whole_names
 
 LAYER = r"\d+"
 
@@ -72,27 +72,43 @@ def _pattern(name):
     return rf"^{re.escape(name)}$"
 
 
+def vocab_parallel_names(config):
+    """{name without vocabulary parallelism: its name under it} for the parameters it renames
+    (model/vocab_slices.whole_names, inverted): the slices, and tied, layer 0's other parameters."""
+    names = whole_names(config)
+    out = {whole: sliced for sliced, whole in names["slices"].items()}
+    for name in parameter_names(config):
+        for prefix, replacement in names["prefixes"].items():
+            if name not in out and name.startswith(replacement):
+                out[name] = prefix + name[len(replacement):]
+    return out
+
+
 def universal_checkpoint_info(config, padded_vocab_size, vocab_parallel=False):
     """The UNIVERSAL_CHECKPOINT_INFO dict for a model of `config` (its tensor_model_parallel_size
     is the TP size the checkpoint is saved with). `vocab_parallel`: the step's optimizer shards hold
-    vocabulary slices (model/vocab_slices.py) whose names every pipeline rank shares, which the
-    converter would write over one another: it is told to refuse them."""
+    vocabulary slices (model/vocab_slices.py) under names every pipeline rank shares; the patterns
+    name them so, and mark them pipeline-replicated, so that DeepSpeed's converter extracts pipeline
+    rank 0's alone instead of writing every rank's over one another: training/universal.py's
+    converter then puts the whole parameters in their place."""
     tp = config.tensor_model_parallel_size
+    renamed = vocab_parallel_names(config) if vocab_parallel else {}
     kinds = {}
     sub_params = {}
     for name, (kind, sections) in parameter_names(config).items():
-        pattern = _pattern(name)
+        pattern = _pattern(renamed.get(name, name))
         kinds.setdefault(kind, [])
         if pattern not in kinds[kind]:
             kinds[kind].append(pattern)
         if kind == "qkv":
             sub_params[pattern] = sections
-    info = {
+    vocab = kinds.get("vocab", [])
+    return {
         C.UNIVERSAL_CHECKPOINT_VERSION_KEY: C.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         C.ORIGINAL_VOCAB_SIZE: padded_vocab_size,
         C.PADDED_VOCAB_SIZE: padded_vocab_size,
-        C.VOCABULARY_PARAMETER_PATTERNS: kinds.get("vocab", []),
-        C.PIPELINE_REPLICATED_PARAMETER_PATTERNS: [p for p in kinds.get("vocab", []) if "tied_modules" in p],
+        C.VOCABULARY_PARAMETER_PATTERNS: vocab,
+        C.PIPELINE_REPLICATED_PARAMETER_PATTERNS: vocab if vocab_parallel else [p for p in vocab if "tied_modules" in p],
         C.TP_REPLICATED_PARAMETER_PATTERNS: kinds.get("replicated", []),
         C.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: kinds.get("row", []),
         C.PARAMETER_WITH_2_SUB_PARAMS_CAT_DIM_0: kinds.get("swiglu", []),
@@ -102,9 +118,3 @@ def universal_checkpoint_info(config, padded_vocab_size, vocab_parallel=False):
         C.SUB_PARAM_SHARD_WIDTHS: {pattern: [[s // tp] * tp for s in sections]
                                    for pattern, sections in sub_params.items()},
     }
-    if vocab_parallel:  # the converter's one refusal by pattern (it names the key after AutoTP)
-        info[C.AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS] = {
-            rf"^{ATTR}\.": "vocabulary-parallel slices (every pipeline rank's under one name); resume from the "
-                           "saved step itself (--load without --universal-checkpoint), under any pipeline or "
-                           "data-parallel size, vocabulary parallelism on or off"}
-    return info

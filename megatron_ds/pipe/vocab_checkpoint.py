@@ -5,14 +5,26 @@ layer L+2's the whole untied output layer (`weight`; tied, there is none, as gpt
 so any layout, the offline readers (convert/ds_format.py) and the Hugging Face export read them
 unchanged. A save gathers the slices over the pipeline group; a load cuts each rank's rows from the
 files, whichever layout wrote them.
+
+A universal checkpoint (training/universal.py) names the whole parameters as the layout without
+vocabulary parallelism does: under `universal_names` DeepSpeed's universal loader reads each renamed
+parameter's folder under its whole name, and each slice cuts its rows from the whole one's fp32
+weights and Adam moments. DeepSpeed 0.19 members used there (checked on upgrade): the ZeRO optimizer's
+`param_names`, each bit16 parameter's `load_hp_checkpoint_state` (deepspeed/checkpoint/
+universal_checkpoint.enable_universal_checkpoint) and its `_hp_mapping`'s `lp_fragment_address`,
+`get_hp_fragment` and `optim_fragment`, which DeepSpeed's loader then maps into the flat optimizer state.
 """
 import contextlib
+import functools
+import os
 
 import torch
 import torch.distributed as dist
 
 from megatron_ds.errors import UserError
 from megatron_ds.model.tensor_parallel import comm
+from megatron_ds.model.vocab_slices import whole_name
+from .zero_internals import ZeroInternals
 
 WTE, HEAD = "wte.weight", "weight"  # the keys of layer 0's and of the output layer's files
 
@@ -104,3 +116,58 @@ def load_slice(module, load_dir):
                 raise RuntimeError(f"{layer_path(module, load_dir, idx)}: no whole {key!r} to cut rows "
                                    f"[{vocab.start}, {vocab.end}) from")
             param.copy_(state[key][rows])
+
+
+@contextlib.contextmanager
+def universal_names(zero, vocab):
+    """DeepSpeed's universal loader reads zero/<name> through each parameter's load_hp_checkpoint_state
+    (set by DeepSpeed on every bit16 parameter); a parameter that vocabulary parallelism renames reads its
+    whole name's folder instead, and a slice its rows of it (`zero`: the ZeRO optimizer, `vocab`: the
+    VocabSlice)."""
+    replaced = {}
+    for lp, name in zero.param_names.items():
+        whole = whole_name(name, vocab.names)
+        if whole == name:
+            continue
+        replaced[lp] = lp.load_hp_checkpoint_state
+        if name in vocab.names["slices"]:
+            lp.load_hp_checkpoint_state = functools.partial(_load_rows, lp, whole, vocab)
+        else:
+            lp.load_hp_checkpoint_state = functools.partial(_load_renamed, replaced[lp], whole)
+    try:
+        yield
+    finally:
+        for lp, load in replaced.items():
+            lp.load_hp_checkpoint_state = load
+
+
+def _load_renamed(load, whole, folder, *args, **kwargs):
+    return load(os.path.join(os.path.dirname(folder), whole), *args, **kwargs)
+
+
+def _load_rows(lp, whole, vocab, folder, *args, **kwargs):
+    """DeepSpeed's load_hp_checkpoint_state for a slice: rows [start, end) of the whole parameter's fp32
+    weights (into this rank's master partition) and optimizer states (its fragments); returns the step.
+    A vocabulary padded further than the saved one gets zero rows, as DeepSpeed's loader adds them."""
+    from deepspeed.checkpoint.constants import FP32_WEIGHT_KEY, PARAM
+    folder = os.path.join(os.path.dirname(folder), whole)
+    mapping = ZeroInternals.hp_mapping(lp)
+    mapping.optim_fragment = {}
+    address, step = mapping.lp_fragment_address, None
+    for file in sorted(os.listdir(folder)):
+        key, ext = os.path.splitext(file)
+        if ext != ".pt":
+            continue
+        state = torch.load(os.path.join(folder, file), map_location="cpu", weights_only=True)
+        if key == "step":
+            step = state
+            continue
+        full = state[PARAM]
+        if full.shape[0] < vocab.end:
+            full = torch.nn.functional.pad(full, (0, 0, 0, vocab.end - full.shape[0]))
+        fragment = full[vocab.start:vocab.end].flatten().narrow(0, address.start, address.numel)
+        if key == FP32_WEIGHT_KEY:
+            mapping.get_hp_fragment().data.copy_(fragment)
+        else:
+            mapping.optim_fragment[key] = fragment.clone()
+    return step

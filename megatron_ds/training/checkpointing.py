@@ -31,6 +31,7 @@ DeepSpeed's universal checkpoint (universal.py): every checkpoint carries the
 loads the converted folder (SAVE/latest_universal) under any TP x PP x DP.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -40,6 +41,7 @@ from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.model.universal_info import universal_checkpoint_info
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
+from megatron_ds.pipe.vocab_checkpoint import universal_names
 from megatron_ds.pipe.zero_internals import ZeroInternals
 
 from .errors import CheckpointError
@@ -269,7 +271,10 @@ def load_checkpoint(engine, args):
 def restore(engine, load_dir, tag, plan):
     """Load `tag` into the engine as `plan` says; returns this stage's client state."""
     checkpoint_engine.install(engine)
-    with safe_load.weights_only_everywhere():
+    vocab = getattr(engine.module, "vocab_slice", None)
+    naming = (universal_names(engine.optimizer, vocab) if plan.universal and vocab is not None
+              else contextlib.nullcontext())
+    with safe_load.weights_only_everywhere(), naming:
         load_path, client_state = engine.load_checkpoint(
             load_dir, tag=tag, load_optimizer_states=plan.optimizer in ("deepspeed", "universal"),
             load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
@@ -280,8 +285,8 @@ def restore(engine, load_dir, tag, plan):
     if plan.optimizer == "by_name":
         try:
             saved_names = (saved_layout(read_saved_state(load_dir, tag)) or {}).get("vocab_parallel")
-            restore_by_name(engine.optimizer, os.path.join(load_dir, tag), saved_names,
-                            getattr(engine.module, "vocab_slice", None))
+            restore_by_name(engine.optimizer, os.path.join(load_dir, tag), saved_names, vocab,
+                            engine.grid.get_slice_parallel_rank(), engine.grid.get_slice_parallel_world_size())
         except RelayoutError as e:
             raise CheckpointError(f"checkpoint {load_dir}/{tag}: {e}") from e
     return client_state or {}

@@ -2,20 +2,27 @@
 
 A run saves DeepSpeed pipeline checkpoints (checkpointing.py) whose model states carry
 `universal_checkpoint_info` (model/universal_info.py); DeepSpeed's converter turns one step
-into a folder of whole parameters (fp32 weights, Adam's moments, step) next to it:
+into a folder of whole parameters (fp32 weights, Adam's moments, step) next to it, through this
+module, which takes DeepSpeed's converter's arguments:
 
-    python -m deepspeed.checkpoint.ds_to_universal --input_folder SAVE/global_stepN \\
+    python -m megatron_ds.training.universal --input_folder SAVE/global_stepN \\
         --output_folder SAVE/global_stepN_universal
 
-(it also writes SAVE/latest_universal). A run with --universal-checkpoint, or ds_config
+(it also writes SAVE/latest_universal). It runs DeepSpeed's converter (ds_to_universal), then,
+for a step saved under vocabulary parallelism, puts the whole word embedding and output layer in
+the place of the slices that converter cannot tell apart (every pipeline rank's has one name: it
+extracts rank 0's, universal_info) and names every parameter as the layout without vocabulary
+parallelism does, so the folder is the one a plain run's step converts into. A run with --universal-checkpoint, or ds_config
 "checkpoint": {"load_universal": true} (DeepSpeed's key, which the flag sets), loads that
-folder under any layout: DeepSpeed's ZeRO-1 loader cuts each parameter for this rank.
+folder under any layout: DeepSpeed's ZeRO-1 loader cuts each parameter for this rank (under
+vocabulary parallelism each slice's rows: pipe/vocab_checkpoint.universal_names).
 
 Checked at parse time (no torch): the flag and the key agree, and --load holds a converted
 checkpoint; otherwise one message that names the conversion command, exit code 2.
 """
 import os
 
+SLICE_ATTR = "vocab_slice"  # model/vocab_slices.ATTR (that module needs torch; this one is read at parse time)
 LATEST = "latest_universal"  # DeepSpeed's name: written by ds_to_universal, read by engine.load_checkpoint
 
 
@@ -29,7 +36,7 @@ def add_universal_args(parser):
 
 def conversion_command(load_dir, tag=None):
     step = os.path.join(load_dir, tag or "global_stepN")
-    return (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {step} "
+    return (f"python -m megatron_ds.training.universal --input_folder {step} "
             f"--output_folder {step}_universal")
 
 
@@ -49,10 +56,14 @@ def check_universal_folder(load_dir):
         return (f"--universal-checkpoint: {load_dir} holds no universal checkpoint ({path} is missing); "
                 f"convert the saved step first: {conversion_command(load_dir, read_tag(load_dir))}")
     state = os.path.join(load_dir, tag, "zero", "optimizer_state.pt")
+    source = tag[:-len("_universal")] if tag.endswith("_universal") else read_tag(load_dir)
     if not os.path.isfile(state):
-        source = tag[:-len("_universal")] if tag.endswith("_universal") else read_tag(load_dir)
         return (f"--universal-checkpoint: {os.path.join(load_dir, tag)} (named by {path}) is not a universal "
                 f"checkpoint ({state} is missing); convert the saved step: {conversion_command(load_dir, source)}")
+    if os.path.isdir(os.path.join(load_dir, tag, "zero", f"{SLICE_ATTR}.wte")):
+        return (f"--universal-checkpoint: {os.path.join(load_dir, tag)} holds one pipeline rank's vocabulary slice "
+                f"for the whole word embedding (DeepSpeed's converter alone ran on a vocabulary-parallel step); "
+                f"convert the saved step again: {conversion_command(load_dir, source)}")
     return ""
 
 
@@ -65,12 +76,6 @@ def apply_universal(args, ds_config, err):
         err(f"--universal-checkpoint disagrees with ds_config \"checkpoint\": {{\"load_universal\": false}} in "
             f"{args.deepspeed_config}; give one of them")
     args.universal_checkpoint = bool(args.universal_checkpoint or key)
-    settings = getattr(args, "pipeline_settings", None)
-    if args.universal_checkpoint and settings is not None and settings.vocab_parallel:
-        err("--universal-checkpoint with ds_config \"pipeline.vocab_parallel\" = true: DeepSpeed's universal "
-            "checkpoint knows no vocabulary slices (its converter refuses a vocabulary-parallel step too); --load "
-            "the saved step itself, which resumes under any pipeline or data-parallel size, vocabulary "
-            "parallelism on or off")
     if args.universal_checkpoint:
         ds_config["checkpoint"] = {**section, "load_universal": True}
         if not args.load:
@@ -78,3 +83,50 @@ def apply_universal(args, ds_config, err):
         problem = check_universal_folder(args.load)
         if problem:
             err(problem)
+
+
+def merge_vocab_slices(step_dir, output_folder, names):
+    """Turn DeepSpeed's conversion of a vocabulary-parallel step into a plain step's: each slice's folder
+    (pipeline rank 0's rows, DeepSpeed's metadata and step) takes the whole parameter's fp32 weights and
+    Adam moments, joined from every rank's shards by name (zero_relayout.gather_by_name), and every
+    parameter takes its name without vocabulary parallelism (`names`: the step's whole_names)."""
+    import torch
+    from deepspeed.checkpoint.constants import PARAM
+    from megatron_ds.model.vocab_slices import whole_name
+    from . import safe_load
+    from .zero_relayout import gather_by_name
+    whole, _, _ = gather_by_name(step_dir, names)
+    zero = os.path.join(output_folder, "zero")
+    for sliced, name in names["slices"].items():
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            path = os.path.join(zero, sliced, f"{key}.pt")
+            state = safe_load.load(path)
+            state[PARAM] = whole[name][key].view(-1, *state[PARAM].shape[1:]).clone()
+            torch.save(state, path)
+    for folder in os.listdir(zero):
+        name = whole_name(folder, names)
+        if name != folder:
+            os.rename(os.path.join(zero, folder), os.path.join(zero, name))
+
+
+def convert(argv=None):
+    """DeepSpeed's ds_to_universal on --input_folder (its arguments), then the vocabulary slices merged."""
+    import sys
+    from deepspeed.checkpoint import ds_to_universal
+    from megatron_ds.pipe.engine import saved_layout
+    from . import safe_load
+    given = sys.argv
+    sys.argv = given if argv is None else [given[0], *argv]
+    try:
+        ds_args = ds_to_universal.parse_arguments()  # reads sys.argv alone
+    finally:
+        sys.argv = given
+    step = ds_args.input_folder
+    names = (saved_layout(safe_load.load(os.path.join(step, "mp_rank_00_model_states.pt"))) or {}).get("vocab_parallel")
+    ds_to_universal.main(ds_args)
+    if names:
+        merge_vocab_slices(step, ds_args.output_folder, names)
+
+
+if __name__ == "__main__":
+    convert()

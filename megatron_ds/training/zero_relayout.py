@@ -15,6 +15,11 @@ tied, layer 0 is no tied module. Both sides are read in the names of the layout 
 (whole_names, recorded in the saved pipeline layout): the saved slices are joined in pipeline-rank
 order, and this rank's slice is cut from the whole parameter's state.
 
+With tensor parallelism (the same TP size on both sides: another one goes through the universal
+checkpoint) a shard's model-parallel index is pipeline rank x TP + TP rank (DeepSpeed's
+PipelineParallelGrid), and every TP rank's slice of a parameter has the parameter's name: each rank
+reads the shards of its own TP rank.
+
 The DeepSpeed 0.19 ZeRO stage 1/2 members used (private, checked on upgrade):
 `optimizer` (the wrapped torch optimizer, one flat fp32 parameter per group),
 `bit16_groups`, `single_partition_of_fp32_groups`, `param_names`, `_hp_optimizer_states_linked`,
@@ -60,8 +65,9 @@ def _group_states(sd, group):
     return base[group], sd["base_optimizer_state_step"]  # elastic_checkpoint: a list of group states
 
 
-def gather_by_name(ckpt_dir, names=None):
-    """{parameter name: {state key: flat tensor}}, the optimizer step and one shard's own state dict.
+def gather_by_name(ckpt_dir, names=None, tp_rank=0, tp_size=1):
+    """{parameter name: {state key: flat tensor}}, the optimizer step and one shard's own state dict,
+    of TP rank `tp_rank` of `tp_size` (the checkpoint's TP size).
 
     A parameter cut between data-parallel ranks is the concatenation of its slices in
     data-parallel order; one held by several pipeline ranks (tied embeddings) is taken once;
@@ -71,9 +77,11 @@ def gather_by_name(ckpt_dir, names=None):
     files = shard_files(ckpt_dir)
     if not files:
         raise RelayoutError(f"{ckpt_dir} holds no ZeRO optimizer shards (*zero_pp_rank_*optim_states.pt)")
+    if len({mp for mp, _ in files}) % tp_size:
+        raise RelayoutError(f"{ckpt_dir}: its shards are not {tp_size} tensor-parallel ranks per pipeline rank")
     slices = (names or {}).get("slices", {})
     params, rows, step, first = {}, {}, None, None
-    for pp in sorted({p for p, _ in files}):
+    for pp in sorted({p for p, _ in files if p % tp_size == tp_rank}):
         pieces = {}
         for dp in sorted(d for p, d in files if p == pp):
             sd = safe_load.load(files[(pp, dp)], mmap=True)
@@ -99,12 +107,13 @@ def gather_by_name(ckpt_dir, names=None):
     return params, step, first
 
 
-def restore_by_name(zero, ckpt_dir, saved_names=None, vocab_slice=None):
+def restore_by_name(zero, ckpt_dir, saved_names=None, vocab_slice=None, tp_rank=0, tp_size=1):
     """Fill this rank's ZeRO partitions (fp32 masters and optimizer state) from `ckpt_dir`'s shards.
 
     `saved_names`: the checkpoint's whole_names (saved under vocabulary parallelism, else None);
-    `vocab_slice`: this run's VocabSlice (None without vocabulary parallelism)."""
-    params, step, shard = gather_by_name(ckpt_dir, saved_names)
+    `vocab_slice`: this run's VocabSlice (None without vocabulary parallelism); `tp_rank` of `tp_size`:
+    this rank's place in the tensor-parallel group (the checkpoint's TP size is the same)."""
+    params, step, shard = gather_by_name(ckpt_dir, saved_names, tp_rank, tp_size)
     names = vocab_slice.names if vocab_slice is not None else None
     internals = ZeroInternals(zero)
     internals.load_global_state(shard)

@@ -7,6 +7,9 @@ whole matrices) equal the uninterrupted run's within 1e-5 fp32, so the weights, 
 masters (re-cut by name when vocabulary parallelism switches on or off, or the pipeline size changes)
 and the step count all came back. VP->VP, VP->non-VP and non-VP->VP, tied (GPT-2) and untied (LLaMA),
 at PP=2 x DP=2 and PP=4, in one launch of 4 ranks; a control resumes with a fresh Adam and differs.
+In the same launch, three steps go through the universal checkpoint (training/universal.convert, on
+rank 0): a VP step resumes without VP at another pipeline and data-parallel size, a tied VP step under
+VP at another pipeline size, a non-VP step under VP, each as exactly as the cases above.
 The layer files a vocabulary-parallel run writes are those of a run without it: the same files and
 keys, the whole matrices equal to the saving run's, read by the offline reader (convert/ds_format.py)
 and turned into a Hugging Face state dict like a non-VP checkpoint's.
@@ -37,15 +40,21 @@ CASES = [("vp_same_tied", {}, VP2, VP2, True), ("vp_pp2_to_pp4_untied", LLAMA, Z
          ("vp_to_plain_tied", {}, VP2, PLAIN2, True), ("vp_to_plain_untied", LLAMA, VP2, PLAIN4, True),
          ("plain_to_vp_tied", {}, PLAIN2, VP4, True), ("plain_to_vp_untied", LLAMA, PLAIN2, VP2, True),
          ("control_fresh_adam", LLAMA, VP2, PLAIN2, False)]
+# through the universal checkpoint (the folder names the whole parameters: any layout loads it)
+UNIVERSAL = [("universal_vp_to_plain_untied", LLAMA, VP2, PLAIN4, True),
+             ("universal_vp_to_vp_tied", {}, VP2, VP4, True),
+             ("universal_plain_to_vp_untied", LLAMA, PLAIN2, VP4, True)]
 
 
-def _engine(model, lay):
+def _engine(model, lay, universal=False):
     import torch.distributed as dist
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     config = tiny_config(LAYERS, **model)
     dp = dist.get_world_size() // lay["pp"]
     pipeline = {"schedule": lay["schedule"], "vocab_parallel": lay["vp"]}
     cfg = ds_config(lay["pp"], dp, BATCH // dp, pipeline=pipeline, lr=LR)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
     module = build_pipeline_module(config, cfg, lay["pp"])
     return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR)), config
 
@@ -65,26 +74,30 @@ def _weights(engine, config):
 def save_then_step(root, name, model, lay):
     """Two steps, save (through our checkpoint engine), two more: their losses and the weights at the save
     and after them."""
+    from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+    from megatron_ds.model.universal_info import universal_checkpoint_info
     from megatron_ds.training import checkpoint_engine
     engine, config = _engine(model, lay)
     for step in range(2):
         _step(engine, config, step)
     checkpoint_engine.install(engine)
-    engine.save_checkpoint(os.path.join(root, name), tag=TAG)
+    info = universal_checkpoint_info(config, config.vocab_size, vocab_parallel=lay["vp"])  # as checkpointing.py saves
+    engine.save_checkpoint(os.path.join(root, name), tag=TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: info})
     at_save = _weights(engine, config)
     losses = [_step(engine, config, step) for step in AFTER]
     return dict(at_save=at_save, losses=losses, after=_weights(engine, config))
 
 
-def load_then_step(root, name, model, lay, optimizer):
-    """Load as plan_load says (`optimizer` False: as under --no-load-optim), the same two steps."""
+def load_then_step(root, name, model, lay, optimizer, universal=False):
+    """Load as plan_load says (`optimizer` False: as under --no-load-optim; `universal`: the converted
+    folder, as under --universal-checkpoint), the same two steps."""
     from megatron_ds.pipe.engine import pipeline_layout, saved_layout
     from megatron_ds.training.checkpointing import plan_load, read_saved_state, restore
-    engine, config = _engine(model, lay)
-    load_dir = os.path.join(root, name)
-    plan = plan_load(saved_layout(read_saved_state(load_dir, TAG)), pipeline_layout(engine), finetune=False,
-                     no_load_optim=not optimizer, zero_stage=1)
-    restore(engine, load_dir, TAG, plan)
+    engine, config = _engine(model, lay, universal)
+    load_dir, tag = os.path.join(root, name), TAG + ("_universal" if universal else "")
+    plan = plan_load(saved_layout(read_saved_state(load_dir, tag)), pipeline_layout(engine), finetune=False,
+                     no_load_optim=not optimizer, zero_stage=1, universal=universal)
+    restore(engine, load_dir, tag, plan)
     loaded, steps = _weights(engine, config), engine.global_steps
     losses = [_step(engine, config, step) for step in AFTER]
     return dict(plan=plan.optimizer, loaded=loaded, steps=steps, losses=losses, after=_weights(engine, config))
@@ -92,10 +105,19 @@ def load_then_step(root, name, model, lay, optimizer):
 
 def rank_side(root):
     import deepspeed
+    import torch.distributed as dist
+    from megatron_ds.training.universal import convert
     deepspeed.init_distributed(dist_backend="gloo")
-    saved = {name: save_then_step(root, name, model, before) for name, model, before, _, _ in CASES}
-    loaded = {name: load_then_step(root, name, model, after, optimizer)
-              for name, model, _, after, optimizer in CASES}
+    saved = {name: save_then_step(root, name, model, before) for name, model, before, _, _ in CASES + UNIVERSAL}
+    if dist.get_rank() == 0:
+        for name, *_ in UNIVERSAL:
+            step = os.path.join(root, name, TAG)
+            convert(["--input_folder", step, "--output_folder", f"{step}_universal", "--num_extract_workers", "1",
+                     "--num_merge_workers", "1"])
+    dist.barrier()
+    loaded = {name: load_then_step(root, name, model, after, optimizer, (name, model, before, after, optimizer)
+                                   in UNIVERSAL)
+              for name, model, before, after, optimizer in CASES + UNIVERSAL}
     return saved, loaded
 
 
@@ -115,8 +137,8 @@ def _max_diff(a, b):
 
 def test_vocab_parallel_checkpoints_resume_under_any_layout(tmp_path):
     per_rank = run_ranks(WORLD, rank_side, str(tmp_path), timeout=900)
-    expected_plan = {"vp_same_tied": "deepspeed"}
-    for name, model, before, after, optimizer in CASES:
+    expected_plan = {"vp_same_tied": "deepspeed", **{name: "universal" for name, *_ in UNIVERSAL}}
+    for name, model, before, after, optimizer in CASES + UNIVERSAL:
         at_save, uninterrupted = _merged(per_rank, name, "at_save"), _merged(per_rank, name, "after_saved")
         loaded, resumed = _merged(per_rank, name, "loaded"), _merged(per_rank, name, "after")
         assert _max_diff(loaded, at_save) == 0.0, name  # the files hold exactly the saved weights
@@ -125,6 +147,8 @@ def test_vocab_parallel_checkpoints_resume_under_any_layout(tmp_path):
             assert mine[name]["plan"] == (expected_plan.get(name, "by_name") if optimizer else None), name
         losses = [(a, b) for s, m in per_rank for a, b in zip(s[name]["losses"], m[name]["losses"])]
         diff = _max_diff(resumed, uninterrupted)
+        print(f"{name}: weights after {len(AFTER)} steps differ by {diff:.2e}, losses by "
+              f"{max(abs(a - b) for a, b in losses):.2e}")
         if optimizer:
             assert all(abs(a - b) <= 1e-5 for a, b in losses), (name, losses)
             assert diff <= 1e-5, (name, diff)
@@ -163,14 +187,32 @@ def _offline_readers_agree(vp_dir, plain_dir, config, at_save):
         assert (vp(tokens) - plain(tokens)).abs().max().item() <= 1e-4
 
 
-def test_the_universal_converter_refuses_a_vocabulary_parallel_step():
-    """DeepSpeed's ds_to_universal keys the fragments it extracts by parameter name alone, so every
-    pipeline rank's vocab_slice.wte would overwrite the others': the universal_checkpoint_info of a
-    vocabulary-parallel step makes its own check refuse them (a plain step's passes it)."""
-    import pytest
-    from deepspeed.checkpoint.ds_to_universal import _validate_autotp_conversion_support
+def test_universal_info_names_the_slices_as_pipeline_replicated_vocabulary():
+    """DeepSpeed's ds_to_universal keys the fragments it extracts by parameter name alone, so every pipeline
+    rank's vocab_slice.wte would land on the others': a vocabulary-parallel step's universal_checkpoint_info
+    names the slices (and, tied, layer 0's parameters) as that layout does and marks them pipeline-replicated,
+    so the converter takes rank 0's alone, which training/universal.merge_vocab_slices replaces."""
+    from deepspeed.checkpoint import constants as C
     from megatron_ds.model.universal_info import universal_checkpoint_info
-    config = tiny_config(LAYERS, **LLAMA)
-    _validate_autotp_conversion_support(universal_checkpoint_info(config, config.vocab_size))
-    with pytest.raises(ValueError, match=r"vocab_slice.*vocabulary-parallel slices.*--load without"):
-        _validate_autotp_conversion_support(universal_checkpoint_info(config, config.vocab_size, vocab_parallel=True))
+    for model, slices in (({}, ["wte"]), (LLAMA, ["wte", "head"])):
+        config = tiny_config(LAYERS, **model)
+        info = universal_checkpoint_info(config, config.vocab_size, vocab_parallel=True)
+        vocab = [rf"^vocab_slice\.{s}$" for s in slices]
+        assert info[C.VOCABULARY_PARAMETER_PATTERNS] == info[C.PIPELINE_REPLICATED_PARAMETER_PATTERNS] == vocab
+        assert not any("tied_modules" in p for v in info.values() if isinstance(v, list) for p in v
+                       if isinstance(p, str))
+        plain = universal_checkpoint_info(config, config.vocab_size)
+        assert plain[C.VOCABULARY_PARAMETER_PATTERNS] != vocab
+
+
+def test_a_folder_of_deepspeeds_converter_alone_is_refused(tmp_path):
+    """A VP step converted by ds_to_universal alone holds a slice for the whole embedding: one message
+    naming our converter."""
+    from megatron_ds.training.universal import check_universal_folder
+    (tmp_path / "global_step3_universal" / "zero" / "vocab_slice.wte").mkdir(parents=True)
+    (tmp_path / "global_step3_universal" / "zero" / "optimizer_state.pt").write_bytes(b"")
+    (tmp_path / "latest_universal").write_text("global_step3_universal")
+    msg = check_universal_folder(str(tmp_path))
+    assert "one pipeline rank's vocabulary slice" in msg
+    assert (f"python -m megatron_ds.training.universal --input_folder {tmp_path}/global_step3 "
+            f"--output_folder {tmp_path}/global_step3_universal") in msg

@@ -3,9 +3,10 @@ SwiGLU, untied head, so the QKV and gate|up sub-parameter splits are exercised).
 
 Two TP=2 x PP=2 runs (4 ranks each, fp32 and bf16, side by side) are both the uninterrupted references
 and, saving at iteration 3, the checkpoints; DeepSpeed's own converter (python -m
-deepspeed.checkpoint.ds_to_universal) makes the universal folders; then every resume runs side by side:
+megatron_ds.training.universal, which runs deepspeed.checkpoint.ds_to_universal) makes the universal folders; then every resume runs side by side:
 - fp32 at PP=2 x DP=2 and at TP=1 x PP=1 (1 rank): iterations 4..8 equal the uninterrupted run's
-  (rel 1e-5), with its consumed samples and lr;
+  (rel 1e-5), with its consumed samples and lr; so does a plain --load of the step at TP=2 x PP=1 x DP=2 (the
+  optimizer state re-cut by name from each TP rank's own shards);
 - a third (TP=1, --no-load-optim) shows the optimizer state is what keeps the losses equal;
 - bf16 at TP=1 x PP=1: losses within bf16 rounding of the bf16 run's;
 - --finetune from the bf16 checkpoint at TP=1 x PP=1: the weights alone, iteration 0, a fresh Adam.
@@ -42,7 +43,7 @@ CAPTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "universal_ca
 
 
 def _convert(step_dir):
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step_dir),
+    cmd = [sys.executable, "-m", "megatron_ds.training.universal", "--input_folder", str(step_dir),
            "--output_folder", f"{step_dir}_universal", "--num_extract_workers", "1", "--num_merge_workers", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,8 +81,13 @@ def runs(tmp_path_factory):
                "bf16_finetune_tp1_pp1": ((*BF16, "--train-samples", str(8 * FINETUNE_ITERS), "--lr-decay-samples",
                                           str(8 * BF16_ITERS), *pp1, "--finetune", "--save", str(tmp / "finetune")),
                                          1, bf16)}
-    resumed = _side_by_side(tmp, {name: (("--load", str(folder), "--universal-checkpoint", *args, *capture(name)),
-                                         nproc) for name, (args, nproc, folder) in resumes.items()})
+    # and a plain --load at the same TP under another PP x DP (the optimizer state re-cut by name, each TP rank
+    # from its own TP rank's shards: training/zero_relayout.py)
+    (ckpt / "latest").write_text(f"global_step{SAVE_AT}")
+    by_name = {"tp2_pp1_dp2_by_name": (("--load", str(ckpt), "--tensor-model-parallel-size", "2", *pp1,
+                                        *capture("tp2_pp1_dp2_by_name")), 4)}
+    resumed = _side_by_side(tmp, {**{name: (("--load", str(folder), "--universal-checkpoint", *args, *capture(name)),
+                                            nproc) for name, (args, nproc, folder) in resumes.items()}, **by_name})
     return dict(full=full["tp2_pp2"][0], bf16_full=full["bf16_tp2_pp2"][0], resumed=resumed, ckpt=ckpt, tmp=tmp)
 
 
@@ -109,12 +115,13 @@ def assert_same_tensors(got, want, keys, what):
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("layout", ["pp2_dp2", "tp1_pp1"])
+@pytest.mark.parametrize("layout", ["pp2_dp2", "tp1_pp1", "tp2_pp1_dp2_by_name"])
 def test_resume_under_another_layout_continues_the_run(runs, layout):
     full = runs["full"]
     assert [r["iteration"] for r in full] == list(range(1, ITERS + 1))
     records, out = runs["resumed"][layout]
-    assert "universal checkpoint, layout" in out and f"at iteration {SAVE_AT}" in out
+    how = "re-cut parameter by parameter" if layout.endswith("by_name") else "universal checkpoint, layout"
+    assert how in out and f"at iteration {SAVE_AT}" in out
     assert [r["iteration"] for r in records] == list(range(SAVE_AT + 1, ITERS + 1))  # 5 iterations
     ref = full[SAVE_AT:]
     assert [r["consumed_samples"] for r in records] == [r["consumed_samples"] for r in ref]
@@ -249,7 +256,7 @@ def test_plan_refuses_another_tp_size_without_universal():
         _plan(SAVED, {**SAVED, "tp": 1}, checkpoint="/ck/global_step3")
     msg = str(e.value)
     assert "--tensor-model-parallel-size 2, this run has 1" in msg and "--universal-checkpoint" in msg
-    assert ("python -m deepspeed.checkpoint.ds_to_universal --input_folder /ck/global_step3 "
+    assert ("python -m megatron_ds.training.universal --input_folder /ck/global_step3 "
             "--output_folder /ck/global_step3_universal") in msg
     assert _plan(SAVED, {**SAVED, "dp": 2}).optimizer == "by_name"  # PP/DP at the same TP: re-cut as before
 
@@ -268,7 +275,7 @@ def test_universal_load_of_a_plain_checkpoint_exits_2_naming_the_conversion(tmp_
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("pretrain_gpt.py: error: --universal-checkpoint: ")
-    assert (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/global_step3 "
+    assert (f"python -m megatron_ds.training.universal --input_folder {ckpt}/global_step3 "
             f"--output_folder {ckpt}/global_step3_universal") in lines[0]
 
 
