@@ -219,7 +219,7 @@ def _check_vocab_parallel(settings):
             check_vocab_parallel(CATALOG[settings.schedule], True)
     except ScheduleError as exc:
         raise ConfigError(f"{key}: {exc}") from None
-    if settings.schedule not in VOCAB_PARALLEL_ENGINE:  # a schedule file, or a catalogue entry not proven yet
+    if not settings.file and settings.schedule not in VOCAB_PARALLEL_ENGINE:  # a catalogue entry not proven yet
         raise ConfigError(f"{key} with \"schedule\": {json.dumps(settings.schedule)}: the engine runs the vocabulary "
                           f"passes under the named schedules {', '.join(VOCAB_PARALLEL_ENGINE)} so far; python -m "
                           "megatron_ds.schedules show/export/compare --vocab-parallel simulate any schedule")

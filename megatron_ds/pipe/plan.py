@@ -320,9 +320,12 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
         schedule = settings.build_schedule(pp, gas)
     except ScheduleError as exc:
         raise ConfigError(f'ds_config "pipeline": {exc}') from None
-    if schedule.vocab_parallel and not settings.vocab_parallel:
-        raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": the file places vocabulary passes '
-                          '(EF, S, T, EW); the engine runs them for the named schedules with "vocab_parallel": true')
+    if schedule.vocab_parallel != settings.vocab_parallel:  # only a file can disagree: it carries its own ops
+        raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": the file '
+                          + ('places vocabulary passes (EF, S, T, EW); set "vocab_parallel": true to run them'
+                             if schedule.vocab_parallel else 'has no vocabulary passes (EF, S, T, EW) for '
+                             '"vocab_parallel": true; export it with them (python -m megatron_ds.schedules export '
+                             '--vocab-parallel) or leave the key out'))
     check_layers(schedule, config.num_layers, settings)
     lengths = None
     if schedule.seq_splits > 1:  # a schedule file may carry its own cut

@@ -125,6 +125,8 @@ def test_vocab_parallel_plan_loads_data_everywhere_and_refuses_what_it_cannot_ru
     path.write_text(build_schedule("1f1b", 4, 8, vocab_parallel=True).to_json())
     with pytest.raises(ConfigError, match="the file places vocabulary passes"):
         plan_for({"schedule": f"file:{path}"})
-    with pytest.raises(ConfigError, match='vocab_parallel.* with "schedule": "file:.*runs the vocabulary passes under '
-                                          'the named schedules gpipe'):  # a file's order is not proven yet
-        plan_for({"schedule": f"file:{path}", "vocab_parallel": True})
+    assert plan_for({"schedule": f"file:{path}", "vocab_parallel": True}).schedule.vocab_parallel
+    plain = tmp_path / "plain.json"  # the key asks for passes the file does not place
+    plain.write_text(build_schedule("1f1b", 4, 8).to_json())
+    with pytest.raises(ConfigError, match="the file has no vocabulary passes .* export it with them"):
+        plan_for({"schedule": f"file:{plain}", "vocab_parallel": True})

@@ -3,10 +3,12 @@ reference: losses, eval loss, every gradient of the first step (the slices gathe
 embedding and output matrices) and the weights after 3 optimizer steps, 1e-5 fp32, for each schedule
 the engine runs it under (pipe/config.VOCAB_PARALLEL_ENGINE), tied (GPT-2: learned positions, the
 embedding is the output layer) and untied (LLaMA: rope, RMSNorm, SwiGLU), at PP=4 and PP=2 x DP=2
-with ZeRO-1. One launch of 4 ranks runs every case, each schedule once (tied or untied in turn);
-the whole schedule x tied matrix at PP=2, PP=4 and PP2xDP2 passes too, run by hand (CI time).
+with ZeRO-1. One launch of 4 ranks runs every case, each schedule once (tied or untied in turn),
+and a schedule file that carries the passes (exported from the catalogue); the whole schedule x tied
+matrix at PP=2, PP=4 and PP2xDP2 passes too, run by hand (CI time).
 """
 from megatron_ds.pipe.config import VOCAB_PARALLEL_ENGINE
+from megatron_ds.schedules import build_schedule
 from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import assert_matches_reference, engine_rank_run, reference_run, tiny_config
 
@@ -39,10 +41,13 @@ def vocab_rank_runs(cases):
                             lr=LR) for c in cases]
 
 
-def test_vocab_parallel_matches_reference():
+def test_vocab_parallel_matches_reference(tmp_path):
     assert {c["pipeline"]["schedule"] for c in CASES} == set(VOCAB_PARALLEL_ENGINE)  # every one admitted is run
-    per_rank = run_ranks(WORLD, vocab_rank_runs, CASES, timeout=900)
-    for i, c in enumerate(CASES):
+    path = tmp_path / "zb-h2-vocab.json"  # a file's op lists, vocabulary passes included, run as they are
+    path.write_text(build_schedule("zb-h2", 2, 4, vocab_parallel=True).to_json())
+    cases = CASES + [case(f"file:{path}", LLAMA, 2, 4, 4)]
+    per_rank = run_ranks(WORLD, vocab_rank_runs, cases, timeout=900)
+    for i, c in enumerate(cases):
         ref = reference_run(tiny_config(c["layers"], **c["model"]), WORLD // c["pp"], c["gas"], STEPS, lr=LR)
         try:
             assert_matches_reference([r[i] for r in per_rank], ref)
