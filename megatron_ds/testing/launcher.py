@@ -138,8 +138,13 @@ def child_env(root, **extra) -> dict:
     return env
 
 
-# What every rank imports; the fork server imports it once (pipe.build pulls in the model and torch._dynamo).
-_PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_ds.pipe.build"]
+# What every rank imports; the fork server imports it once. Not only pipe.build: a rank's first engine
+# imports torch._dynamo (torch.optim's constructors), torch._inductor (DeepSpeed's optimizer check imports
+# its Muon, which asks torch.compile's config), DeepSpeed's engines and op builders (init_distributed loads
+# its shared-memory op): ~1500 modules, ~5 s of CPU a rank.
+_PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_ds.pipe.build", "torch._dynamo",
+            "torch._inductor.compile_fx", "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2",
+            "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.ops.op_builder.all_ops"]
 _server = []  # [the context], once started
 
 
