@@ -9,9 +9,10 @@ and the step count all came back. VP->VP, VP->non-VP and non-VP->VP, tied (GPT-2
 at PP=2 x DP=2 and PP=4, and at PP=2 x TP=2 (each TP rank's layer file holds its rows [t V/TP,
 (t+1) V/TP) as without vocabulary parallelism; the slices of rank (j, t) are rows j TP + t of p TP), in
 one launch of 4 ranks; a control resumes with a fresh Adam and differs.
-In the same launch, three steps go through the universal checkpoint (training/universal.convert, on
+In the same launch, four steps go through the universal checkpoint (training/universal.convert, on
 rank 0): a VP step resumes without VP at another pipeline and data-parallel size, a tied VP step under
-VP at another pipeline size, a non-VP step under VP, each as exactly as the cases above.
+VP at another pipeline size, a non-VP step under VP, a PP=2 x TP=2 VP step without VP at TP=1 x DP=2,
+each as exactly as the cases above.
 The layer files a vocabulary-parallel run writes are those of a run without it: the same files and
 keys, the whole matrices equal to the saving run's, read by the offline reader (convert/ds_format.py)
 and turned into a Hugging Face state dict like a non-VP checkpoint's.
@@ -48,7 +49,8 @@ CASES = [("vp_same_tied", {}, VP2, VP2, True), ("vp_pp2_to_pp4_untied", LLAMA, Z
 # through the universal checkpoint (the folder names the whole parameters: any layout loads it)
 UNIVERSAL = [("universal_vp_to_plain_untied", LLAMA, VP2, PLAIN4, True),
              ("universal_vp_to_vp_tied", {}, VP2, VP4, True),
-             ("universal_plain_to_vp_untied", LLAMA, PLAIN2, VP4, True)]
+             ("universal_plain_to_vp_untied", LLAMA, PLAIN2, VP4, True),
+             ("universal_tp2_vp_to_plain_tp1_untied", LLAMA, VP2T, PLAIN2, True)]
 
 
 def _engine(model, lay, universal=False):
