@@ -109,30 +109,23 @@ def save_head(module, save_dir, checkpoint_engine, head):
 
 def load_slice(module, load_dir):
     """This rank's rows of the word embedding and the output layer, from the TP files that hold them
-    (TP file t: rows [t V/TP, (t+1) V/TP))."""
+    (TP file t: rows [t V/TP, (t+1) V/TP), V/TP = p slices)."""
     vocab = module.vocab_slice
-    tp = comm.world_size(vocab.group)
+    tp, start, end = comm.world_size(vocab.group), vocab.start, vocab.end
+    per = (end - start) * module._grid.get_pipe_parallel_world_size()  # rows of one TP rank's file
     files = [(vocab.wte, 0, WTE)] + ([(vocab.head, head_layer(module), HEAD)] if vocab.head is not None else [])
     with torch.no_grad():
         for param, idx, key in files:
-            per, done = None, vocab.start
-            while done < vocab.end:
-                t = 0 if per is None else done // per
+            for t in range(start // per, (end - 1) // per + 1):
                 path = tp_layer_path(module, load_dir, idx, t)
                 # mmap: only this rank's rows are read (every file was checked weights-only before the load began)
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-                if key not in state:
-                    raise RuntimeError(f"{path}: no {key!r} to cut rows [{vocab.start}, {vocab.end}) from")
-                if per is None:
-                    per = state[key].shape[0]
-                    if per * tp < vocab.end:
-                        raise RuntimeError(f"{path}: {per} rows of {key!r} per TP rank, too few to cut rows "
-                                           f"[{vocab.start}, {vocab.end}) from")
-                    if done // per != 0:
-                        continue  # the rows start in another TP rank's file
-                stop = min(vocab.end, (t + 1) * per)
-                param[done - vocab.start:stop - vocab.start].copy_(state[key][done - t * per:stop - t * per])
-                done = stop
+                lo, hi = max(start, t * per), min(end, (t + 1) * per)
+                rows = state[key].shape[0] if key in state else 0
+                if rows < hi - t * per or (tp > 1 and rows != per):  # a TP file's rows must be its V/TP
+                    raise RuntimeError(f"{path}: {rows} rows of {key!r}, {per if tp > 1 else 'at least ' + str(end)} "
+                                       f"needed to cut rows [{start}, {end}) from")
+                param[lo - start:hi - start].copy_(state[key][lo - t * per:hi - t * per])
 
 
 @contextlib.contextmanager

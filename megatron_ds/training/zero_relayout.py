@@ -88,6 +88,8 @@ def gather_by_name(ckpt_dir, names=None, tp_rank=0, tp_size=1, vocab=(), only=No
     params, rows, step, first = {}, {}, None, None
     for mp in sorted({p for p, _ in files}):
         mine = mp % tp_size == tp_rank
+        if not (mine or vocab):  # another TP rank's shards hold nothing of this rank's
+            continue
         pieces = {}
         for dp in sorted(d for p, d in files if p == mp):
             sd = safe_load.load(files[(mp, dp)], mmap=True)
