@@ -3,8 +3,10 @@
 They are those of the run without it: layer 0's holds the whole word embedding (`wte.weight`) and
 layer L+2's the whole untied output layer (`weight`; tied, there is none, as gpt_layer_specs has it),
 so any layout, the offline readers (convert/ds_format.py) and the Hugging Face export read them
-unchanged. A save gathers the slices over the pipeline group; a load cuts each rank's rows from the
-files, whichever layout wrote them.
+unchanged. With TP each TP rank's file holds its rows [t V/TP, (t+1) V/TP), as the TP layers'
+VocabParallelEmbedding and output layer split them. A save gathers the slices over the model-parallel
+group (each TP group its pipeline rank's block, then the blocks over the pipeline group: row order);
+a load cuts each rank's rows from the one or two TP files that hold them, whichever layout wrote them.
 
 A universal checkpoint (training/universal.py) names the whole parameters as the layout without
 vocabulary parallelism does: under `universal_names` DeepSpeed's universal loader reads each renamed
@@ -21,24 +23,11 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ds.errors import UserError
 from megatron_ds.model.tensor_parallel import comm
 from megatron_ds.model.vocab_slices import whole_name
 from .zero_internals import ZeroInternals
 
 WTE, HEAD = "wte.weight", "weight"  # the keys of layer 0's and of the output layer's files
-
-
-class VocabCheckpointError(UserError, NotImplementedError):
-    """A checkpoint of vocabulary slices that are split over tensor-parallel ranks too."""
-
-
-def check_tensor_parallel(vocab_slice, done):
-    """A TP rank's layer file holds rows [t V/TP, (t+1) V/TP), which span other pipeline and TP ranks'
-    slices: not gathered or cut here yet (fork_flags refuses it at start-up)."""
-    if comm.world_size(vocab_slice.group) > 1:
-        raise VocabCheckpointError(f'ds_config "pipeline.vocab_parallel" = true with tensor parallelism: checkpoints '
-                                   f"of the vocabulary slices are not {done} yet at TP > 1")
 
 
 def head_layer(module) -> int:
@@ -47,27 +36,34 @@ def head_layer(module) -> int:
 
 
 def gather_whole(module) -> dict:
-    """{"wte": the whole word embedding, "head": the whole output layer}, each on the rank that writes its
-    file (data-parallel rank 0's owner of layer 0, of the final norm: replica 0's), None elsewhere and
-    for a tied head: every pipeline rank's rows in rank order (vocab_range cuts equal slices in order).
-    A collective of data-parallel rank 0's pipeline group, gathered to the writer alone (the whole
-    matrices may be large)."""
+    """{"wte": the word embedding's rows of this rank's file, "head": the output layer's}, each on the
+    ranks that write its files (data-parallel replica 0's owner of layer 0, of the final norm: each of
+    its TP ranks its rows [t V/TP, (t+1) V/TP)), None elsewhere and for a tied head. Slice j TP + t is
+    rows j TP + t of p TP in order (vocab_range), so pipeline rank j's TP group joins block j and the
+    writer joins the blocks. A collective of data-parallel replica 0's model-parallel group, gathered to
+    the writers alone (the whole matrices may be large)."""
     grid, vocab = module._grid, module.vocab_slice
-    check_tensor_parallel(vocab, "written")
     writers = {"wte": module.stage_owner(0), "head": module.stage_owner(len(module._layer_specs) - 1)}
     whole = dict.fromkeys(writers)
     if grid.data_parallel_id != 0:
         return whole
-    group = grid.get_pipe_parallel_group()
+    pipe, tp, t = grid.get_pipe_parallel_group(), comm.world_size(vocab.group), comm.rank(vocab.group)
     for key, writer in writers.items():
         part = getattr(vocab, key)
         if part is None:
             continue
+        part = part.detach().contiguous()
+        if tp > 1:
+            block = [torch.empty_like(part) for _ in range(tp)]
+            dist.all_gather(block, part, group=vocab.group)
+            part = torch.cat(block)
         mine = module.stage_id == writer
-        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))] if mine else None
-        dist.gather(part.detach().contiguous(), parts, dst=grid.stage_to_global(stage_id=writer), group=group)
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(pipe))] if mine else None
+        dist.gather(part, parts, dst=grid.stage_to_global(stage_id=writer), group=pipe)
         if mine:
-            whole[key] = torch.cat(parts)
+            rows = torch.cat(parts)
+            per = rows.shape[0] // tp
+            whole[key] = rows[t * per:(t + 1) * per].clone()
     return whole
 
 
@@ -97,25 +93,39 @@ def layer_path(module, ckpt_dir, idx):
     return module.ckpt_layer_path(ckpt_dir, idx - module._local_start)  # DeepSpeed's name for global layer idx
 
 
+def tp_layer_path(module, ckpt_dir, idx, t):
+    """TP rank t's file of global layer idx (DeepSpeed's name: the rank representation of this rank's
+    TP rank t peer, '' without TP)."""
+    topo = module._grid._topo
+    coord = topo.get_coord(module.global_rank)._asdict()
+    repr_ = topo.get_rank_repr(rank=topo.get_rank(**{**coord, "model": t})) if "model" in coord else ""
+    return os.path.join(ckpt_dir, f"layer_{idx:02d}" + (f"-{repr_}" if repr_ else "") + "-model_states.pt")
+
+
 def save_head(module, save_dir, checkpoint_engine, head):
     """The output layer's file, as LMHead's own, through the checkpoint engine like every layer file."""
     checkpoint_engine.save(state_dict={HEAD: head}, path=layer_path(module, save_dir, head_layer(module)))
 
 
 def load_slice(module, load_dir):
-    """This rank's rows of the word embedding and the output layer, from the whole ones in the files."""
+    """This rank's rows of the word embedding and the output layer, from the TP files that hold them
+    (TP file t: rows [t V/TP, (t+1) V/TP), V/TP = p slices)."""
     vocab = module.vocab_slice
-    check_tensor_parallel(vocab, "read")
-    rows = slice(vocab.start, vocab.end)
+    tp, start, end = comm.world_size(vocab.group), vocab.start, vocab.end
+    per = (end - start) * module._grid.get_pipe_parallel_world_size()  # rows of one TP rank's file
     files = [(vocab.wte, 0, WTE)] + ([(vocab.head, head_layer(module), HEAD)] if vocab.head is not None else [])
     with torch.no_grad():
         for param, idx, key in files:
-            # mmap: only this rank's rows are read (every file was checked weights-only before the load began)
-            state = torch.load(layer_path(module, load_dir, idx), map_location="cpu", weights_only=True, mmap=True)
-            if key not in state or state[key].shape[0] < vocab.end:
-                raise RuntimeError(f"{layer_path(module, load_dir, idx)}: no whole {key!r} to cut rows "
-                                   f"[{vocab.start}, {vocab.end}) from")
-            param.copy_(state[key][rows])
+            for t in range(start // per, (end - 1) // per + 1):
+                path = tp_layer_path(module, load_dir, idx, t)
+                # mmap: only this rank's rows are read (every file was checked weights-only before the load began)
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                lo, hi = max(start, t * per), min(end, (t + 1) * per)
+                rows = state[key].shape[0] if key in state else 0
+                if rows < hi - t * per or (tp > 1 and rows != per):  # a TP file's rows must be its V/TP
+                    raise RuntimeError(f"{path}: {rows} rows of {key!r}, {per if tp > 1 else 'at least ' + str(end)} "
+                                       f"needed to cut rows [{start}, {end}) from")
+                param[lo - start:hi - start].copy_(state[key][lo - t * per:hi - t * per])
 
 
 @contextlib.contextmanager

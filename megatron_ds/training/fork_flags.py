@@ -271,12 +271,6 @@ def check_schedule_shape(args):
     args.pipeline_plan = args.auto_plan = None
     if settings.stock and not is_cost_method(settings.partition_method):
         return
-    checkpoint = [flag for flag in ("save", "load") if getattr(args, flag, None)]
-    tp = args.tensor_model_parallel_size
-    if settings.vocab_parallel and tp > 1 and checkpoint:  # the layer files refuse too (pipe/vocab_checkpoint.py)
-        _err(f'ds_config "pipeline.vocab_parallel" = true with --tensor-model-parallel-size {tp} and '
-             f'--{" and --".join(checkpoint)}: checkpoints of vocabulary slices split over tensor-parallel ranks '
-             "too are not written or read yet (at TP 1 they are)")
     sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
     try:
         if settings.stock:

@@ -88,14 +88,15 @@ def apply_universal(args, ds_config, err):
 def merge_vocab_slices(step_dir, output_folder, names):
     """Turn DeepSpeed's conversion of a vocabulary-parallel step into a plain step's: each slice's folder
     (pipeline rank 0's rows, DeepSpeed's metadata and step) takes the whole parameter's fp32 weights and
-    Adam moments, joined from every rank's shards by name (zero_relayout.gather_by_name), and every
-    parameter takes its name without vocabulary parallelism (`names`: the step's whole_names)."""
+    Adam moments, joined from every model-parallel shard by name in index order (zero_relayout.gather_by_name:
+    slice j TP + t is shard j TP + t), and every parameter takes its name without vocabulary parallelism
+    (`names`: the step's whole_names)."""
     import torch
     from deepspeed.checkpoint.constants import PARAM
     from megatron_ds.model.vocab_slices import whole_name
     from . import safe_load
     from .zero_relayout import gather_by_name
-    whole, _, _ = gather_by_name(step_dir, names)
+    whole, _, _ = gather_by_name(step_dir, names, only=set(names["slices"].values()))  # the slices' state alone
     zero = os.path.join(output_folder, "zero")
     for sliced, name in names["slices"].items():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):

@@ -18,7 +18,10 @@ order, and this rank's slice is cut from the whole parameter's state.
 With tensor parallelism (the same TP size on both sides: another one goes through the universal
 checkpoint) a shard's model-parallel index is pipeline rank x TP + TP rank (DeepSpeed's
 PipelineParallelGrid), and every TP rank's slice of a parameter has the parameter's name: each rank
-reads the shards of its own TP rank.
+reads the shards of its own TP rank. The word embedding and output layer are the exception when
+vocabulary parallelism is on either side: vocabulary slice j TP + t sits in shard j TP + t, and TP rank
+t's rows of the whole matrix without vocabulary parallelism are [t V/TP, (t+1) V/TP), so both are
+joined over every shard in index order into the whole matrix, and each rank cuts its rows of it.
 
 The DeepSpeed 0.19 ZeRO stage 1/2 members used (private, checked on upgrade):
 `optimizer` (the wrapped torch optimizer, one flat fp32 parameter per group),
@@ -65,14 +68,15 @@ def _group_states(sd, group):
     return base[group], sd["base_optimizer_state_step"]  # elastic_checkpoint: a list of group states
 
 
-def gather_by_name(ckpt_dir, names=None, tp_rank=0, tp_size=1):
+def gather_by_name(ckpt_dir, names=None, tp_rank=0, tp_size=1, vocab=(), only=None):
     """{parameter name: {state key: flat tensor}}, the optimizer step and one shard's own state dict,
     of TP rank `tp_rank` of `tp_size` (the checkpoint's TP size).
 
     A parameter cut between data-parallel ranks is the concatenation of its slices in
-    data-parallel order; one held by several pipeline ranks (tied embeddings) is taken once;
-    a vocabulary slice (`names`: the saved layout's whole_names) is joined with the other
-    pipeline ranks' in rank order, under the whole parameter's name.
+    data-parallel order; one held by several pipeline ranks (tied embeddings) is taken once.
+    A vocabulary matrix (a slice in `names`, the saved layout's whole_names, or a whole name in
+    `vocab`) is joined over every TP rank too: the slices in shard order, a whole one's TP rows in
+    TP order, under the whole parameter's name. `only`: the whole names wanted (None: all).
     """
     files = shard_files(ckpt_dir)
     if not files:
@@ -80,13 +84,18 @@ def gather_by_name(ckpt_dir, names=None, tp_rank=0, tp_size=1):
     if len({mp for mp, _ in files}) % tp_size:
         raise RelayoutError(f"{ckpt_dir}: its shards are not {tp_size} tensor-parallel ranks per pipeline rank")
     slices = (names or {}).get("slices", {})
+    vocab = set(vocab) | set(slices.values())
     params, rows, step, first = {}, {}, None, None
-    for pp in sorted({p for p, _ in files if p % tp_size == tp_rank}):
+    for mp in sorted({p for p, _ in files}):
+        mine = mp % tp_size == tp_rank
+        if not (mine or vocab):  # another TP rank's shards hold nothing of this rank's
+            continue
         pieces = {}
-        for dp in sorted(d for p, d in files if p == pp):
-            sd = safe_load.load(files[(pp, dp)], mmap=True)
+        for dp in sorted(d for p, d in files if p == mp):
+            sd = safe_load.load(files[(mp, dp)], mmap=True)
             sd = sd["optimizer_state_dict"]
-            first = first or sd
+            if mine and first is None:
+                first = sd
             for group, mapping in enumerate(sd["param_slice_mappings"]):
                 state, group_step = _group_states(sd, group)
                 step = group_step if step is None else step
@@ -94,16 +103,21 @@ def gather_by_name(ckpt_dir, names=None, tp_rank=0, tp_size=1):
                 tensors = {k: v for k, v in state.items() if torch.is_tensor(v) and v.dim() == 1}
                 tensors[FP32] = flat
                 for name, addr in mapping.items():
+                    whole = whole_name(name, names)
+                    if (only is not None and whole not in only) or not (mine or whole in vocab):
+                        continue
                     piece = {k: v.narrow(0, addr.start, addr.numel) for k, v in tensors.items()}
                     pieces.setdefault(name, []).append(piece)
         for name, parts in pieces.items():
-            whole = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-            if name in slices:
-                rows.setdefault(slices[name], []).append(whole)
+            joined = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+            whole = whole_name(name, names)
+            if whole in vocab:  # row order: a slice's shard index, a whole one's TP rank (taken once)
+                rows.setdefault(whole, {}).setdefault(mp if name in slices else mp % tp_size, joined)
             else:
-                params.setdefault(whole_name(name, names), whole)
+                params.setdefault(whole, joined)
     for name, parts in rows.items():
-        params[name] = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        ordered = [parts[i] for i in sorted(parts)]
+        params[name] = {k: torch.cat([p[k] for p in ordered]) for k in ordered[0]}
     return params, step, first
 
 
@@ -113,8 +127,9 @@ def restore_by_name(zero, ckpt_dir, saved_names=None, vocab_slice=None, tp_rank=
     `saved_names`: the checkpoint's whole_names (saved under vocabulary parallelism, else None);
     `vocab_slice`: this run's VocabSlice (None without vocabulary parallelism); `tp_rank` of `tp_size`:
     this rank's place in the tensor-parallel group (the checkpoint's TP size is the same)."""
-    params, step, shard = gather_by_name(ckpt_dir, saved_names, tp_rank, tp_size)
     names = vocab_slice.names if vocab_slice is not None else None
+    vocab = set((names or {}).get("slices", {}).values()) | set((saved_names or {}).get("slices", {}).values())
+    params, step, shard = gather_by_name(ckpt_dir, saved_names, tp_rank, tp_size, vocab)
     internals = ZeroInternals(zero)
     internals.load_global_state(shard)
     base = zero.optimizer
@@ -132,6 +147,8 @@ def restore_by_name(zero, ckpt_dir, saved_names=None, vocab_slice=None, tp_rank=
             if names and zero.param_names[lp] in names["slices"]:  # rows [start, end) of the whole
                 first = vocab_slice.start * (lp.numel() // (vocab_slice.end - vocab_slice.start))
                 saved = {k: v.narrow(0, first, lp.numel()) for k, v in saved.items()}
+            elif name in vocab and saved[FP32].numel() == tp_size * lp.numel():  # TP rank's rows of the whole
+                saved = {k: v.narrow(0, tp_rank * lp.numel(), lp.numel()) for k, v in saved.items()}
             if saved[FP32].numel() != lp.numel():
                 raise RelayoutError(f"parameter {name} has {lp.numel()} elements, "
                                     f"{saved[FP32].numel()} in the checkpoint")

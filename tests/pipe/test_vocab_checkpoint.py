@@ -6,10 +6,13 @@ takes the same 2 steps: their losses and every weight after them (the vocabulary
 whole matrices) equal the uninterrupted run's within 1e-5 fp32, so the weights, Adam's moments and fp32
 masters (re-cut by name when vocabulary parallelism switches on or off, or the pipeline size changes)
 and the step count all came back. VP->VP, VP->non-VP and non-VP->VP, tied (GPT-2) and untied (LLaMA),
-at PP=2 x DP=2 and PP=4, in one launch of 4 ranks; a control resumes with a fresh Adam and differs.
-In the same launch, three steps go through the universal checkpoint (training/universal.convert, on
+at PP=2 x DP=2 and PP=4, and at PP=2 x TP=2 (each TP rank's layer file holds its rows [t V/TP,
+(t+1) V/TP) as without vocabulary parallelism; the slices of rank (j, t) are rows j TP + t of p TP), in
+one launch of 4 ranks; a control resumes with a fresh Adam and differs.
+In the same launch, four steps go through the universal checkpoint (training/universal.convert, on
 rank 0): a VP step resumes without VP at another pipeline and data-parallel size, a tied VP step under
-VP at another pipeline size, a non-VP step under VP, each as exactly as the cases above.
+VP at another pipeline size, a non-VP step under VP, a PP=2 x TP=2 VP step without VP at TP=1 x DP=2,
+each as exactly as the cases above.
 The layer files a vocabulary-parallel run writes are those of a run without it: the same files and
 keys, the whole matrices equal to the saving run's, read by the offline reader (convert/ds_format.py)
 and turned into a Hugging Face state dict like a non-VP checkpoint's.
@@ -29,28 +32,32 @@ LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
 
 
-def layout(schedule, pp, vp):
-    return dict(schedule=schedule, pp=pp, vp=vp)
+def layout(schedule, pp, vp, tp=1):
+    return dict(schedule=schedule, pp=pp, vp=vp, tp=tp)
 
 
 VP2, VP4, ZBV2 = layout("1f1b", 2, True), layout("1f1b", 4, True), layout("zbv", 2, True)
 PLAIN2, PLAIN4 = layout("1f1b", 2, False), layout("1f1b", 4, False)
+VP2T, ZBV2T, PLAIN2T = layout("1f1b", 2, True, 2), layout("zbv", 2, True, 2), layout("1f1b", 2, False, 2)
 # (name, model, saved under, loaded under, optimizer state loaded)
 CASES = [("vp_same_tied", {}, VP2, VP2, True), ("vp_pp2_to_pp4_untied", LLAMA, ZBV2, VP4, True),
          ("vp_to_plain_tied", {}, VP2, PLAIN2, True), ("vp_to_plain_untied", LLAMA, VP2, PLAIN4, True),
          ("plain_to_vp_tied", {}, PLAIN2, VP4, True), ("plain_to_vp_untied", LLAMA, PLAIN2, VP2, True),
-         ("control_fresh_adam", LLAMA, VP2, PLAIN2, False)]
+         ("control_fresh_adam", LLAMA, VP2, PLAIN2, False),
+         ("tp2_vp_same_untied", LLAMA, VP2T, VP2T, True), ("tp2_vp_zbv_to_1f1b_tied", {}, ZBV2T, VP2T, True),
+         ("tp2_vp_to_plain_untied", LLAMA, VP2T, PLAIN2T, True), ("tp2_plain_to_vp_tied", {}, PLAIN2T, VP2T, True)]
 # through the universal checkpoint (the folder names the whole parameters: any layout loads it)
 UNIVERSAL = [("universal_vp_to_plain_untied", LLAMA, VP2, PLAIN4, True),
              ("universal_vp_to_vp_tied", {}, VP2, VP4, True),
-             ("universal_plain_to_vp_untied", LLAMA, PLAIN2, VP4, True)]
+             ("universal_plain_to_vp_untied", LLAMA, PLAIN2, VP4, True),
+             ("universal_tp2_vp_to_plain_tp1_untied", LLAMA, VP2T, PLAIN2, True)]
 
 
 def _engine(model, lay, universal=False):
     import torch.distributed as dist
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    config = tiny_config(LAYERS, **model)
-    dp = dist.get_world_size() // lay["pp"]
+    config = tiny_config(LAYERS, **model, tensor_model_parallel_size=lay["tp"])
+    dp = dist.get_world_size() // (lay["pp"] * lay["tp"])
     pipeline = {"schedule": lay["schedule"], "vocab_parallel": lay["vp"]}
     cfg = ds_config(lay["pp"], dp, BATCH // dp, pipeline=pipeline, lr=LR)
     if universal:
@@ -67,7 +74,10 @@ def _step(engine, config, step):
 
 def _weights(engine, config):
     """{(global layer, name): whole tensor} this rank holds (every rank: the slices' gather is a collective)."""
+    from tests.pipe.test_vocab_tensor_parallel import _whole
     held = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    if config.tensor_model_parallel_size > 1:  # the TP slices and each block's TP rows gathered too
+        return _whole(engine, engine.module, config, held)
     return whole_vocabulary(engine, config, held)
 
 
@@ -137,7 +147,7 @@ def _max_diff(a, b):
 
 def test_vocab_parallel_checkpoints_resume_under_any_layout(tmp_path):
     per_rank = run_ranks(WORLD, rank_side, str(tmp_path), timeout=900)
-    expected_plan = {"vp_same_tied": "deepspeed", **{name: "universal" for name, *_ in UNIVERSAL}}
+    expected_plan = {"vp_same_tied": "deepspeed", "tp2_vp_same_untied": "deepspeed", **{name: "universal" for name, *_ in UNIVERSAL}}
     for name, model, before, after, optimizer in CASES + UNIVERSAL:
         at_save, uninterrupted = _merged(per_rank, name, "at_save"), _merged(per_rank, name, "after_saved")
         loaded, resumed = _merged(per_rank, name, "loaded"), _merged(per_rank, name, "after")
@@ -167,6 +177,15 @@ def test_vocab_parallel_checkpoints_resume_under_any_layout(tmp_path):
             assert sorted(a) == sorted(b), f
             assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5, f
         _offline_readers_agree(vp_dir, plain_dir, tiny_config(LAYERS, **model), _merged(per_rank, vp, "at_save"))
+
+    # At TP 2 each TP rank's file holds its rows of the whole matrices, as a TP run without vocabulary
+    # parallelism writes them: joined, they are the same model's at TP 1 (same steps: within 1e-5)
+    tp1, tp2 = tmp_path / "vp_to_plain_untied" / TAG, tmp_path / "tp2_vp_to_plain_untied" / TAG
+    for layer, key in ((0, "wte.weight"), (LAYERS + 2, "weight")):
+        rows = [torch.load(tp2 / f"layer_{layer:02d}-model_{t:02d}-model_states.pt")[key] for t in range(2)]
+        whole = torch.load(tp1 / f"layer_{layer:02d}-model_states.pt")[key]
+        assert [r.shape[0] for r in rows] == [whole.shape[0] // 2] * 2, key
+        assert (torch.cat(rows) - whole).abs().max().item() <= 1e-5, key
 
 
 def _offline_readers_agree(vp_dir, plain_dir, config, at_save):

@@ -171,8 +171,9 @@ def test_enable_vocab_parallel_sets_the_key_and_refuses_what_the_engine_does_not
     assert (args.save, args.load) == ("ckpt", "ckpt")  # saved and loaded as any layout (pipe/vocab_checkpoint.py)
     with pytest.raises(ArgumentsError, match="--universal-checkpoint: ckpt holds no universal checkpoint"):
         parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--load", "ckpt", "--universal-checkpoint")
-    with pytest.raises(ArgumentsError, match="vocab_parallel.*--tensor-model-parallel-size 2 and --save: checkpoints"):
-        parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2", "--save", "c")
+    args = parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2",
+                 "--save", "c", "--load", "c")
+    assert (args.save, args.load) == ("c", "c")  # and at TP > 1: each TP file holds its rows, as without VP
     with pytest.raises(ArgumentsError, match="vocab_parallel.*--loss-chunk-size: not supported"):
         parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--loss-chunk-size", "16")
 
