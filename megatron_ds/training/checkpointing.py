@@ -195,10 +195,16 @@ class LoadPlan:
     rng: bool = True
 
 
+def _shown(layout: dict) -> dict:
+    """A layout as the log shows it: vocabulary parallelism as on, not its table of parameter names."""
+    return {**layout, "vocab_parallel": True} if "vocab_parallel" in layout else layout
+
+
 def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, universal=False, checkpoint=None):
     """`saved_layout`/`layout`: pipeline_layout's dict plus "tp"; `checkpoint` (the step folder) names
     the conversion command in a refusal."""
     saved_tp, tp = saved_layout.get("tp", 1), layout.get("tp", 1)
+    change = f"{_shown(saved_layout)} -> {_shown(layout)}"
     if universal:
         if zero_stage != 1:
             raise CheckpointError(f"--universal-checkpoint loads into ZeRO stage 1 (DeepSpeed's universal loader "
@@ -206,7 +212,7 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, univ
         what = "weights only" if finetune else "weights, lr schedule and iteration" if no_load_optim \
             else "everything"
         return LoadPlan(None if finetune or no_load_optim else "universal", not finetune,
-                        f"universal checkpoint, layout {saved_layout} -> {layout}: {what}", universal=True,
+                        f"universal checkpoint, layout {change}: {what}", universal=True,
                         rng=saved_layout == layout)
     if saved_tp != tp:
         raise CheckpointError(
@@ -222,12 +228,12 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, univ
         return LoadPlan("deepspeed", True, "same pipeline layout: everything")
     if zero_stage != 1:
         raise CheckpointError(
-            f"the checkpoint's pipeline layout {saved_layout} differs from this run's {layout}: its optimizer "
-            f"state can be re-cut only from ZeRO-1 shards (this run has ZeRO stage {zero_stage}); pass "
+            f"the checkpoint's pipeline layout {_shown(saved_layout)} differs from this run's {_shown(layout)}: its "
+            f"optimizer state can be re-cut only from ZeRO-1 shards (this run has ZeRO stage {zero_stage}); pass "
             "--no-load-optim to continue with a fresh optimizer, or --finetune to load the weights alone, or "
             "convert it to a universal checkpoint and resume with --universal-checkpoint")
-    return LoadPlan("by_name", True, f"pipeline layout {saved_layout} -> {layout}: everything, the optimizer "
-                                     "state re-cut parameter by parameter")
+    return LoadPlan("by_name", True, f"pipeline layout {change}: everything, the optimizer state re-cut "
+                                     "parameter by parameter")
 
 
 def load_checkpoint(engine, args):

@@ -32,3 +32,10 @@ def test_another_layout_without_zero_shards_is_refused():
     with pytest.raises(CheckpointError, match="--no-load-optim"):
         plan(ZBV, ONE_F_ONE_B, zero_stage=0)
     assert plan(ZBV, ZBV, zero_stage=0).optimizer == "deepspeed"
+
+
+def test_vocabulary_parallelism_switched_on_is_another_layout_shown_as_on():
+    names = {f"{i}.vocab_slice.wte": f"{i}.wte.weight" for i in range(2)}  # as vocab_slices.whole_names maps them
+    p = plan(ONE_F_ONE_B, {**ONE_F_ONE_B, "vocab_parallel": names})
+    assert p.optimizer == "by_name"
+    assert "'vocab_parallel': True}: everything" in p.reason and "wte" not in p.reason  # not the name table
