@@ -91,6 +91,7 @@ def merge_vocab_slices(step_dir, output_folder, names):
     Adam moments, joined from every model-parallel shard by name in index order (zero_relayout.gather_by_name:
     slice j TP + t is shard j TP + t), and every parameter takes its name without vocabulary parallelism
     (`names`: the step's whole_names)."""
+    # lazy: torch and the checkpoint readers; the flag checks in this module run at parse time, torch-free
     import torch
     from deepspeed.checkpoint.constants import PARAM
     from megatron_ds.model.vocab_slices import whole_name
@@ -112,6 +113,7 @@ def merge_vocab_slices(step_dir, output_folder, names):
 
 def convert(argv=None):
     """DeepSpeed's ds_to_universal on --input_folder (its arguments), then the vocabulary slices merged."""
+    # lazy: DeepSpeed, torch and the engine; the flag checks in this module run at parse time, torch-free
     import sys
     from deepspeed.checkpoint import ds_to_universal
     from megatron_ds.pipe.engine import saved_layout
