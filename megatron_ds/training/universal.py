@@ -111,13 +111,15 @@ def merge_vocab_slices(step_dir, output_folder, names):
             os.rename(os.path.join(zero, folder), os.path.join(zero, name))
 
 
-def convert(argv=None):
-    """DeepSpeed's ds_to_universal on --input_folder (its arguments), then the vocabulary slices merged."""
+def convert(argv=None) -> int:
+    """DeepSpeed's ds_to_universal on --input_folder (its arguments), then the vocabulary slices merged.
+    Returns the exit code: 2, with one line on stderr, for a folder that holds no readable step."""
     # lazy: DeepSpeed, torch and the engine; the flag checks in this module run at parse time, torch-free
     import sys
     from deepspeed.checkpoint import ds_to_universal
     from megatron_ds.pipe.engine import saved_layout
     from . import safe_load
+    from .errors import CheckpointError
     given = sys.argv
     sys.argv = given if argv is None else [given[0], *argv]
     try:
@@ -125,11 +127,21 @@ def convert(argv=None):
     finally:
         sys.argv = given
     step = ds_args.input_folder
-    names = (saved_layout(safe_load.load(os.path.join(step, "mp_rank_00_model_states.pt"))) or {}).get("vocab_parallel")
+    states = os.path.join(step, "mp_rank_00_model_states.pt")
+    try:
+        if not os.path.isfile(states):
+            raise CheckpointError(f"--input_folder {step} holds no checkpoint step ({states} is missing); give "
+                                  "one step folder, SAVE/global_stepN")
+        names = (saved_layout(safe_load.load(states)) or {}).get("vocab_parallel")
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails in torch's reader, in one of many ways
+        why = exc if isinstance(exc, CheckpointError) else f"{states} cannot be read ({type(exc).__name__}: {exc})"
+        print(f"python -m megatron_ds.training.universal: error: {why}", file=sys.stderr, flush=True)
+        return 2
     ds_to_universal.main(ds_args)
     if names:
         merge_vocab_slices(step, ds_args.output_folder, names)
+    return 0
 
 
 if __name__ == "__main__":
-    convert()
+    raise SystemExit(convert())

@@ -320,3 +320,26 @@ def test_saved_rng_state_holds_the_tensor_parallel_tracker():
     model_parallel_manual_seed(7, tensor_parallel_rank=1)  # a fresh start, as a resumed run has
     set_rng_state(state)
     assert torch.equal(drop(torch.ones(256)), first)
+
+
+def test_converter_names_a_missing_or_unsafe_step_in_one_line(tmp_path, capsys):
+    """The converter stops before DeepSpeed's: exit code 2, one line naming the file and why."""
+    from megatron_ds.training.universal import convert
+    step = tmp_path / "global_step3"
+    out = ["--output_folder", str(tmp_path / "global_step3_universal")]
+    assert convert(["--input_folder", str(step), *out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"python -m megatron_ds.training.universal: error: --input_folder {step} holds no checkpoint "
+                   f"step ({step}/mp_rank_00_model_states.pt is missing); give one step folder, SAVE/global_stepN")
+    step.mkdir()
+    (step / "mp_rank_00_model_states.pt").write_bytes(b"not a checkpoint")
+    assert convert(["--input_folder", str(step), *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mp_rank_00_model_states.pt" in err[0]
+    assert not (tmp_path / "global_step3_universal").exists()
+    import torch
+    torch.save({"iteration": 3, "weights": torch.ones(4096)}, step / "whole.pt")  # then cut short, as a full disk does
+    (step / "mp_rank_00_model_states.pt").write_bytes((step / "whole.pt").read_bytes()[:8000])
+    assert convert(["--input_folder", str(step), *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mp_rank_00_model_states.pt cannot be read (" in err[0], err  # torch's reason in it
