@@ -10,7 +10,8 @@ rank 0 can tell each op's fixed time from its per-token time (schedules/measurem
 window every rank sends its medians per (kind, stage, op size, segment) to rank 0, adjacent ranks
 time a ping-pong of one activation message (the p2p time), and rank 0 simulates every candidate
 that fits the budget (schedules/auto.py), logs the choice and the runner-up, and broadcasts the
-choice (one small object). A choice that places the chunks as the module is cut is a schedule
+choice (one small object). Under vocabulary parallelism the vocabulary passes (EF, S, T, EW) are
+timed too, per slice, and give the embedding's and the head's costs. A choice that places the chunks as the module is cut is a schedule
 swap, done here; any other needs the module rebuilt, which the owner of the engine does
 (training/auto_schedule.py). Either way the engine reports the decision once, through its
 `on_auto_decision` hook (an AutoDecision).
@@ -29,12 +30,14 @@ import torch.distributed as dist
 from megatron_ds.schedules import auto
 from megatron_ds.schedules import measurement
 from megatron_ds.schedules import Op
-from megatron_ds.schedules.kinds import Kind
+from megatron_ds.schedules.kinds import VOCAB, Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
 
 from .config import AUTO_KEYS
 
 PING_REPEATS = 5
+TIMED = frozenset({Kind.F, Kind.B, Kind.W} | VOCAB)  # the op kinds whose times the decision takes
+VOCAB_NAMES = frozenset(k.name for k in VOCAB)
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ class AutoSwitch:
         k = self.engine.plan.schedule.seq_splits
         compute = [(start, end, args) for _, tid, start, end, args in trace.events if tid == COMPUTE]
         for start, end, args in compute:
-            if args["kind"] in (Kind.F, Kind.B, Kind.W):
+            if args["kind"] in TIMED:
                 self.times.setdefault((args["kind"].name, args["stage"], k, args["seq"]), []).append(end - start)
         waits = {end: start for name, tid, start, end, _ in trace.events if tid == P2P and name.startswith("recv")}
         self.ops.append({Op(a["kind"], a["replica"], a["stage"], a["mb"], a["seq"]): (start, end, waits.get(start))
@@ -118,13 +121,16 @@ class AutoSwitch:
         dist.gather_object((medians, ping, gap, traced), gathered, dst=0)
         box = [None]
         if dist.get_rank() == 0:
+            vocab_parallel = eng.plan.settings.vocab_parallel
             measured = merge(gathered, eng.plan.schedule.stages, self.schedules)
-            measured = dataclasses.replace(measured, head_share=measurement.head_share(
-                self.auto_plan.head_layers, self.auto_plan.num_layers, eng.plan.schedule.stages))
+            if not vocab_parallel:  # else the head is no part of the loss stage
+                measured = dataclasses.replace(measured, head_share=measurement.head_share(
+                    self.auto_plan.head_layers, self.auto_plan.num_layers, eng.plan.schedule.stages))
             measured = measurement.calibrate(measured, eng.num_stages, traced_runs([t for *_, t in gathered], self.schedules),
                                       self.auto_plan.cuts)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
-                                 self.auto_plan.budget, measured, self.auto_plan.cuts)
+                                 self.auto_plan.budget, measured, self.auto_plan.cuts, vocab_parallel=vocab_parallel,
+                                 head_memory=self.auto_plan.head_memory)
             box[0]["start"] = eng.plan.schedule.name
             print(auto.describe(box[0]), flush=True)
         dist.broadcast_object_list(box, src=0)
@@ -154,7 +160,15 @@ def merge(gathered, stages: int, schedules: list) -> measurement.Measured:
     sums = {k: tuple([sum(by_op[(kind, s)].values()) for s in range(stages)] for kind in "FBW")
             for k, by_op in totals.items()}
     p2p = statistics.median(latencies) if latencies else statistics.median(pings) if pings else 0.0
-    return measurement.separate(sums, statistics.median(gaps), p2p)
+    measured = measurement.separate(sums, statistics.median(gaps), p2p)
+    k = min(totals)  # the op size `separate` keeps the times of
+    slices = {}  # vocabulary pass -> each slice's time on a micro-batch (its stage is the slice)
+    for (kind, _), by_seq in totals[k].items():
+        if kind in VOCAB_NAMES:
+            slices.setdefault(kind, []).append(sum(by_seq.values()))
+    if not slices:
+        return measured
+    return measurement.with_vocab(measured, {kind: statistics.median(t) for kind, t in slices.items()}, k)
 
 
 def replica_iterations(traced: list, schedules: list):

@@ -211,9 +211,11 @@ def sequence_parallel_ds_config(ds_config: dict) -> dict:
 
 def _check_vocab_parallel(settings):
     key = 'ds_config "pipeline.vocab_parallel" = true'
-    if settings.stock or settings.auto:
-        raise ConfigError(f'{key} needs a named "pipeline.schedule" (it is {settings.schedule!r}): the vocabulary '
-                          "passes are ops the schedule places")
+    if settings.stock:
+        raise ConfigError(f'{key} needs a named "pipeline.schedule" or "auto" (it is {settings.schedule!r}): the '
+                          "vocabulary passes are ops the schedule places")
+    if settings.auto:  # every candidate carries the passes (schedules/auto.py)
+        return
     try:
         if not settings.file:  # a schedule file carries its vocabulary ops or not: the validator reads them
             check_vocab_parallel(CATALOG[settings.schedule], True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from megatron_ds.schedules import Schedule, ScheduleError
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.catalog import KNOBS
-from megatron_ds.schedules.flops import layer_shape
+from megatron_ds.schedules.flops import layer_shape, vocab_size
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
                                              segment_costs)
@@ -134,6 +134,7 @@ class AutoPlan:
     cuts: tuple = ()
     probe: dict | None = None
     head_layers: float = 0.0  # the head + loss's forward FLOPs in transformer layers' (pipe/partition.layer_flops)
+    head_memory: float = 0.0  # a byte budget's: one micro-batch's logits in memory units (schedules/auto.logits_units)
 
 
 def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
@@ -156,24 +157,28 @@ def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
 def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int):
     """(the settings of the schedule an "auto" run starts on, its AutoPlan); a budget no schedule
     fits is refused here, with the smallest one that would."""
-    budget, text, unit = settings.memory_budget, f"{settings.memory_budget}", None
-    if isinstance(budget, str):
+    budget, text, unit, logits = settings.memory_budget, f"{settings.memory_budget}", None, 0.0
+    if isinstance(budget, str):  # bytes: the logits count too (a chunked or fused loss holds none)
         dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
         unit = auto.unit_bytes(config.num_layers / pp, seq, mbs, config.hidden_size,
                                getattr(config, "num_attention_heads", 1), dtype)
         budget = auto.parse_bytes(budget) / unit
-        text = f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes (estimate: schedules/auto.py)'
+        if not getattr(config, "head_hands_weight", False):
+            logits = auto.logits_units(seq, mbs, vocab_size(config), unit)
+        text = (f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes, a micro-batch\'s '
+                f'logits {logits:.3g} of them (estimates: schedules/auto.py)')
     cuts = seq1f1b_cuts(settings, config, seq)
+    space = dict(vocab_parallel=settings.vocab_parallel, head_memory=logits)
     try:
-        start = auto.check_budget(budget, pp, gas, config.num_layers, cuts)
+        start = auto.check_budget(budget, pp, gas, config.num_layers, cuts, **space)
     except ScheduleError as exc:
         in_bytes = f" (x {unit:.0f} bytes = {math.ceil(exc.smallest * unit)} bytes)" if unit else ""
         raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}{in_bytes}') from None
     concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
-    probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts)
+    probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts, **space)
     flops = layer_flops(config)
     return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text,
-                              cuts, probe.section() if probe else None, flops[-1] / flops[1])
+                              cuts, probe.section() if probe else None, flops[-1] / flops[1], space["head_memory"])
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,16 @@ costs (`costed`). The run starts on the first of `starts` that
 fits: a candidate that splits the backward, so that F, B and W are timed separately (a segment's
 times add up to its micro-batch's), those with one chunk per rank first (a probe and most choices
 swap in place on them), each group in catalogue order.
+
+Under vocabulary parallelism every candidate, searched ones included, carries the vocabulary passes
+(generators/vocab.py), and the embedding's and head's costs are their measured EF, S, T and EW times
+(measurement.model_costs). `head_memory` is one micro-batch's logits in the memory unit
+(`logits_units`): with it in the budget, a schedule that holds more logits (the loss stage's F to
+its W without vocabulary parallelism, each slice's S to its T with it) needs more memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -25,6 +32,7 @@ from . import placement
 from .catalog import CATALOG, build_schedule, takes
 from .costs import ModelCosts, evaluate
 from .generators.greedy import merge_queues
+from .generators.vocab import add_vocab_passes
 from .measurement import Measured, model_costs
 from .ir import Op, Schedule, ScheduleError
 from .kinds import B, F, W
@@ -58,14 +66,16 @@ class Candidate:
         return {"schedule": self.schedule, **dict(self.knobs)}
 
 
-def candidates(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tuple[Candidate, Schedule]]:
+def candidates(pp: int, m: int, num_layers: int, cuts: tuple = (), *,
+               vocab_parallel: bool = False) -> list[tuple[Candidate, Schedule]]:
     """Every candidate that can run pp ranks, m micro-batches and num_layers layers; Seq1F1B at
-    the segment counts of `cuts` (none: no Seq1F1B)."""
-    return list(_candidates(pp, m, num_layers, tuple(cuts), tuple(CATALOG)))
+    the segment counts of `cuts` (none: no Seq1F1B); with the vocabulary passes when `vocab_parallel`."""
+    names = tuple(takes("vocab_parallel") if vocab_parallel else CATALOG)
+    return list(_candidates(pp, m, num_layers, tuple(cuts), names, vocab_parallel))
 
 
-@functools.lru_cache(maxsize=16)  # the V-Half/V-Min generators take ~1 s at pp=8; a new entry is a new key
-def _candidates(pp: int, m: int, num_layers: int, cuts: tuple, names: tuple) -> tuple:
+@functools.lru_cache(maxsize=16)  # V-Half/V-Min and the vocabulary passes take seconds at pp=8; a new entry is a new key
+def _candidates(pp: int, m: int, num_layers: int, cuts: tuple, names: tuple, vocab_parallel: bool) -> tuple:
     lengths = {c.k: list(c.lengths) for c in cuts}
     out = []
     for name in names:
@@ -76,7 +86,8 @@ def _candidates(pp: int, m: int, num_layers: int, cuts: tuple, names: tuple) -> 
         for _, knobs in spec.variants(virtual_stages=2, seq_splits=splits, split=True):
             cand = Candidate(name, tuple(sorted(knobs.items())))
             try:
-                schedule = build_schedule(name, pp, m, **knobs, segment_lengths=lengths.get(knobs.get("seq_splits")))
+                schedule = build_schedule(name, pp, m, **knobs, segment_lengths=lengths.get(knobs.get("seq_splits")),
+                                          vocab_parallel=vocab_parallel)
             except ScheduleError:
                 continue
             if runs(schedule, num_layers):
@@ -90,12 +101,14 @@ def runs(schedule: Schedule, num_layers: int) -> bool:
     return num_layers >= stages and not (num_layers % stages and stages > schedule.pp)
 
 
-def peak_memory(schedule: Schedule) -> float:
-    return evaluate(schedule, ModelCosts()).peak_memory_max
+def peak_memory(schedule: Schedule, head_memory: float = 0.0) -> float:
+    return evaluate(schedule, ModelCosts(head_memory=head_memory)).peak_memory_max
 
 
-def memory_table(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[tuple[Candidate, float]]:
-    return [(c, peak_memory(s)) for c, s in candidates(pp, m, num_layers, cuts)]
+def memory_table(pp: int, m: int, num_layers: int, cuts: tuple = (), *, vocab_parallel: bool = False,
+                 head_memory: float = 0.0) -> list[tuple[Candidate, float]]:
+    return [(c, peak_memory(s, head_memory))
+            for c, s in candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)]
 
 
 def linear(schedule: Schedule) -> bool:
@@ -103,18 +116,20 @@ def linear(schedule: Schedule) -> bool:
     return schedule.stages == schedule.pp
 
 
-def starts(pp: int, m: int, num_layers: int, cuts: tuple = ()) -> list[Candidate]:
+def starts(pp: int, m: int, num_layers: int, cuts: tuple = (), *, vocab_parallel: bool = False) -> list[Candidate]:
     """The candidates a run may start on, in the order it tries them: those whose schedule splits the
     backward (W ops: F, B and W are timed apart), one chunk per rank first, each group in catalogue order."""
-    split = [(c, s) for c, s in candidates(pp, m, num_layers, cuts) if any(op.kind is W for op in s.ranks[0])]
+    split = [(c, s) for c, s in candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)
+             if any(op.kind is W for op in s.ranks[0])]
     return [c for c, s in sorted(split, key=lambda cs: not linear(cs[1]))]
 
 
-def check_budget(budget: float, pp: int, m: int, num_layers: int, cuts: tuple = ()) -> Candidate:
+def check_budget(budget: float, pp: int, m: int, num_layers: int, cuts: tuple = (), *, vocab_parallel: bool = False,
+                 head_memory: float = 0.0) -> Candidate:
     """The schedule to start on; ScheduleError naming the smallest budget that fits when none does."""
-    table = memory_table(pp, m, num_layers, cuts)
+    table = memory_table(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel, head_memory=head_memory)
     memory = {c: mem for c, mem in table}
-    first = starts(pp, m, num_layers, cuts)
+    first = starts(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)
     for cand in first:
         if memory[cand] <= budget + EPS:
             return cand
@@ -134,24 +149,27 @@ def check_budget(budget: float, pp: int, m: int, num_layers: int, cuts: tuple = 
     raise exc
 
 
-def probe(start: Candidate, budget: float, pp: int, m: int, num_layers: int, cuts: tuple = ()) -> Candidate | None:
+def probe(start: Candidate, budget: float, pp: int, m: int, num_layers: int, cuts: tuple = (), *,
+          vocab_parallel: bool = False, head_memory: float = 0.0) -> Candidate | None:
     """A Seq1F1B B/W schedule placed as the linear `start` whose ops are another size, that fits the
     budget (the most segments): the timing window alternates the two so that each op's fixed time
     can be told from its per-token time (`separate`). None: no such schedule."""
-    if not linear(dict(candidates(pp, m, num_layers, cuts))[start]):
+    if not linear(dict(candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel))[start]):
         return None
     own = dict(start.knobs).get("seq_splits", 1)
-    fits = [c for c, mem in memory_table(pp, m, num_layers, cuts) if mem <= budget + EPS and c.schedule == "seq1f1b"
+    table = memory_table(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel, head_memory=head_memory)
+    fits = [c for c, mem in table if mem <= budget + EPS and c.schedule == "seq1f1b"
             and dict(c.knobs).get("split_backward") and dict(c.knobs)["seq_splits"] != own]
     return max(fits, key=lambda c: dict(c.knobs)["seq_splits"], default=None)
 
 
-def zb_search(pp: int, m: int, cap: float, f: list, b: list, w: list) -> Schedule:
+def zb_search(pp: int, m: int, cap: float, f: list, b: list, w: list, vocab_parallel: bool = False) -> Schedule:
     """Zero-bubble's heuristic for a memory limit and measured costs (ZB-H2's list scheduling,
     generators/zero_bubble.py, played out with the per-stage times `f`, `b`, `w` instead of unit
     ones): when a rank is free it runs its next B if ready, else its next F if the activations it
     holds stay within `cap` (F adds 1, B frees 1/2, W the other 1/2: the simulator's memory), else
-    a W. ZB-H1 is cap = p at unit costs, ZB-H2 about 2p - 1."""
+    a W. ZB-H1 is cap = p at unit costs, ZB-H2 about 2p - 1. `vocab_parallel`: the vocabulary
+    passes are then placed among its ops as in any catalogued schedule."""
     skeleton = Schedule(f"zb-search cap={cap:g}", pp, m, 1, pp, 1, placement.linear(pp), [])
     fwd, bwd, wgt = ([[Op(k, 0, r, mb) for mb in range(m)] for r in range(pp)] for k in (F, B, W))
     times = {F: f, B: b, W: w}
@@ -159,13 +177,14 @@ def zb_search(pp: int, m: int, cap: float, f: list, b: list, w: list) -> Schedul
                                   weights=wgt, w_caps=[pp - 1 + r for r in range(pp)],
                                   footprint={F: 1.0, B: -0.5, W: -0.5})
     validate(skeleton)
-    return skeleton
+    return add_vocab_passes(skeleton) if vocab_parallel else skeleton
 
 
-def searched(pp: int, m: int, budget: float, costs: ModelCosts) -> list[tuple[Candidate, Schedule, dict]]:
+def searched(pp: int, m: int, budget: float, costs: ModelCosts,
+             vocab_parallel: bool = False) -> list[tuple[Candidate, Schedule, dict]]:
     """zb_search at the budget and every whole memory limit from p up to it (at most 2p - 1)."""
-    f, b, w = ([t + fixed for t in times] for times, fixed in
-               zip(costs.per_stage(Schedule("linear", pp, m, 1, pp, 1, placement.linear(pp), [])), costs.op_overhead))
+    linear_order = Schedule("linear", pp, m, 1, pp, 1, placement.linear(pp), [], vocab_parallel=vocab_parallel)
+    f, b, w = ([t + fixed for t in times] for times, fixed in zip(costs.per_stage(linear_order), costs.op_overhead))
     top = min(budget, 2 * pp - 1)
     out = []
     for cap in sorted({top, *range(pp, int(top) + 1)}):
@@ -173,11 +192,13 @@ def searched(pp: int, m: int, budget: float, costs: ModelCosts) -> list[tuple[Ca
             schedule = zb_search(pp, m, cap, f, b, w)
         except ScheduleError:
             continue
-        out.append((Candidate("zb-search", (("cap", cap),)), schedule, {"cap": cap, "f": f, "b": b, "w": w}))
+        args = {"cap": cap, "f": f, "b": b, "w": w, **({"vocab_parallel": True} if vocab_parallel else {})}
+        out.append((Candidate("zb-search", (("cap", cap),)), schedule, args))
     return out
 
 
-def costed(pp: int, m: int, num_layers: int, costs: ModelCosts) -> list[tuple[Candidate, Schedule, None]]:
+def costed(pp: int, m: int, num_layers: int, costs: ModelCosts,
+           vocab_parallel: bool = False) -> list[tuple[Candidate, Schedule, None]]:
     """The schedules whose op order depends on the costs (V-Half, V-Min), built for the measured
     ones: a layer's TF, TB, TW with each op's fixed time (a chunk op pays it once), relative."""
     op = [t + 2 * fixed for t, fixed in zip((costs.tf, costs.tb, costs.tw), costs.op_overhead)]
@@ -187,7 +208,7 @@ def costed(pp: int, m: int, num_layers: int, costs: ModelCosts) -> list[tuple[Ca
     out = []
     for name in takes("op_costs"):
         try:
-            schedule = build_schedule(name, pp, m, op_costs=op_costs)
+            schedule = build_schedule(name, pp, m, op_costs=op_costs, vocab_parallel=vocab_parallel)
         except ScheduleError:
             continue
         if runs(schedule, num_layers):
@@ -196,12 +217,13 @@ def costed(pp: int, m: int, num_layers: int, costs: ModelCosts) -> list[tuple[Ca
 
 
 def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0,
-         search: bool = False, cuts: tuple = ()) -> list[dict]:
+         search: bool = False, cuts: tuple = (), vocab_parallel: bool = False) -> list[dict]:
     """Every candidate that fits, fastest first: {candidate, makespan, memory, search}; `search`
-    adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m)."""
-    pool = [(c, s, None) for c, s in candidates(pp, m, num_layers, cuts)]
-    pool += costed(pp, m, num_layers, costs)
-    pool += searched(pp, m, budget, costs) if search else []
+    adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m). The memory
+    counts `costs.head_memory`."""
+    pool = [(c, s, None) for c, s in candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)]
+    pool += costed(pp, m, num_layers, costs, vocab_parallel)
+    pool += searched(pp, m, budget, costs, vocab_parallel) if search else []
     shares = {c.k: c.costs for c in cuts}
     rows = []
     for cand, schedule, args in pool:
@@ -217,11 +239,12 @@ def schedule_maker(choice: dict):
     return None if args is None else (lambda pp, m: zb_search(pp, m, **args))
 
 
-def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, cuts: tuple = ()) -> dict:
+def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, cuts: tuple = (), *,
+           vocab_parallel: bool = False, head_memory: float = 0.0) -> dict:
     """The choice as plain JSON-able data (what rank 0 broadcasts)."""
-    costs = model_costs(measured, pp)
+    costs = dataclasses.replace(model_costs(measured, pp), head_memory=head_memory)
     linear = len(measured.f) == pp  # searched schedules are linear: a swap from a linear start
-    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear, cuts=cuts)
+    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear, cuts=cuts, vocab_parallel=vocab_parallel)
 
     def entry(row):
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()  # zb-h1's placement
@@ -231,20 +254,24 @@ def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, 
             "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),
                                         "head": list(costs.head), "p2p": measured.p2p,
                                         "op_overhead": list(costs.op_overhead), "op_sizes": list(measured.op_sizes),
-                                        "op_residual": measured.op_residual}}
+                                        "op_residual": measured.op_residual, "head_memory": head_memory,
+                                        "vocab_parallel": vocab_parallel, "vocab": list(measured.vocab)}}
 
 
 def describe(decision: dict) -> str:
     c, r = decision["choice"], decision["runner_up"]
     k = decision["costs"]
-    line = (f"auto schedule: {c['label']} (simulated makespan {c['makespan'] * 1e3:.1f} ms, peak memory "
-            f"{c['memory']:g} of budget {decision['budget']:g})")
+    vocab = " with vocabulary parallelism" if k.get("vocab_parallel") else ""
+    line = (f"auto schedule: {c['label']}{vocab} (simulated makespan {c['makespan'] * 1e3:.1f} ms, peak memory "
+            f"{c['memory']:g} of budget {decision['budget']:g}, a micro-batch's logits {k.get('head_memory', 0):.3g})")
     line += (f"; runner-up {r['label']} ({r['makespan'] * 1e3:.1f} ms, memory {r['memory']:g})" if r
              else "; no runner-up fits")
     return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "
                    f"TW={k['tw'] * 1e3:.2f} ms, embedding F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['embed'])} ms, "
-                   f"head + loss F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms, "
-                   f"fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
+                   f"head + loss F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms"
+                   + (f" (vocabulary passes per slice EF/S/T/EW={'/'.join(f'{x * 1e3:.2f}' for x in k['vocab'])} ms "
+                      "beyond their fixed part)" if k.get("vocab") else "")
+                   + f", fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
                    f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}; "
                    f"{k['op_residual'] * 1e3:.2f} ms of it from the traced makespans), "
                    f"p2p {k['p2p'] * 1e3:.3f} ms")
@@ -272,3 +299,13 @@ def unit_bytes(layers_per_stage: float, seq: int, mbs: int, hidden: int, heads: 
     the dtype's size. An estimate: it ignores the embedding's and the head's own activations."""
     per_layer = seq * mbs * hidden * (34 + 5 * heads * seq / hidden) * dtype_bytes / 2
     return per_layer * layers_per_stage
+
+
+LOGIT_BYTES = 4  # the loss holds the logits in fp32 (gpt_loss; a slice's softmax under vocabulary parallelism)
+
+
+def logits_units(seq: int, mbs: int, vocab: int, unit: float) -> float:
+    """One micro-batch's logits (mbs x seq x vocab, fp32), which the loss stage holds from its forward to
+    the end of its backward (each rank's slice of them from its S to its T under vocabulary
+    parallelism), in memory units of `unit` bytes (`unit_bytes`)."""
+    return seq * mbs * vocab * LOGIT_BYTES / unit

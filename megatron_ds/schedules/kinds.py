@@ -77,6 +77,7 @@ TRAITS = {
 F, B, W, BW = Kind.F, Kind.B, Kind.W, Kind.BW
 EF, S, T, EW = Kind.EF, Kind.S, Kind.T, Kind.EW
 VOCAB = frozenset(k for k in Kind if k.traits.vocab)   # the kinds every rank runs on its vocabulary slice
+VOCAB_PASSES = (EF, S, T, EW)   # the same, in the order measurement.Measured.vocab holds their times
 # The kinds one work unit (replica, stage, mb, seq) must run: a forward and a fused backward,
 # or a forward and a split one.
 COMPLETE = (frozenset({F, BW}), frozenset({F, B, W}))

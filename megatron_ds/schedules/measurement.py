@@ -5,7 +5,9 @@ The timing window gives, per stage, each op kind's time on one micro-batch at on
 when each message was sent and when its receiver could start. `separate` splits an op's time into
 a fixed part and a per-token part, `message_latencies` reads the p2p time off the traces,
 `calibrate` adds what the simulator still misses per op (the traced makespans against the
-simulated ones), and `model_costs` states it all as the simulator's ModelCosts.
+simulated ones), and `model_costs` states it all as the simulator's ModelCosts. Under vocabulary
+parallelism the embedding and the head are no part of the end stages: their costs are the
+vocabulary passes' own times (`with_vocab`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from .costs import ModelCosts, evaluate
 from .deps import UnitIndex
 from .ir import Schedule
+from .kinds import VOCAB_PASSES
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Measured:
     op_sizes: tuple = (1,)  # the segment counts the micro-batches were timed at
     op_residual: float = 0.0  # of op_overhead, what `calibrate` added
     head_share: float = 0.0  # of the loss stage's time, the head + loss's by FLOPs (with no interior stage)
+    vocab: tuple = ()  # vocabulary parallelism: per slice, EF, S, T and EW on one micro-batch less their fixed part
 
 
 def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
@@ -47,6 +51,17 @@ def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
         out.append([max(0.0, t - lo * c) for t in totals[lo][i]])
         fixed.append(c + gap)
     return Measured(*out, p2p=p2p, op_overhead=tuple(fixed), op_sizes=tuple(ks))
+
+
+def with_vocab(measured: Measured, slices: dict, k: int) -> Measured:
+    """`measured` with the vocabulary passes' times: `slices` maps each pass's kind name to the median
+    over the slices of one micro-batch's time in k ops; each less the fixed part those ops pay (the
+    kind's cost in F, B and W times measured.op_overhead, as the simulator charges it)."""
+    out = []
+    for kind in VOCAB_PASSES:
+        fixed = sum(c * o for c, o in zip(kind.traits.cost, measured.op_overhead))
+        out.append(max(0.0, slices[kind.name] - k * fixed))
+    return dataclasses.replace(measured, vocab=tuple(out))
 
 
 def message_latencies(schedule: Schedule, timed: dict) -> list:
@@ -99,7 +114,10 @@ def model_costs(measured: Measured, pp: int) -> ModelCosts:
     """ModelCosts from per-stage times of equal layer counts: the layers cost what the interior
     stages cost, the ends' excess is the embedding's (stage 0) and the LM head + loss's (last stage).
     With no interior stage (two stages) the last stage's `head_share` is the head's, the rest its
-    layers' (without a share: the cheaper end stage is taken as layers alone)."""
+    layers' (without a share: the cheaper end stage is taken as layers alone). Under vocabulary
+    parallelism (measured.vocab) the embedding and the head cost what p slices' passes do: EF is the
+    embedding's forward, EW its backward, S the head's forward with its input gradient, T its weight
+    gradient (kinds.py's costs)."""
     stages = len(measured.f)
     body, embed, head = [], [], []
     for times in (measured.f, measured.b, measured.w):
@@ -111,4 +129,7 @@ def model_costs(measured: Measured, pp: int) -> ModelCosts:
         body.append(layer * stages / pp)  # one 1F1B stage holds stages/pp of these
         embed.append(max(0.0, times[0] - layer))
         head.append(max(0.0, times[-1] - layer))
+    if measured.vocab:
+        ef, s, t, ew = (x * pp for x in measured.vocab)
+        embed, head = [ef, ew, 0.0], [s, 0.0, t]
     return ModelCosts(*body, embed=tuple(embed), head=tuple(head), op_overhead=tuple(measured.op_overhead))

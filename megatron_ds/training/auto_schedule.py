@@ -56,12 +56,15 @@ WHAT = {
     "sequence_parallel": "--sequence-parallel", "recompute": "activation checkpointing interval",
     "dtype": "precision", "device": "device", "candidates": "candidate schedules",
     "cuts": "Seq1F1B segment lengths", "vocab_size": "padded vocabulary",
+    "vocab_parallel": '"vocab_parallel"',
 }
+UNSAVED = {"vocab_parallel": False}  # what a record saved before the key existed meant
 
 
 def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
     """What the decision of an "auto" run with this (unswitched) PipelinePlan and AutoPlan depends on."""
     dtype = next((k for k in ("bf16", "fp16") if (ds_config.get(k) or {}).get("enabled")), "fp32")
+    vocab_parallel = plan.settings.vocab_parallel
     return {"pp": plan.pp, "micro_batches": plan.micro_batches, "num_layers": auto_plan.num_layers,
             "budget": auto_plan.budget, "micro_batch_size": plan.micro_batch_size, "seq_length": plan.seq_length,
             "hidden_size": plan.hidden_size, "ffn_hidden_size": getattr(config, "ffn_hidden_size", None),
@@ -70,9 +73,10 @@ def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: in
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
             "recompute": recompute,
             "dtype": dtype, "device": device,
-            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches,
-                                                                      auto_plan.num_layers, auto_plan.cuts)),
-            "cuts": [list(c.lengths) for c in auto_plan.cuts], "vocab_size": vocab_size(config)}
+            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, auto_plan.num_layers,
+                                                                      auto_plan.cuts, vocab_parallel=vocab_parallel)),
+            "cuts": [list(c.lengths) for c in auto_plan.cuts], "vocab_size": vocab_size(config),
+            "vocab_parallel": vocab_parallel}
 
 
 def _same(a, b) -> bool:
@@ -91,7 +95,8 @@ def _then_now(name, then, now) -> str:
 
 def differences(saved: dict, key: dict) -> list:
     """What of `key` (this run) differs from `saved` (the run that decided), as message parts."""
-    return [_then_now(name, saved.get(name), key[name]) for name in WHAT if not _same(saved.get(name), key[name])]
+    then = {**UNSAVED, **saved}
+    return [_then_now(name, then.get(name), key[name]) for name in WHAT if not _same(then.get(name), key[name])]
 
 
 def read_record(step_dir: str):

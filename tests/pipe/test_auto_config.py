@@ -2,6 +2,7 @@
 plan starts on a schedule that fits the budget, and a budget too small for every schedule stops
 pretrain_gpt.py with one line naming the smallest budget that fits, exit code 2."""
 import json
+import re
 import os
 import subprocess
 import sys
@@ -73,12 +74,35 @@ def test_seq1f1b_cuts_and_switch():
 
 
 def test_budget_in_bytes():
-    # one unit at pp=4: 2 layers x 16*2*32*(34 + 5*4*16/32) * 4/2 bytes (fp32) = 180224 bytes
-    plan, start = make_plan(SIZES, cfg(schedule="auto", memory_budget="540672B"), 4, 1)
+    # one unit at pp=4: 2 layers x 16*2*32*(34 + 5*4*16/32) * 4/2 bytes (fp32) = 180224 bytes; a micro-batch's
+    # logits 16*2*64 x 4 bytes = 8192 bytes = 0.04545 units, held once on the loss stage of zbv-min (rank 0)
+    sizes = SimpleNamespace(**vars(SIZES), vocab_size=64)
+    plan, start = make_plan(sizes, cfg(schedule="auto", memory_budget="540672B"), 4, 1)
     assert start.budget == pytest.approx(3.0) and plan.schedule.name == "seq1f1b"  # 2 segments: 2.5 units
-    with pytest.raises(ConfigError, match=r'"360447B" = 2 micro-batches of 180224 bytes .*the smallest budget that '
-                                          r'fits is 2 .* \(x 180224 bytes = 360448 bytes\)'):
-        PipelinePlan.from_config(SIZES, cfg(schedule="auto", memory_budget="360447B"), 4, 1)
+    assert start.head_memory == pytest.approx(8192 / 180224)
+    with pytest.raises(ConfigError, match=r'"368639B" = 2.045 micro-batches of 180224 bytes, a micro-batch\'s logits '
+                                          r'0.0455 of them .*the smallest budget that fits is 2.04545 .* '
+                                          r'\(x 180224 bytes = 368640 bytes\)'):
+        PipelinePlan.from_config(sizes, cfg(schedule="auto", memory_budget="368639B"), 4, 1)
+    assert make_plan(sizes, cfg(schedule="auto", memory_budget="368640B"), 4, 1)[0].schedule.name == "zbv-min"
+    assert make_plan(sizes, cfg(schedule="auto", memory_budget=2), 4, 1)[1].head_memory == 0  # units: activations
+
+
+def test_budget_in_bytes_counts_the_logits_per_slice_under_vocabulary_parallelism():
+    """A 50304-token vocabulary on this tiny model: a micro-batch's logits are 35.7 units, whole on one rank
+    without vocabulary parallelism, a quarter on each of 4 ranks with it, which needs a quarter of the budget."""
+    sizes = SimpleNamespace(**vars(SIZES), vocab_size=50304)
+    smallest = {}
+    for vp in (False, True):
+        with pytest.raises(ConfigError) as err:
+            make_plan(sizes, cfg(schedule="auto", memory_budget="1MB", vocab_parallel=vp), 4, 1)
+        smallest[vp] = float(re.search(r"the smallest budget that fits is ([\d.]+)", str(err.value)).group(1))
+    logits = 16 * 2 * 50304 * 4 / 180224
+    assert logits + 1 < smallest[False] < logits + 3  # zb-h1 starts: its loss stage holds one micro-batch's logits
+    # each rank holds a slice (a quarter) from each S to its T; Seq1F1B's 4 segments a quarter of that
+    assert logits / 16 < smallest[True] < smallest[False] / 4
+    plan, start = make_plan(sizes, cfg(schedule="auto", memory_budget="3MB", vocab_parallel=True), 4, 1)
+    assert plan.schedule.vocab_parallel and start.budget < smallest[False]
 
 
 def test_too_small_budget():

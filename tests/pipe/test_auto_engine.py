@@ -7,11 +7,17 @@ choices that cover both switch paths: zb-h2, the searched zb-search cap=3 and Se
 segments (same placement: a schedule swap; Seq1F1B's cuts the sequence from then on), zbv (V
 placement), V-Half built for the measured costs and bitpipe (two replicas) through the checkpoint
 rebuild (training/auto_schedule.py); and
-a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 segments and probes 4). At PP=2 x DP=2 (ZeRO-1 shards
+a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 segments and probes 4). With vocabulary
+parallelism (every candidate carries the passes, whose measured times are the head's and the embedding's costs),
+in the same launch: the own choice (GPT-2, tied), zb-h2 and the searched zb-search cap=3 (swaps; LLaMA, untied),
+zbv (a rebuild that re-cuts the slices' Adam state; LLaMA), at lr 1e-3 as test_vocab_engine.py. At PP=2 x DP=2 (ZeRO-1 shards
 re-cut across the switch): the own choice and zbv."""
+import dataclasses
+
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, reference_run, tiny_config
+from tests.pipe.test_vocab_engine import LLAMA, LR
 
 STEPS, LAYERS, GAS = 3, 4, 4
 BUDGET = 4  # every candidate fits at pp=2, m=4 (gpipe needs 4)
@@ -20,15 +26,21 @@ SWAPS = ("zb-h2", "zb-search cap=3", SEQ1F1B)  # placed as zb-h1
 COSTED = "zbv-half op_costs"  # V-Half's order built for the measured costs (the label then names them)
 CASES = [(None, BUDGET), ("zb-h2", BUDGET), ("zbv", BUDGET), ("bitpipe", BUDGET), ("zb-search cap=3", BUDGET),
          (SEQ1F1B, BUDGET), (COSTED, BUDGET), (None, 1.5)]  # 1.5: Seq1F1B (2 segments: 1.5 units, 4: 1.25) or zb-search cap=1.5
+VOCAB_BUDGET = 6  # the passes' order may hold a micro-batch more in flight
+VOCAB_CASES = [(None, VOCAB_BUDGET, {}), ("zb-h2", VOCAB_BUDGET, LLAMA), ("zb-search cap=3", VOCAB_BUDGET, LLAMA),
+               ("zbv", VOCAB_BUDGET, LLAMA)]  # (label, budget, the model of a vocabulary-parallel run)
 
 
 def forcing(label):
     """A rank-0 decision that ranks the candidates as usual, then picks `label`."""
     from megatron_ds.schedules import auto
 
-    def choose(pp, m, layers, budget, measured, cuts):
-        decision = auto.decide(pp, m, layers, budget, measured, cuts)
-        rows = auto.rank(pp, m, layers, budget, auto.model_costs(measured, pp), measured.p2p, search=True, cuts=cuts)
+    def choose(pp, m, layers, budget, measured, cuts, vocab_parallel=False, head_memory=0.0):
+        decision = auto.decide(pp, m, layers, budget, measured, cuts, vocab_parallel=vocab_parallel,
+                               head_memory=head_memory)
+        costs = dataclasses.replace(auto.model_costs(measured, pp), head_memory=head_memory)
+        rows = auto.rank(pp, m, layers, budget, costs, measured.p2p, search=True, cuts=cuts,
+                         vocab_parallel=vocab_parallel)
         row = next(r for r in rows if r["candidate"].label == label or label == COSTED
                    and r["candidate"].label.startswith(COSTED + "="))
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()
@@ -46,22 +58,25 @@ def auto_rank_run(pp, gas, steps, cases):
     from megatron_ds.pipe.plan import make_plan
     from megatron_ds.schedules import auto
     from megatron_ds.training.auto_schedule import switch_engine
-    from tests.gpt_harness import capture_grads_before_reduce, ds_config, layer_key, micro_batch, optimizer_for, EVAL_STEP
+    from tests.gpt_harness import (capture_grads_before_reduce, ds_config, layer_key, micro_batch, optimizer_for,
+                                   whole_vocabulary, EVAL_STEP)
     deepspeed.init_distributed(dist_backend="gloo")
-    config = tiny_config(LAYERS)
     dp = dist.get_world_size() // pp
 
-    def build(cfg):
-        plan, auto_plan = make_plan(config, cfg, pp, dp)
-        module = build_pipeline_module(config, cfg, pp, plan=plan)
-        return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters()), auto_plan=auto_plan)
-
     out = []
-    for label, budget in cases:
+    for label, budget, *vocab in cases:  # vocab: [the model options of a vocabulary-parallel run], or none
+        config, lr = (tiny_config(LAYERS, **vocab[0]), LR) if vocab else (tiny_config(LAYERS), 1e-2)
+
+        def build(cfg):
+            plan, auto_plan = make_plan(config, cfg, pp, dp)
+            module = build_pipeline_module(config, cfg, pp, plan=plan)
+            return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), lr),
+                                     auto_plan=auto_plan)
+
         AutoSwitch.choose = staticmethod(forcing(label) if label else auto.decide)
         pipeline = {"schedule": "auto", "memory_budget": budget, "timers_start_iter": 0, "timers_end_iter": 2,
-                    "seq_split_method": "even"}
-        engine = build(ds_config(pp, dp, gas, pipeline=pipeline))
+                    "seq_split_method": "even", **({"vocab_parallel": True} if vocab else {})}
+        engine = build(ds_config(pp, dp, gas, pipeline=pipeline, lr=lr))
         start, probe = (engine.plan.schedule.name, engine.plan.schedule.seq_splits), engine.auto.auto_plan.probe
         grads, losses, switched_at, reports = [], [], None, []
         engine.on_auto_decision = reports.append
@@ -74,10 +89,14 @@ def auto_rank_run(pp, gas, steps, cases):
                 engine = switch_engine(engine, reports[-1].decision, build)
                 switched_at = step
         weights = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        weights = whole_vocabulary(engine, config, weights)
         eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j) for j in range(gas)])
         eval_loss = float(engine.eval_batch(eval_batches))
         now = engine.plan.schedule
-        out.append(dict(losses=losses, grads=grads[0], weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
+        costs = reports[0].decision["costs"]
+        out.append(dict(losses=losses, grads=whole_vocabulary(engine, config, grads[0]), weights=weights,
+                        dp_rank=dp_rank, eval_loss=eval_loss, vocab_now=now.vocab_parallel,
+                        vocab_costs=(costs["vocab_parallel"], costs["vocab"]),
                         start=start, probe=probe, now=(now.name, now.seq_splits), rebuilt_at=switched_at,
                         global_steps=engine.global_steps, auto_left=engine.auto is not None,
                         overhead=reports[0].decision["costs"]["op_overhead"],
@@ -86,15 +105,21 @@ def auto_rank_run(pp, gas, steps, cases):
     return out
 
 
-@pytest.mark.parametrize("world,pp,cases", [(2, 2, CASES), (4, 2, [(None, BUDGET), ("zbv", BUDGET)])],
+@pytest.mark.parametrize("world,pp,cases", [(2, 2, CASES + VOCAB_CASES), (4, 2, [(None, BUDGET), ("zbv", BUDGET)])],
                          ids=["pp2", "pp2xdp2"])
 def test_auto_switch_matches_reference(world, pp, cases):
     from megatron_ds.testing.launcher import run_ranks
-    ref = reference_run(tiny_config(LAYERS), world // pp, GAS, STEPS)
     per_rank = run_ranks(world, auto_rank_run, pp, GAS, STEPS, cases, timeout=900)
-    for i, (label, budget) in enumerate(cases):
+    for i, (label, budget, *vocab) in enumerate(cases):
+        config, lr = (tiny_config(LAYERS, **vocab[0]), LR) if vocab else (tiny_config(LAYERS), 1e-2)
+        ref = reference_run(config, world // pp, GAS, STEPS, lr=lr)
         results = [r[i] for r in per_rank]
         for r in results:
+            on, passes = r["vocab_costs"]
+            assert r["vocab_now"] == on == bool(vocab)  # every candidate, the choice included, has the passes
+            # the head's and the embedding's costs are the passes' measured times (EF, S, T, EW beyond their
+            # fixed part, which at this size is most of them)
+            assert len(passes) == (4 if vocab else 0) and min(passes, default=0) >= 0
             small = budget < 2
             assert r["start"] == (("seq1f1b", 2) if small else ("zb-h1", 1)), r["start"]
             assert r["probe"] == {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True}
@@ -112,3 +137,21 @@ def test_auto_switch_matches_reference(world, pp, cases):
             assert_matches_reference(results, ref)
         except AssertionError as exc:
             raise AssertionError(f"auto -> {results[0]['now']}: {exc}") from None
+
+
+def test_merge_takes_each_vocabulary_pass_as_the_median_over_the_slices():
+    """Rank 0's merge of what every rank timed: F, B, W per stage, and under vocabulary parallelism each
+    pass per slice (its stage), a micro-batch's time the sum over its segments."""
+    from megatron_ds.pipe.auto import merge
+    ms = 1e-3
+
+    def rank(stage, passes):
+        medians = {(kind, stage, 1, 0): t * ms for kind, t in (("F", 2.0), ("B", 3.0), ("W", 1.0))}
+        medians.update({(kind, stage, 1, 0): t * ms for kind, t in passes.items()})
+        return medians, [0.01 * ms], 0.0, ("host", 0, [])
+
+    slices = [{"EF": 0.1, "S": 1.0, "T": 0.4, "EW": 0.2}, {"EF": 0.3, "S": 1.4, "T": 0.6, "EW": 0.2},
+              {"EF": 0.2, "S": 1.2, "T": 0.5, "EW": 0.4}]
+    measured = merge([rank(s, p) for s, p in enumerate(slices)], 3, [])
+    assert measured.f == [2.0 * ms] * 3 and measured.vocab == pytest.approx((0.2 * ms, 1.2 * ms, 0.5 * ms, 0.2 * ms))
+    assert merge([rank(s, {}) for s in range(3)], 3, []).vocab == ()  # no passes: the ends' excess, as before

@@ -56,7 +56,6 @@ def test_op_costs_build_the_v_order_for_them():
     ({"cuda_graphs": True, "compile_layers": True}, ["pipeline.cuda_graphs", "DeepSpeed's own engine", "schedule"]),
     ({"cuda_graphs": 1, "compile_layers": True}, ["pipeline.cuda_graphs", "true or false"]),
     ({"vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "deepspeed"]),
-    ({"schedule": "auto", "memory_budget": 3, "vocab_parallel": True}, ["pipeline.vocab_parallel", "named", "auto"]),
 ])
 def test_bad_settings_name_key_value_and_rule(section, words):
     with pytest.raises(ConfigError) as err:

@@ -1,8 +1,11 @@
 """schedules/auto.py: which schedules fit a memory budget, the start-up schedule, the refusal naming
 the smallest budget that fits, the costs model from per-stage times, and the choice."""
+from collections import Counter
+
 import pytest
 
-from megatron_ds.schedules import ScheduleError, auto
+from megatron_ds.schedules import ScheduleError, auto, measurement
+from megatron_ds.schedules.kinds import Kind
 
 
 def test_memory_table_pp4():
@@ -130,3 +133,56 @@ def test_seq1f1b_under_a_small_budget_with_as_many_segments_as_its_fixed_op_time
     assert choice["section"] == {"schedule": "zbv-half", "op_costs": (1.161, 1.161, 0.677)}
     unit = next(r for r in auto.rank(4, 8, 8, 3, auto.model_costs(costly, 4)) if r["candidate"].label == "zbv-half")
     assert choice["makespan"] < unit["makespan"] - 0.4, (choice, unit)  # 31.10 vs 31.55
+
+
+def test_vocabulary_parallel_candidates_carry_the_passes():
+    plain = auto.candidates(4, 8, 8, even_cuts(16))
+    vocab = auto.candidates(4, 8, 8, even_cuts(16), vocab_parallel=True)
+    assert [c for c, _ in vocab] == [c for c, _ in plain]  # the same choices, each with the passes
+    for (_, v), (_, s) in zip(vocab, plain):
+        assert v.vocab_parallel and not s.vocab_parallel
+        assert [Counter(op for op in ops if not op.kind.traits.vocab) for ops in v.ranks] == [Counter(o) for o in s.ranks]
+        assert all({op.kind for op in ops} >= {Kind.EF, Kind.S, Kind.T, Kind.EW} for ops in v.ranks)
+
+
+def test_vocabulary_passes_measured_set_the_head_and_embedding_costs():
+    # per slice (p=4): EF 0.1, S 1.0, T 0.5, EW 0.2 ms on a micro-batch, fixed part F 0.01, B 0.02, W 0.03
+    base = auto.Measured(f=[2.0] * 4, b=[2.0] * 4, w=[1.0] * 4, op_overhead=(0.01, 0.02, 0.03))
+    m = measurement.with_vocab(base, {"EF": 0.1, "S": 1.0, "T": 0.5, "EW": 0.2}, 1)
+    assert m.vocab == pytest.approx((0.09, 0.97, 0.47, 0.15))  # less F; F + B; W; B + W
+    costs = auto.model_costs(m, 4)
+    assert costs.embed == pytest.approx((0.36, 0.6, 0.0)) and costs.head == pytest.approx((3.88, 0.0, 1.88))
+    assert (costs.tf, costs.tb, costs.tw) == (2.0, 2.0, 1.0)
+    # simulated, each pass costs what was measured: 1/p of the whole-vocabulary costs plus its fixed part
+    schedule = auto.candidates(4, 8, 8, vocab_parallel=True)[1][1]
+    res = auto.evaluate(schedule, costs)
+    op = next(op for op in schedule.ranks[2] if op.kind is Kind.S)
+    assert res.end[op] - res.start[op] == pytest.approx(1.0)
+    decision = auto.decide(4, 8, 8, 100, m, vocab_parallel=True, head_memory=2.0)
+    assert decision["costs"]["vocab_parallel"] and decision["costs"]["head"] == pytest.approx([3.88, 0.0, 1.88])
+    assert "with vocabulary parallelism" in auto.describe(decision)
+
+
+def test_vocabulary_parallel_search_and_costed_orders_carry_the_passes():
+    m = auto.Measured(f=[1.0] * 4, b=[1.5] * 4, w=[0.5] * 4, vocab=(0.1, 1.0, 0.5, 0.2))
+    rows = auto.rank(4, 8, 8, 100, auto.model_costs(m, 4), search=True, vocab_parallel=True)
+    searched = [r for r in rows if r["search"]]
+    costed = [r for r in rows if r["candidate"].label.startswith("zbv-half op_costs=")]
+    assert searched and costed
+    for row in searched:
+        schedule = auto.schedule_maker({"search": row["search"]})(4, 8)
+        assert schedule.vocab_parallel and any(op.kind is Kind.T for op in schedule.ranks[0])
+    assert auto.build_schedule("zbv-half", 4, 8, vocab_parallel=True, **dict(costed[0]["candidate"].knobs)).vocab_parallel
+
+
+def test_logits_in_the_budget():
+    # 16 tokens x 2 x 64-token vocabulary x 4 bytes = 8192 bytes
+    assert auto.logits_units(16, 2, 64, 8192) == 1.0
+    plain = dict(auto.memory_table(4, 8, 8))
+    held = dict(auto.memory_table(4, 8, 8, head_memory=1.0))
+    sliced = dict(auto.memory_table(4, 8, 8, vocab_parallel=True, head_memory=1.0))
+    for c in plain:  # the loss stage holds a micro-batch's logits at least, at most one per micro-batch
+        assert plain[c] <= held[c] <= plain[c] + 8
+    assert sum(held[c] > plain[c] for c in plain) >= 8
+    # a quarter per S until its T: less than whole logits, though the passes' order may hold more micro-batches
+    assert sum(sliced[c] < held[c] for c in plain) >= 6

@@ -66,6 +66,7 @@ def test_the_same_run_reuses_the_decision(tmp_path):
     (ds(), SIZES, PP, "NVIDIA H100", "device cpu then, NVIDIA H100 now"),
     (ds(), SimpleNamespace(**{**vars(SIZES), "vocab_size": 256000}), PP, "cpu",
      "padded vocabulary 50304 then, 256000 now"),  # the head's cost is part of what was timed
+    (ds(vocab_parallel=True), SIZES, PP, "cpu", '"vocab_parallel" False then, True now'),  # other candidates
 ])
 def test_another_run_times_again(tmp_path, cfg, sizes, pp, device, why):
     step = saved(tmp_path, key_for(ds()))
@@ -81,10 +82,19 @@ def test_other_candidates_time_again(tmp_path):
     assert record is None and line.endswith("candidate schedules differ (now also zbv) (no longer retired)")
 
 
+def test_a_record_from_before_vocabulary_parallelism_reads_as_without(tmp_path):
+    key = key_for(ds())
+    older = {k: v for k, v in key.items() if k != "vocab_parallel"}  # saved before the key existed
+    assert resume_choice(saved(tmp_path, older), key)[0] is not None
+    record, line = resume_choice(saved(tmp_path, older), key_for(ds(vocab_parallel=True)))
+    assert record is None and '"vocab_parallel" False then, True now' in line
+
+
 def test_budget_in_bytes_compares_in_units(tmp_path):
-    one = key_for(ds(memory_budget="1081344B"))  # 6 units of 180224 bytes at pp=4 (fp32)
+    sizes = SimpleNamespace(**vars(SIZES), vocab_size=64)
+    one = key_for(ds(memory_budget="1081344B"), sizes)  # 6 units of 180224 bytes at pp=4 (fp32)
     assert one["budget"] == pytest.approx(6.0)
-    assert resume_choice(saved(tmp_path, key_for(ds())), one)[0] is not None
+    assert resume_choice(saved(tmp_path, key_for(ds(), sizes)), one)[0] is not None
 
 
 @pytest.mark.parametrize("kw,why", [

@@ -1,7 +1,8 @@
 """pretrain_gpt.py with "schedule": "auto": the loop times two iterations, logs the choice (and the
 runner-up), switches (rebuilding the engine through a checkpoint when the choice places the chunks
-differently), and every iteration's loss equals a run on a fixed schedule (fp32; no dropout: under
-another chunk placement each rank draws other dropout masks, as on a resume under another schedule)."""
+differently), and every iteration's loss equals a run on a fixed schedule, with vocabulary parallelism
+too (fp32; no dropout: under another chunk placement each rank draws other dropout masks, as on a
+resume under another schedule)."""
 import json
 
 from megatron_ds.testing.corpus import write_corpus
@@ -27,3 +28,12 @@ def test_auto_in_the_loop_keeps_the_losses(tmp_path):
     for a, b in zip(auto, fixed):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (line, auto, fixed)
     print(line)
+    # with vocabulary parallelism (the GPT-2 vocabulary of 50304 rows over the two ranks): the candidates carry
+    # the passes, whose measured times are the head's, and the losses are still those of the fixed schedule
+    vocab, out = launch(tmp_path, "vocab", ds_config=config(tmp_path, "vocab", {
+        "schedule": "auto", "vocab_parallel": True, "memory_budget": 3, "timers_start_iter": 0,
+        "timers_end_iter": 2}), hard=NO_DROPOUT)
+    line = next(l for l in out.splitlines() if l.startswith("auto schedule: "))
+    assert " with vocabulary parallelism " in line and "vocabulary passes per slice EF/S/T/EW=" in line
+    for a, b in zip(vocab, fixed):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (line, vocab, fixed)
