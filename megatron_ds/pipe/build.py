@@ -77,7 +77,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                              "here and its AutoPlan to initialize_engine")
         plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length,
                                         settings)
-    parts = chunk_cost_bounds(settings.partition_method, config, plan.placement)
+    parts = chunk_cost_bounds(settings.partition_method, config, plan.placement, settings.vocab_parallel)
     module = ChunkedPipelineModule(plan=plan, parts=parts, **common)
     if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab_passes.py)
         module.vocab_slice = VocabSlice(config, module.stage_id, pp)

@@ -17,7 +17,9 @@ virtual stages the schedule places on it, so under the V placements (zbv, dualpi
 rank 0 holds both the first and the last stage, the embedding and head stages hold fewer
 transformer layers and rank 0 fewer in total. Ties go to the cut with the lighter busiest
 stage. Every stage keeps at least one layer; a stage may hold no transformer layer (e.g.
-only the final norm and the head) when that balances best.
+only the final norm and the head) when that balances best. Under vocabulary parallelism the head
+leaves the list (every rank holds a slice of it beside its stages): the same costs are given, and
+the head's is dropped.
 """
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ def _read_costs(spec: str, where: str) -> list:
         raise ConfigError(f"{where}: the list is not JSON ({exc})") from None
 
 
-def layer_costs(method: str, config, num_specs: int) -> list[float]:
-    """One cost per pipeline layer under a cost method; refuses a list of the wrong length."""
+def layer_costs(method: str, config, num_specs: int, vocab_parallel: bool = False) -> list[float]:
+    """One cost per pipeline layer under a cost method; refuses a list of the wrong length. Under
+    `vocab_parallel` the list's last cost, the head's, is dropped (num_specs counts it)."""
     where = f'ds_config "pipeline.partition_method" = {method!r}'
     costs = layer_flops(config) if method == FLOPS else _read_costs(method, where)
     if not isinstance(costs, list) or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
@@ -83,6 +86,7 @@ def layer_costs(method: str, config, num_specs: int) -> list[float]:
     if len(costs) != num_specs:
         raise ConfigError(f"{where}: {len(costs)} costs for {num_specs} pipeline layers (embedding, "
                           f"{num_specs - 3} transformer layers, final norm, head); give one per layer")
+    costs = costs[:-1] if vocab_parallel else costs
     if not sum(costs) > 0:
         raise ConfigError(f"{where}: the costs sum to 0; nothing to balance")
     return [float(c) for c in costs]
@@ -163,21 +167,25 @@ def balanced_bounds(weights: Sequence[float], placement: Sequence[Sequence[int]]
         best, bounds = top
 
 
-def cost_bounds(method: str, config, placement: Sequence[Sequence[int]], num_specs: int | None = None) -> list[int]:
-    """The layer bounds of each virtual stage of replica 0's order under a cost method."""
+def cost_bounds(method: str, config, placement: Sequence[Sequence[int]], num_specs: int | None = None,
+                vocab_parallel: bool = False) -> list[int]:
+    """The layer bounds of each virtual stage of replica 0's order under a cost method (`vocab_parallel`:
+    of the list without the head)."""
     num_specs = gpt_layer_count(config.num_layers) if num_specs is None else num_specs
+    weights = layer_costs(method, config, num_specs, vocab_parallel)
     stages = len(placement[0])
-    if stages > num_specs:
+    if stages > len(weights):
         raise ConfigError(f'ds_config "pipeline.partition_method" = {method!r}: {stages} virtual stages but only '
-                          f"{num_specs} pipeline layers; every stage needs at least one")
-    return balanced_bounds(layer_costs(method, config, num_specs), placement)
+                          f"{len(weights)} pipeline layers; every stage needs at least one")
+    return balanced_bounds(weights, placement)
 
 
-def chunk_cost_bounds(method: str, config, placement: Sequence[Sequence[int]]) -> list[int] | None:
+def chunk_cost_bounds(method: str, config, placement: Sequence[Sequence[int]],
+                      vocab_parallel: bool = False) -> list[int] | None:
     """The virtual stages' layer bounds under a cost method; None: DeepSpeed's method cuts them when the
     module is built. Not part of the PipelinePlan: "flops" weighs the head by the vocabulary the
     tokenizer pads, known only at build time (parse time checks the cut with the unpadded one)."""
-    return cost_bounds(method, config, placement) if is_cost_method(method) else None
+    return cost_bounds(method, config, placement, vocab_parallel=vocab_parallel) if is_cost_method(method) else None
 
 
 def stock_cost_bounds(config, settings, pp: int) -> list[int]:

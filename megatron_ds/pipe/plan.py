@@ -106,9 +106,7 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
     """What the engine's vocabulary passes (pipe/vocab_passes.py) do not combine with yet."""
     key = 'ds_config "pipeline.vocab_parallel" = true'
     refused = [(getattr(config, "loss_chunk_size", None), "--loss-chunk-size"),
-               (getattr(config, "liger_kernel", False), "--use-liger-kernel"),
-               (is_cost_method(settings.partition_method), f'"partition_method": "{settings.partition_method}"'),
-               (settings.post_validation, '"post_validation": true')]
+               (getattr(config, "liger_kernel", False), "--use-liger-kernel")]
     for on, what in refused:
         if on:
             raise ConfigError(f"{key} with {what}: not supported together yet (docs/SCHEDULES.md: Vocabulary "

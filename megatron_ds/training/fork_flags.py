@@ -277,7 +277,8 @@ def check_schedule_shape(args):
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)
             return
         run_plan(args)
-        chunk_cost_bounds(settings.partition_method, sizes, args.pipeline_plan.placement)  # the build cuts again
+        chunk_cost_bounds(settings.partition_method, sizes, args.pipeline_plan.placement,  # the build cuts again
+                          settings.vocab_parallel)
     except ConfigError as exc:
         how = (f" (micro-batches per step = --global-batch-size {args.global_batch_size} / (--micro-batch-size "
                f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}))" if "micro_batches" in str(exc)

@@ -81,6 +81,16 @@ def test_costs_list_and_file(tmp_path):
     assert cost_bounds(f"costs:{path}", cfg, placement.v_shape(2)) == [0, 2, 5, 8, 9]
 
 
+def test_vocabulary_parallel_cut_drops_the_head():
+    """Under vocabulary parallelism the same list is given and the head's cost (its last) dropped: every rank
+    holds a slice of the head beside its stages, and the list is embedding, layers, final norm."""
+    costs = [0.5] + [1.0] * 6 + [0.1, 4.0]
+    cfg = SimpleNamespace(num_layers=6)
+    assert cost_bounds("costs:" + json.dumps(costs), cfg, placement.linear(2), vocab_parallel=True) == [0, 4, 8]
+    assert chunk_cost_bounds("flops", LLAMA, placement.linear(4), vocab_parallel=True) == [0, 9, 17, 25, 34]
+    assert chunk_cost_bounds("flops", LLAMA, placement.linear(4))[-1] == 35  # with the head: 35 layers
+
+
 @pytest.mark.parametrize("method,message", [
     ("costs:[1, 2, 3]", "3 costs for 9 pipeline layers (embedding, 6 transformer layers, final norm, head)"),
     ("costs:[1, 2, ", "the list is not JSON"),

@@ -3,7 +3,8 @@ and off (same ds_config otherwise), 4 steps give the same weights (1e-6; in prac
 grad norms, skipped steps, loss scales and lr schedule. fp32 under zbv and 1f1b at PP=2 in three
 situations: clipping never triggers, it triggers on step 2, an inf lands in one rank's gradient on
 step 3. Both situations in one run for zbv in bf16, in fp16 (dynamic loss scale; DeepSpeed's CPU refusal
-patched out) and at PP=2 x DP=2; the inf situation also at PP=4 under zbv. zbv runs step early on every
+patched out), with vocabulary parallelism under zbv and 1f1b, and at PP=2 x DP=2; the inf situation also at
+PP=4 under zbv. zbv runs step early on every
 rank (`shortcuts` off), so every rank rolls back; 1f1b runs keep the shortcuts, so ranks whose own
 gradients show the clip or the inf step once, in DeepSpeed's order."""
 import math
@@ -44,7 +45,7 @@ def _inject_inf(engine_cls):
 
 
 def run_case(pp, schedule, post_validation, clip, inf=False, bf16=False, shortcuts=True, lr=LR, fp16=None,
-             layers=4):
+             layers=4, vocab_parallel=False):
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
@@ -54,7 +55,8 @@ def run_case(pp, schedule, post_validation, clip, inf=False, bf16=False, shortcu
     config = tiny_config(layers)
     dp = dist.get_world_size() // pp
     cfg = ds_config(pp, dp, GAS, clip=clip, bf16=bf16, lr=lr,
-                    pipeline={"schedule": schedule, "post_validation": post_validation})
+                    pipeline={"schedule": schedule, "post_validation": post_validation,
+                              **({"vocab_parallel": True} if vocab_parallel else {})})
     if fp16 is not None:
         # DeepSpeed refuses fp16 on CPU only because the accelerator says so; ZeRO-1 fp16 itself runs.
         from deepspeed.accelerator import get_accelerator
@@ -155,6 +157,8 @@ def test_post_validation_pp2():
     cases = _pairs("zbv", shortcuts=False) + _pairs("1f1b", shortcuts=True)
     cases += _pairs("zbv", shortcuts=False, combined=True, bf16=True)
     cases += _pairs("zbv", shortcuts=False, combined=True, fp16=FP16)
+    cases += _pairs("zbv", shortcuts=False, combined=True, vocab_parallel=True)  # the slices' norm and rollback
+    cases += _pairs("1f1b", shortcuts=True, combined=True, vocab_parallel=True)
     per_rank = run_ranks(2, rank_cases, 2, cases, check_refusal=True, timeout=900)
     for rank in per_rank:
         message = rank.pop()

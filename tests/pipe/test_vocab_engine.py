@@ -4,7 +4,8 @@ embedding and output matrices) and the weights after 3 optimizer steps, 1e-5 fp3
 the engine runs it under (pipe/config.VOCAB_PARALLEL_ENGINE), tied (GPT-2: learned positions, the
 embedding is the output layer) and untied (LLaMA: rope, RMSNorm, SwiGLU), at PP=4 and PP=2 x DP=2
 with ZeRO-1. One launch of 4 ranks runs every case, each schedule once (tied or untied in turn),
-and a schedule file that carries the passes (exported from the catalogue); the whole schedule x tied
+a schedule file that carries the passes (exported from the catalogue) and a cost partition (which
+weighs the layers without the head, every rank holding a slice of it); the whole schedule x tied
 matrix at PP=2, PP=4 and PP2xDP2 passes too, run by hand (CI time).
 """
 from megatron_ds.pipe.config import VOCAB_PARALLEL_ENGINE
@@ -36,6 +37,13 @@ CASES = [case("1f1b", LLAMA, 4, 8, 8), case("zbv", {}, 4, 8, 8), case("seq1f1b",
          case("bitpipe", {}, 2, 4, 4)]
 
 
+# A cost partition weighs the list without the head (its cost, the list's last, is dropped): embedding 2.5,
+# 4 layers, final norm | 2.5 + 1 | 3 (with the head on the loss stage it would be [0, 4, 7]: 5.5 | 5)
+COST_CUT = dict(case("1f1b", LLAMA, 2, 4, 4), pipeline={"schedule": "1f1b", "vocab_parallel": True,
+                                                         "partition_method": "costs:[2.5, 1, 1, 1, 1, 0, 4]"})
+COST_CUT_PARTS = (0, 2, 6)
+
+
 def vocab_rank_runs(cases):
     return [engine_rank_run(c["pp"], c["gas"], STEPS, c["pipeline"], num_layers=c["layers"], model=c["model"],
                             lr=LR) for c in cases]
@@ -45,8 +53,9 @@ def test_vocab_parallel_matches_reference(tmp_path):
     assert {c["pipeline"]["schedule"] for c in CASES} == set(VOCAB_PARALLEL_ENGINE)  # every one admitted is run
     path = tmp_path / "zb-h2-vocab.json"  # a file's op lists, vocabulary passes included, run as they are
     path.write_text(build_schedule("zb-h2", 2, 4, vocab_parallel=True).to_json())
-    cases = CASES + [case(f"file:{path}", LLAMA, 2, 4, 4)]
+    cases = CASES + [case(f"file:{path}", LLAMA, 2, 4, 4), COST_CUT]
     per_rank = run_ranks(WORLD, vocab_rank_runs, cases, timeout=900)
+    assert {tuple(r[-1]["engine"]["parts"]) for r in per_rank} == {COST_CUT_PARTS}
     for i, c in enumerate(cases):
         ref = reference_run(tiny_config(c["layers"], **c["model"]), WORLD // c["pp"], c["gas"], STEPS, lr=LR)
         try:
