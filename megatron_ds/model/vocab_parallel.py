@@ -22,7 +22,10 @@ same tensor when they are tied). Per micro-batch:
   the loss's gradient per token.
 - output_t_pass (T): the slice's weight gradient (alpha_j P_j - onehot_j)^T X, times the loss's
   gradient per token.
-All in fp32 statistics; the logits' dtype is the weight's.
+All in fp32 statistics; the logits' dtype is the weight's. With a token chunk (`chunk`, the run's
+--loss-chunk-size) S runs a chunk of tokens at a time and keeps only the per-token statistics, and T
+recomputes each chunk's logits from X and the slice's weight (one GEMM more, as chunked_loss.py's W):
+no (tokens x slice) tensor outlives a chunk or is held from S to T.
 
 Under tensor parallelism (`tp`: the TP group, None without) the TP ranks of one pipeline rank cut its
 block of V/p rows again t ways, and run each pass together, so a collective over the TP group is
@@ -103,7 +106,8 @@ def embedding_weight_grad(ids: torch.Tensor, grad_output: torch.Tensor, rows: in
 @dataclass
 class SliceStatistics:
     """What one slice's S pass leaves for the barrier and its T pass (per token: shape of targets)."""
-    softmax: torch.Tensor        # P_j, fp32, (..., rows): the slice's own softmax (TP: this rank's rows of the block's)
+    softmax: torch.Tensor | None  # P_j, fp32, (..., rows): the slice's own softmax (TP: this rank's rows of the
+    #                               block's); None when S ran in token chunks (T recomputes it)
     max: torch.Tensor            # m_j
     sum_exp: torch.Tensor        # s_j
     target_logit: torch.Tensor   # the target's logit where it falls in the slice, else 0
@@ -121,26 +125,42 @@ class Statistics:
     input_grad: torch.Tensor     # d loss / d X, already times the loss's gradient per token
 
 
+def token_chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of `size` tokens out of n (one chunk of all when size is 0)."""
+    size = size or n
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
 def output_s_pass(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, start: int, tp=None,
-                  sequence_parallel: bool = False) -> SliceStatistics:
+                  sequence_parallel: bool = False, chunk: int = 0) -> SliceStatistics:
     """S: the slice's logits, their statistics and its share of the input gradient (no collective
     between pipeline ranks). With TP the statistics and the shares are the block's (every TP rank's
-    rows): the same statistics on each TP rank, the shares under SP this rank's shard of the tokens."""
+    rows): the same statistics on each TP rank, the shares under SP this rank's shard of the tokens.
+    `chunk` > 0: `chunk` tokens at a time, the slice's softmax not kept (T recomputes it)."""
     x = _whole_sequence(x, tp, sequence_parallel)
-    logits = (x @ weight.t()).float()
-    local_max = comm.all_reduce(logits.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
-    exp = (logits - local_max.unsqueeze(-1)).exp_()
+    flat, w = x.reshape(-1, x.shape[-1]), weight.float()
     local, outside = _local(targets, start, weight.shape[0])
-    target_logit = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    sum_exp, target_logit = comm.all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), tp).unbind(0)
-    softmax = exp.div_(sum_exp.unsqueeze(-1))
-    w = weight.float()
-    # The 1-barrier form: the input gradient's GEMM runs before the statistics are known; the barrier
-    # corrects it by one scalar per token (alpha).
+    flat_local, flat_outside = local.reshape(-1), outside.reshape(-1)
+    maxes, sums, target_logits, grads, softmaxes = [], [], [], [], []
+    for a, b in token_chunks(flat.shape[0], chunk):
+        logits = (flat[a:b] @ weight.t()).float()
+        local_max = comm.all_reduce(logits.max(dim=-1).values, tp, op=dist.ReduceOp.MAX)
+        exp = (logits - local_max.unsqueeze(-1)).exp_()
+        target_logit = logits.gather(-1, flat_local[a:b].unsqueeze(-1)).squeeze(-1).masked_fill(flat_outside[a:b], 0.0)
+        sum_exp, target_logit = comm.all_reduce(torch.stack([exp.sum(dim=-1), target_logit]), tp).unbind(0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        # The 1-barrier form: the input gradient's GEMM runs before the statistics are known; the barrier
+        # corrects it by one scalar per token (alpha).
+        grads.append(softmax @ w)
+        maxes.append(local_max), sums.append(sum_exp), target_logits.append(target_logit)
+        if not chunk:
+            softmaxes.append(softmax)
+    per_token = [torch.cat(t).reshape(targets.shape) for t in (maxes, sums, target_logits)]
     target_rows = w[local].masked_fill(outside.unsqueeze(-1), 0.0)
-    shares = _sum_over_tp(torch.cat([softmax @ w, target_rows], dim=-1), tp, sequence_parallel)
-    softmax_grad, target_rows = shares.chunk(2, dim=-1)
-    return SliceStatistics(softmax, local_max, sum_exp, target_logit, softmax_grad, target_rows, local, outside)
+    shares = torch.cat([torch.cat(grads).reshape(target_rows.shape), target_rows], dim=-1)
+    softmax_grad, target_rows = _sum_over_tp(shares, tp, sequence_parallel).chunk(2, dim=-1)
+    softmax = softmaxes[0].reshape(*targets.shape, -1) if softmaxes else None
+    return SliceStatistics(softmax, *per_token, softmax_grad, target_rows, local, outside)
 
 
 def reduce_statistics(s: SliceStatistics, grad_loss: torch.Tensor | float = 1.0, group=None) -> Statistics:
@@ -161,15 +181,30 @@ def reduce_statistics(s: SliceStatistics, grad_loss: torch.Tensor | float = 1.0,
 
 
 def output_t_pass(s: SliceStatistics, stats: Statistics, x: torch.Tensor,
-                  grad_loss: torch.Tensor | float = 1.0, tp=None, sequence_parallel: bool = False) -> torch.Tensor:
+                  grad_loss: torch.Tensor | float = 1.0, tp=None, sequence_parallel: bool = False,
+                  weight: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """T: the slice's weight gradient (alpha P_j - onehot_j)^T X, times the loss's gradient per token
-    (SP: X gathered again from this rank's shard, as the TP head's weight gradient does)."""
+    (SP: X gathered again from this rank's shard, as the TP head's weight gradient does). After a
+    chunked S (`s.softmax` None) each chunk of `chunk` tokens recomputes its softmax from X, `weight`
+    and the slice's statistics."""
     x = _whole_sequence(x, tp, sequence_parallel)
-    grad_logits = s.softmax * stats.alpha.unsqueeze(-1)
-    grad_logits.scatter_add_(-1, s.local_targets.unsqueeze(-1), (s.outside.float() - 1.0).unsqueeze(-1))
-    grad_logits = grad_logits * _per_token(grad_loss, grad_logits)
-    flat = grad_logits.reshape(-1, grad_logits.shape[-1])
-    return (flat.t() @ x.reshape(-1, x.shape[-1]).float()).to(x.dtype)
+    flat = x.reshape(-1, x.shape[-1])
+    alpha, local, outside = (t.reshape(-1) for t in (stats.alpha, s.local_targets, s.outside))
+    scale = torch.as_tensor(grad_loss, dtype=torch.float32, device=x.device)
+    scale = scale.reshape(-1) if scale.dim() else scale.expand(flat.shape[0])
+    softmax = None if s.softmax is None else s.softmax.reshape(flat.shape[0], -1)
+    maxes, sums = s.max.reshape(-1), s.sum_exp.reshape(-1)
+    out = None
+    for a, b in token_chunks(flat.shape[0], 0 if softmax is not None else chunk):
+        if softmax is not None:
+            grad_logits = softmax * alpha.unsqueeze(-1)
+        else:  # the slice's own softmax again, exp(logits - m_j) / s_j
+            grad_logits = ((flat[a:b] @ weight.t()).float() - maxes[a:b].unsqueeze(-1)).exp_()
+            grad_logits.mul_((alpha[a:b] / sums[a:b]).unsqueeze(-1))
+        grad_logits.scatter_add_(-1, local[a:b].unsqueeze(-1), (outside[a:b].float() - 1.0).unsqueeze(-1))
+        part = (grad_logits * scale[a:b].unsqueeze(-1)).t() @ flat[a:b].float()
+        out = part if out is None else out.add_(part)
+    return out.to(x.dtype)
 
 
 def _per_token(grad_loss, like: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """What each rank of a vocabulary-parallel launch computes (tests/model/test_vocab_parallel.py): the
 sliced embedding and output layer + cross-entropy, pass by pass as a runtime would run them, against
 the whole-vocabulary computation that every rank also does itself, in fp32. Returns per case the
-largest differences."""
+largest differences, with S and T whole and in token chunks (--loss-chunk-size)."""
 import torch
 import torch.distributed as dist
 
 from megatron_ds.model import vocab_parallel as vp
 
 VOCAB, HIDDEN, BATCH, SEQ = 48, 16, 2, 5
+CHUNKS = (0, 3)  # whole, and S and T a chunk of 3 of the 10 tokens at a time (the last chunk 1 token)
 
 
 def _reference(ids, targets, emb, head, grad_scale):
@@ -28,7 +29,7 @@ def _body():
     return torch.linspace(-1.0, 1.0, HIDDEN * HIDDEN, dtype=torch.float32).reshape(HIDDEN, HIDDEN)
 
 
-def _case(tied: bool, rank: int, world: int, seed: int):
+def _case(tied: bool, rank: int, world: int, seed: int, chunk: int = 0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     targets = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -45,9 +46,10 @@ def _case(tied: bool, rank: int, world: int, seed: int):
     h = h.detach().requires_grad_(True)
     x = torch.tanh(h @ _body())
     # S on every rank, the barrier, T on every rank
-    s = vp.output_s_pass(x.detach(), head_slice, targets, start)
+    s = vp.output_s_pass(x.detach(), head_slice, targets, start, chunk=chunk)
+    assert (s.softmax is None) == bool(chunk)  # chunked: T recomputes the slice's softmax
     stats = vp.reduce_statistics(s, grad_scale)
-    head_grad = vp.output_t_pass(s, stats, x.detach(), grad_scale)
+    head_grad = vp.output_t_pass(s, stats, x.detach(), grad_scale, weight=head_slice, chunk=chunk)
     # the body's backward from the barrier's input gradient, then EW from stage 0's input gradient
     x.backward(stats.input_grad)
     emb_grad = vp.embedding_weight_grad(ids, h.grad, end - start, start)
@@ -74,6 +76,7 @@ def run_all(world):
     out = {}
     for tied in (False, True):
         for seed in (1, 2):
-            out[(tied, seed)] = _case(tied, rank, world, seed)
+            for chunk in CHUNKS:
+                out[(tied, seed, chunk)] = _case(tied, rank, world, seed, chunk)
     dist.destroy_process_group()
     return out
