@@ -62,6 +62,7 @@ class VocabSlice(nn.Module):
         self.head = None
         if not config.tied_head:
             self.head = nn.Parameter(LMHead(whole, config.num_layers + 2).weight.detach()[rows].clone())
+        self.loss_chunk_size = config.loss_chunk_size  # S and T a chunk of tokens at a time (0: all at once)
         for p in self.parameters():  # each TP rank's rows differ: the gradient norm counts them all
             mark_parallel(p, 0, self.group)
         self.names = whole_names(config)

@@ -105,12 +105,10 @@ def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: 
 def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> None:
     """What the engine's vocabulary passes (pipe/vocab_passes.py) do not combine with yet."""
     key = 'ds_config "pipeline.vocab_parallel" = true'
-    refused = [(getattr(config, "loss_chunk_size", None), "--loss-chunk-size"),
-               (getattr(config, "liger_kernel", False), "--use-liger-kernel")]
-    for on, what in refused:
-        if on:
-            raise ConfigError(f"{key} with {what}: not supported together yet (docs/SCHEDULES.md: Vocabulary "
-                              "parallelism)")
+    if getattr(config, "liger_kernel", False):
+        raise ConfigError(f"{key} with --use-liger-kernel: Liger's fused kernel computes the loss over the whole "
+                          "vocabulary, and each rank holds a slice of it; --loss-chunk-size N runs the slices' "
+                          "passes N tokens at a time instead")
     vocab = getattr(config, "vocab_size", None)  # known at parse when given (else the tokenizer pads it later)
     tp = getattr(config, "tensor_model_parallel_size", 1)
     if vocab and vocab % (pp * tp):

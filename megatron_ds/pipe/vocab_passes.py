@@ -95,7 +95,8 @@ class VocabPasses:
         hidden = self._fetch(key(HID, op, self.sched.loss_stage), keep=self.train)
         labels, _ = self._labels(op)
         with torch.no_grad():
-            s = vp.output_s_pass(hidden, self.slice.output_weight, labels, self.slice.start, *self._tp)
+            s = vp.output_s_pass(hidden, self.slice.output_weight, labels, self.slice.start, *self._tp,
+                                 chunk=self.slice.loss_chunk_size)
         if self.train:
             self.slices[op.unit] = s
         self._send(op, {STAT: vp.statistics_message(s), SHARE: vp.share_message(s)})
@@ -106,7 +107,8 @@ class VocabPasses:
         _, alphas = self._statistics(op)
         stats = vp.Statistics(loss=None, alpha=alphas[op.stage], input_grad=None)
         with torch.no_grad():
-            grad = vp.output_t_pass(self.slices.pop(op.unit), stats, hidden, self._grad_loss(op), *self._tp)
+            grad = vp.output_t_pass(self.slices.pop(op.unit), stats, hidden, self._grad_loss(op), *self._tp,
+                                    weight=self.slice.output_weight, chunk=self.slice.loss_chunk_size)
         accumulate_grad(self.slice.output_weight, grad.to(self.slice.output_weight.dtype))
 
     def embedding_weight_grad(self, op):

@@ -118,6 +118,12 @@ def test_vocab_parallel_plan_loads_data_everywhere_and_refuses_what_it_cannot_ru
                                   "pipeline": {"schedule": "1f1b", "vocab_parallel": True}}, 4, 1)
     for section in ({"partition_method": "flops"}, {"post_validation": True}):  # these combine with it
         assert plan_for({"schedule": "1f1b", "vocab_parallel": True, **section}).settings.vocab_parallel
+    liger = SimpleNamespace(**vars(MODEL), liger_kernel=True)
+    with pytest.raises(ConfigError, match="vocab_parallel.*--use-liger-kernel: Liger's fused kernel computes the loss "
+                                          "over the whole vocabulary.*--loss-chunk-size N"):
+        PipelinePlan.from_config(liger, {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 8,
+                                         "zero_optimization": {"stage": 1},
+                                         "pipeline": {"schedule": "1f1b", "vocab_parallel": True}}, 4, 1)
     path = tmp_path / "v.json"  # a file carrying vocabulary passes, run without the key
     path.write_text(build_schedule("1f1b", 4, 8, vocab_parallel=True).to_json())
     with pytest.raises(ConfigError, match="the file places vocabulary passes"):

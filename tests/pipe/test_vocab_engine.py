@@ -4,7 +4,8 @@ embedding and output matrices) and the weights after 3 optimizer steps, 1e-5 fp3
 the engine runs it under (pipe/config.VOCAB_PARALLEL_ENGINE), tied (GPT-2: learned positions, the
 embedding is the output layer) and untied (LLaMA: rope, RMSNorm, SwiGLU), at PP=4 and PP=2 x DP=2
 with ZeRO-1. One launch of 4 ranks runs every case, each schedule once (tied or untied in turn),
-a schedule file that carries the passes (exported from the catalogue) and a cost partition (which
+--loss-chunk-size (S and T a chunk of tokens at a time), a schedule file that carries the passes
+(exported from the catalogue) and a cost partition (which
 weighs the layers without the head, every rank holding a slice of it); the whole schedule x tied
 matrix at PP=2, PP=4 and PP2xDP2 passes too, run by hand (CI time).
 """
@@ -34,7 +35,8 @@ CASES = [case("1f1b", LLAMA, 4, 8, 8), case("zbv", {}, 4, 8, 8), case("seq1f1b",
          case("dualpipev", {}, 4, 8, 8),
          case("zb-h1", {}, 2, 4, 4), case("interleaved", LLAMA, 2, 4, 4), case("zbv-half", {}, 2, 4, 4),
          case("gpipe", LLAMA, 2, 4, 4), case("zb-h2", {}, 2, 4, 4), case("zbv-min", LLAMA, 2, 4, 4),
-         case("bitpipe", {}, 2, 4, 4)]
+         case("bitpipe", {}, 2, 4, 4),
+         case("zb-h1", dict(loss_chunk_size=12), 2, 4, 4)]  # S and T 12 of a micro-batch's 32 tokens at a time
 
 
 # A cost partition weighs the list without the head (its cost, the list's last, is dropped): embedding 2.5,

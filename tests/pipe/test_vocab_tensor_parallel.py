@@ -6,7 +6,8 @@ gathered back into whole matrices, 1e-5 fp32 at lr 1e-3 (as tests/pipe/test_voca
 PP=2 x TP=2 under 1F1B, ZB-V and Seq1F1B (B/W split), each tied (GPT-2: learned positions, so under SP
 stage 0 gathers the sequence to add them) and untied (LLaMA: rope, GQA, SwiGLU), each with and without
 --sequence-parallel; BLOOM (embedding layernorm, alibi) at TP=1 (PP=2 x DP=2, ZB-V) and with TP=2 and SP
-(1F1B: the embedding norm on the gathered sequence). One launch of 4 ranks runs every case.
+(1F1B: the embedding norm on the gathered sequence); --loss-chunk-size under Seq1F1B with TP=2 and SP (the
+S pass's TP collectives per chunk of tokens). One launch of 4 ranks runs every case.
 """
 import functools
 
@@ -18,12 +19,14 @@ from tests.gpt_harness import (assert_matches_reference, capture_grads_before_re
 from tests.pipe.test_tensor_parallel import FAMILIES
 
 WORLD, GAS, LAYERS, STEPS, LR, CLIP = 4, 4, 4, 3, 1e-3, 0.05
-MODELS = {**FAMILIES, "bloom": dict(position_embedding_type="alibi", embed_layernorm=True)}
+MODELS = {**FAMILIES, "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+          "llama-chunked": dict(FAMILIES["llama"], loss_chunk_size=12)}  # S and T 12 of 32 tokens at a time
 SCHEDULES = {"1f1b": {}, "zbv": {},
              "seq1f1b": {"seq_splits": 2, "seq_split_method": "even", "split_backward": True}}
 CASES = [(model, schedule, dict(pp=2, tp=2, sp=sp)) for schedule in SCHEDULES for sp in (False, True)
          for model in ("gpt2", "llama")] + [
-    ("bloom", "zbv", dict(pp=2, tp=1, sp=False)), ("bloom", "1f1b", dict(pp=2, tp=2, sp=True))]
+    ("bloom", "zbv", dict(pp=2, tp=1, sp=False)), ("bloom", "1f1b", dict(pp=2, tp=2, sp=True)),
+    ("llama-chunked", "seq1f1b", dict(pp=2, tp=2, sp=True))]
 
 
 def _case_id(case):
