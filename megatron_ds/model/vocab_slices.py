@@ -3,13 +3,13 @@ word embedding and the output layer leave the pipeline's layer list, every pipel
 vocabulary slice of them (VocabSlice), and the first layer starts from the word embeddings summed
 over the slices (EmbeddingSum). The passes that use the slices are model/vocab_parallel.py's.
 
-Each slice is cut from the whole matrix drawn as Embedding and LMHead draw it without TP, so any
-pipeline and TP size starts from the single-process reference's weights. With TP, pipeline rank j's
+Each slice holds the rows of the whole matrix that Embedding and LMHead draw without TP, so any
+pipeline and TP size starts from the single-process reference's weights; the whole matrix is never
+made (`normal_rows`). With TP, pipeline rank j's
 block of V/p rows is cut again over its TP ranks (rank t: the block's t-th V/(p TP) rows, as the TP
 layers split a vocabulary), and the first stage takes the slices' sum as the TP Embedding takes its
 own: under SP as this rank's shard of the tokens.
 """
-import dataclasses
 
 import torch
 import torch.nn as nn
@@ -17,7 +17,7 @@ from deepspeed.pipe import LayerSpec
 
 from megatron_ds.gpt_config import GPTConfig
 from .gpt import TIED_ATTR, TIED_KEY
-from .layers import Embedding, FinalNorm, LMHead, TransformerLayer
+from .layers import Embedding, FinalNorm, TransformerLayer, _generator
 from .tensor_parallel import comm, gather_from_sequence, mark_parallel, scatter_to_sequence, tensor_parallel_group
 from .vocab_parallel import vocab_range
 
@@ -56,12 +56,13 @@ class VocabSlice(nn.Module):
         self.group, self.sequence_parallel = tensor_parallel_group(config), config.sequence_parallel
         tp = comm.world_size(self.group)
         self.start, self.end = vocab_range(config.vocab_size, rank * tp + comm.rank(self.group), world * tp)
-        rows = slice(self.start, self.end)
-        whole = dataclasses.replace(config, tensor_model_parallel_size=1, sequence_parallel=False)
-        self.wte = nn.Parameter(Embedding(whole, 0).wte.weight.detach()[rows].clone())
+        shape, std = (config.vocab_size, config.hidden_size), config.init_method_std
+        # the generators of Embedding (layer 0: its word table first) and of the untied LMHead (layer L+2)
+        self.wte = nn.Parameter(normal_rows(shape, self.start, self.end, std, _generator(config, 0)))
         self.head = None
         if not config.tied_head:
-            self.head = nn.Parameter(LMHead(whole, config.num_layers + 2).weight.detach()[rows].clone())
+            self.head = nn.Parameter(normal_rows(shape, self.start, self.end, std,
+                                                 _generator(config, config.num_layers + 2)))
         self.loss_chunk_size = config.loss_chunk_size  # S and T a chunk of tokens at a time (0: all at once)
         for p in self.parameters():  # each TP rank's rows differ: the gradient norm counts them all
             mark_parallel(p, 0, self.group)
@@ -70,6 +71,31 @@ class VocabSlice(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         return self.wte if self.head is None else self.head
+
+
+CHUNK_ROWS = 4096  # a multiple of 16 (normal_rows)
+
+
+def normal_rows(shape: tuple, start: int, end: int, std: float, generator: torch.Generator) -> torch.Tensor:
+    """Rows [start, end) of torch.empty(shape).normal_(0, std, generator=generator), without the whole
+    matrix: the rows are filled in chunks, in order, from the same generator, and those before `start`
+    dropped. torch's CPU normal_ turns uniform draws into normals 16 at a time (its last 16 from fresh
+    draws when the size is no multiple of 16), so chunks of a multiple of 16 rows, the last (merged into
+    its predecessor if under 16 numbers) ending the matrix, fill what the whole fill would (the slices
+    equal the single-process model's weights in tests/pipe/test_vocab_engine.py)."""
+    rows, width = shape
+    bounds = list(range(0, rows, CHUNK_ROWS)) + [rows]
+    if len(bounds) > 2 and (bounds[-1] - bounds[-2]) * width < 16:
+        del bounds[-2]
+    out = torch.empty(end - start, width)
+    for a, b in zip(bounds, bounds[1:]):
+        if a >= end:
+            break
+        chunk = torch.empty(b - a, width).normal_(0.0, std, generator=generator)
+        lo, hi = max(a, start), min(b, end)
+        if lo < hi:
+            out[lo - start:hi - start] = chunk[lo - a:hi - a]
+    return out
 
 
 def whole_names(config: GPTConfig) -> dict:
