@@ -123,7 +123,7 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
         deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     config = tiny_config(num_layers, seq, **(model or {}))
-    dp = dist.get_world_size() // pp
+    dp = dist.get_world_size() // (pp * config.tensor_model_parallel_size)
     cfg = ds_config(pp, dp, gas, zero=zero, clip=clip, bf16=bf16, pipeline=pipeline, lr=lr)
     module = build_pipeline_module(config, cfg, pp, (pipeline or {}).get("activation_checkpoint_interval", 0))
     engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), lr))
@@ -136,11 +136,32 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
     weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
-    grads, weights = whole_vocabulary(engine, config, grads[0]), whole_vocabulary(engine, config, weights)
+    grads, weights = whole_tensors(engine, config, grads[0]), whole_tensors(engine, config, weights)
     eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size, seq) for j in range(gas)])
     eval_loss = float(engine.eval_batch(eval_batches))
     return dict(losses=losses, grads=grads, weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,
                 grad_norms=norms, engine=engine_facts(engine))
+
+
+def whole_tensors(engine, config, tensors):
+    """`tensors` ({layer key: tensor} of this rank's parameters or gradients) with every tensor-parallel slice
+    and every vocabulary slice (over TP, then over the pipeline ranks) gathered into the whole tensor, keyed as
+    the reference keys them (collectives: every rank)."""
+    import torch.distributed as dist
+    from megatron_ds.model.tensor_parallel import gather_full, tensor_parallel_group
+    module, group, out = engine.module, tensor_parallel_group(config), {}
+    for name, _ in module.named_parameters():
+        owner, pname = name.rsplit(".", 1)
+        key = layer_key(module, name)
+        if key not in tensors:
+            continue
+        if key[0] == "vocab_slice" and group is not None:  # pipeline rank j's block: its TP ranks' rows in order
+            parts = [torch.empty_like(tensors[key]) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensors[key].contiguous(), group=group)
+            out[key] = torch.cat(parts)
+        else:
+            out[key] = gather_full(module.get_submodule(owner), pname, tensors[key], group)
+    return whole_vocabulary(engine, config, out)
 
 
 def whole_vocabulary(engine, config, tensors):

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
-from tests.gpt_harness import (assert_matches_reference, capture_grads_before_reduce, ds_config, layer_key,
-                               micro_batch, optimizer_for, reference_run, tiny_config)
+from tests.gpt_harness import (EVAL_STEP, assert_matches_reference, capture_grads_before_reduce, ds_config, layer_key,
+                               micro_batch, optimizer_for, reference_run, tiny_config, whole_tensors)
 
 WORLD, GAS, LAYERS, LR, CLIP = 4, 4, 4, 1e-3, 0.05
 FAMILIES = {
@@ -57,17 +57,6 @@ def _case_id(case):
     return f"{family}-{pipeline['schedule']}-pp{layout['pp']}tp{layout['tp']}{extra}"
 
 
-def _full(module, tensors, group):
-    """{layer key: tensor} with every tensor-parallel slice gathered into the whole tensor (collective)."""
-    from megatron_ds.model.tensor_parallel import gather_full
-    out = {}
-    for name, _ in module.named_parameters():
-        owner, pname = name.rsplit(".", 1)
-        key = layer_key(module, name)
-        out[key] = gather_full(module.get_submodule(owner), pname, tensors[key], group)
-    return out
-
-
 def tp_engine_run(family, pipeline, layout, dropout=0.0, recompute=False):
     """`dropout`: hidden and attention dropout; `recompute`: DeepSpeed's activation checkpoint per layer."""
     import deepspeed
@@ -95,10 +84,9 @@ def tp_engine_run(family, pipeline, layout, dropout=0.0, recompute=False):
         batches = iter([micro_batch(step, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
-    group = get_parallel_state().get_tensor_model_parallel_group()
-    weights = _full(module, {layer_key(module, n): p.detach() for n, p in module.named_parameters()}, group)
-    eval_batches = iter([micro_batch(99, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
-    return dict(losses=losses, grads=_full(module, grads[0], group), weights=weights, dp_rank=dp_rank,
+    weights = whole_tensors(engine, config, {layer_key(module, n): p.detach() for n, p in module.named_parameters()})
+    eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
+    return dict(losses=losses, grads=whole_tensors(engine, config, grads[0]), weights=weights, dp_rank=dp_rank,
                 eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms, engine=type(engine).__name__,
                 seconds=time.perf_counter() - start)
 

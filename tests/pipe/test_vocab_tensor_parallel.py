@@ -14,8 +14,7 @@ import functools
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
-from tests.gpt_harness import (assert_matches_reference, capture_grads_before_reduce, ds_config, layer_key,
-                               micro_batch, optimizer_for, reference_run, tiny_config, whole_vocabulary)
+from tests.gpt_harness import assert_matches_reference, engine_rank_run, reference_run, tiny_config
 from tests.pipe.test_tensor_parallel import FAMILIES
 
 WORLD, GAS, LAYERS, STEPS, LR, CLIP = 4, 4, 4, 3, 1e-3, 0.05
@@ -34,52 +33,11 @@ def _case_id(case):
     return f"{model}-{schedule}-pp{layout['pp']}tp{layout['tp']}" + ("-sp" if layout["sp"] else "")
 
 
-def _whole(engine, module, config, tensors):
-    """{layer key: tensor} with every TP slice, and every vocabulary slice over TP and then over the pipeline
-    ranks, gathered into the whole tensor (collectives: every rank)."""
-    import torch
-    import torch.distributed as dist
-    from megatron_ds.model.tensor_parallel import gather_full, tensor_parallel_group
-    group, out = tensor_parallel_group(config), {}
-    for name, _ in module.named_parameters():
-        owner, pname = name.rsplit(".", 1)
-        key = layer_key(module, name)
-        if key[0] == "vocab_slice" and group is not None:  # pipeline rank j's block: its TP ranks' rows in order
-            parts = [torch.empty_like(tensors[key]) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, tensors[key].contiguous(), group=group)
-            out[key] = torch.cat(parts)
-        else:
-            out[key] = gather_full(module.get_submodule(owner), pname, tensors[key], group)
-    return whole_vocabulary(engine, config, out)
-
-
 def vp_tp_run(model, schedule, layout):
-    import deepspeed
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    config = tiny_config(LAYERS, **MODELS[model], tensor_model_parallel_size=layout["tp"],
-                         sequence_parallel=layout["sp"])
-    pp = layout["pp"]
-    dp = dist.get_world_size() // (pp * layout["tp"])
     pipeline = {"schedule": schedule, "vocab_parallel": True, **SCHEDULES[schedule]}
-    cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)
-    module = build_pipeline_module(config, cfg, pp)
-    engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR))
-    grads = []
-    capture_grads_before_reduce(engine, grads)
-    dp_rank = engine.grid.get_data_parallel_rank()
-    losses, norms = [], []
-    for step in range(STEPS):
-        batches = iter([micro_batch(step, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
-        losses.append(float(engine.train_batch(batches)))
-        norms.append(float(engine.get_global_grad_norm()))
-    weights = {layer_key(module, n): p.detach() for n, p in module.named_parameters()}
-    eval_batches = iter([micro_batch(99, dp_rank * GAS + j, config.vocab_size) for j in range(GAS)])
-    return dict(losses=losses, grads=_whole(engine, module, config, grads[0]),
-                weights=_whole(engine, module, config, weights), dp_rank=dp_rank,
-                eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms)
+    return engine_rank_run(layout["pp"], GAS, STEPS, pipeline, clip=CLIP, num_layers=LAYERS, lr=LR,
+                           model=dict(MODELS[model], tensor_model_parallel_size=layout["tp"],
+                                      sequence_parallel=layout["sp"]))
 
 
 def all_cases():
