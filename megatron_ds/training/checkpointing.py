@@ -290,7 +290,7 @@ def restore(engine, load_dir, tag, plan):
         fresh_optimizer(engine.optimizer)
     if plan.optimizer == "by_name":
         try:
-            saved_names = (saved_layout(read_saved_state(load_dir, tag)) or {}).get("vocab_parallel")
+            saved_names = (client_state.get(LAYOUT_KEY) or {}).get("vocab_parallel")  # the saved layout
             restore_by_name(engine.optimizer, os.path.join(load_dir, tag), saved_names, vocab,
                             engine.grid.get_slice_parallel_rank(), engine.grid.get_slice_parallel_world_size())
         except RelayoutError as e:

@@ -23,7 +23,7 @@ import torch
 
 from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import (EVAL_STEP, ds_config, layer_key, micro_batch, optimizer_for, tiny_config,
-                               whole_vocabulary)
+                               whole_tensors)
 
 WORLD, BATCH, LAYERS, TAG = 4, 8, 4, "step2"  # BATCH micro-batches per step, whatever the DP size
 AFTER = (2, 3)  # the steps taken after the save (the first one's loss is the loaded weights')
@@ -74,11 +74,8 @@ def _step(engine, config, step):
 
 def _weights(engine, config):
     """{(global layer, name): whole tensor} this rank holds (every rank: the slices' gather is a collective)."""
-    from tests.pipe.test_vocab_tensor_parallel import _whole
     held = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    if config.tensor_model_parallel_size > 1:  # the TP slices and each block's TP rows gathered too
-        return _whole(engine, engine.module, config, held)
-    return whole_vocabulary(engine, config, held)
+    return whole_tensors(engine, config, held)  # with TP the TP slices and each block's TP rows gathered too
 
 
 def save_then_step(root, name, model, lay):
