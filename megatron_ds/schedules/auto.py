@@ -262,8 +262,9 @@ def describe(decision: dict) -> str:
     c, r = decision["choice"], decision["runner_up"]
     k = decision["costs"]
     vocab = " with vocabulary parallelism" if k.get("vocab_parallel") else ""
+    logits = f", a micro-batch's logits {k['head_memory']:.3g} of it" if k.get("head_memory") else ""
     line = (f"auto schedule: {c['label']}{vocab} (simulated makespan {c['makespan'] * 1e3:.1f} ms, peak memory "
-            f"{c['memory']:g} of budget {decision['budget']:g}, a micro-batch's logits {k.get('head_memory', 0):.3g})")
+            f"{c['memory']:g} of budget {decision['budget']:g}{logits})")
     line += (f"; runner-up {r['label']} ({r['makespan'] * 1e3:.1f} ms, memory {r['memory']:g})" if r
              else "; no runner-up fits")
     return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "

@@ -160,7 +160,8 @@ def test_vocabulary_passes_measured_set_the_head_and_embedding_costs():
     assert res.end[op] - res.start[op] == pytest.approx(1.0)
     decision = auto.decide(4, 8, 8, 100, m, vocab_parallel=True, head_memory=2.0)
     assert decision["costs"]["vocab_parallel"] and decision["costs"]["head"] == pytest.approx([3.88, 0.0, 1.88])
-    assert "with vocabulary parallelism" in auto.describe(decision)
+    assert "with vocabulary parallelism" in auto.describe(decision) and "a micro-batch's logits 2 of it" in \
+        auto.describe(decision)
 
 
 def test_vocabulary_parallel_search_and_costed_orders_carry_the_passes():
