@@ -188,11 +188,11 @@ def searched(pp: int, m: int, budget: float, costs: ModelCosts,
     top = min(budget, 2 * pp - 1)
     out = []
     for cap in sorted({top, *range(pp, int(top) + 1)}):
-        try:
-            schedule = zb_search(pp, m, cap, f, b, w)
+        args = {"cap": cap, "f": f, "b": b, "w": w, **({"vocab_parallel": True} if vocab_parallel else {})}
+        try:  # the schedule that is simulated is the one schedule_maker builds from `args`
+            schedule = zb_search(pp, m, **args)
         except ScheduleError:
             continue
-        args = {"cap": cap, "f": f, "b": b, "w": w, **({"vocab_parallel": True} if vocab_parallel else {})}
         out.append((Candidate("zb-search", (("cap", cap),)), schedule, args))
     return out
 

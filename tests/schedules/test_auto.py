@@ -173,6 +173,9 @@ def test_vocabulary_parallel_search_and_costed_orders_carry_the_passes():
     for row in searched:
         schedule = auto.schedule_maker({"search": row["search"]})(4, 8)
         assert schedule.vocab_parallel and any(op.kind is Kind.T for op in schedule.ranks[0])
+    # and what rank() simulated is that schedule, passes included
+    for _, schedule, args in auto.searched(4, 8, 100, auto.model_costs(m, 4), vocab_parallel=True):
+        assert schedule.vocab_parallel and schedule.ranks == auto.zb_search(4, 8, **args).ranks
     assert auto.build_schedule("zbv-half", 4, 8, vocab_parallel=True, **dict(costed[0]["candidate"].knobs)).vocab_parallel
 
 
