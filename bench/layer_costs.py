@@ -224,18 +224,18 @@ def measure_segments(args, k):
         ins, outs = [], []
         for j, (start, n) in enumerate(zip(starts, lengths)):
             ins.append(x[:, start:start + n].detach().clone().requires_grad_())
-            with cache.segment("mb", start, args.seq_length):
+            with cache.segment(("mb", 0), start, start + n, args.seq_length):
                 t = timer(lambda: outs.append(layer(ins[-1])))
             times[j][0].append(t)
         for j in reversed(range(k)):
             start, n, queue = starts[j], lengths[j], []
 
             def backward_input():
-                with cache.segment("mb", start, args.seq_length), WeightGradStore.deferring(queue):
+                with cache.segment(("mb", 0), start, start + n, args.seq_length), WeightGradStore.deferring(queue):
                     torch.autograd.backward(outs[j], grad[:, start:start + n])
             times[j][1].append(timer(backward_input))
             times[j][2].append(timer(lambda: WeightGradStore.drain(queue)))
-        cache.free("mb")
+        cache.free(("mb", 0))
         layer.zero_grad(set_to_none=True)
     return [(n, *(statistics.median(t[args.warmup:]) for t in kinds)) for n, kinds in zip(lengths, times)]
 

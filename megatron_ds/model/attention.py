@@ -15,15 +15,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
-from .compile import outside_graph
-from .kv_cache import SegmentKVCache, queries_reversed, segment_outputs, segment_queries
+from .kv_cache import KVSlot, SegmentKVCache, queries_reversed, segment_outputs, segment_queries
 from .positions import alibi_bias, rope_tables, rotate
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config: GPTConfig, layer_idx: int = 0, init_method=None, output_init_method=None):
+    def __init__(self, config: GPTConfig, init_method=None, output_init_method=None):
         """The init methods fill the full c_attn and c_proj weights (each rank keeps its slice); a
         standalone module (no TransformerLayer around it) draws them from config.seed."""
         super().__init__()
@@ -46,7 +45,7 @@ class CausalSelfAttention(nn.Module):
         self.position_embedding_type, self.rope_theta = config.position_embedding_type, config.rope_theta
         self.attention_dropout = config.attention_dropout
         self.resid_drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
-        self.layer_idx = layer_idx  # the global layer index names this layer's slot in the segment K/V cache
+        self.kv_slot = KVSlot()  # where the runtime puts this layer's K/V buffers of the open Seq1F1B segment
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -56,10 +55,10 @@ class CausalSelfAttention(nn.Module):
         k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         segmented = SegmentKVCache.opened  # a sequence segment (Seq1F1B): also attend to the earlier segments
         if self.position_embedding_type == "rope":
-            tables = _segment_rope_tables if segmented else rope_tables
-            q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, 0, s, q.device, q.dtype))
+            start = SegmentKVCache.current().offset if segmented else 0  # a compiled layer: a graph per offset
+            q, k = rotate(q, k, *rope_tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype))
         if segmented:
-            y = _attend_through_cache(self, segment_queries(q), k, v)
+            y = self._attend_through_cache(segment_queries(q), k, v)
         else:
             y = self._attend(q, k, v, self._mask(q, k, None))
         return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
@@ -82,6 +81,13 @@ class CausalSelfAttention(nn.Module):
             return self.resid_drop(self.c_proj(segment_outputs(y)))
         return segment_outputs(self.resid_drop(self.c_proj(y)))
 
+    def _attend_through_cache(self, q, k, v):
+        """Attention of the open segment's queries q, already in their order (segment_queries), to the
+        keys/values of its own and every earlier position (b, heads, s, head_dim)."""
+        segment = SegmentKVCache.current()
+        k, v = segment.extend(self.kv_slot, k, v)
+        return self._attend(q, k, v, self._mask(q, k, segment))
+
     def _mask(self, q, k, segment):
         """SDPA's mask arguments: causal (bottom-right aligned for a segment), plus ALiBi's bias."""
         if self.position_embedding_type == "alibi":
@@ -90,18 +96,3 @@ class CausalSelfAttention(nn.Module):
             return dict(attn_mask=bias[self.head_start:self.head_start + self.num_heads])
         mask = segment.causal_mask(q, k) if segment is not None else None
         return dict(attn_mask=mask, is_causal=mask is None)
-
-
-@outside_graph
-def _segment_rope_tables(head_dim, theta, start, length, device, dtype):
-    """rope_tables of the open segment's positions (a compiled layer reads no offset: no graph per offset)."""
-    return rope_tables(head_dim, theta, start + SegmentKVCache.current().offset, length, device, dtype)
-
-
-@outside_graph  # the cache is Python state per micro-batch: eager between a compiled layer's graphs
-def _attend_through_cache(attn, q, k, v):
-    """Attention of the open segment's queries q, already in their order (segment_queries), to the
-    keys/values of its own and every earlier position (b, heads, s, head_dim)."""
-    segment = SegmentKVCache.current()
-    k, v = segment.extend(attn.layer_idx, k, v)
-    return attn._attend(q, k, v, attn._mask(q, k, segment))

@@ -10,11 +10,17 @@ stay eager (`outside_graph`), each a graph break by design:
   Without a split the linears are inside the graph; a B op that finds one there still gets exact
   gradients, with W computed in B;
 - the tensor-parallel linears (their collectives);
-- a Seq1F1B segment's pass through the K/V cache (per-micro-batch Python state): the rotary tables of
-  the segment's positions, and attention with the cached keys/values.
+- a Seq1F1B layer whose K/V buffers the open segment did not lay out (a micro-batch of another shape
+  than the chunk's first).
 
-Everything else of a layer (norms, the projections' pointwise work, RoPE, SwiGLU/GELU, residuals, and
-attention outside segments) is one graph. Dropout under tensor parallelism draws from the RNG tracker,
+A Seq1F1B segment's pass through the K/V cache is in the graph: the runtime prepares the buffers when it
+opens the segment, and the layer writes and reads them with tensor operations (kv_cache.py). The
+segment's offset is a constant of the graph (its rotary positions): a layer compiles once per segment.
+A chunk's first segment runs eagerly (the cache learns its layers' shapes there), so no graph is ever
+compiled around the eager lay-out.
+
+Everything else of a layer (norms, the projections' pointwise work, RoPE, SwiGLU/GELU, residuals and
+attention) is one graph. Dropout under tensor parallelism draws from the RNG tracker,
 which dynamo cannot follow: it breaks the graph there by itself (reported once in the log).
 """
 import functools
@@ -54,13 +60,14 @@ class CompileMode:
     """What the compiled layers must leave outside their graphs (read while dynamo traces: a change
     makes it trace again)."""
     linears_outside = False  # deferred weight gradients: the linears' backward must stay eager
+    layers_compiled = False  # compile_layers ran in this process
 
 
 def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor", cuda_graphs: bool = False):
     """Compile every module of `modules` (the transformer layers) in place; returns how many. `cuda_graphs`:
     inductor replays each compiled graph as a CUDA graph (mode "reduce-overhead": one launch for a
     graph's kernels, its inputs copied into static buffers); on CPU it changes nothing."""
-    CompileMode.linears_outside = defer_weight_grads
+    CompileMode.linears_outside, CompileMode.layers_compiled = defer_weight_grads, True
     _disable_outside_calls()
     limits = torch._dynamo.config
     limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)

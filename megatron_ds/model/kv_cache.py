@@ -3,20 +3,27 @@
 When a micro-batch's sequence is cut into segments that run forward one at a time
 (0, 1, ..., k-1), segment j's queries must still see the keys and values of every
 earlier position. The runtime opens a segment around each op it runs
-(`with cache.segment(key, offset, total):`, like `WeightGradStore.deferring`), and
-every attention layer then calls `segment.extend(layer_id, k, v)`, which
+(`with cache.segment(key, start, stop, total):`, like `WeightGradStore.deferring`), and
+every attention layer then calls `segment.extend(slot, k, v)` (its `KVSlot`), which
 
-- writes the segment's keys/values into the micro-batch's per-layer buffer at
-  [offset, offset + len), so a recomputed segment (activation checkpointing)
-  rewrites its own slice and never appends; and
-- returns the keys/values of positions [0, offset + len), to be attended with a
+- writes the segment's keys/values into the micro-batch's per-layer buffers at
+  [start, stop), so a recomputed segment (activation checkpointing) rewrites its own
+  positions and never appends; and
+- returns the keys/values of positions [0, stop), to be attended with a
   bottom-right-aligned causal mask (`segment.causal_mask`).
 
-The buffer holds only the positions some segment still needs: it grows in place as
-segments run forward and shrinks as they run backward (its storage is resized, positions
-outermost, so the views earlier segments saved for backward keep their strides and see
-the moved data). Segments not yet run forward, or already run backward, hold no K/V
-memory, as under 1F1B.
+Buffers. Each (micro-batch, layer) has one buffer of the keys and values of all `total`
+positions, allocated when the micro-batch's first segment opens and written in place:
+nothing earlier is copied as the sequence grows.
+The open does the bookkeeping (order checks, fresh tensors over the buffers, each with
+its own version counter, so writing later positions never trips autograd's in-place
+check on the views earlier segments saved for backward); inside a layer the cache is
+tensor operations and one autograd.Function, so a compiled layer is one graph, the
+cache included. The open puts each layer's tensors in the layer's `KVSlot` (an
+attribute of the layer, not a key the graph would be specialised on: every layer
+shares one graph per segment shape). The cache learns a chunk's layers from its first
+segment, which runs eagerly, and lays out every later micro-batch's buffers when it
+opens.
 
 Query order. On CUDA the flash kernels align the causal mask bottom-right themselves
 (nothing materialised). Elsewhere (CPU) SDPA needs a mask tensor, and an (lq, lk) one
@@ -26,17 +33,22 @@ after the output projection, which acts per token): query i may see key j iff
 i + j <= lk - 1, and the mask is a strided view of one row of lq + lk - 1 values
 (mask[i, j] = row[i + j]).
 
-Backward runs last segment first. The gradient reaching the returned keys/values
-covers [0, offset + len): the part of earlier positions is kept here for the
-earlier segments, whose backward adds its own into it in place (no new buffer per segment). Each
-segment's autograd graph thus stays separate (the runtime runs one graph per op),
-and all of this happens in the op's backward for inputs (B), never in W.
+Backward runs last segment first. The gradient reaching a segment's keys/values
+covers [0, stop): its own positions take it plus what later segments owe them, and
+the part of earlier positions is added into the micro-batch's owed-gradient buffer
+(allocated, zeroed, when its first backward opens). Each segment's autograd graph thus
+stays separate (the runtime runs one graph per op), and all of this happens in the
+op's backward for inputs (B), never in W. The buffers are released when the runtime
+frees the micro-batch: after segment 0's backward, or its last forward in evaluation.
 
 Outside an open segment attention is plain full causal attention.
 """
+import contextlib
 from contextlib import contextmanager
 
 import torch
+
+from .compile import CompileMode, outside_graph
 
 
 def queries_reversed(device) -> bool:
@@ -59,97 +71,97 @@ def segment_outputs(y):
     return y.flip(1) if queries_reversed(y.device) else y
 
 
-class _Entry:
-    """One (micro-batch, layer): keys/values written so far, gradients owed to earlier positions."""
-
-    def __init__(self):
-        self.storages = None  # keys', values' memory as (positions, b, heads, head_dim), grown per segment
-        self.capacity = 0  # positions the storages hold
-        self.filled = 0  # positions [0, filled) hold keys/values
-        self.grad_keys = self.grad_values = None  # gradients of positions [0, grad_end)
-        self.grad_end = None  # None until the first backward: it must be the last segment's
-
-    def _tensors(self, positions):
-        """Fresh tensors over the storages, (b, heads, positions, head_dim). Fresh ones, each with its own
-        version counter: writing the new positions must not trip autograd's in-place check on the
-        views earlier segments saved for backward (they do not see those positions)."""
-        b, h, d = self.shape
-        strides = (h * d, d, b * h * d, 1)  # positions outermost in memory
-        return [torch.empty(0, dtype=self.dtype, device=s.device).set_(s, 0, (b, h, positions, d), strides)
-                for s in self.storages]
-
-    def write(self, offset, k, v, total):
-        end = offset + k.shape[2]
-        if offset > self.filled or end > total:
-            raise RuntimeError(f"segment [{offset}, {end}) does not continue the cached positions "
-                               f"[0, {self.filled}) of a {total}-token sequence: segments must run forward in order")
-        if self.storages is None:
-            b, h, _, d = k.shape
-            self.shape, self.dtype = (b, h, d), k.dtype
-            self.position_bytes = b * h * d * k.element_size()
-            self.storages = [torch.UntypedStorage(0, device=k.device) for _ in (k, v)]
-        if end > self.capacity:
-            self._resize(end)
-        keys, values = self._tensors(end)
-        _positions(keys, offset, end).copy_(k)
-        _positions(values, offset, end).copy_(v)
-        self.filled = max(self.filled, end)
-        return keys, values
-
-    def hand_back(self, offset, grad_k, grad_v):
-        end = grad_k.shape[2]
-        expected = self.filled if self.grad_end is None else self.grad_end
-        if end != expected:
-            raise RuntimeError(f"the segment ending at position {end} ran backward while the one ending at "
-                               f"{expected} was due: segments must run backward last segment first")
-        if self.grad_keys is not None:
-            # into what the later segments left: the positions [0, end) only earlier segments take
-            grad_k, grad_v = self.grad_keys.add_(grad_k), self.grad_values.add_(grad_v)
-        self.grad_end = offset
-        self.grad_keys, self.grad_values = ((_positions(grad_k, 0, offset), _positions(grad_v, 0, offset))
-                                            if offset else (None, None))
-        self._resize(offset)  # no earlier segment sees this one's positions: release them now
-        return _positions(grad_k, offset, end), _positions(grad_v, offset, end)
-
-    def _resize(self, positions):
-        """Grow or shrink the storages in place to `positions`; the views earlier segments saved keep
-        their strides (positions are outermost) and see the moved data."""
-        for s in self.storages:
-            s.resize_(positions * self.position_bytes)
-        self.capacity = positions
-        self.filled = min(self.filled, positions)
-
-
 def _positions(t, start, stop):
-    """t[:, :, start:stop] of a (b, heads, positions, head_dim) tensor as one view operator."""
-    b, h, _, d = t.shape
-    return t.as_strided((b, h, stop - start, d), t.stride(), t.storage_offset() + start * t.stride(2))
+    """t[:, :, start:stop] of a (b, heads, positions, head_dim) tensor."""
+    return t[:, :, start:stop]
+
+
+def _half(buffer, which, start, stop):
+    """Positions [start, stop) of the keys (which=0) or values (1) of a (2, b, heads, total, head_dim)
+    buffer, as one view operator."""
+    _, b, h, total, d = buffer.shape
+    return torch.as_strided(buffer, (b, h, stop - start, d), buffer.stride()[1:], (which * b * h * total + start) * d)
+
+
+class KVSlot:
+    """A layer's place in the cache: while a segment is open, `buffers` holds the layer's fresh
+    (keys and values, owed gradients) tensors over the micro-batch's buffers; None otherwise."""
+    buffers = None
+
+
+class _Entry:
+    """One (micro-batch, layer): its keys-and-values buffer (2, b, heads, total, head_dim), and the
+    gradients owed to their positions."""
+
+    def __init__(self, b, heads, head_dim, total, dtype, device):
+        self.layout = (b, heads, head_dim, total, dtype, device)
+        self.shape, self.dtype, self.device = (2, b, heads, total, head_dim), dtype, device
+        self.nbytes = 2 * b * heads * total * head_dim * dtype.itemsize
+        self.kv = torch.UntypedStorage(self.nbytes, device=device)
+        self.owed = torch.UntypedStorage(0, device=device)  # memory at the first backward
+
+    def _tensor(self, storage):
+        empty = storage.nbytes() == 0
+        t = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, self.shape)
+        if empty:  # set_ grew it: the owed buffer stays empty before the first backward (only saved until then)
+            storage.resize_(0)
+        return t
+
+    def tensors(self):
+        """Fresh tensors (keys and values, owed gradients) over the buffers, (2, b, heads, total, head_dim)."""
+        return self._tensor(self.kv), self._tensor(self.owed)
+
+    def owe(self):
+        """Give the owed gradients their memory, zeros, when the micro-batch's first backward opens."""
+        if self.owed.nbytes() == 0:
+            self.owed.resize_(self.nbytes)
+            self._tensor(self.owed).zero_()
 
 
 class _Extend(torch.autograd.Function):
-    """(k, v) of one segment -> (keys, values) of every position up to the segment's end."""
+    """(a segment's k, v, the keys-and-values buffer, its owed gradients, start) -> keys, values of the
+    buffer's positions [0, stop)."""
 
     @staticmethod
-    def forward(ctx, k, v, entry, offset, total):
-        ctx.entry, ctx.offset = entry, offset
-        return entry.write(offset, k, v, total)
+    def forward(ctx, k, v, buffer, owed, start):
+        stop = start + k.shape[2]
+        ctx.start, ctx.stop = start, stop
+        ctx.save_for_backward(owed)
+        _half(buffer, 0, start, stop).copy_(k)
+        _half(buffer, 1, start, stop).copy_(v)
+        return _half(buffer, 0, 0, stop), _half(buffer, 1, 0, stop)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        grad_k, grad_v = ctx.entry.hand_back(ctx.offset, grad_keys, grad_values)
-        return grad_k, grad_v, None, None, None
+        owed, = ctx.saved_tensors
+        if not torch.compiler.is_compiling() and owed.untyped_storage().nbytes() == 0:
+            raise RuntimeError("a segment ran backward outside its cache.segment(...): each segment's backward "
+                               "runs inside its segment, last segment first")
+        start, stop = ctx.start, ctx.stop
+        own = [_positions(grad, start, stop) + _half(owed, i, start, stop)
+               for i, grad in enumerate((grad_keys, grad_values))]
+        if start:  # the earlier positions' share, for the earlier segments' backward
+            for i, grad in enumerate((grad_keys, grad_values)):
+                _half(owed, i, 0, start).add_(_positions(grad, 0, start))
+        return own[0], own[1], None, None, None
 
 
 class Segment:
-    """What the runtime runs now: segment [offset, offset + len) of a `total`-token micro-batch."""
+    """What the runtime runs now: segment [offset, stop) of a `total`-token micro-batch."""
 
-    def __init__(self, cache, key, offset, total):
-        self.cache, self.key, self.offset, self.total = cache, key, offset, total
+    def __init__(self, cache, key, offset, stop, total, backward, bias):
+        self.cache, self.key, self.offset, self.stop, self.total = cache, key, offset, stop, total
+        self.backward = backward  # the op is the segment's backward (recomputation included)
+        self.bias = bias  # on CUDA, the bottom-right causal bias of (stop - offset, stop), made before the layers run
 
-    def extend(self, layer_id, k, v):
-        """This layer's keys/values of the micro-batch's earlier segments followed by k, v (b, heads, s, d)."""
-        entry = self.cache._entries.setdefault(self.key, {}).setdefault(layer_id, _Entry())
-        return _Extend.apply(k, v, entry, self.offset, self.total)
+    def extend(self, slot, k, v):
+        """The keys/values of the layer whose KVSlot is `slot`: the micro-batch's earlier segments'
+        followed by k, v (b, heads, s, d)."""
+        buffers = slot.buffers
+        b, h, _, d = k.shape
+        if buffers is None or buffers[0].shape != (2, b, h, self.total, d) or buffers[0].dtype != k.dtype:
+            buffers = _lay_out(self, slot, k)
+        return _Extend.apply(k, v, *buffers, self.offset)
 
     def queries(self, q):
         """The segment's queries in the order its causal mask expects (segment_queries)."""
@@ -167,22 +179,44 @@ class Segment:
             return self.cache._reversed_mask(lq, lk, q.dtype, q.device)
         if lq == lk:
             return None
-        # lazy: torch.nn.attention.bias imports dynamo (seconds), which an eager run never needs otherwise
-        from torch.nn.attention.bias import causal_lower_right
-        return causal_lower_right(lq, lk)  # flash / memory-efficient kernels, nothing materialised
+        return self.bias if self.bias is not None else _lower_right(lq, lk)
+
+
+@outside_graph  # a chunk's first micro-batch: the cache learns the layer's layout here
+def _lay_out(segment, slot, k):
+    b, h, _, d = k.shape
+    entry = segment.cache._new_entry(segment.key, slot, (b, h, d, segment.total, k.dtype, k.device))
+    if segment.backward:
+        entry.owe()
+    segment.cache._fill(slot, entry)
+    return slot.buffers
+
+
+def _lower_right_bias(lq, lk):
+    # lazy: torch.nn.attention.bias imports dynamo (seconds), which an eager run never needs otherwise
+    from torch.nn.attention.bias import causal_lower_right
+    return causal_lower_right(lq, lk)  # flash / memory-efficient kernels, nothing materialised
+
+
+# a chunk's first micro-batch only (its constructor breaks a graph): later ones get theirs when the segment opens
+_lower_right = outside_graph(_lower_right_bias)
 
 
 class SegmentKVCache:
-    """Keys and values of the segments that have run forward, per (micro-batch key, layer id).
+    """Keys and values of the segments that have run forward, per (micro-batch key, layer's KVSlot).
 
-    `key` is the runtime's name for one micro-batch on one model chunk; `free(key)` drops
-    it after the micro-batch's last backward there (or after its last forward in eval).
+    `key` is the runtime's name for one micro-batch on one model chunk, a pair (chunk, micro-batch):
+    the cache lays out a micro-batch's buffers for the layers its chunk's earlier micro-batches had.
+    `free(key)` drops it after the micro-batch's last backward there (or after its last forward in eval).
     """
     _open = None  # the Segment of the op the runtime is running, None outside one
     opened = False  # _open is not None: what a compiled layer reads (its graphs depend on it, not on the Segment)
 
     def __init__(self):
-        self._entries = {}  # key -> {layer id -> _Entry}
+        self._entries = {}  # key -> {KVSlot -> _Entry}
+        self._runs = {}  # key -> [(start, stop)] of its segments run forward and not yet backward
+        self._layouts = {}  # chunk -> {KVSlot -> (b, heads, head_dim, total, dtype, device)}
+        self._filled = []  # the slots the open segment filled: emptied when it closes
         self._masks = {}  # (lq, lk, dtype, device) -> mask row (lq + lk - 1 values), shared by all layers and micro-batches
 
     @classmethod
@@ -190,37 +224,94 @@ class SegmentKVCache:
         return cls._open
 
     @contextmanager
-    def segment(self, key, offset, total):
-        previous, SegmentKVCache._open = SegmentKVCache._open, Segment(self, key, offset, total)
+    def segment(self, key, start, stop, total):
+        """Open segment [start, stop) of micro-batch `key` (a pair: chunk, micro-batch) for the op the
+        runtime runs now: its next forward, or the backward (and recomputation) of its last segment
+        not yet run backward."""
+        entries, backward = self._enter(key, start, stop, total)
+        bias = None
+        if start and entries and not queries_reversed(next(iter(entries.values())).device):
+            bias = _lower_right_bias(stop - start, stop)
+        previous, filled = SegmentKVCache._open, self._filled
+        self._filled = []
+        for slot, entry in entries.items():
+            self._fill(slot, entry)
+        SegmentKVCache._open = Segment(self, key, start, stop, total, backward, bias)
         SegmentKVCache.opened = True
+        # the chunk's first segment learns its layers eagerly: a graph compiled around the lay-out would
+        # stay in dynamo's cache (its guards do not see the buffers) and break every later segment's layer
+        first = CompileMode.layers_compiled and not entries
         try:
-            yield SegmentKVCache._open
+            with torch.compiler.set_stance("force_eager") if first else contextlib.nullcontext():
+                yield SegmentKVCache._open
         finally:
+            for slot in self._filled:  # no tensors left behind: a freed micro-batch's buffers go with it
+                slot.buffers = None
+            self._filled = filled
             SegmentKVCache._open = previous
             SegmentKVCache.opened = previous is not None
 
+    def _fill(self, slot, entry):
+        slot.buffers = entry.tensors()
+        self._filled.append(slot)
+
+    def _enter(self, key, start, stop, total):
+        """Check the order of the segments of `key` and lay out or prepare its buffers: (its entries, whether
+        the op is a backward)."""
+        runs = self._runs.setdefault(key, [])
+        done = runs[-1][1] if runs else 0
+        entries = self._entries.setdefault(key, {})
+        if start == done and stop <= total:  # the next forward
+            runs.append((start, stop))
+            if start == 0:
+                chunk, _ = key
+                for slot, layout in self._layouts.get(chunk, {}).items():
+                    if layout[3] == total:
+                        entries[slot] = _Entry(*layout)
+            return entries, False
+        if runs and (start, stop) == runs[-1]:  # its backward
+            runs.pop()
+            for entry in entries.values():
+                entry.owe()
+            return entries, True
+        if start > done or stop > total:
+            raise RuntimeError(f"segment [{start}, {stop}) does not continue the cached positions [0, {done}) of a "
+                               f"{total}-token sequence: segments must run forward in order")
+        raise RuntimeError(f"the segment [{start}, {stop}) ran backward while {list(runs[-1:])} was due: "
+                           "segments must run backward last segment first")
+
+    def _new_entry(self, key, slot, layout):
+        chunk, _ = key
+        self._layouts.setdefault(chunk, {})[slot] = layout
+        entry = self._entries[key][slot] = _Entry(*layout)
+        return entry
+
     def free(self, key):
         self._entries.pop(key, None)
+        self._runs.pop(key, None)
 
     def keys(self):
         """The micro-batch keys that still hold cached keys/values."""
         return list(self._entries)
 
     def kv_tensors(self):
-        """The keys/values buffers the cache holds (e.g. to account for memory), (b, heads, positions, d)."""
+        """The keys-and-values buffers the cache holds (e.g. to account for memory), (2, b, heads, positions, d)."""
         for layers in self._entries.values():
             for entry in layers.values():
-                if entry.storages is not None:
-                    yield from entry._tensors(entry.capacity)
+                yield entry.tensors()[0]
 
     def mask_tensors(self):
         """The causal masks' storage (CPU): one row per segment shape, shared by all layers."""
         return list(self._masks.values())
 
     def _reversed_mask(self, lq, lk, dtype, device):
-        """The additive bottom-right causal mask for queries last first: (lq, lk), row[i + j]."""
+        """The additive bottom-right causal mask for queries last first: (lq, lk), row[i + j]. A compiled
+        layer makes it in its graph (a few elementwise ops) rather than reading Python state."""
         name = (lq, lk, dtype, device)
-        if name not in self._masks:
+        row = None if torch.compiler.is_compiling() else self._masks.get(name)
+        if row is None:
             row = torch.zeros(lq + lk - 1, dtype=dtype, device=device)
-            self._masks[name] = row.index_fill_(0, torch.arange(lk, lq + lk - 1, device=device), float("-inf"))
-        return self._masks[name].as_strided((lq, lk), (1, 1))
+            row = row.index_fill_(0, torch.arange(lk, lq + lk - 1, device=device), float("-inf"))
+            if not torch.compiler.is_compiling():
+                self._masks[name] = row
+        return torch.as_strided(row, (lq, lk), (1, 1))

@@ -170,7 +170,7 @@ class TransformerLayer(nn.Module):
         init = _normal(config.init_method_std, gen)
         scaled_init = _normal(config.init_method_std / math.sqrt(2.0 * config.num_layers), gen)  # GPT-2's scaling
         self.ln_1 = Norm(config)
-        self.attn = CausalSelfAttention(config, layer_idx, init, scaled_init)
+        self.attn = CausalSelfAttention(config, init, scaled_init)
         self.ln_2 = Norm(config)
         self.mlp = MLP(config, init, scaled_init)
         _mark_sequence_parallel(self.ln_1, config)

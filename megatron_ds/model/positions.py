@@ -28,8 +28,10 @@ def _rotate_half(x):
 
 
 def rope_tables(head_dim, theta, start, length, device, dtype):
-    """cos and sin (length, head_dim) of positions start..start+length-1."""
-    return _rope_cos_sin(head_dim, theta, start, length, device, dtype)
+    """cos and sin (length, head_dim) of positions start..start+length-1 (a compiled layer computes them in its
+    graph, where they fuse with the rotation, instead of reading dynamo-opaque cached tensors)."""
+    tables = _rope_cos_sin.__wrapped__ if torch.compiler.is_compiling() else _rope_cos_sin
+    return tables(head_dim, theta, start, length, device, dtype)
 
 
 def rotate(q, k, cos, sin):

@@ -58,7 +58,7 @@ class ScheduleEngine(PipelineEngine):
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
-        self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per (replica, stage, mb)
+        self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per ((replica, stage), mb)
         self._dtype = next(self.module.parameters()).dtype
         self._loss_sum = None
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
@@ -147,7 +147,8 @@ class ScheduleEngine(PipelineEngine):
         """Attention sees the K/V cache of (replica, stage, mb) while an op on segment `seq` runs."""
         if self.sched.seq_splits == 1:
             return contextlib.nullcontext()
-        return self._kv.segment((replica, stage, mb), self.plan.segment(seq).start, sum(self.plan.segment_lengths))
+        cut = self.plan.segment(seq)
+        return self._kv.segment(((replica, stage), mb), cut.start, cut.stop, sum(self.plan.segment_lengths))
 
     # -- p2p and hand-over -----------------------------------------------------------------------
     def _emit(self, op, tensor):
@@ -182,7 +183,7 @@ class ScheduleEngine(PipelineEngine):
         with self._open_segment(replica, stage, mb, seq):
             out = self.module.chunk_forward((replica, stage), x)
         if not self.module.training and seq == self.sched.seq_splits - 1:
-            self._kv.free((replica, stage, mb))
+            self._kv.free(((replica, stage), mb))
         unit = (replica, stage, mb, seq)
         if stage == self.sched.loss_stage and self.vocab:  # the loss comes of every rank's S pass
             self.vocab.hidden_out(op, out)
@@ -213,7 +214,7 @@ class ScheduleEngine(PipelineEngine):
             else:
                 torch.autograd.backward(root, grad)
         if seq == 0:
-            self._kv.free((replica, stage, mb))  # segment 0 runs the micro-batch's last backward here
+            self._kv.free(((replica, stage), mb))  # segment 0 runs the micro-batch's last backward here
         if stage > 0:
             self._emit(op, x.grad)
         elif self.vocab:

@@ -102,7 +102,7 @@ def test_nothing_materialised_on_cuda():
     cache, x = SegmentKVCache(), torch.randn(2, 64, 32, device="cuda", dtype=torch.bfloat16)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         for start in (0, 32):
-            with cache.segment("mb", start, 64):
+            with cache.segment(("mb", 0), start, start + 32, 64):
                 layers(x[:, start:start + 32])
     assert cache.mask_tensors() == []
     assert {t.device.type for t in cache.kv_tensors()} == {"cuda"}

@@ -11,7 +11,7 @@ import torch.utils.checkpoint as tc
 
 from megatron_ds.model import GPTConfig, TransformerLayer, WeightGradStore
 from megatron_ds.model.attention import CausalSelfAttention
-from megatron_ds.model.kv_cache import SegmentKVCache
+from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 from megatron_ds.schedules.seq_split import balanced_segment_lengths, even_segment_lengths
 
 B, S, H = 2, 64, 32
@@ -54,18 +54,18 @@ def full_run(module, x, grad_out):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
 
 
-def segmented_run(module, x, grad_out, lengths, checkpoint=None, defer=False):
+def segmented_run(module, x, grad_out, lengths, checkpoint=None, defer=False, cache=None, key=("mb", 0)):
     """Forward segments 0..k-1, then backward k-1..0, each segment its own graph (as the runtime does)."""
-    cache, key, units, start = SegmentKVCache(), ("mb", 0), [], 0
+    cache, units, start = cache or SegmentKVCache(), [], 0
     for n in lengths:
         xs = x[:, start:start + n].clone().requires_grad_()
-        with cache.segment(key, start, S):
+        with cache.segment(key, start, start + n, S):
             ys = tc.checkpoint(module, xs, use_reentrant=checkpoint == "reentrant") if checkpoint else module(xs)
         units.append((start, n, xs, ys))
         start += n
     queues = []
     for start, n, xs, ys in reversed(units):
-        with cache.segment(key, start, S):  # open for recomputation
+        with cache.segment(key, start, start + n, S):  # open for recomputation
             queue = []
             with WeightGradStore.deferring(queue) if defer else contextlib.nullcontext():
                 ys.backward(grad_out[:, start:start + n])
@@ -76,7 +76,7 @@ def segmented_run(module, x, grad_out, lengths, checkpoint=None, defer=False):
         for queue in queues:
             WeightGradStore.drain(queue)
     cache.free(key)
-    assert cache.keys() == []
+    assert key not in cache.keys()
     y = torch.cat([ys.detach() for *_, ys in units], dim=1)
     x_grad_final = torch.cat([xs.grad for _, _, xs, _ in units], dim=1)
     if defer:
@@ -136,10 +136,10 @@ def test_cache_holds_grouped_kv_heads():
     layers = two_layers(**FAMILIES["llama"])
     cache, x = SegmentKVCache(), inputs()[0]
     for start in (0, 32):
-        with cache.segment("mb", start, S):
+        with cache.segment(("mb", 0), start, start + 32, S):
             layers(x[:, start:start + 32])
     shapes = {tuple(t.shape) for t in cache.kv_tensors()}
-    assert shapes == {(B, 2, S, H // 4)}  # 2 K/V heads, not the 4 query heads repeated
+    assert shapes == {(2, B, 2, S, H // 4)}  # keys and values of 2 K/V heads, not the 4 query heads repeated
 
 
 def test_without_an_open_segment_attention_is_plain_causal_sdpa():
@@ -158,7 +158,7 @@ def test_backward_out_of_order_is_refused():
     cache, outs, start = SegmentKVCache(), [], 0
     x, g = inputs()
     for n in (32, 32):
-        with cache.segment("mb", start, S):
+        with cache.segment(("mb", 0), start, start + n, S):
             outs.append(attn(x[:, start:start + n].clone().requires_grad_()))
         start += n
     with pytest.raises(RuntimeError, match="last segment first"):
@@ -170,7 +170,7 @@ def test_forward_out_of_order_is_refused():
     attn = CausalSelfAttention(config())
     cache = SegmentKVCache()
     x, _ = inputs()
-    with cache.segment("mb", 32, S), pytest.raises(RuntimeError, match="in order"):
+    with pytest.raises(RuntimeError, match="in order"), cache.segment(("mb", 0), 32, S, S):
         attn(x[:, 32:])
 
 
@@ -180,10 +180,10 @@ def test_cpu_causal_mask_is_one_strided_row_and_exact_at_kernel_block_sizes():
     b, heads, d, lq, lk = 1, 2, 16, 300, 1100
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, heads, n, d, generator=g) for n in (lq, lk, lk))
-    cache = SegmentKVCache()
+    cache, slot = SegmentKVCache(), KVSlot()
     for start, end in ((0, lk - lq), (lk - lq, lk)):
-        with cache.segment("mb", start, lk) as seg:
-            keys, values = seg.extend(0, k[:, :, start:end], v[:, :, start:end])
+        with cache.segment(("mb", 0), start, end, lk) as seg:
+            keys, values = seg.extend(slot, k[:, :, start:end], v[:, :, start:end])
     got = torch.nn.functional.scaled_dot_product_attention(seg.queries(q), keys, values,
                                                            attn_mask=seg.causal_mask(q, keys))
     assert [t.untyped_storage().nbytes() for t in cache.mask_tensors()] == [(lq + lk - 1) * 4]
@@ -192,13 +192,53 @@ def test_cpu_causal_mask_is_one_strided_row_and_exact_at_kernel_block_sizes():
     assert_close(seg.outputs(got.transpose(1, 2)).transpose(1, 2), want, "attention with the strided mask")
 
 
-def test_kv_buffer_holds_only_the_positions_written():
-    """A micro-batch whose later segments have not run holds no K/V memory for them."""
-    cache, k = SegmentKVCache(), torch.randn(1, 2, 48, 8)
-    sizes = []
+def test_kv_buffers_are_written_in_place_and_owed_gradients_wait_for_the_backward():
+    """The micro-batch's K/V buffer is laid out once at its full length and each segment writes its
+    positions in place (no copy of earlier ones); the owed-gradient buffer gets memory only when the
+    first backward opens; a second micro-batch of the chunk gets its buffers when its segment opens."""
+    cache, slot, k = SegmentKVCache(), KVSlot(), torch.randn(1, 2, 48, 8, requires_grad=True)
+    pointers, outs = [], []
     for start, end in ((0, 24), (24, 32), (32, 48)):
-        with cache.segment("mb", start, 48) as seg:
-            seg.extend(0, k[:, :, start:end], k[:, :, start:end])
-        sizes.append([tuple(t.shape) for t in cache.kv_tensors()])
-    assert sizes == [[(1, 2, n, 8)] * 2 for n in (24, 32, 48)]
-    assert torch.equal(next(cache.kv_tensors()), k)
+        with cache.segment(("mb", 0), start, end, 48) as seg:
+            outs.append(seg.extend(slot, k[:, :, start:end], k[:, :, start:end])[0])
+        pointers.append({t.untyped_storage().data_ptr() for t in cache.kv_tensors()})
+    assert len(pointers[0]) == 1 and pointers[0] == pointers[1] == pointers[2]
+    assert torch.equal(next(cache.kv_tensors()), torch.stack([k.detach()] * 2))
+    assert slot.buffers is None  # nothing held once the segment closes
+    entry = cache._entries[("mb", 0)][slot]
+    assert entry.owed.nbytes() == 0
+    with cache.segment(("mb", 0), 32, 48, 48):
+        assert entry.owed.nbytes() == 2 * 48 * 2 * 8 * 4
+        outs[2].sum().backward()
+    assert torch.equal(k.grad[:, :, 32:], torch.ones(1, 2, 16, 8))
+    with cache.segment(("mb", 1), 0, 24, 48):  # laid out before any layer runs
+        assert [tuple(t.shape) for t in slot.buffers] == [(2, 1, 2, 48, 8)] * 2
+
+
+def test_compiled_layers_run_a_segment_as_one_graph():
+    """Compiled (regional, per layer), a segment's pass through the cache is inside the layer's graph:
+    after the chunk's first segment (run eagerly: the cache learns the layers there) every layer runs
+    each segment as one compiled graph, nothing breaks or compiles again, and every micro-batch
+    equals full attention."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import profile
+    from megatron_ds.model.compile import compile_layers
+    lengths, (x, g) = [16, 16, 32], inputs()
+    ref = full_run(two_layers(**FAMILIES["llama"]), x, g)
+    layers, cache = two_layers(**FAMILIES["llama"]), SegmentKVCache()
+    compile_layers(list(layers), defer_weight_grads=False)
+    compiled, breaks = [], sum(counters["graph_break"].values())
+    for mb in range(3):
+        layers.zero_grad(set_to_none=True)
+        graphs = counters["stats"]["unique_graphs"]
+        with profile() as prof:
+            got = segmented_run(layers, x, g, lengths, cache=cache, key=("chunk", mb))
+        compiled.append(sum(e.name == "CompiledFunction" for e in prof.events()))
+        assert_close(got[0], ref[0], "output")
+        assert_close(got[1], ref[1], "input gradient")
+        for name in ref[2]:
+            assert_close(got[2][name], ref[2][name], f"gradient of {name}")
+    assert compiled[1:] == [len(layers) * len(lengths)] * 2, compiled
+    assert counters["stats"]["unique_graphs"] == graphs  # the third micro-batch compiled nothing
+    assert sum(counters["graph_break"].values()) == breaks
+    assert cache.keys() == []
