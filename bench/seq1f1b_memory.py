@@ -4,7 +4,7 @@ Each configuration runs in its own p fresh processes (gloo), one training iterat
 long sequence. Per rank it reports
 - saved: the peak of the bytes held by autograd's saved tensors (torch's saved_tensors_hooks,
   each storage counted once, parameters excluded), plus the segment K/V cache buffers ("K/V":
-  the bytes the cache holds, read from it at every save, as its buffers grow in place) and
+  the bytes the cache holds, read from it at every save: each micro-batch's buffer at full length) and
   the bottom-right causal masks' storage ("masks"; on CPU one row of lq + lk - 1 values per
   segment shape, shared by all layers and micro-batches; on CUDA the flash kernels align the
   causal mask bottom-right themselves); "w/o masks" is the ratio without them;
@@ -58,7 +58,7 @@ class SavedTensorMeter:
         if ptr in self.exclude or t.device.type == "meta":
             return t
         kind = self._kind(ptr)
-        if kind == "kv":  # counted from the cache itself: its buffers grow (and move) in place
+        if kind == "kv":  # counted from the cache itself (its buffers, not the views saved of them)
             self._update_peak()
             return t
         if ptr not in self.live:

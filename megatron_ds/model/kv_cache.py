@@ -44,7 +44,6 @@ frees the micro-batch: after segment 0's backward, or its last forward in evalua
 Outside an open segment attention is plain full causal attention.
 """
 import contextlib
-from contextlib import contextmanager
 
 import torch
 
@@ -182,7 +181,7 @@ class Segment:
         return self.bias if self.bias is not None else _lower_right(lq, lk)
 
 
-@outside_graph  # a chunk's first micro-batch: the cache learns the layer's layout here
+@outside_graph  # a layer the open found no buffers for: the chunk's first segment (eager), or another shape
 def _lay_out(segment, slot, k):
     b, h, _, d = k.shape
     entry = segment.cache._new_entry(segment.key, slot, (b, h, d, segment.total, k.dtype, k.device))
@@ -223,7 +222,7 @@ class SegmentKVCache:
     def current(cls):
         return cls._open
 
-    @contextmanager
+    @contextlib.contextmanager
     def segment(self, key, start, stop, total):
         """Open segment [start, stop) of micro-batch `key` (a pair: chunk, micro-batch) for the op the
         runtime runs now: its next forward, or the backward (and recomputation) of its last segment
