@@ -315,6 +315,7 @@ def pretrain(args):
 
 def main(argv=None):
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    code = 0
     try:
         pretrain(parse_args(argv))
     except UserError as e:
@@ -322,8 +323,8 @@ def main(argv=None):
         if rank == 0:
             print_error(e)
         return e.exit_code
-    except NonFiniteStop:
-        return NONFINITE_EXIT_CODE
+    except NonFiniteStop:  # every rank stops here, after the checkpoint they saved together
+        code = NONFINITE_EXIT_CODE
     except timeouts.CollectiveError as e:
         timeouts.report_and_exit(e, rank)
     except Exception as e:  # noqa: BLE001 - out of memory only; anything else keeps its traceback
@@ -331,6 +332,6 @@ def main(argv=None):
             raise
         out_of_memory.report_and_exit(e, rank)
     import torch.distributed as dist
-    if dist.is_initialized():
+    if dist.is_initialized():  # here, not in the interpreter's exit (where a rank once aborted, -6, after a stop)
         dist.destroy_process_group()
-    return 0
+    return code
