@@ -93,7 +93,6 @@ class _Entry:
     gradients owed to their positions."""
 
     def __init__(self, b, heads, head_dim, total, dtype, device):
-        self.layout = (b, heads, head_dim, total, dtype, device)
         self.shape, self.dtype, self.device = (2, b, heads, total, head_dim), dtype, device
         self.nbytes = 2 * b * heads * total * head_dim * dtype.itemsize
         self.kv = torch.UntypedStorage(self.nbytes, device=device)
@@ -146,12 +145,17 @@ class _Extend(torch.autograd.Function):
 
 
 class Segment:
-    """What the runtime runs now: segment [offset, stop) of a `total`-token micro-batch."""
+    """What the runtime runs now: the segment from position `offset` of a `total`-token micro-batch."""
 
-    def __init__(self, cache, key, offset, stop, total, backward, bias):
-        self.cache, self.key, self.offset, self.stop, self.total = cache, key, offset, stop, total
+    def __init__(self, cache, key, offset, total, backward, bias):
+        self.cache, self.key, self.offset, self.total = cache, key, offset, total
         self.backward = backward  # the op is the segment's backward (recomputation included)
-        self.bias = bias  # on CUDA, the bottom-right causal bias of (stop - offset, stop), made before the layers run
+        self.bias = bias  # on CUDA, the segment's bottom-right causal bias, made before the layers run
+        self.filled = []  # the KVSlots given this op's buffers: emptied when it closes
+
+    def fill(self, slot, entry):
+        slot.buffers = entry.tensors()
+        self.filled.append(slot)
 
     def extend(self, slot, k, v):
         """The keys/values of the layer whose KVSlot is `slot`: the micro-batch's earlier segments'
@@ -187,7 +191,7 @@ def _lay_out(segment, slot, k):
     entry = segment.cache._new_entry(segment.key, slot, (b, h, d, segment.total, k.dtype, k.device))
     if segment.backward:
         entry.owe()
-    segment.cache._fill(slot, entry)
+    segment.fill(slot, entry)
     return slot.buffers
 
 
@@ -197,7 +201,7 @@ def _lower_right_bias(lq, lk):
     return causal_lower_right(lq, lk)  # flash / memory-efficient kernels, nothing materialised
 
 
-# a chunk's first micro-batch only (its constructor breaks a graph): later ones get theirs when the segment opens
+# where the open made no bias (nothing laid out for the chunk yet): its constructor would break a graph
 _lower_right = outside_graph(_lower_right_bias)
 
 
@@ -215,7 +219,6 @@ class SegmentKVCache:
         self._entries = {}  # key -> {KVSlot -> _Entry}
         self._runs = {}  # key -> [(start, stop)] of its segments run forward and not yet backward
         self._layouts = {}  # chunk -> {KVSlot -> (b, heads, head_dim, total, dtype, device)}
-        self._filled = []  # the slots the open segment filled: emptied when it closes
         self._masks = {}  # (lq, lk, dtype, device) -> mask row (lq + lk - 1 values), shared by all layers and micro-batches
 
     @classmethod
@@ -231,28 +234,22 @@ class SegmentKVCache:
         bias = None
         if start and entries and not queries_reversed(next(iter(entries.values())).device):
             bias = _lower_right_bias(stop - start, stop)
-        previous, filled = SegmentKVCache._open, self._filled
-        self._filled = []
+        segment = Segment(self, key, start, total, backward, bias)
         for slot, entry in entries.items():
-            self._fill(slot, entry)
-        SegmentKVCache._open = Segment(self, key, start, stop, total, backward, bias)
+            segment.fill(slot, entry)
+        previous, SegmentKVCache._open = SegmentKVCache._open, segment
         SegmentKVCache.opened = True
         # the chunk's first segment learns its layers eagerly: a graph compiled around the lay-out would
         # stay in dynamo's cache (its guards do not see the buffers) and break every later segment's layer
         first = CompileMode.layers_compiled and not entries
         try:
             with torch.compiler.set_stance("force_eager") if first else contextlib.nullcontext():
-                yield SegmentKVCache._open
+                yield segment
         finally:
-            for slot in self._filled:  # no tensors left behind: a freed micro-batch's buffers go with it
+            for slot in segment.filled:  # no tensors left behind: a freed micro-batch's buffers go with it
                 slot.buffers = None
-            self._filled = filled
             SegmentKVCache._open = previous
             SegmentKVCache.opened = previous is not None
-
-    def _fill(self, slot, entry):
-        slot.buffers = entry.tensors()
-        self._filled.append(slot)
 
     def _enter(self, key, start, stop, total):
         """Check the order of the segments of `key` and lay out or prepare its buffers: (its entries, whether
@@ -297,7 +294,7 @@ class SegmentKVCache:
         """The keys-and-values buffers the cache holds (e.g. to account for memory), (2, b, heads, positions, d)."""
         for layers in self._entries.values():
             for entry in layers.values():
-                yield entry.tensors()[0]
+                yield entry._tensor(entry.kv)
 
     def mask_tensors(self):
         """The causal masks' storage (CPU): one row per segment shape, shared by all layers."""
@@ -306,11 +303,11 @@ class SegmentKVCache:
     def _reversed_mask(self, lq, lk, dtype, device):
         """The additive bottom-right causal mask for queries last first: (lq, lk), row[i + j]. A compiled
         layer makes it in its graph (a few elementwise ops) rather than reading Python state."""
-        name = (lq, lk, dtype, device)
-        row = None if torch.compiler.is_compiling() else self._masks.get(name)
+        name, compiling = (lq, lk, dtype, device), torch.compiler.is_compiling()
+        row = None if compiling else self._masks.get(name)
         if row is None:
             row = torch.zeros(lq + lk - 1, dtype=dtype, device=device)
             row = row.index_fill_(0, torch.arange(lk, lq + lk - 1, device=device), float("-inf"))
-            if not torch.compiler.is_compiling():
+            if not compiling:
                 self._masks[name] = row
         return torch.as_strided(row, (lq, lk), (1, 1))
