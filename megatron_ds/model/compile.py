@@ -5,10 +5,11 @@ names, state dicts and checkpoints unchanged) with static shapes; layers share o
 code and parameter shapes are the same. The runtime's hooks cannot live inside a graph, so a few calls
 stay eager (`outside_graph`), each a graph break by design:
 
-- the deferrable linear layers, when the run splits backward into B and W (`defer_weight_grads`): a
-  compiled graph computes its whole backward at once and cannot leave the weight GEMMs for a W op.
-  Without a split the linears are inside the graph; a B op that finds one there still gets exact
-  gradients, with W computed in B;
+- the deferrable linear layers of a run that splits backward into B and W (`defer_weight_grads`), in a
+  pass the runtime did not give carriers (weight_carriers.py): a recomputation under activation
+  checkpointing. In a forward op the carriers take each linear's weight GEMM out of the graph's
+  backward for the W op, so the layer is one graph forward and one in B; without a split the linears
+  are plain F.linear in the graph;
 - the tensor-parallel linears (their collectives);
 - a Seq1F1B layer whose K/V buffers the open segment did not lay out (a micro-batch of another shape
   than the chunk's first).
@@ -76,6 +77,9 @@ def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor",
     for module in modules:
         module.compile(backend=backend, dynamic=False, mode="reduce-overhead" if cuda_graphs else None)
         count += 1
+        for inner in module.modules() if defer_weight_grads else ():
+            if getattr(inner, "w_slot", None) is not None:
+                inner.w_slot.in_graph = True  # the runtime gives it carriers (weight_carriers.py)
     return count
 
 

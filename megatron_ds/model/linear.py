@@ -90,12 +90,16 @@ def weight_grad(weight, grad_out, x):
     return None
 
 
-def linear(x, weight, bias=None):
+def linear(x, weight, bias=None, slot=None):
     """F.linear with a deferrable weight gradient. Inside a compiled layer (model/compile.py) it is
-    plain F.linear in the graph, or, when the run defers weight gradients, an eager call between
-    two graphs: a graph's backward would compute the weight GEMM at once."""
+    plain F.linear in the graph; when the run defers weight gradients, a linear whose `slot`
+    (weight_carriers.WeightGradSlot) the runtime filled for this forward, which hands its weight GEMM
+    out of the graph's backward, else an eager call between two graphs (a graph's backward would
+    compute the weight GEMM at once)."""
     if torch.compiler.is_compiling():
-        if CompileMode.linears_outside:
+        if slot is not None and slot.fits(x, weight):
+            return slot.linear(x, weight, bias)
+        if CompileMode.linears_outside and torch.is_grad_enabled():
             return _eager_linear(x, weight, bias)
         return F.linear(x, weight, bias)
     return _LinearFunction.apply(x, weight, bias)

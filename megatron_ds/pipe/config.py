@@ -52,10 +52,11 @@ class PipelineSettings:
         (docs/perf/gpu_h200.md): on CUDA where each layer is one graph (no deferred weight gradients, no
         Seq1F1B segments: `splits_ops` false), which compiled in 8-9 s and made the step 7-8 % faster;
         off where the runtime's hooks cut the layer into several graphs (a Seq1F1B k=4 + B/W step was
-        1.14-1.58x slower compiled: the host pays each graph's call), and off on CPU. Seq1F1B without
-        the split now runs a segment as one graph per layer (CPU: 0.64x the host time of the old
-        pieces), not yet timed on a GPU: off until it is. "cuda_graphs" asks for them compiled on CUDA
-        whatever the schedule."""
+        1.14-1.58x slower compiled: the host pays each graph's call), and off on CPU. Both hooks now
+        leave a layer one graph (the K/V cache runs in it, the deferred weight GEMMs leave it through
+        carriers: model/weight_carriers.py), which on CPU costs less host time than eager, but is not
+        yet timed on a GPU: off until it is. "cuda_graphs" asks for them compiled on CUDA whatever
+        the schedule."""
         if self.compile_layers is not None:
             return self.compile_layers
         return cuda and (self.cuda_graphs or not splits_ops)

@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
+from megatron_ds.model.weight_carriers import Carriers
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 
@@ -59,6 +60,7 @@ class ScheduleEngine(PipelineEngine):
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
         self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per ((replica, stage), mb)
+        self._carriers = {}  # chunk -> Carriers of its compiled linears' weight GEMMs (or None)
         self._dtype = next(self.module.parameters()).dtype
         self._loss_sum = None
         self._post_validation = (PostValidation(self, loss_sum=lambda: self._loss_sum)
@@ -150,6 +152,21 @@ class ScheduleEngine(PipelineEngine):
         cut = self.plan.segment(seq)
         return self._kv.segment(((replica, stage), mb), cut.start, cut.stop, sum(self.plan.segment_lengths))
 
+    def _carry_weight_grads(self, chunk, seq):
+        """A compiled chunk that defers weight gradients hands them out of its graphs in carriers
+        (model/weight_carriers.py) while a training forward runs."""
+        if chunk not in self._carriers:
+            layers = [f for f in self.module.chunk_funcs[chunk] if isinstance(f, torch.nn.Module)]
+            # checkpointed layers run their forward without autograd and their recomputation outside
+            # any forward op: there is nothing to carry
+            checkpointed = self.module.activation_checkpoint_interval > 0
+            self._carriers[chunk] = None if checkpointed else Carriers.of(layers)
+        carriers = self._carriers[chunk]
+        if carriers is None or not (self.module.training and torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        tokens = self.plan.segment_lengths[seq] if self.plan.segment_lengths else self.plan.seq_length
+        return carriers.forward((self.plan.micro_batch_size, tokens))
+
     # -- p2p and hand-over -----------------------------------------------------------------------
     def _emit(self, op, tensor):
         out = outgoing(self.sched, self.stage_id, op)
@@ -180,7 +197,7 @@ class ScheduleEngine(PipelineEngine):
             x = self._inputs(mb, seq)
         else:
             x = self._take(op).detach().requires_grad_(self.module.training)
-        with self._open_segment(replica, stage, mb, seq):
+        with self._open_segment(replica, stage, mb, seq), self._carry_weight_grads((replica, stage), seq):
             out = self.module.chunk_forward((replica, stage), x)
         if not self.module.training and seq == self.sched.seq_splits - 1:
             self._kv.free(((replica, stage), mb))

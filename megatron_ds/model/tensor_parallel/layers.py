@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..compile import outside_graph
 from ..linear import bias_grad, linear, weight_grad
+from ..weight_carriers import WeightGradSlot
 from . import comm
 from .mappings import SEQ_DIM, copy_to_region, gather_from_region, reduce_from_region, reduce_scatter_to_sequence
 
@@ -84,10 +85,11 @@ class _SequenceGatherLinear(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias, None
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel=False):
-    """x @ weight_r^T + bias_r on a replicated (or sequence-parallel) input: this rank's output columns."""
+def column_parallel_linear(x, weight, bias, group, sequence_parallel=False, slot=None):
+    """x @ weight_r^T + bias_r on a replicated (or sequence-parallel) input: this rank's output columns.
+    `slot`: the dense layer's WeightGradSlot (weight_carriers.py)."""
     if group is None and not sequence_parallel:  # exactly the dense layer
-        return linear(x, weight, bias)
+        return linear(x, weight, bias, slot)
     return _tensor_parallel_linear(x, weight, bias, group, sequence_parallel)
 
 
@@ -117,9 +119,10 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features // comm.world_size(group)))
             mark_parallel(self.bias, 0, group)
+        self.w_slot = WeightGradSlot() if group is None and not sequence_parallel else None
 
     def forward(self, x):
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.w_slot)
         return gather_from_region(y, self.group) if self.gather_output else y
 
 
@@ -143,10 +146,11 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
             self.bias.sequence_parallel = sequence_parallel
+        self.w_slot = WeightGradSlot() if group is None else None
 
     def forward(self, x):
         if self.group is None:  # exactly the dense layer
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.w_slot)
         return _row_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
 
 
