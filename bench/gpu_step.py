@@ -1,10 +1,12 @@
 """One device, one pipeline stage: a training iteration of DeepSpeed's engine, ours under each
 schedule (compiled layers on and off), and transformers' LlamaForCausalLM (eager and compiled) as the
 anchor, on the same LLaMA-style model and tokens. Prints, per sequence shape, ms per iteration (median
-after warm-up) and its ratio to DeepSpeed's engine, model TFLOP/s (schedules/flops.py) and MFU where the
-card's bf16 peak is known, peak memory, the first and last loss, and with --count-ops the aten operators,
-the host synchronisations (on CUDA torch's sync debug mode, on CPU the tensor-to-Python reads), and
-on CUDA the kernel launches, of one iteration (torch.profiler).
+after warm-up) and its ratio to DeepSpeed's engine, the process's CPU time of its fastest iteration (on
+a CPU the steadier measure of a noisy machine; on CUDA it counts waiting for the device too), model
+TFLOP/s (schedules/flops.py) and MFU where the card's bf16 peak is known, peak memory, the first and
+last loss, and with --count-ops the aten operators, the host synchronisations (on CUDA torch's sync
+debug mode, on CPU the tensor-to-Python reads), and on CUDA the kernel launches, of one iteration
+(torch.profiler).
 
 The issue-24 model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
 RoPE, untied head, vocabulary 50304; bf16 weights on CUDA, ZeRO-1 for the engines, fused AdamW for
@@ -210,7 +212,7 @@ def count_ops(step, i):
 
 
 def measure(make, shape, config, warmup, iterations, ops):
-    """ms per iteration (median), losses, peak memory (GB above what was allocated before the case, with its
+    """ms per iteration (median), CPU ms (the fastest iteration's), losses, peak memory (GB above what was allocated before the case, with its
 parameters and optimizer state: CUDA), ops and compile seconds of one case."""
     import torch
     from megatron_ds.model.compile import compile_seconds
@@ -221,15 +223,16 @@ parameters and optimizer state: CUDA), ops and compile seconds of one case."""
         torch.cuda.reset_peak_memory_stats()
         held_before = torch.cuda.memory_allocated()
     step, owner = make()
-    losses, times = [], []
+    losses, times, cpu_times = [], [], []
     for i in range(warmup + iterations):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(step(i))  # float(loss): the step has finished on the device
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     counted = count_ops(step, warmup + iterations) if ops else (None, None, None)
-    row = dict(ms=1000.0 * statistics.median(times[warmup:]), losses=losses, ops=counted[0], launches=counted[1],
+    row = dict(ms=1000.0 * statistics.median(times[warmup:]), cpu_ms=1000.0 * min(cpu_times[warmup:]), losses=losses, ops=counted[0], launches=counted[1],
                syncs=counted[2],
                peak_gb=(torch.cuda.max_memory_allocated() - held_before) / 2 ** 30 if cuda else None,
                compile_s=compile_seconds() - compile_before)
@@ -245,15 +248,15 @@ def table(shape, rows, flops_per_iteration, peak):
     base = next((r["ms"] for name, r in ok if name == "deepspeed"), None)
     anchor = next((r["ms"] for name, r in ok if name == "transformers compiled"), None)
     lines = [f"## {shape}", "",
-             "| run | ms / iteration | vs DeepSpeed | vs transformers compiled | TFLOP/s | MFU | peak GB "
+             "| run | ms / iteration | CPU ms | vs DeepSpeed | vs transformers compiled | TFLOP/s | MFU | peak GB "
              "| loss first -> last | aten ops | launches | syncs | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 11)
             continue
         tflops = flops_per_iteration / (r["ms"] / 1000.0) / 1e12
-        cells = [name, f"{r['ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
+        cells = [name, f"{r['ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
                  f"{r['ms'] / anchor:.3f}" if anchor else "-", f"{tflops:.2f}",
                  f"{100 * tflops / peak:.1f} %" if peak else "-",
                  f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",

@@ -60,7 +60,7 @@ def _disable_outside_calls():
 class CompileMode:
     """What the compiled layers must leave outside their graphs (read while dynamo traces: a change
     makes it trace again)."""
-    linears_outside = False  # deferred weight gradients: the linears' backward must stay eager
+    linears_outside = False  # deferred weight gradients: a linear without carriers must stay eager
     layers_compiled = False  # compile_layers ran in this process
 
 

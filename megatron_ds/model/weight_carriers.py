@@ -62,13 +62,11 @@ class _Carry(torch.autograd.Function):
     """Makes a forward op's carriers (eager, once per op); its backward receives what they carried."""
 
     @staticmethod
-    def forward(ctx, anchor, weights, leading):
+    def forward(ctx, anchor, weights, bases, leading):
+        """bases: [(0-d tensor, features)], the output's and the input's of each weight in turn."""
         ctx.weights = weights
         ctx.set_materialize_grads(False)  # a linear the graph did not run carries nothing (None)
-        # Each its own 0-d base (carriers that alias one another would make AOTAutograd merge them), of
-        # the weight's dtype (autograd would cast a gradient of another dtype to the carrier's: a copy).
-        return tuple(torch.empty((), dtype=w.dtype, device=w.device).expand(*leading, features)
-                     for w in weights for features in w.shape)
+        return tuple(base.expand(*leading, features) for base, features in bases)
 
     @staticmethod
     def backward(ctx, *carried):
@@ -81,7 +79,7 @@ class _Carry(torch.autograd.Function):
                 _accumulate_product(weight, grad_2d, x_2d)
             else:
                 queue.append(lambda w=weight, g=grad_2d, i=x_2d: _accumulate_product(w, g, i))
-        return None, None, None
+        return None, None, None, None
 
 
 class Carriers:
@@ -91,6 +89,9 @@ class Carriers:
         self._weights = [m.weight for m in linears]
         self._slots = [m.w_slot for m in linears]
         self._anchor = None  # a leaf that never gets a gradient: it only makes the carriers require one
+        # A 0-d base per carrier, kept across ops: carriers that alias one another would make AOTAutograd
+        # merge them. Of the weight's dtype: autograd would cast a gradient of another dtype (a copy).
+        self._bases = None
 
     @classmethod
     def of(cls, modules):
@@ -104,7 +105,9 @@ class Carriers:
         """Fill every slot for a forward op whose hidden states have the leading dims `leading`."""
         if self._anchor is None:
             self._anchor = torch.zeros((), device=self._weights[0].device, requires_grad=True)
-        carriers = _Carry.apply(self._anchor, self._weights, leading)
+            self._bases = [(torch.empty((), dtype=w.dtype, device=w.device), features)
+                           for w in self._weights for features in w.shape]  # (out, in)
+        carriers = _Carry.apply(self._anchor, self._weights, self._bases, leading)
         for slot, grad_out, x in zip(self._slots, carriers[0::2], carriers[1::2]):
             slot.grad_out, slot.input = grad_out, x
         try:
