@@ -72,7 +72,7 @@ class _Carry(torch.autograd.Function):
     def backward(ctx, *carried):
         queue = WeightGradStore._queue  # open in a B op: the GEMMs wait for its W
         for weight, grad_out, x in zip(ctx.weights, carried[0::2], carried[1::2]):
-            if grad_out is None:
+            if grad_out is None or not weight.requires_grad:  # not run by the graph, or frozen
                 continue
             grad_2d, x_2d = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
             if queue is None:
