@@ -54,19 +54,30 @@ def _accumulate_product(param, grad_2d, x_2d):
         param.grad.addmm_(grad_2d.t(), x_2d)
 
 
+def linear_forward(ctx, x, weight, bias):
+    """F.linear in an autograd.Function's forward, saving what linear_input_grads needs."""
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+    return F.linear(x, weight, bias)
+
+
+def linear_input_grads(ctx, grad_out):
+    """A linear's backward but its weight GEMM: (x, weight, grad_x, grad_bias)."""
+    x, weight = ctx.saved_tensors
+    grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+    grad_bias = bias_grad(grad_out) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return x, weight, grad_x, grad_bias
+
+
 class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return linear_forward(ctx, x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_bias = bias_grad(grad_out) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        x, weight, grad_x, grad_bias = linear_input_grads(ctx, grad_out)
         grad_weight = weight_grad(weight, grad_out, x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, grad_bias
 

@@ -17,9 +17,8 @@ graph, so a B op runs each compiled layer's backward as one graph, and a W op is
 import contextlib
 
 import torch
-import torch.nn.functional as F
 
-from .linear import WeightGradStore, _accumulate_product, bias_grad
+from .linear import WeightGradStore, _accumulate_product, linear_forward, linear_input_grads
 
 
 class WeightGradSlot:
@@ -46,15 +45,11 @@ class _CarriedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, grad_carrier, input_carrier):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return linear_forward(ctx, x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_x = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_bias = bias_grad(grad_out) if ctx.has_bias else None
+        x, _, grad_x, grad_bias = linear_input_grads(ctx, grad_out)
         return grad_x, None, grad_bias, grad_out, x
 
 
