@@ -92,13 +92,21 @@ def weight_grad(weight, grad_out, x):
     Every deferrable linear layer (the tensor-parallel ones too) goes through here, so
     a deferred weight gradient is the very GEMM a fused backward computes.
     """
+    if WeightGradStore._queue is None:
+        return grad_out.reshape(-1, grad_out.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+    accumulate_weight_grad(weight, grad_out, x)
+    return None
+
+
+def accumulate_weight_grad(weight, grad_out, x):
+    """weight.grad += grad_out^T x over all tokens: queued for the W op inside a B op, else now."""
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
     x_2d = x.reshape(-1, x.shape[-1])
     queue = WeightGradStore._queue
     if queue is None:
-        return grad_2d.t().matmul(x_2d)
-    queue.append(lambda: _accumulate_product(weight, grad_2d, x_2d))
-    return None
+        _accumulate_product(weight, grad_2d, x_2d)
+    else:
+        queue.append(lambda: _accumulate_product(weight, grad_2d, x_2d))
 
 
 def linear(x, weight, bias=None, slot=None):

@@ -8,8 +8,8 @@ the layer takes as inputs of its graph. The linear's backward leaves its weight 
 as the gradients of the carriers, its two operands: the output gradient and the input. Both come out
 of the graph as its outputs (no copy), and autograd hands them to the one eager node that made the
 carriers (`_Carry`), which runs when the op's backward has passed every layer: inside a B op it queues
-each weight GEMM for the W op, in a fused backward it computes it at once. The GEMM is
-linear._accumulate_product, the eager split's own.
+each weight GEMM for the W op, in a fused backward it computes it at once
+(linear.accumulate_weight_grad, the eager split's own).
 
 Everything else of the layer's backward (input gradients, bias and norm gradients) stays in its
 graph, so a B op runs each compiled layer's backward as one graph, and a W op is one GEMM per linear.
@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from .linear import WeightGradStore, _accumulate_product, linear_forward, linear_input_grads
+from .linear import accumulate_weight_grad, linear_forward, linear_input_grads
 
 
 class WeightGradSlot:
@@ -65,15 +65,9 @@ class _Carry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *carried):
-        queue = WeightGradStore._queue  # open in a B op: the GEMMs wait for its W
         for weight, grad_out, x in zip(ctx.weights, carried[0::2], carried[1::2]):
-            if grad_out is None or not weight.requires_grad:  # not run by the graph, or frozen
-                continue
-            grad_2d, x_2d = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
-            if queue is None:
-                _accumulate_product(weight, grad_2d, x_2d)
-            else:
-                queue.append(lambda w=weight, g=grad_2d, i=x_2d: _accumulate_product(w, g, i))
+            if grad_out is not None and weight.requires_grad:  # run by the graph, not frozen
+                accumulate_weight_grad(weight, grad_out, x)  # in a B op: queued for its W
         return None, None, None, None
 
 

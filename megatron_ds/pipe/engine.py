@@ -164,8 +164,7 @@ class ScheduleEngine(PipelineEngine):
         carriers = self._carriers[chunk]
         if carriers is None or not (self.module.training and torch.is_grad_enabled()):
             return contextlib.nullcontext()
-        tokens = self.plan.segment_lengths[seq] if self.plan.segment_lengths else self.plan.seq_length
-        return carriers.forward((self.plan.micro_batch_size, tokens))
+        return carriers.forward((self.plan.micro_batch_size, self.plan.segment_length(seq)))
 
     # -- p2p and hand-over -----------------------------------------------------------------------
     def _emit(self, op, tensor):

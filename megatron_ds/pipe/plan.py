@@ -283,11 +283,15 @@ class PipelinePlan:
         start = sum(self.segment_lengths[:seq])
         return slice(start, start + self.segment_lengths[seq])
 
+    def segment_length(self, seq: int) -> int:
+        """The token count of sequence segment `seq` (the sequence's when it is not split)."""
+        return self.segment_lengths[seq] if self.segment_lengths else self.seq_length
+
     def message_shape(self, key: tuple) -> tuple:
         """(micro batch, tokens, hidden) of a message; its last field is the segment. Under sequence
         parallelism a message is this TP rank's shard of the tokens. A vocabulary message's last
         dimension is its own (vocab_messages.width)."""
-        seq = self.segment_lengths[key[-1]] if self.segment_lengths else self.seq_length
+        seq = self.segment_length(key[-1])
         return (self.micro_batch_size, seq // token_shards(key, self.sequence_shards), width(key, self.hidden_size))
 
     def needs_data(self, rank: int) -> bool:
