@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a borrowed GPU (minutes are scarce): install the carried wheels (.whl/: DeepSpeed built from
 # its sdist and the pure-Python packages the image lacks), run the CUDA tests for at most TESTS_SECONDS
-# (GPU_TESTS names more test files: tests/training/test_cuda_training.py),
-# then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as it happens, so a
+# (GPU_TESTS names more test files: tests/training/test_cuda_training.py), bench/head_loss.py (HEAD_LOSS:
+# its flags, or off), then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as it happens, so a
 # call cut off at its limit still brings back what ran; the tables are printed at the end.
 #
 #   bash bench/gpu_session.sh 150 "--shapes 2048x4 --cases deepspeed,1f1b --compile off,on --count-ops"
@@ -22,9 +22,15 @@ tests_seconds=$1
 shift
 if [ "$tests_seconds" -gt 0 ]; then
   timeout "$tests_seconds" python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py \
-    tests/pipe/test_cuda_compile.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
+    tests/model/test_compile.py tests/pipe/test_cuda_compile.py ${GPU_TESTS:-} > "$OUT/tests.log" 2>&1
   echo "tests: exit $?" >> "$OUT/tests.log"
   tail -n 25 "$OUT/tests.log"
+fi
+if [ "${HEAD_LOSS:-}" != "off" ]; then  # the head + loss forms, seconds: HEAD_LOSS=off leaves it out
+  # shellcheck disable=SC2086 - a list of bench flags
+  timeout 180 python3 -m bench.head_loss ${HEAD_LOSS:-} > "$OUT/head_loss.log" 2>&1
+  echo "head_loss: exit $?" >> "$OUT/head_loss.log"
+  grep -vi warn "$OUT/head_loss.log" | tail -n 8
 fi
 run=0
 for bench_args in "$@"; do

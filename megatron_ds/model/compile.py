@@ -1,4 +1,5 @@
-"""Regional torch.compile: each transformer layer its own compiled region (torchtitan's apply_compile).
+"""Regional torch.compile: each transformer layer its own compiled region (torchtitan's apply_compile),
+and the loss another (compile_loss).
 
 Every TransformerLayer, and the final norm, is compiled in place (`nn.Module.compile`: parameter
 names, state dicts and checkpoints unchanged) with static shapes; layers share one compiled graph per input shape, as their
@@ -83,6 +84,17 @@ def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor",
     return count
 
 
+def compile_loss(loss_fn, backend: str = "inductor"):
+    """`loss_fn` (the plain cross-entropy, layers.gpt_loss) compiled as a region of its own. Eager, the
+    loss passes over a (tokens x vocabulary) tensor about ten times a micro-batch, most in fp32 (the
+    upcast, log-softmax, the one-hot gradient nll_loss's backward writes, log-softmax's backward, the
+    cast back), and holds the fp32 log-probabilities from forward to backward. Inductor fuses these
+    into reductions over the logits as they came and one kernel writing their gradient, and keeps the
+    logits themselves (half the bytes in bf16). Never a CUDA graph: its inputs would be copied into
+    static buffers, and the logits are the largest tensor of a step."""
+    return torch.compile(loss_fn, backend=backend, dynamic=False)
+
+
 def compile_seconds():
     """Seconds dynamo and inductor have spent so far in this process (forward graphs when traced,
     backward graphs when first run)."""
@@ -104,7 +116,7 @@ def compile_summary():
     seconds = compile_seconds()
     if not seconds:
         return None
-    line = f"> compiled transformer layers (torch.compile, regional): {seconds:.1f} s compiling"
+    line = f"> compiled regions (torch.compile, per layer and the loss): {seconds:.1f} s compiling"
     unplanned = unplanned_graph_breaks()
     if unplanned:
         line += "; graph breaks not removed: " + "; ".join(f"{r} (x{n})" for r, n in sorted(unplanned.items()))

@@ -44,7 +44,8 @@ class PipelineSettings:
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
     op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
     vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
-    compile_layers: Optional[bool] = None  # torch.compile each transformer layer (model/compile.py); None: compiles_layers
+    compile_layers: Optional[bool] = None  # torch.compile each transformer layer, the final norm and the loss
+    # (model/compile.py); None: compiles_layers
     cuda_graphs: bool = False      # the compiled layers replayed as CUDA graphs (inductor's cudagraph trees)
 
     def compiles_layers(self, cuda: bool, splits_ops: bool) -> bool:

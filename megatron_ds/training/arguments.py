@@ -145,8 +145,8 @@ def build_parser():
     g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None)
     g.add_argument("--zero-stage", type=int, default=None)
     g.add_argument("--compile-layers", action=argparse.BooleanOptionalAction, default=None,
-                   help='torch.compile each transformer layer ("pipeline.compile_layers"; default: on with CUDA, '
-                        'off on CPU)')
+                   help='torch.compile each transformer layer, the final norm and the loss ("pipeline.compile_layers"; '
+                        'default: on with CUDA where measured to pay, off on CPU)')
     g.add_argument("--enable-cuda-graph", action="store_true",
                    help='replay the compiled layers as CUDA graphs ("pipeline.cuda_graphs" = true; CUDA only)')
     g.add_argument("--loss-chunk-size", type=int, default=0,

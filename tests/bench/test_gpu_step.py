@@ -1,10 +1,10 @@
 """bench/gpu_step.py at toy size on CPU (structure, not timings: CI keeps it working), and the host work
 per iteration it counts (torch.profiler, aten operators dispatched, PP=1): an eager Seq1F1B k=4 step
 dispatches about 4x the operators of the eager unsplit step; with compiled layers (and final norm) it must
-stay at most 1.5x, the issue's goal. Measured 1.29x (6341 / 4929) with a 2-layer toy model since the
-K/V cache runs inside the compiled layer (1.42x before); what is left is the embedding, head, loss and
-optimizer, not compiled, which run per segment. The test holds it at 1.35x: it fails if the count
-grows, or if any of our steps reads a tensor into Python (.item(), float(t): a host synchronisation on
+stay at most 1.5x, the issue's goal. Measured 1.19x (5861 / 4929) with a 2-layer toy model since the
+loss compiles too (1.29x since the K/V cache runs inside the compiled layer, 1.42x before); what is left
+is the embedding, head and optimizer, not compiled, which run per segment. The test holds it at 1.25x:
+it fails if the count grows, or if any of our steps reads a tensor into Python (.item(), float(t): a host synchronisation on
 CUDA) more often than DeepSpeed's engine does. One process."""
 from megatron_ds.testing.launcher import run_ranks
 
@@ -30,7 +30,7 @@ def test_toy_bench_runs_and_host_ops_stay_bounded():
         assert max(abs(a - b) for a, b in zip(rows[name]["losses"], rows["deepspeed"]["losses"])) < 1e-5, name
     unsplit, split, compiled = rows["1f1b"]["ops"], rows["seq1f1b-k4"]["ops"], rows["seq1f1b-k4 compiled"]["ops"]
     assert split > 3 * unsplit  # what the segments cost eagerly (3.9x measured)
-    assert compiled <= 1.35 * unsplit, (compiled, unsplit, compiled / unsplit)
+    assert compiled <= 1.25 * unsplit, (compiled, unsplit, compiled / unsplit)
     # the stock engine's reads: its gradient-norm check and the caller's float(loss); segments add none
     assert rows["deepspeed"]["syncs"] > 0
     for name in ("1f1b", "seq1f1b-k4", "seq1f1b-k4 compiled"):

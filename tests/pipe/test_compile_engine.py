@@ -2,8 +2,9 @@
 eager single-process reference: loss, every gradient (first step), the weights after 3 optimizer steps
 and the eval loss, 1e-5 fp32, under zbv (B/W split, V placement), seq1f1b k=2 + B/W split (segments
 through the K/V cache), interleaved and bitpipe (fused backward), at PP=2 and PP=2 x DP=2 (ZeRO-1);
-activation checkpointing and post-validation ride along on two of the cases. A LLaMA-style tiny model
-(RMSNorm, SwiGLU, RoPE, grouped K/V) so every compiled piece runs. One launch per layout: a rank
+activation checkpointing and post-validation ride along on two of the cases. The loss is compiled
+too (compile_loss): every rank holds it under one of the schedules. A LLaMA-style tiny model (RMSNorm,
+SwiGLU, RoPE, grouped K/V) so every compiled piece runs. One launch per layout: a rank
 compiles each graph once and every case after the first reuses it (inductor's on-disk cache serves
 a second launch)."""
 import pytest
@@ -27,12 +28,15 @@ PIPELINES = [
 
 
 def compiled_rank_runs(*args, **kwargs):
-    """engine_rank_runs, plus what dynamo did on this rank: graphs compiled, graph breaks not by design."""
+    """engine_rank_runs, plus what dynamo did on this rank: graphs compiled, graph breaks not by design,
+    and the loss's compiled variants (shapes, training and evaluation)."""
     import torch
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from megatron_ds.model.compile import compile_seconds, unplanned_graph_breaks
+    from megatron_ds.model.layers import gpt_loss
     results = engine_rank_runs(*args, **kwargs)
     dynamo = dict(graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"], seconds=compile_seconds(),
-                  unplanned=unplanned_graph_breaks())
+                  unplanned=unplanned_graph_breaks(), loss_graphs=len(_debug_get_cache_entry_list(gpt_loss.__code__)))
     return [dict(r, dynamo=dynamo) for r in results]
 
 
@@ -45,6 +49,8 @@ def test_compiled_layers_match_eager_reference(world, pp):
                          lr=LR, timeout=1500)
     for r in per_rank:  # the layers did run compiled, and dynamo broke its graphs only where designed to
         assert r[0]["dynamo"]["graphs"] > 0 and r[0]["dynamo"]["seconds"] > 0, r[0]["dynamo"]
+        # the loss too: zbv computes it on rank 0, the others on the last rank
+        assert r[0]["dynamo"]["loss_graphs"] > 0, r[0]["dynamo"]
         assert r[0]["dynamo"]["unplanned"] == {}, r[0]["dynamo"]["unplanned"]
     for i, pipeline in enumerate(pipelines):
         try:
