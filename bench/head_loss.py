@@ -1,11 +1,12 @@
 """The LM head and its loss for one micro-batch, forward and backward, in each of the forms a run can
 pick: eager (the head's GEMM, then layers.gpt_loss), the loss compiled (model/compile.compile_loss,
-what "pipeline.compile_layers" runs), chunked (--loss-chunk-size: the logits never whole) and, on CUDA
+what "pipeline.compile_layers" runs), chunked (--loss-chunk-size: the logits never whole; eager, and
+with the arithmetic between its GEMMs compiled, as "pipeline.compile_layers" runs it) and, on CUDA
 with liger-kernel installed, Liger's fused linear cross-entropy (--use-liger-kernel). Prints per form
 the median ms (CUDA events, else the wall clock) and its ratio to eager, measured side by side in one
 run; the bytes autograd keeps from forward to backward (each storage once; the weight and the hidden
-states, which the run holds anyway, left out); --loss-only times the loss alone on given logits; the peak memory above what was allocated before
-(CUDA); the loss and how far its gradients are from eager's.
+states, which the run holds anyway, left out); the peak memory above what was allocated before (CUDA);
+the loss and how far its gradients are from eager's. --loss-only times the loss alone on given logits.
 
     python -m bench.head_loss                                   # the issue-24 head: 8192 tokens, bf16 on CUDA
     python -m bench.head_loss --tokens 2048 --hidden-size 128    # on CPU (its bf16 GEMMs are slow)
@@ -17,7 +18,7 @@ import argparse
 import statistics
 import time
 
-FORMS = ("eager", "compiled", "chunked", "liger")
+FORMS = ("eager", "compiled", "chunked", "chunked-compiled", "liger")
 
 
 def build_parser():
@@ -44,8 +45,9 @@ def head_and_loss(form, chunk, loss_only=False):
     if form in ("eager", "compiled"):
         loss = gpt_loss if form == "eager" else compile_loss(gpt_loss)
         return (lambda h, w, y: loss(h, y) + 0 * w.sum()) if loss_only else (lambda h, w, y: loss(F.linear(h, w), y))
-    if form == "chunked":
-        return lambda h, w, y: chunked_head_loss((h, w), y, chunk)
+    if form.startswith("chunked"):
+        compiled = form == "chunked-compiled"
+        return lambda h, w, y: chunked_head_loss((h, w), y, chunk, compiled=compiled)
     return lambda h, w, y: liger_head_loss((h, w), y)
 
 
@@ -137,17 +139,17 @@ def main(argv=None):
 def table(rows):
     base = rows.get("eager")
     base = None if isinstance(base, str) else base
-    lines = [f"{'form':10} {'ms':>9} {'/ eager':>8} {'kept MiB':>9} {'peak GiB':>9} {'loss':>10} "
+    lines = [f"{'form':17} {'ms':>9} {'/ eager':>8} {'kept MiB':>9} {'peak GiB':>9} {'loss':>10} "
              f"{'|dh - eager|':>13} {'|dw - eager|':>13}"]
     for form, row in rows.items():
         if isinstance(row, str):
-            lines.append(f"{form:10} failed: {row}")
+            lines.append(f"{form:17} failed: {row}")
             continue
         ms, (loss, dh, dw, kept), peak = row
         ratio = f"{ms / base[0]:.3f}" if base else "-"
         dh_err = f"{(dh.float() - base[1][1].float()).abs().max().item():.2e}" if base else "-"
         dw_err = f"{(dw.float() - base[1][2].float()).abs().max().item():.2e}" if base else "-"
-        lines.append(f"{form:10} {ms:9.2f} {ratio:>8} {kept / 2 ** 20:9.1f} {'-' if peak is None else f'{peak:.2f}':>9} "
+        lines.append(f"{form:17} {ms:9.2f} {ratio:>8} {kept / 2 ** 20:9.1f} {'-' if peak is None else f'{peak:.2f}':>9} "
                      f"{loss.item():10.6f} {dh_err:>13} {dw_err:>13}")
     return "\n".join(lines)
 

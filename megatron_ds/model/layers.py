@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .attention import CausalSelfAttention
 from megatron_ds.gpt_config import GPTConfig
 from .chunked_loss import chunked_linear_cross_entropy
+from .compile import compile_loss
 from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_linear, copy_to_region, gather_from_sequence, scatter_to_sequence,
                               tensor_parallel_group, vocab_parallel_loss)
@@ -214,10 +215,21 @@ def loss_function(config: GPTConfig):
     return gpt_loss if group is None else functools.partial(vocab_parallel_loss, group=group)
 
 
-def chunked_head_loss(outputs, labels, chunk, group=None):
+def compiled_loss(loss_fn):
+    """What "pipeline.compile_layers" makes of a loss loss_function returned: gpt_loss a compiled region of
+    its own, the chunked head + loss with the arithmetic between its GEMMs compiled; the vocab-parallel
+    loss (collectives) and Liger's (its own kernels) as they are."""
+    if loss_fn is gpt_loss:
+        return compile_loss(gpt_loss)
+    if isinstance(loss_fn, functools.partial) and loss_fn.func is chunked_head_loss:
+        return functools.partial(loss_fn, compiled=True)
+    return loss_fn
+
+
+def chunked_head_loss(outputs, labels, chunk, group=None, compiled=False):
     """The loss of a chunked head's (hidden, weight): gpt_loss of hidden @ weight^T, never whole."""
     hidden, weight = outputs
-    return chunked_linear_cross_entropy(hidden, weight, labels, chunk, group)
+    return chunked_linear_cross_entropy(hidden, weight, labels, chunk, group, compiled)
 
 
 def liger_head_loss(outputs, labels):

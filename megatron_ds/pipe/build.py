@@ -16,8 +16,8 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs
-from megatron_ds.model.compile import compile_layers, compile_loss
-from megatron_ds.model.layers import FinalNorm, TransformerLayer, gpt_loss, loss_function
+from megatron_ds.model.compile import compile_layers
+from megatron_ds.model.layers import FinalNorm, TransformerLayer, compiled_loss, loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 
@@ -86,16 +86,13 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
 
 
 def compiled(module, settings, defer_weight_grads: bool):
-    """The module with its transformer layers, the final norm and the loss compiled when
-    "pipeline.compile_layers" asks for it (the final norm runs once per op, as a layer does: eager, it
-    dispatches a score of operators forward and backward, which every Seq1F1B segment pays again). Only
-    the plain loss compiles: the vocab-parallel one calls collectives, and the chunked and Liger losses
-    never hold the whole logits anyway."""
+    """The module with its transformer layers, the final norm and the loss (layers.compiled_loss) compiled
+    when "pipeline.compile_layers" asks for it (the final norm runs once per op, as a layer does: eager, it
+    dispatches a score of operators forward and backward, which every Seq1F1B segment pays again)."""
     if settings.compiles_layers(torch.cuda.is_available(), defer_weight_grads or settings.seq_splits > 1):
         compile_layers([m for m in module.modules() if isinstance(m, (TransformerLayer, FinalNorm))],
                        defer_weight_grads, cuda_graphs=settings.cuda_graphs)
-        if module.loss_fn is gpt_loss:
-            module.loss_fn = compile_loss(gpt_loss)
+        module.loss_fn = compiled_loss(module.loss_fn)
     return module
 
 

@@ -8,14 +8,14 @@ TOY = ["--tokens", "64", "--hidden-size", "32", "--vocab-size", "500", "--loss-c
 
 def test_every_form_equals_eager(capsys):
     rows = head_loss.main(TOY)
-    assert set(rows) == {"eager", "compiled", "chunked"}  # no Liger row without CUDA
+    assert set(rows) == {"eager", "compiled", "chunked", "chunked-compiled"}  # no Liger row without CUDA
     assert not [form for form, row in rows.items() if isinstance(row, str)], rows
     _, (loss, dh, dw, kept), _ = rows["eager"]
-    for form in ("compiled", "chunked"):
+    for form in ("compiled", "chunked", "chunked-compiled"):
         ms, (f_loss, f_dh, f_dw, f_kept), _ = rows[form]
         assert ms > 0 and abs(f_loss.item() - loss.item()) < 1e-6, form
         assert (f_dh - dh).abs().max() < 1e-6 and (f_dw - dw).abs().max() < 1e-6, form
-    assert rows["chunked"][1][3] < kept
+    assert rows["chunked"][1][3] < kept and rows["chunked-compiled"][1][3] < kept
     assert "/ eager" in capsys.readouterr().out
 
 
