@@ -2,8 +2,8 @@
 # One call on a borrowed GPU (minutes are scarce): install the carried wheels (.whl/: DeepSpeed built from
 # its sdist and the pure-Python packages the image lacks), run the CUDA tests for at most TESTS_SECONDS
 # (GPU_TESTS names more test files: tests/training/test_cuda_training.py), bench/head_loss.py (HEAD_LOSS:
-# its flags, or off), then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as it happens, so a
-# call cut off at its limit still brings back what ran; the tables are printed at the end.
+# its flags, or off), then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as
+# it happens, so a call cut off at its limit still brings back what ran; the tables are printed at the end.
 #
 #   bash bench/gpu_session.sh 150 "--shapes 2048x4 --cases deepspeed,1f1b --compile off,on --count-ops"
 set -uo pipefail

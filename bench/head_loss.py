@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+
+from bench.layer_costs import Timer
 
 FORMS = ("eager", "compiled", "chunked", "chunked-compiled", "liger")
 
@@ -38,17 +39,19 @@ def build_parser():
 
 
 def head_and_loss(form, chunk, loss_only=False):
-    """A function (hidden, weight, labels) -> loss for `form`; `loss_only`: (logits, weight unused, labels)."""
+    """A function (hidden, weight, labels) -> loss for `form`; `loss_only`: (logits, weight unused, labels).
+    The compiled forms are what "pipeline.compile_layers" makes of the loss (layers.compiled_loss)."""
+    import functools
     import torch.nn.functional as F
-    from megatron_ds.model.compile import compile_loss
-    from megatron_ds.model.layers import chunked_head_loss, gpt_loss, liger_head_loss
-    if form in ("eager", "compiled"):
-        loss = gpt_loss if form == "eager" else compile_loss(gpt_loss)
-        return (lambda h, w, y: loss(h, y) + 0 * w.sum()) if loss_only else (lambda h, w, y: loss(F.linear(h, w), y))
+    from megatron_ds.model.layers import chunked_head_loss, compiled_loss, gpt_loss, liger_head_loss
+    if form == "liger":
+        return lambda h, w, y: liger_head_loss((h, w), y)
+    compile_ = compiled_loss if form.endswith("compiled") else (lambda fn: fn)
     if form.startswith("chunked"):
-        compiled = form == "chunked-compiled"
-        return lambda h, w, y: chunked_head_loss((h, w), y, chunk, compiled=compiled)
-    return lambda h, w, y: liger_head_loss((h, w), y)
+        loss = compile_(functools.partial(chunked_head_loss, chunk=chunk, group=None))
+        return lambda h, w, y: loss((h, w), y)
+    loss = compile_(gpt_loss)
+    return (lambda h, w, y: loss(h, y) + 0 * w.sum()) if loss_only else (lambda h, w, y: loss(F.linear(h, w), y))
 
 
 def run_once(fn, hidden, weight, labels, count_input=False):
@@ -75,20 +78,8 @@ def measure(fn, hidden, weight, labels, warmup, repeats, count_input=False):
     cuda = hidden.is_cuda
     for _ in range(warmup):
         run_once(fn, hidden, weight, labels)
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            run_once(fn, hidden, weight, labels)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            run_once(fn, hidden, weight, labels)
-            times.append(1000 * (time.perf_counter() - t0))
+    timer = Timer(hidden.device)
+    times = [1000 * timer(lambda: run_once(fn, hidden, weight, labels)) for _ in range(repeats)]
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -85,8 +85,8 @@ def compile_layers(modules, defer_weight_grads: bool, backend: str = "inductor",
 
 
 def compile_loss(loss_fn, backend: str = "inductor"):
-    """`loss_fn` (the plain cross-entropy, layers.gpt_loss) compiled as a region of its own. Eager, the
-    loss passes over a (tokens x vocabulary) tensor about ten times a micro-batch, most in fp32 (the
+    """`loss_fn` (the plain cross-entropy, layers.gpt_loss, or the arithmetic of a chunked one,
+    chunked_loss.ChunkMath) compiled as a region of its own. Eager, the plain loss passes over a (tokens x vocabulary) tensor about ten times a micro-batch, most in fp32 (the
     upcast, log-softmax, the one-hot gradient nll_loss's backward writes, log-softmax's backward, the
     cast back), and holds the fp32 log-probabilities from forward to backward. Inductor fuses these
     into reductions over the logits as they came and one kernel writing their gradient, and keeps the
