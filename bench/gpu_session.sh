@@ -39,4 +39,6 @@ for bench_args in "$@"; do
   python3 -m bench.gpu_step $bench_args --json "$OUT/bench$run.json" > "$OUT/bench$run.log" 2>&1
   echo "bench $run: exit $?" >> "$OUT/bench$run.log"
   grep -E '^(device|##|\||  [a-z0-9]|bench [0-9]+: exit)|Error' "$OUT/bench$run.log" | cut -c1-400
+  # why inductor ran a compiled graph without its CUDA graph, once per reason
+  grep -o 'skipping cudagraphs due to [^.]*' "$OUT/bench$run.log" | sort | uniq -c | head -n 8
 done

@@ -6,7 +6,8 @@ a CPU the steadier measure of a noisy machine; on CUDA it counts waiting for the
 TFLOP/s (schedules/flops.py) and MFU where the card's bf16 peak is known, peak memory, the first and
 last loss, and with --count-ops the aten operators, the host synchronisations (on CUDA torch's sync
 debug mode, on CPU the tensor-to-Python reads), and on CUDA the kernel launches, of one iteration
-(torch.profiler).
+(torch.profiler). Rows with CUDA graphs count the compiled graphs inductor ran without one (it logs why:
+"skipping cudagraphs due to ...").
 
 The issue-24 model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
 RoPE, untied head, vocabulary 50304; bf16 weights on CUDA, ZeRO-1 for the engines, fused AdamW for
@@ -216,8 +217,9 @@ def measure(make, shape, config, warmup, iterations, ops):
 parameters and optimizer state: CUDA), ops and compile seconds of one case."""
     import torch
     from megatron_ds.model.compile import compile_seconds
+    from torch._dynamo.utils import counters
     cuda = torch.cuda.is_available()
-    compile_before = compile_seconds()
+    compile_before, skips_before = compile_seconds(), counters["inductor"]["cudagraph_skips"]
     if cuda:  # the case's own memory: what earlier cases' engines still hold (DeepSpeed keeps some) is left out
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -235,7 +237,8 @@ parameters and optimizer state: CUDA), ops and compile seconds of one case."""
     row = dict(ms=1000.0 * statistics.median(times[warmup:]), cpu_ms=1000.0 * min(cpu_times[warmup:]), losses=losses, ops=counted[0], launches=counted[1],
                syncs=counted[2],
                peak_gb=(torch.cuda.max_memory_allocated() - held_before) / 2 ** 30 if cuda else None,
-               compile_s=compile_seconds() - compile_before)
+               compile_s=compile_seconds() - compile_before,
+               graph_skips=counters["inductor"]["cudagraph_skips"] - skips_before if cuda else None)
     del step, owner
     gc.collect()
     if cuda:
@@ -249,11 +252,11 @@ def table(shape, rows, flops_per_iteration, peak):
     anchor = next((r["ms"] for name, r in ok if name == "transformers compiled"), None)
     lines = [f"## {shape}", "",
              "| run | ms / iteration | CPU ms | vs DeepSpeed | vs transformers compiled | TFLOP/s | MFU | peak GB "
-             "| loss first -> last | aten ops | launches | syncs | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| loss first -> last | aten ops | launches | syncs | compile s | graphs not captured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows:
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 11)
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 12)
             continue
         tflops = flops_per_iteration / (r["ms"] / 1000.0) / 1e12
         cells = [name, f"{r['ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
@@ -262,7 +265,7 @@ def table(shape, rows, flops_per_iteration, peak):
                  f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
                  f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
                  *(str(r[k]) if r[k] is not None else "-" for k in ("ops", "launches", "syncs")),
-                 f"{r['compile_s']:.1f}"]
+                 f"{r['compile_s']:.1f}", str(r["graph_skips"]) if name.endswith(VARIANTS["graphs"]) and r["graph_skips"] is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

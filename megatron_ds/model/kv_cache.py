@@ -90,19 +90,25 @@ class KVSlot:
 
 class _Entry:
     """One (micro-batch, layer): its keys-and-values buffer (2, b, heads, total, head_dim), and the
-    gradients owed to their positions."""
+    gradients owed to their positions. `static`: the tensors over them are a CUDA graph's static inputs
+    (SegmentKVCache's docstring)."""
 
-    def __init__(self, b, heads, head_dim, total, dtype, device):
-        self.shape, self.dtype, self.device = (2, b, heads, total, head_dim), dtype, device
+    def __init__(self, b, heads, head_dim, total, dtype, device, static=False):
+        self.layout = (b, heads, head_dim, total, dtype, device)
+        self.shape, self.dtype, self.device, self.static = (2, b, heads, total, head_dim), dtype, device, static
         self.nbytes = 2 * b * heads * total * head_dim * dtype.itemsize
         self.kv = torch.UntypedStorage(self.nbytes, device=device)
         self.owed = torch.UntypedStorage(0, device=device)  # memory at the first backward
+        self.owing = False  # the owed gradients are zeroed for the micro-batch now using the entry
+        self.busy = True  # a micro-batch uses it (a static cache reuses a free one)
 
     def _tensor(self, storage):
         empty = storage.nbytes() == 0
         t = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, self.shape)
         if empty:  # set_ grew it: the owed buffer stays empty before the first backward (only saved until then)
             storage.resize_(0)
+        if self.static:  # no guard on the tensor object: a fresh one each open, over the same memory
+            torch._dynamo.mark_static_address(t, guard=False)
         return t
 
     def tensors(self):
@@ -111,9 +117,11 @@ class _Entry:
 
     def owe(self):
         """Give the owed gradients their memory, zeros, when the micro-batch's first backward opens."""
-        if self.owed.nbytes() == 0:
-            self.owed.resize_(self.nbytes)
+        if not self.owing:
+            if self.owed.nbytes() == 0:
+                self.owed.resize_(self.nbytes)
             self._tensor(self.owed).zero_()
+            self.owing = True
 
 
 class _Extend(torch.autograd.Function):
@@ -211,11 +219,19 @@ class SegmentKVCache:
     `key` is the runtime's name for one micro-batch on one model chunk, a pair (chunk, micro-batch):
     the cache lays out a micro-batch's buffers for the layers its chunk's earlier micro-batches had.
     `free(key)` drops it after the micro-batch's last backward there (or after its last forward in eval).
+
+    `static` (CUDA graphs, "pipeline.cuda_graphs"): a compiled layer writes the keys/values into its inputs,
+    which inductor's CUDA graphs accept only of static inputs, whose memory is the same at each replay. So
+    a static cache keeps the buffers of freed micro-batches and gives the next micro-batch the first free
+    ones: the same schedule takes the same buffers in the same order every iteration. It holds as many
+    micro-batches' buffers as were ever in flight at once, which is what the schedule's peak holds anyway.
     """
     _open = None  # the Segment of the op the runtime is running, None outside one
     opened = False  # _open is not None: what a compiled layer reads (its graphs depend on it, not on the Segment)
 
-    def __init__(self):
+    def __init__(self, static=False):
+        self.static = static
+        self._pool = {}  # layout -> [_Entry] a static cache made, in the order it made them (kept and reused)
         self._entries = {}  # key -> {KVSlot -> _Entry}
         self._runs = {}  # key -> [(start, stop)] of its segments run forward and not yet backward
         self._layouts = {}  # chunk -> {KVSlot -> (b, heads, head_dim, total, dtype, device)}
@@ -263,7 +279,7 @@ class SegmentKVCache:
                 chunk, _ = key
                 for slot, layout in self._layouts.get(chunk, {}).items():
                     if layout[3] == total:
-                        entries[slot] = _Entry(*layout)
+                        entries[slot] = self._take(layout)
             return entries, False
         if runs and (start, stop) == runs[-1]:  # its backward
             runs.pop()
@@ -279,11 +295,25 @@ class SegmentKVCache:
     def _new_entry(self, key, slot, layout):
         chunk, _ = key
         self._layouts.setdefault(chunk, {})[slot] = layout
-        entry = self._entries[key][slot] = _Entry(*layout)
+        entry = self._entries[key][slot] = self._take(layout)
+        return entry
+
+    def _take(self, layout):
+        """A static cache's first free entry of `layout` (the same schedule takes the same ones each
+        iteration), else a new one."""
+        if not self.static:
+            return _Entry(*layout)
+        entries = self._pool.setdefault(layout, [])
+        entry = next((e for e in entries if not e.busy), None)
+        if entry is None:
+            entry = _Entry(*layout, static=True)
+            entries.append(entry)
+        entry.busy, entry.owing = True, False
         return entry
 
     def free(self, key):
-        self._entries.pop(key, None)
+        for entry in self._entries.pop(key, {}).values():
+            entry.busy = False  # a static cache keeps its memory for the next micro-batch
         self._runs.pop(key, None)
 
     def keys(self):

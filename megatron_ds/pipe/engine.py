@@ -59,7 +59,8 @@ class ScheduleEngine(PipelineEngine):
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
-        self._kv = SegmentKVCache()  # Seq1F1B: earlier segments' keys/values, per ((replica, stage), mb)
+        # Seq1F1B: earlier segments' keys/values, per ((replica, stage), mb); CUDA graphs need their memory static
+        self._kv = SegmentKVCache(static=plan.settings.cuda_graphs)
         self._carriers = {}  # chunk -> Carriers of its compiled linears' weight GEMMs (or None)
         self._dtype = next(self.module.parameters()).dtype
         self._loss_sum = None

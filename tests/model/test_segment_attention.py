@@ -56,13 +56,24 @@ def full_run(module, x, grad_out):
 
 def segmented_run(module, x, grad_out, lengths, checkpoint=None, defer=False, cache=None, key=("mb", 0)):
     """Forward segments 0..k-1, then backward k-1..0, each segment its own graph (as the runtime does)."""
-    cache, units, start = cache or SegmentKVCache(), [], 0
+    cache = cache or SegmentKVCache()
+    units = forward_segments(module, x, lengths, cache, key, checkpoint)
+    return backward_segments(module, units, grad_out, cache, key, defer)
+
+
+def forward_segments(module, x, lengths, cache, key, checkpoint=None):
+    units, start = [], 0
     for n in lengths:
         xs = x[:, start:start + n].clone().requires_grad_()
         with cache.segment(key, start, start + n, S):
             ys = tc.checkpoint(module, xs, use_reentrant=checkpoint == "reentrant") if checkpoint else module(xs)
         units.append((start, n, xs, ys))
         start += n
+    return units
+
+
+def backward_segments(module, units, grad_out, cache, key, defer=False):
+    """The backward of forward_segments' units, last first: (output, input gradient, weight gradients)."""
     queues = []
     for start, n, xs, ys in reversed(units):
         with cache.segment(key, start, start + n, S):  # open for recomputation
@@ -213,6 +224,42 @@ def test_kv_buffers_are_written_in_place_and_owed_gradients_wait_for_the_backwar
     assert torch.equal(k.grad[:, :, 32:], torch.ones(1, 2, 16, 8))
     with cache.segment(("mb", 1), 0, 24, 48):  # laid out before any layer runs
         assert [tuple(t.shape) for t in slot.buffers] == [(2, 1, 2, 48, 8)] * 2
+
+
+def test_static_cache_gives_each_micro_batch_the_same_buffers_every_iteration():
+    """A static cache (CUDA graphs: the buffers are the compiled layers' static inputs) keeps freed buffers
+    and hands out the first free ones: with two micro-batches in flight each gets its own, the next
+    iteration gives each the same memory again (and zeroes its owed gradients again: the results equal
+    full attention every time), and every tensor over them is marked a static input. An ordinary cache
+    keeps nothing once a micro-batch is freed."""
+    lengths, (x, g) = [16, 16, 32], inputs()
+    layers = two_layers(**FAMILIES["llama"])
+    ref = full_run(layers, x, g)
+    cache, pointers = SegmentKVCache(static=True), []
+    for _ in range(2):
+        layers.zero_grad(set_to_none=True)
+        units = {mb: forward_segments(layers, x, lengths, cache, ("chunk", mb)) for mb in (0, 1)}
+        pointers.append({mb: sorted(t.untyped_storage().data_ptr() for t in entries_tensors(cache, mb))
+                         for mb in (0, 1)})
+        for mb in (0, 1):
+            got = backward_segments(layers, units[mb], g, cache, ("chunk", mb))
+            assert_close(got[0], ref[0], "output")
+            assert_close(got[1], ref[1], "input gradient")
+        for name in ref[2]:  # two micro-batches' weight gradients
+            assert_close(got[2][name], 2 * ref[2][name], f"gradient of {name}")
+    assert pointers[1] == pointers[0]
+    assert not set(pointers[0][0]) & set(pointers[0][1])
+    assert sum(len(entries) for entries in cache._pool.values()) == 2 * len(layers)
+    with cache.segment(("chunk", 2), 0, 16, S) as seg:
+        assert len(seg.filled) == len(layers)
+        assert all(t._dynamo_static_input_type == "unguarded" for slot in seg.filled for t in slot.buffers)
+    ordinary = SegmentKVCache()
+    segmented_run(layers, x, g, lengths, cache=ordinary, key=("chunk", 0))
+    assert ordinary._pool == {} and ordinary.keys() == []
+
+
+def entries_tensors(cache, mb):
+    return [entry._tensor(entry.kv) for entry in cache._entries[("chunk", mb)].values()]
 
 
 def test_compiled_layers_run_a_segment_as_one_graph():

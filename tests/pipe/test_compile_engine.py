@@ -1,8 +1,8 @@
 """Compiled transformer layers ("pipeline.compile_layers", model/compile.py) on ScheduleEngine equal the
 eager single-process reference: loss, every gradient (first step), the weights after 3 optimizer steps
 and the eval loss, 1e-5 fp32, under zbv (B/W split, V placement), seq1f1b k=2 + B/W split (segments
-through the K/V cache), interleaved and bitpipe (fused backward), at PP=2 and PP=2 x DP=2 (ZeRO-1);
-activation checkpointing and post-validation ride along on two of the cases. The loss is compiled
+through the static K/V cache of "pipeline.cuda_graphs"), interleaved and bitpipe (fused backward), at
+PP=2 and PP=2 x DP=2 (ZeRO-1); activation checkpointing and post-validation ride along on two of the cases. The loss is compiled
 too (compile_loss): every rank holds it under one of the schedules. A LLaMA-style tiny model (RMSNorm,
 SwiGLU, RoPE, grouped K/V) so every compiled piece runs. One launch per layout: a rank
 compiles each graph once and every case after the first reuses it (inductor's on-disk cache serves
@@ -21,7 +21,9 @@ LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
 PIPELINES = [
     {"schedule": "zbv", "post_validation": True},
-    {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True, "activation_checkpoint_interval": 1},
+    # cuda_graphs: on CPU no graph is replayed, but the K/V cache is the static one CUDA graphs need
+    {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True, "activation_checkpoint_interval": 1,
+     "cuda_graphs": True},
     {"schedule": "interleaved", "virtual_stages": 2},
     {"schedule": "bitpipe"},
 ]
