@@ -223,8 +223,9 @@ class SegmentKVCache:
     `static` (CUDA graphs, "pipeline.cuda_graphs"): a compiled layer writes the keys/values into its inputs,
     which inductor's CUDA graphs accept only of static inputs, whose memory is the same at each replay. So
     a static cache keeps the buffers of freed micro-batches and gives the next micro-batch the first free
-    ones: the same schedule takes the same buffers in the same order every iteration. It holds as many
-    micro-batches' buffers as were ever in flight at once, which is what the schedule's peak holds anyway.
+    ones: the same schedule takes the same buffers in the same order every iteration. It keeps, between
+    iterations too, the keys/values and owed gradients of as many micro-batches as were ever in flight at
+    once: the owed gradients of a micro-batch still in forward are held, where an ordinary cache has none.
     """
     _open = None  # the Segment of the op the runtime is running, None outside one
     opened = False  # _open is not None: what a compiled layer reads (its graphs depend on it, not on the Segment)
