@@ -265,7 +265,8 @@ def table(shape, rows, flops_per_iteration, peak):
                  f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
                  f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
                  *(str(r[k]) if r[k] is not None else "-" for k in ("ops", "launches", "syncs")),
-                 f"{r['compile_s']:.1f}", str(r["graph_skips"]) if name.endswith(VARIANTS["graphs"]) and r["graph_skips"] is not None else "-"]
+                 f"{r['compile_s']:.1f}",
+                 str(r["graph_skips"]) if name.endswith(VARIANTS["graphs"]) and r["graph_skips"] is not None else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -94,7 +94,6 @@ class _Entry:
     (SegmentKVCache's docstring)."""
 
     def __init__(self, b, heads, head_dim, total, dtype, device, static=False):
-        self.layout = (b, heads, head_dim, total, dtype, device)
         self.shape, self.dtype, self.device, self.static = (2, b, heads, total, head_dim), dtype, device, static
         self.nbytes = 2 * b * heads * total * head_dim * dtype.itemsize
         self.kv = torch.UntypedStorage(self.nbytes, device=device)
