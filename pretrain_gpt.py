@@ -7,7 +7,7 @@ Also runs under `deepspeed --num_gpus N` and `srun` (see slurm/). `--help` lists
 """
 import sys
 
-from megatron_ds.training.loop import main
+from megatron_ds.training.loop import entry_point
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry_point())

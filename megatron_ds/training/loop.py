@@ -340,6 +340,17 @@ def main(argv=None):
     return code
 
 
+def entry_point(argv=None):
+    """pretrain_gpt.py's and megatron-ds-pretrain's exit: main's code, and once torch.distributed ran, without
+    the interpreter's finalisation (see _exit_now; a run that ended well aborted too: -6 after "done:", once
+    in a test suite run two files at a time). main itself returns, for callers that train several runs in one
+    process."""
+    code = main(argv)
+    if "torch.distributed" in sys.modules:
+        _exit_now(code)
+    return code
+
+
 def _exit_now(code):
     """A stopped run's exit (its checkpoint saved or refused, its error printed) without the interpreter's
     finalisation. There the exception's frames release the engine late, while the process groups' gloo

@@ -20,8 +20,8 @@ sys.path.insert(0, {ROOT!r})
 from megatron_ds.pipe.auto import AutoSwitch
 from tests.pipe.test_auto_engine import forcing
 AutoSwitch.choose = staticmethod(forcing("zbv"))
-from megatron_ds.training.loop import main
-sys.exit(main())
+from megatron_ds.training.loop import entry_point
+sys.exit(entry_point())
 """
 MEASURED = re.compile(r"^auto schedule: [^(]+ \(simulated makespan", re.M)  # schedules/auto.describe: it timed
 

@@ -57,7 +57,7 @@ def main():
         return state
 
     checkpointing.save_checkpoint, checkpointing.load_checkpoint = capturing_save, capturing_load
-    return loop.main(sys.argv[1:])
+    return loop.entry_point(sys.argv[1:])
 
 
 if __name__ == "__main__":
