@@ -2,11 +2,11 @@
 eager single-process reference: loss, every gradient (first step), the weights after 3 optimizer steps
 and the eval loss, 1e-5 fp32, under zbv (B/W split, V placement), seq1f1b k=2 + B/W split (segments
 through the static K/V cache of "pipeline.cuda_graphs"), interleaved and bitpipe (fused backward), at
-PP=2 and PP=2 x DP=2 (ZeRO-1); activation checkpointing and post-validation ride along on two of the cases. The loss is compiled
-too (compile_loss): every rank holds it under one of the schedules. A LLaMA-style tiny model (RMSNorm,
-SwiGLU, RoPE, grouped K/V) so every compiled piece runs. One launch per layout: a rank
-compiles each graph once and every case after the first reuses it (inductor's on-disk cache serves
-a second launch)."""
+PP=2 and PP=2 x DP=2 (ZeRO-1); activation checkpointing and post-validation ride along on two of the
+cases. The loss is compiled too (compile_loss): every rank holds it under one of the schedules. A
+LLaMA-style tiny model (RMSNorm, SwiGLU, RoPE, grouped K/V) so every compiled piece runs. One launch per
+layout: a rank compiles each graph once and every case after the first reuses it (inductor's on-disk
+cache serves a second launch)."""
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
