@@ -5,7 +5,9 @@ LLaMA = rmsnorm + swiglu + rope + grouped-query attention + untied head + no lin
 BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2).
 """
 from dataclasses import dataclass
+from typing import Optional
 
+from .moe_config import MoEConfig, moe_problem, with_ffn_default
 from .parallel_layout import check_model_split
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -37,6 +39,8 @@ class GPTConfig:
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
     liger_kernel: bool = False  # the LM head and loss as Liger-Kernel's fused linear cross-entropy (CUDA)
+    qk_layernorm: bool = False  # an RMSNorm/LayerNorm over each head's queries and keys (Qwen3, OLMoE)
+    moe: Optional[MoEConfig] = None  # experts in place of the MLP of the layers moe.layer_freq picks
 
     @property
     def head_hands_weight(self):
@@ -50,11 +54,17 @@ class GPTConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
             if self.swiglu:  # Megatron: the same parameter count over three matrices instead of two
                 self.ffn_hidden_size = max(64, int(4 * self.hidden_size * 2 / 3) // 64 * 64)
+        if self.moe is not None:
+            self.moe = with_ffn_default(self.moe, self.ffn_hidden_size)
         problem = config_problem(self)
         if problem:
             raise ValueError(problem)
         check_model_split(self.tensor_model_parallel_size, self.num_attention_heads, self.ffn_hidden_size,
                           self.vocab_size, self.num_key_value_heads, self.sequence_parallel)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether the transformer layer of global pipeline index `layer_idx` (1..L) has experts."""
+        return self.moe is not None and self.moe.is_moe_layer(layer_idx - 1, self.num_layers)
 
     @property
     def head_dim(self):
@@ -106,4 +116,6 @@ def config_problem(c) -> str:
                 "--tensor-model-parallel-size > 1 use --loss-chunk-size (vocabulary-parallel)")
     if c.position_embedding_type == "rope" and not c.rope_theta > 0:
         return f"--rope-theta must be positive, got {c.rope_theta}"
+    if getattr(c, "moe", None) is not None:
+        return moe_problem(c.moe, c.num_layers, c.tensor_model_parallel_size)
     return ""

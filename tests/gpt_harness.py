@@ -7,6 +7,8 @@ import copy
 import torch
 
 from megatron_ds.model import GPTConfig, GPTModel, gpt_loss, position_ids_like
+from megatron_ds.model.moe import set_grad_scale
+from megatron_ds.model.moe_router import Router
 
 SEQ, MBS = 16, 2
 
@@ -59,6 +61,7 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
     opt = optimizer_for(model.named_parameters(), lr)
     losses, norms, first_grads = [], [], None
     n = dp * gas
+    set_grad_scale(1.0 / n)  # a MoE's router losses scaled as each micro-batch's loss is
     for step in range(steps):
         opt.zero_grad()
         total = 0.0
@@ -74,12 +77,22 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
+        for module in model.modules():
+            if isinstance(module, Router):
+                module.update_expert_bias()
     weights = {k: p.detach().clone() for k, p in model.named_parameters_by_layer().items()}
+    weights.update(expert_biases(enumerate(model.pipeline_layers())))
     with torch.no_grad():
         eval_loss = sum(gpt_loss(model(x, pos), y).item()
                         for (x, pos), y in (micro_batch(EVAL_STEP, i, config.vocab_size, config.max_position_embeddings)
                                             for i in range(n))) / n
     return dict(losses=losses, grads=first_grads, weights=weights, eval_loss=eval_loss, grad_norms=norms)
+
+
+def expert_biases(named_layers):
+    """{(layer key, buffer name): expert bias} of MoE routers, compared as the weights are."""
+    return {(key, name): b.detach().clone() for key, layer in named_layers
+            for name, b in layer.named_buffers() if name.endswith("expert_bias")}
 
 
 def layer_key(module, name):
@@ -137,6 +150,7 @@ def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False,
         norms.append(float(engine.get_global_grad_norm()))
     weights = {layer_key(module, n): p.detach().float().clone() for n, p in module.named_parameters()}
     grads, weights = whole_tensors(engine, config, grads[0]), whole_tensors(engine, config, weights)
+    weights.update(expert_biases((int(name), layer) for name, layer in module.named_children() if name.isdigit()))
     eval_batches = iter([micro_batch(EVAL_STEP, dp_rank * gas + j, config.vocab_size, seq) for j in range(gas)])
     eval_loss = float(engine.eval_batch(eval_batches))
     return dict(losses=losses, grads=grads, weights=weights, dp_rank=dp_rank, eval_loss=eval_loss,

@@ -20,6 +20,7 @@ from .attention import CausalSelfAttention
 from megatron_ds.gpt_config import GPTConfig
 from .chunked_loss import chunked_linear_cross_entropy
 from .compile import compile_loss
+from .moe import MoE
 from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_linear, copy_to_region, gather_from_sequence, scatter_to_sequence,
                               tensor_parallel_group, vocab_parallel_loss)
@@ -139,11 +140,12 @@ class LMHead(ColumnParallelLinear):
 class MLP(nn.Module):
     """GELU (tanh approximation), or SwiGLU: c_fc gives [gate; up], silu(gate) * up goes to c_proj."""
 
-    def __init__(self, config: GPTConfig, init_method, output_init_method):
-        """c_fc column-parallel (SwiGLU: each rank its slice of gate and the same slice of up), c_proj row-parallel."""
+    def __init__(self, config: GPTConfig, init_method, output_init_method, ffn_hidden_size=None):
+        """c_fc column-parallel (SwiGLU: each rank its slice of gate and the same slice of up), c_proj
+        row-parallel. ffn_hidden_size: config's unless given (a MoE layer's shared expert)."""
         super().__init__()
         self.swiglu = config.swiglu
-        ffn = config.ffn_hidden_size
+        ffn = ffn_hidden_size or config.ffn_hidden_size
         parallel = dict(group=tensor_parallel_group(config), sequence_parallel=config.sequence_parallel,
                         bias=config.add_bias_linear)
         self.c_fc = ColumnParallelLinear(config.hidden_size, 2 * ffn if self.swiglu else ffn,
@@ -173,13 +175,21 @@ class TransformerLayer(nn.Module):
         self.ln_1 = Norm(config)
         self.attn = CausalSelfAttention(config, init, scaled_init)
         self.ln_2 = Norm(config)
-        self.mlp = MLP(config, init, scaled_init)
+        self.mlp = MoE(config, init, scaled_init, layer_idx, shared_expert=_shared_expert(config, init, scaled_init)) \
+            if config.is_moe_layer(layer_idx) else MLP(config, init, scaled_init)
         _mark_sequence_parallel(self.ln_1, config)
         _mark_sequence_parallel(self.ln_2, config)
 
     def forward(self, x):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+def _shared_expert(config, init_method, output_init_method):
+    """A MoE layer's expert every token passes through (--moe-shared-expert-intermediate-size), split over
+    the TP ranks as the dense MLP is."""
+    size = config.moe.shared_expert_intermediate_size
+    return MLP(config, init_method, output_init_method, ffn_hidden_size=size) if size else None
 
 
 class FinalNorm(Norm):

@@ -23,6 +23,7 @@ from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
+from .moe import routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
 from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
@@ -108,6 +109,12 @@ def deepspeed_engine_class(name: str, factory):
         setattr(deepspeed, name, original)
 
 
+def _with_router_step(factory):
+    if isinstance(factory, functools.partial):
+        return functools.partial(with_router_step(factory.func), *factory.args, **factory.keywords)
+    return with_router_step(factory)
+
+
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
                       settings=None, auto_plan=None):
     """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds."""
@@ -121,6 +128,8 @@ def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None
         traced, plain = ((TracedSequenceParallelPipelineEngine, SequenceParallelPipelineEngine) if sequence_parallel
                          else (TracedPipelineEngine, PipelineEngine))
         factory = functools.partial(traced, tracer=tracer) if tracer.trace_dir else plain
+    if routers(module):  # a mixture of experts: the router losses' scale, the expert bias update
+        factory = _with_router_step(factory)
     kwargs = dict(model=module, config=ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                   model_parameters=model_parameters)
     with deepspeed_engine_class("PipelineEngine", factory):

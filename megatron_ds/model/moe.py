@@ -1,0 +1,151 @@
+"""The mixture-of-experts MLP: a router, the routed expert MLPs, an optional shared expert.
+
+Tokens (flattened to T x H) go to their top-k experts; each expert runs its tokens through its own
+MLP (GELU or SwiGLU as the dense MLP, deferrable linears, so the B/W split defers the experts' weight
+GEMMs too), the outputs come back weighted by the router's probabilities and summed per token; the
+shared expert, if any, adds its output for every token.
+
+The router's losses never reach the pipeline's loss: a micro-batch's loss lives on the last stage, the
+router on its own. `RouterLosses` passes the layer's output through unchanged in the forward and, in
+the backward, adds the losses' gradients to the router's scores (Megatron's MoEAuxLossAutoScaler), so
+each token's share enters the gradient exactly once, in the backward of the op that routed it, under
+every schedule. The gradient scale is the runtime's scale of a micro-batch's loss (`set_grad_scale`).
+The same backward records the loss values for the log and the expert counts for the bias update: it
+runs once per routed chunk, where a forward may run twice (activation checkpointing recomputes it).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_ds.gpt_config import GPTConfig
+from .linear import linear
+from .moe_router import Router, aux_loss_weights, loss_inputs
+from .tensor_parallel import Dropout
+
+
+class RouterLossLog:
+    """The router losses of this process's backward passes since the last `take`, summed over layers and
+    micro-batches: {"load_balancing_loss": float tensor, "z_loss": ...} and the experts' load per layer."""
+    sums = {}
+    loads = {}  # layer index -> tokens per expert (E,)
+
+    @classmethod
+    def add(cls, name, value):
+        cls.sums[name] = cls.sums.get(name, 0.0) + value.detach()
+
+    @classmethod
+    def add_load(cls, layer_idx, routed):
+        cls.loads[layer_idx] = cls.loads.get(layer_idx, 0.0) + routed
+
+    @classmethod
+    def take(cls):
+        sums, loads = cls.sums, cls.loads
+        cls.sums, cls.loads = {}, {}
+        return sums, loads
+
+
+class RouterLosses(torch.autograd.Function):
+    """out -> out; backward also gives d(losses)/d(score sums) and d(losses)/d(z sum), scaled as the
+    micro-batch's loss is."""
+    grad_scale = 1.0
+
+    @staticmethod
+    def forward(ctx, out, score_sums, z_sum, layer, inputs):
+        ctx.layer, ctx.inputs = layer, inputs
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer, inputs, m = ctx.layer, ctx.inputs, ctx.layer.config
+        scale = RouterLosses.grad_scale
+        grad_scores = grad_z = None
+        if inputs.score_sums is not None:
+            weights = aux_loss_weights(inputs.counts, inputs.tokens, inputs.sequences, m)
+            grad_scores = weights * scale
+            RouterLossLog.add("load_balancing_loss", (weights * inputs.score_sums.detach()).sum())
+        if inputs.z_sum is not None:
+            z_weight = m.z_loss_coeff / inputs.tokens
+            grad_z = torch.full_like(inputs.z_sum, z_weight * scale)
+            RouterLossLog.add("z_loss", inputs.z_sum.detach() * z_weight)
+        RouterLossLog.add_load(layer.layer_idx, inputs.routed)
+        if layer.router.tokens_per_expert is not None:
+            layer.router.tokens_per_expert.add_(inputs.routed)
+        return grad_out, grad_scores, grad_z, None, None
+
+
+def set_grad_scale(scale: float):
+    """The factor the runtime multiplies a micro-batch's loss by before its backward (1 / micro-batches)."""
+    RouterLosses.grad_scale = scale
+
+
+class ExpertMLP(nn.Module):
+    """One expert: fc1 (SwiGLU: [gate; up]) and fc2, whole on every rank that holds the expert."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, swiglu, bias, init_method, output_init_method):
+        super().__init__()
+        self.swiglu = swiglu
+        self.fc1 = nn.Linear(hidden_size, 2 * ffn_hidden_size if swiglu else ffn_hidden_size, bias=bias)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+        with torch.no_grad():
+            for layer, init in ((self.fc1, init_method), (self.fc2, output_init_method)):
+                init(layer.weight)
+                if bias:
+                    layer.bias.zero_()
+
+    def forward(self, x):
+        x = linear(x, self.fc1.weight, self.fc1.bias)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x, approximate="tanh")
+        return linear(x, self.fc2.weight, self.fc2.bias)
+
+
+class MoE(nn.Module):
+    """Router + experts (+ shared expert) in place of a transformer layer's MLP. `layer_idx` is the
+    global pipeline index (it names the layer in the load log)."""
+
+    def __init__(self, config: GPTConfig, init_method, output_init_method, layer_idx: int, shared_expert=None):
+        super().__init__()
+        m = self.config = config.moe
+        self.layer_idx = layer_idx
+        self.router = Router(config.hidden_size, m, init_method)
+        self.local_experts = range(m.num_experts)  # expert parallelism keeps a slice
+        experts = {}
+        for i in range(m.num_experts):  # every expert drawn in order, so the weights do not depend on the split
+            expert = ExpertMLP(config.hidden_size, m.ffn_hidden_size, config.swiglu, config.add_bias_linear,
+                               init_method, output_init_method)
+            if i in self.local_experts:
+                experts[str(i)] = expert
+        self.experts = nn.ModuleDict(experts)
+        self.shared_expert = shared_expert
+        self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
+        for p in [*self.router.parameters(), *self.experts.parameters()]:
+            p.sequence_parallel = config.sequence_parallel  # a sequence shard's tokens: summed over the TP group
+
+    def forward(self, x):
+        shape = x.shape
+        x2d = x.reshape(-1, shape[-1])
+        logits, probs, experts, kept = self.router(x2d)
+        out = self.drop(self._experts(x2d, probs, experts, kept).view(shape))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if torch.is_grad_enabled():
+            inputs = loss_inputs(logits, experts, kept, self.config, batch=shape[0])
+            out = RouterLosses.apply(out, inputs.score_sums, inputs.z_sum, self, inputs)
+        return out
+
+    def _experts(self, x2d, probs, experts, kept):
+        """Each kept (token, expert) assignment through its expert, weighted, summed per token."""
+        k = experts.shape[1]
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        order = order[kept.flatten()[order]]  # dropped assignments (over capacity) go nowhere
+        counts = torch.bincount(flat[order], minlength=self.config.num_experts).tolist()
+        tokens = order // k
+        inputs = x2d[tokens].split(counts)
+        outputs = [self.experts[str(i)](inp) for i, inp in enumerate(inputs) if counts[i]]
+        weighted = torch.cat(outputs) * probs.flatten()[order].unsqueeze(-1).to(x2d.dtype) if outputs else None
+        out = torch.zeros_like(x2d)
+        return out if weighted is None else out.index_add(0, tokens, weighted)
