@@ -7,7 +7,7 @@ import copy
 import torch
 
 from megatron_ds.model import GPTConfig, GPTModel, gpt_loss, position_ids_like
-from megatron_ds.model.moe import set_grad_scale
+from megatron_ds.model.moe import RouterLossLog, set_grad_scale
 from megatron_ds.model.moe_router import Router
 
 SEQ, MBS = 16, 2
@@ -62,6 +62,7 @@ def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
     losses, norms, first_grads = [], [], None
     n = dp * gas
     set_grad_scale(1.0 / n)  # a MoE's router losses scaled as each micro-batch's loss is
+    RouterLossLog.take()  # (what another model's passes left)
     for step in range(steps):
         opt.zero_grad()
         total = 0.0

@@ -12,12 +12,18 @@ each token's share enters the gradient exactly once, in the backward of the op t
 every schedule. The gradient scale is the runtime's scale of a micro-batch's loss (`set_grad_scale`).
 The same backward records the loss values for the log and the expert counts for the bias update: it
 runs once per routed chunk, where a forward may run twice (activation checkpointing recomputes it).
+
+Under Seq1F1B a micro-batch's sequence runs as segments, each routing its own tokens, while the balancing
+losses weigh the score sums by the whole micro-batch's counts: the segments share one MicroBatchCounts, and
+their backward passes, which all come after the micro-batch's last forward on this stage (the schedule's
+dependencies), read it whole. The segment losses so add up to the unsplit micro-batch's exactly.
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
+from .kv_cache import SegmentKVCache
 from .linear import linear
 from .moe_router import Router, aux_loss_weights, loss_inputs
 from .tensor_parallel import Dropout
@@ -50,27 +56,49 @@ class RouterLosses(torch.autograd.Function):
     grad_scale = 1.0
 
     @staticmethod
-    def forward(ctx, out, score_sums, z_sum, layer, inputs):
-        ctx.layer, ctx.inputs = layer, inputs
+    def forward(ctx, out, score_sums, z_sum, layer, inputs, totals, offset):
+        ctx.layer, ctx.inputs, ctx.totals, ctx.offset = layer, inputs, totals, offset
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad_out):
-        layer, inputs, m = ctx.layer, ctx.inputs, ctx.layer.config
+        layer, inputs, totals, m = ctx.layer, ctx.inputs, ctx.totals, ctx.layer.config
         scale = RouterLosses.grad_scale
         grad_scores = grad_z = None
-        if inputs.score_sums is not None:
-            weights = aux_loss_weights(inputs.counts, inputs.tokens, inputs.sequences, m)
+        if inputs.score_sums is not None:  # every segment of the micro-batch has run forward by now
+            weights = aux_loss_weights(totals.counts(), totals.tokens(), inputs.sequences, m)
             grad_scores = weights * scale
             RouterLossLog.add("load_balancing_loss", (weights * inputs.score_sums.detach()).sum())
         if inputs.z_sum is not None:
-            z_weight = m.z_loss_coeff / inputs.tokens
+            z_weight = m.z_loss_coeff / totals.tokens()
             grad_z = torch.full_like(inputs.z_sum, z_weight * scale)
             RouterLossLog.add("z_loss", inputs.z_sum.detach() * z_weight)
+        if ctx.offset == 0:
+            totals.release()
         RouterLossLog.add_load(layer.layer_idx, inputs.routed)
         if layer.router.tokens_per_expert is not None:
             layer.router.tokens_per_expert.add_(inputs.routed)
-        return grad_out, grad_scores, grad_z, None, None
+        return grad_out, grad_scores, grad_z, None, None, None, None
+
+
+class MicroBatchCounts:
+    """The load-balancing counts and tokens of a micro-batch's chunks, by the chunk's first position: one
+    chunk, or a Seq1F1B micro-batch's segments (a recomputed segment puts the same values again)."""
+
+    def __init__(self, inputs=None):
+        self.parts = {}
+        self.release = lambda: None  # called by the backward of the chunk at position 0: nothing runs after it
+        if inputs is not None:
+            self.put(0, inputs)
+
+    def put(self, offset, inputs):
+        self.parts[offset] = (inputs.counts, inputs.tokens)
+
+    def counts(self):
+        return sum(counts for counts, _ in self.parts.values())
+
+    def tokens(self):
+        return sum(tokens for _, tokens in self.parts.values())
 
 
 def set_grad_scale(scale: float):
@@ -120,6 +148,7 @@ class MoE(nn.Module):
                 experts[str(i)] = expert
         self.experts = nn.ModuleDict(experts)
         self.shared_expert = shared_expert
+        self._segments = {}  # Seq1F1B: micro-batch key -> MicroBatchCounts of its segments run forward
         self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         for p in [*self.router.parameters(), *self.experts.parameters()]:
             p.sequence_parallel = config.sequence_parallel  # a sequence shard's tokens: summed over the TP group
@@ -131,10 +160,26 @@ class MoE(nn.Module):
         out = self.drop(self._experts(x2d, probs, experts, kept).view(shape))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if torch.is_grad_enabled():
+        if self.training:  # a checkpointed layer's first forward too (no autograd): its segment's counts count
             inputs = loss_inputs(logits, experts, kept, self.config, batch=shape[0])
-            out = RouterLosses.apply(out, inputs.score_sums, inputs.z_sum, self, inputs)
+            totals, offset = self._micro_batch(inputs)
+            if torch.is_grad_enabled():
+                out = RouterLosses.apply(out, inputs.score_sums, inputs.z_sum, self, inputs, totals, offset)
         return out
+
+    def _micro_batch(self, inputs):
+        """(The MicroBatchCounts this chunk of tokens belongs to, the chunk's first position): its own, or
+        under Seq1F1B the one its micro-batch's segments share (made by its first forward, dropped by its
+        last backward: segment 0's)."""
+        segment = SegmentKVCache.current()
+        if segment is None:
+            return MicroBatchCounts(inputs), 0
+        if segment.offset == 0 and not segment.backward:
+            self._segments[segment.key] = MicroBatchCounts()
+        totals = self._segments[segment.key]
+        totals.put(segment.offset, inputs)
+        totals.release = lambda: self._segments.pop(segment.key, None)
+        return totals, segment.offset
 
     def _experts(self, x2d, probs, experts, kept):
         """Each kept (token, expert) assignment through its expert, weighted, summed per token."""

@@ -9,7 +9,7 @@ import functools
 
 import torch.distributed as dist
 
-from megatron_ds.model.moe import set_grad_scale
+from megatron_ds.model.moe import RouterLossLog, set_grad_scale
 from megatron_ds.model.moe_router import Router
 from megatron_ds.model.tensor_parallel import get_parallel_state
 
@@ -26,7 +26,15 @@ def router_grad_scale(engine) -> float:
 
 
 class RouterStep:
-    """A mixin before a PipelineEngine class (with_router_step)."""
+    """A mixin before a PipelineEngine class (with_router_step). After each train_batch, `router_metrics`
+    holds the step's router_metrics."""
+    router_metrics = None
+
+    def train_batch(self, data_iter=None):
+        RouterLossLog.take()  # what an evaluation's or a failed step's passes left
+        loss = super().train_batch(data_iter)
+        self.router_metrics = router_metrics(self)
+        return loss
 
     def _exec_schedule(self, pipe_schedule):
         set_grad_scale(router_grad_scale(self))
@@ -43,6 +51,31 @@ class RouterStep:
                     dist.all_reduce(router.tokens_per_expert, group=group)
             router.update_expert_bias(groups[0])
         return out
+
+
+def router_metrics(engine):
+    """{"load_balancing_loss", "z_loss": each the mean over the model's MoE layers of its per-micro-batch
+    mean; "expert_load": {layer: the most tokens an expert got / the mean}} of the step, from every rank's
+    backward passes (stages hold different layers, data-parallel ranks other tokens, tensor-parallel ranks
+    the same tokens, or with sequence parallelism their shards). Every rank gets the same values."""
+    sums, loads = RouterLossLog.take()
+    sequence_parallel = any(getattr(p, "sequence_parallel", False) for r in routers(engine.module)
+                            for p in r.parameters())
+    counted = sequence_parallel or engine.grid.get_slice_parallel_rank() == 0
+    mine = ({k: float(v) for k, v in sums.items()}, {k: v.tolist() for k, v in loads.items()}) if counted else ({}, {})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    total_sums, total_loads = {}, {}
+    for rank_sums, rank_loads in everyone:
+        for k, v in rank_sums.items():
+            total_sums[k] = total_sums.get(k, 0.0) + v
+        for layer, counts in rank_loads.items():
+            old = total_loads.get(layer, [0.0] * len(counts))
+            total_loads[layer] = [a + b for a, b in zip(old, counts)]
+    per_micro_batch = engine.micro_batches * engine.grid.get_data_parallel_world_size() * max(1, len(total_loads))
+    metrics = {k: v / per_micro_batch for k, v in total_sums.items()}
+    metrics["expert_load"] = {layer: max(c) / (sum(c) / len(c)) for layer, c in sorted(total_loads.items()) if sum(c)}
+    return metrics
 
 
 @functools.lru_cache(maxsize=None)

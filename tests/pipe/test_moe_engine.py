@@ -1,7 +1,9 @@
 """A mixture-of-experts GPT on the pipeline engines equals the single-process reference (fp32, 1e-5:
 losses, every first-step gradient, weights and expert biases after 3 steps, eval loss) under every schedule
 and DeepSpeed's stock engine, at PP=2 and PP=2 x DP=2, without expert parallelism: the router losses enter
-the gradient once per token, scaled as the LM loss, and the expert bias moves by the whole batch's counts."""
+the gradient once per token, scaled as the LM loss (Seq1F1B's segments weighed by their whole micro-batch's
+counts, activation checkpointing's recomputation counted once), and the expert bias moves by the whole
+batch's counts."""
 import pytest
 
 from megatron_ds.moe_config import MoEConfig
@@ -21,11 +23,18 @@ MODELS = {
                     ffn_hidden_size=24,
                     moe=MoEConfig(num_experts=8, router_topk=2, score_function="sigmoid", enable_expert_bias=True,
                                   bias_update_rate=0.01, layer_freq=(0, 1, 1, 1), aux_loss_coeff=0.01)),
+    # the balancing loss per sequence, which Seq1F1B's segments cut through
+    "seq_aux": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                    ffn_hidden_size=24, moe=MoEConfig(num_experts=4, router_topk=2, load_balancing_type="seq_aux_loss",
+                                                      aux_loss_coeff=0.05, z_loss_coeff=0.01)),
 }
+SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}
 PP2 = [None, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zb-h1"},
        {"schedule": "zbv"}, {"schedule": "bitpipe"}, {"schedule": "dualpipev"},
-       {"schedule": "1f1b", "activation_checkpoint_interval": 1}]
-TOPOLOGIES = {"pp2": (2, 1, [("softmax", p) for p in PP2] + [("sigmoid", p) for p in PP2[:2] + PP2[3:5]]),
+       {"schedule": "1f1b", "activation_checkpoint_interval": 1}, SEQ1F1B,
+       {**SEQ1F1B, "activation_checkpoint_interval": 1}]
+TOPOLOGIES = {"pp2": (2, 1, [("softmax", p) for p in PP2] + [("sigmoid", p) for p in PP2[:2] + PP2[3:5] + PP2[-2:]]
+                      + [("seq_aux", p) for p in (PP2[1], SEQ1F1B, {**SEQ1F1B, "seq_splits": 4})]),
               "pp2xdp2": (2, 2, [("softmax", {"schedule": "zbv"}), ("sigmoid", {"schedule": "zb-h1"}),
                                  ("sigmoid", None)])}
 
