@@ -33,7 +33,9 @@ PP2 = [None, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual_stages":
        {"schedule": "zbv"}, {"schedule": "bitpipe"}, {"schedule": "dualpipev"},
        {"schedule": "1f1b", "activation_checkpoint_interval": 1}, SEQ1F1B,
        {**SEQ1F1B, "activation_checkpoint_interval": 1}]
-TOPOLOGIES = {"pp2": (2, 1, [("softmax", p) for p in PP2] + [("sigmoid", p) for p in PP2[:2] + PP2[3:5] + PP2[-2:]]
+OTHERS = [{"schedule": "zb-h1", "vocab_parallel": True}, {"schedule": "zbv", "post_validation": True},
+          {"schedule": "zb-h1", "compile_layers": True}]
+TOPOLOGIES = {"pp2": (2, 1, [("softmax", p) for p in PP2 + OTHERS] + [("sigmoid", p) for p in PP2[:2] + PP2[3:5] + PP2[-2:]]
                       + [("seq_aux", p) for p in (PP2[1], SEQ1F1B, {**SEQ1F1B, "seq_splits": 4})]),
               "pp2xdp2": (2, 2, [("softmax", {"schedule": "zbv"}), ("sigmoid", {"schedule": "zb-h1"}),
                                  ("sigmoid", None)])}
