@@ -331,6 +331,11 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
                              if schedule.vocab_parallel else 'has no vocabulary passes (EF, S, T, EW) for '
                              '"vocab_parallel": true; export it with them (python -m megatron_ds.schedules export '
                              '--vocab-parallel) or leave the key out'))
+    moe = getattr(config, "moe", None)
+    if moe is not None and moe.capacity_factor and schedule.seq_splits > 1:
+        raise ConfigError("--moe-expert-capacity-factor with sequence segments (seq1f1b): which tokens an expert "
+                          "drops depends on the whole sequence, which a segment has not seen yet; leave the factor "
+                          "out (dropless) or choose a schedule without segments")
     check_layers(schedule, config.num_layers, settings)
     lengths = None
     if schedule.seq_splits > 1:  # a schedule file may carry its own cut

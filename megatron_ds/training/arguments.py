@@ -26,6 +26,7 @@ from .exit_signal import add_exit_signal_args
 from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, check_liger, run_gpt_config, validate_model_args
+from .moe_args import add_moe_args, validate_moe_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .out_of_memory import add_out_of_memory_args, check_out_of_memory_args
@@ -57,6 +58,7 @@ def build_parser():
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--pad-vocab-size-to", type=int, default=None)
     add_model_args(p)
+    add_moe_args(p)
 
     g = p.add_argument_group("batch and training length")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -256,6 +258,7 @@ def _check_model(args):
     if args.eval_iters < 0:
         _err(f"--eval-iters must be >= 0, got {args.eval_iters}")
     validate_model_args(args)
+    validate_moe_args(args)
 
 
 def _check_parallel(args):

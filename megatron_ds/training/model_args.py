@@ -13,6 +13,7 @@ import dataclasses
 from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 
 from .errors import ArgumentsError
+from .moe_args import moe_config_from_args
 
 # the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
 MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
@@ -113,7 +114,7 @@ def gpt_config_from_args(args):
                      attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
                      init_method_std=args.init_method_std, seed=args.seed,
                      loss_chunk_size=getattr(args, "loss_chunk_size", 0) or 0,
-                     liger_kernel=getattr(args, "use_liger_kernel", False), **family)
+                     liger_kernel=getattr(args, "use_liger_kernel", False), moe=moe_config_from_args(args), **family)
 
 
 def model_family_flags(config) -> list:
