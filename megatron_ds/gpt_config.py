@@ -39,7 +39,6 @@ class GPTConfig:
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
     liger_kernel: bool = False  # the LM head and loss as Liger-Kernel's fused linear cross-entropy (CUDA)
-    qk_layernorm: bool = False  # an RMSNorm/LayerNorm over each head's queries and keys (Qwen3, OLMoE)
     moe: Optional[MoEConfig] = None  # experts in place of the MLP of the layers moe.layer_freq picks
 
     @property
@@ -78,6 +77,8 @@ class GPTConfig:
     def family(self):
         """The Hugging Face model family these options make ("gpt2", "llama", "bloom"), None for another mix.
         Any family may have its LM head tied or not (HF's tie_word_embeddings)."""
+        if self.moe is not None:
+            return None  # Mixtral, Qwen3-MoE: not mapped to Hugging Face yet
         layout = (self.normalization, self.position_embedding_type, self.swiglu, self.embed_layernorm)
         if layout == ("rmsnorm", "rope", True, False):
             return "llama"  # HF LLaMA also has attention_bias/mlp_bias and num_key_value_heads

@@ -47,3 +47,10 @@ def test_gpt_config_checks_moe_and_resolves_its_ffn_size():
     assert not GPTConfig(**base).is_moe_layer(1)
     c = GPTConfig(**base, moe=MoEConfig(num_experts=4, layer_freq=(2,)))
     assert [c.is_moe_layer(i) for i in range(1, 5)] == [True, False, True, False]
+
+
+def test_a_moe_model_is_no_dense_hugging_face_family():
+    base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16,
+                normalization="rmsnorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
+    assert GPTConfig(**base).family == "llama"
+    assert GPTConfig(**base, moe=MoEConfig(num_experts=4)).family is None
