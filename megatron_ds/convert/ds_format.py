@@ -64,10 +64,12 @@ def _read_layer(tag_dir, idx, splits):
             for name in shards[0]}
 
 
-def checkpoint_tag_dir(load_dir):
-    """SAVE/TAG of the tag SAVE/latest names."""
+def checkpoint_tag_dir(load_dir, tag=None):
+    """SAVE/TAG of `tag`, or of the tag SAVE/latest names."""
     if not os.path.isdir(load_dir):
         raise ToolError(f"{load_dir}: no such checkpoint folder")
+    if tag is not None:
+        return _verified(load_dir, tag, f"{os.path.join(load_dir, tag)}: no such step folder")
     latest = os.path.join(load_dir, "latest")
     try:
         tag = read_tag(load_dir)
@@ -78,9 +80,14 @@ def checkpoint_tag_dir(load_dir):
                         "(pretrain_gpt.py --save writes it last)")
     if not tag:  # else SAVE itself would pass for the tag's folder
         raise ToolError(f"{latest}: empty; it should hold the tag of the newest complete step")
+    return _verified(load_dir, tag, f"{latest} names {tag!r}, but {os.path.join(load_dir, tag)} does not exist")
+
+
+def _verified(load_dir, tag, missing):
+    """SAVE/TAG, its files checked against the manifest; `missing`: the message when there is no such folder."""
     tag_dir = os.path.join(load_dir, tag)
-    if not os.path.isdir(tag_dir):
-        raise ToolError(f"{latest} names {tag!r}, but {tag_dir} does not exist")
+    if not tag or not os.path.isdir(tag_dir):
+        raise ToolError(missing)
     try:  # the weights and the client state, against the sizes and CRC-32s saved with them
         verify_manifest(tag_dir, skip=lambda rel: "optim_states" in rel)
     except CheckpointError as e:

@@ -7,9 +7,10 @@ from .ds_format import checkpoint_tag_dir, load_into, read_saved_args
 from .model_args import config_from_args, with_defaults
 
 
-def load_checkpoint_model(load_dir):
-    """(GPTModel in eval mode holding the checkpoint's weights, the run's arguments, iteration)."""
-    tag_dir = checkpoint_tag_dir(load_dir)
+def load_checkpoint_model(load_dir, tag=None):
+    """(GPTModel in eval mode holding the checkpoint's weights, the run's arguments, iteration) of step `tag`
+    (default: the one `latest` names)."""
+    tag_dir = checkpoint_tag_dir(load_dir, tag)
     saved, iteration = read_saved_args(tag_dir)
     from megatron_ds.model import GPTModel  # lazy: torch, so the tools' --help is quick
     args = with_defaults(saved)

@@ -10,7 +10,8 @@ barrier), by rank 0, through a temporary file and an atomic rename: a save that
 dies half-way leaves `latest` pointing at the previous complete checkpoint. A save
 that runs out of disk is agreed on by every rank and never named (disk_full.py).
 Every file is read weights-only, and tried on every rank before anything loads
-(safe_load.py, checkpoint_engine.py): no checkpoint runs code.
+(safe_load.py, checkpoint_engine.py): no checkpoint runs code. SAVE/zero_to_fp32.py, the script DeepSpeed
+copies there for its users, is ours (recovery_script.py): it reads the weights the same way.
 
 Client state: iteration, consumed train/valid samples and tokens (which fix the
 position of the data iterators: the sampler restarts at that sample), the RNG
@@ -45,7 +46,7 @@ from megatron_ds.pipe.vocab_checkpoint import universal_names
 from megatron_ds.pipe.zero_internals import ZeroInternals
 
 from .errors import CheckpointError
-from . import checkpoint_engine, disk_full, safe_load
+from . import checkpoint_engine, disk_full, recovery_script, safe_load
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
@@ -105,6 +106,7 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     tag = tag_for(iteration)
     step_dir = os.path.join(args.save, tag)
     checkpoint_engine.install(engine)
+    recovery_script.take_over(engine)  # DeepSpeed's zero_to_fp32.py would unpickle anything: ours is written below
     disk_full.begin(args, iteration)
     try:
         engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
@@ -115,6 +117,7 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
     if dist.get_rank() == 0:
         for name, content in extra_files:
             disk_full.guarded(lambda: write_step_file(step_dir, name, content), os.path.join(step_dir, name))
+        disk_full.guarded(lambda: recovery_script.write(args.save), os.path.join(args.save, recovery_script.NAME))
     if _stopped_by_disk(args, step_dir):  # every rank's files are on disk before `latest` names them
         return False
     disk_full.guarded(lambda: write_manifest(step_dir), os.path.join(step_dir, "manifest.json"))
@@ -252,7 +255,7 @@ def load_checkpoint(engine, args):
         return state
     load_optimizer = not (args.no_load_optim or args.finetune)  # the ZeRO shards are read either way below
     skip = lambda rel: not load_optimizer and "optim_states" in rel  # noqa: E731
-    verify_manifest(os.path.join(args.load, tag), skip=skip)
+    verify_manifest(os.path.join(args.load, tag), skip=skip, warn_missing=not universal)
     safe_load.check_step(os.path.join(args.load, tag), skip=skip)  # no file can run code once loaded
     saved = read_saved_state(args.load, tag)
     _check_model_shape(args, saved.get("args"), args.load, universal)

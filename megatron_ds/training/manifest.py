@@ -9,12 +9,15 @@ writes what they gathered (temp file, then rename). On --load every rank checks 
 before DeepSpeed reads anything, and they exchange what they found: a missing, truncated or corrupt file
 stops every rank with the same error (a CheckpointError: exit code 2, printed once, by rank 0), instead
 of one traceback per rank that names no file. A step without a manifest (written before manifests, or
-by DeepSpeed itself) loads unchecked. CRC-32 (zlib) runs at about 1 GB/s a core; each rank reads
-1/world of the checkpoint, once when saving, once when loading.
+by DeepSpeed itself, or whose manifest was deleted) loads unchecked, and rank 0 says so in one line. CRC-32
+(zlib) runs at about 1 GB/s a core; each rank reads 1/world of the checkpoint, once when saving, once when
+loading.
 """
 import json
 import os
 import zlib
+
+from megatron_ds.data.dist_utils import print_rank_0
 
 from . import disk_full
 from .rank_share import from_rank0, gather, share
@@ -78,7 +81,7 @@ def _problem(step_dir, rel, entry):
     return None
 
 
-def verify_manifest(step_dir, skip=lambda rel: False):
+def verify_manifest(step_dir, skip=lambda rel: False, warn_missing=True):
     """Every rank: check a share of the files the manifest lists (not those `skip` names).
 
     Returns the number of files checked in all, or None when step_dir has no manifest; raises
@@ -102,6 +105,9 @@ def verify_manifest(step_dir, skip=lambda rel: False):
     reports = gather((present, problems))
     if len({p for p, _ in reports}) > 1:
         problems.append(f"{NAME} is visible to some ranks only")
+    elif not present and warn_missing:  # a universal folder never has one
+        print_rank_0(f"WARNING: {step_dir} has no {NAME}: the sizes and CRC-32s of its files were not "
+                     f"checked (a step saved before manifests, or by DeepSpeed itself, or its {NAME} was deleted)")
     problems = sorted({p for _, ps in reports for p in ps} | set(problems))
     if problems:
         more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""

@@ -136,6 +136,23 @@ def test_output_folder_must_be_new(tmp_path, hf_dir, ckpt, capsys):
     assert os.listdir(out) == ["keep.txt"]
 
 
+def test_output_parent_folders_are_made_as_mkdir_p_would(tmp_path, hf_dir, ckpt, capsys):
+    """The README's `--output runs/export/hf` in a fresh clone: the missing parents are made when the folder
+    is written, not before (a failed run leaves none); a parent that is a file is refused up front."""
+    assert tool(EXPORT, "--load", ckpt, "--output", tmp_path / "runs" / "export" / "hf") == 0
+    assert (tmp_path / "runs" / "export" / "hf" / "config.json").is_file()
+    assert tool(IMPORT, "--input", hf_dir, "--output", tmp_path / "runs" / "ft" / "init") == 0
+    assert (tmp_path / "runs" / "ft" / "init" / "latest").is_file()
+    capsys.readouterr()
+    assert tool(EXPORT, "--load", tmp_path / "nowhere", "--output", tmp_path / "later" / "hf") == 2
+    assert not (tmp_path / "later").exists()
+    (tmp_path / "plain").write_text("x")
+    capsys.readouterr()
+    assert tool(EXPORT, "--load", ckpt, "--output", tmp_path / "plain" / "sub" / "hf") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"export_hf.py: error: {tmp_path / 'plain'}: not a folder"), err
+
+
 def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
     """The real commands: exit status 2 and exactly one line on stderr (no library chatter)."""
     import subprocess

@@ -127,3 +127,17 @@ def test_manifest_lists_every_file_and_catches_a_flipped_byte(tmp_path):
     with open(os.path.join(step, "sub", "g.pt"), "rb") as f:
         assert f"{zlib.crc32(f.read()):08x}" == manifest.checksum(os.path.join(step, "sub", "g.pt"))
     assert not os.path.exists(os.path.join(step, manifest.NAME))
+
+
+def test_a_step_without_its_manifest_loads_with_a_warning(tmp_path, capsys):
+    """One process: a deleted manifest.json is said in one line, naming the folder; a present one is not."""
+    step = tmp_path / "global_step3"
+    step.mkdir()
+    (step / "layer_00-model_states.pt").write_bytes(b"x" * 10)
+    assert manifest.verify_manifest(str(step)) is None
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"WARNING: {step} has no manifest.json: the sizes and CRC-32s of its files were not checked "
+                     "(a step saved before manifests, or by DeepSpeed itself, or its manifest.json was deleted)"]
+    manifest.write_manifest(str(step))
+    assert manifest.verify_manifest(str(step)) == 1
+    assert capsys.readouterr().out == ""

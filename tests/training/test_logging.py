@@ -1,7 +1,8 @@
 """The iteration line keeps Megatron's field names and formats, so existing log parsers work."""
+import json
 import re
 
-from megatron_ds.training.logging_utils import iteration_line, validation_block
+from megatron_ds.training.logging_utils import MetricsFile, iteration_line, validation_block
 
 
 def test_megatron_iteration_line():
@@ -22,3 +23,30 @@ def test_megatron_iteration_line():
 def test_validation_block():
     text = validation_block("iteration 10", 2.0)
     assert "validation loss at iteration 10 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |" in text
+
+
+def _records(path):
+    return [json.loads(line)["iteration"] for line in path.read_text().splitlines()]
+
+
+def test_metrics_file_is_cut_back_to_the_resumed_iteration(tmp_path, capsys):
+    """A restart from iteration 4 drops the killed attempt's records of 5 and 6 (and its torn last line),
+    rewriting the file atomically, then appends; without a resume nothing is dropped."""
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "loss": 1.0 / i}) + "\n" for i in range(1, 7))
+                    + '{"iteration": 7, "lo')
+    fresh = MetricsFile(str(path))
+    fresh.close()
+    assert path.read_text().endswith('{"iteration": 7, "lo')
+    metrics = MetricsFile(str(path), resumed_at=4)
+    assert _records(path) == [1, 2, 3, 4]
+    metrics.write(iteration=5, loss=0.5)
+    metrics.close()
+    assert _records(path) == [1, 2, 3, 4, 5] and sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]
+    said = capsys.readouterr().out.splitlines()
+    assert said == [f"{path}: dropped 3 lines of an earlier attempt (iterations after 4, which the checkpoint this "
+                    "run resumed from does not hold)"]
+    MetricsFile(str(path), resumed_at=5).close()
+    assert _records(path) == [1, 2, 3, 4, 5] and capsys.readouterr().out == ""
+    MetricsFile(str(tmp_path / "new" / "m.jsonl"), resumed_at=2).close()  # nothing there yet
+    assert (tmp_path / "new" / "m.jsonl").read_text() == ""
