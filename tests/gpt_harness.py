@@ -198,7 +198,8 @@ def engine_facts(engine):
     return {"stage": engine.stage_id, "chunks": list(getattr(engine.module, "chunks", [])),
             "parts": [int(b) for b in engine.module.parts],
             "replica_syncs": list(sync.launched) if sync else [],
-            "last_backward_end": sync.last_backward_end if sync else None}
+            "last_backward_end": sync.last_backward_end if sync else None,
+            "router_metrics": getattr(engine, "router_metrics", None)}
 
 
 def assert_matches_reference(results, ref, *, atol=1e-5, check_weights=True):

@@ -190,7 +190,8 @@ class MoE(nn.Module):
         counts = torch.bincount(flat[order], minlength=self.config.num_experts).tolist()
         tokens = order // k
         inputs = x2d[tokens].split(counts)
-        outputs = [self.experts[str(i)](inp) for i, inp in enumerate(inputs) if counts[i]]
-        weighted = torch.cat(outputs) * probs.flatten()[order].unsqueeze(-1).to(x2d.dtype) if outputs else None
-        out = torch.zeros_like(x2d)
-        return out if weighted is None else out.index_add(0, tokens, weighted)
+        # every expert runs, on no tokens too: its gradient is then zeros, never None (the data-parallel
+        # reduction of ZeRO expects the same gradients on every rank, whatever each rank routed)
+        outputs = [self.experts[str(i)](inp) for i, inp in enumerate(inputs)]
+        weighted = torch.cat(outputs) * probs.flatten()[order].unsqueeze(-1).to(x2d.dtype)
+        return torch.zeros_like(x2d).index_add(0, tokens, weighted)

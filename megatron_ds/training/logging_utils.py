@@ -117,6 +117,10 @@ class TensorBoard:
                                                         if k not in ("ds_config", "batch_schedule")), 0)
             self.writer.add_text("ds_config", "    " + json.dumps(args.ds_config, indent=2).replace("\n", "\n    "), 0)
 
+    def scalar(self, tag, value, iteration):
+        if self.writer is not None:
+            self.writer.add_scalar(tag, value, iteration)
+
     def training(self, iteration, consumed_samples, consumed_tokens, loss, lr, batch_size, grad_norm,
                  samples_per_second, tokens_per_second, ms_per_iteration, loss_scale=None):
         """BigScience's tags: each value per step, vs samples and vs tokens, plus steps-vs-samples/tokens."""
@@ -180,13 +184,53 @@ class TensorBoard:
             self.writer = None
 
 
-class MetricsFile:
-    """One JSON object per iteration, exact floats (repr), from the last rank: for scripts and tests."""
+def _iteration_of(line):
+    """A record's iteration; None for a line that is no record (one torn by a killed run)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("iteration") if isinstance(record, dict) else None
 
-    def __init__(self, path):
+
+def cut_metrics(path, iteration):
+    """Drop the records of iterations after `iteration` (and torn lines) from `path`, rewritten through a
+    temporary file and a rename; returns how many lines went."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        at = _iteration_of(line) if line.endswith("\n") else None
+        if isinstance(at, int) and at <= iteration:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
+
+
+class MetricsFile:
+    """One JSON object per iteration, exact floats (repr), from the last rank: for scripts and tests.
+
+    `resumed_at`: the iteration a run restarted with --load continues from; the records after it, which an
+    attempt killed before its next save wrote, are dropped first (as TensorBoard's purge_step drops events),
+    so that every iteration has one record."""
+
+    def __init__(self, path, resumed_at=None):
         self.file = None
         if path and is_last_rank():
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            dropped = cut_metrics(path, resumed_at) if resumed_at is not None else 0
+            if dropped:
+                print(f"{path}: dropped {dropped} lines of an earlier attempt (iterations after {resumed_at}, "
+                      "which the checkpoint this run resumed from does not hold)", flush=True)
             self.file = open(path, "a")
 
     def write(self, **record):

@@ -62,7 +62,7 @@ class Trainer:
                            if valid_ds is not None and args.eval_iters > 0 else None)
         self.timers = Timers()
         self.tb = TensorBoard(args)
-        self.metrics = MetricsFile(args.metrics_file)
+        self.metrics = MetricsFile(args.metrics_file, self.iteration if args.load and not args.finetune else None)
         self.codecarbon = codecarbon or CodeCarbon(None, None)  # started by pretrain, before the model
         self.train_points, self.valid_points = [], []
         self.bar = None
@@ -162,6 +162,7 @@ class Trainer:
             if not is_nan and not skipped:
                 interval["loss"] += loss
                 interval["count"] += 1
+                self._router_metrics(engine, interval)
             tokens_per_s = gbs * args.seq_length / elapsed if elapsed > 0 else 0.0
             self.tb.training(self.iteration, self.consumed_train, self.consumed_train * args.seq_length, loss, lr,
                              gbs, grad_norm, gbs / elapsed if elapsed > 0 else 0.0, tokens_per_s,
@@ -194,11 +195,28 @@ class Trainer:
         self.bar = None
         return exit_reason
 
+    def _router_metrics(self, engine, interval):
+        """A MoE step's router losses (summed over the interval, logged as its mean beside the lm loss, as
+        Megatron does) and its worst layer's expert load (max / mean tokens per expert), to TensorBoard."""
+        metrics = getattr(engine, "router_metrics", None)
+        if not metrics:
+            return
+        router = interval.setdefault("router", {})
+        for name in ("load_balancing_loss", "z_loss"):
+            if name in metrics:
+                router[name] = router.get(name, 0.0) + metrics[name]
+                self.tb.scalar(f"moe/{name}", metrics[name], self.iteration)
+        for layer, load in metrics["expert_load"].items():
+            self.tb.scalar(f"moe/expert_load_max_over_mean/layer_{layer}", load, self.iteration)
+        if metrics["expert_load"]:
+            router["expert load max/mean"] = router.get("expert load max/mean", 0.0) + max(metrics["expert_load"].values())
+
     def _log(self, interval, gbs, lr, grad_norm, loss_scale, bar):
         args = self.args
         n = max(1, interval["iters"])  # fewer than --log-interval right after a resume
         seconds = interval["time"] / n
         losses = {"lm loss": interval["loss"] / max(1, interval["count"])}
+        losses.update({name: value / max(1, interval["count"]) for name, value in interval.get("router", {}).items()})
         model_tflops = tflops(args, gbs, seconds)
         line = iteration_line(
             iteration=self.iteration, train_iters=args.train_iters, consumed_samples=self.consumed_train,

@@ -206,3 +206,15 @@ def test_moe_layer_pattern_and_shared_expert():
     model = GPTModel(config)
     assert type(model.layers[0].mlp).__name__ == "MLP" and isinstance(model.layers[1].mlp, MoE)
     assert model.layers[1].mlp.shared_expert.c_fc.weight.shape == (16, H)
+
+
+def test_an_expert_without_tokens_gets_a_zero_gradient():
+    """Not None: ZeRO's data-parallel reduction needs the same gradients on every rank."""
+    layer = moe_layer(router_topk=1)
+    x = torch.randn(1, 2, H)  # two tokens: six of the eight experts get none
+    unused = set(range(E)) - set(layer.router(x.view(-1, H))[2].flatten().tolist())
+    layer(x).sum().backward()
+    for e in unused:
+        weight = layer.experts[str(e)].fc1.weight
+        assert weight.grad is not None and torch.equal(weight.grad, torch.zeros_like(weight))
+    assert all(p.grad is not None for p in layer.parameters())

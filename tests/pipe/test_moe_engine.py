@@ -63,3 +63,7 @@ def test_moe_matches_reference_under_every_schedule(name):
             raise AssertionError(f"{model} {pipeline}: {exc}") from None
         for key in refs[model]["weights"]:
             assert any(key in r["weights"] for r in results), (model, pipeline, key)
+        metrics = [r["engine"]["router_metrics"] for r in results]  # the last step's, for the log line
+        assert all(m == metrics[0] for m in metrics), "ranks disagree on the router metrics"
+        moe_layers = [i for i in range(1, LAYERS + 1) if tiny_config(LAYERS, **MODELS[model]).is_moe_layer(i)]
+        assert sorted(metrics[0]["expert_load"]) == moe_layers and metrics[0]["load_balancing_loss"] > 0
