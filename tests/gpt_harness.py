@@ -48,8 +48,10 @@ def optimizer_for(params_by_name, lr=1e-2):
     decay, no_decay = [], []
     for name, p in params_by_name:
         (no_decay if p.dim() == 1 else decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-6)
+    from megatron_ds.pipe.moe import optimizer_param_groups  # expert-parallel parameters in groups of their own
+    groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return torch.optim.AdamW(optimizer_param_groups(groups), lr=lr, betas=(0.9, 0.95), eps=1e-6)
 
 
 EVAL_STEP = 99  # eval micro-batches are those of this (never trained) step

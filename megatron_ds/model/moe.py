@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from megatron_ds.gpt_config import GPTConfig
 from .kv_cache import SegmentKVCache
 from .linear import linear
+from .moe_dispatch import expert_parallel_group, group_name, local_experts, run_experts_across
 from .moe_router import Router, aux_loss_weights, loss_inputs
 from .tensor_parallel import Dropout
 
@@ -139,7 +140,8 @@ class MoE(nn.Module):
         m = self.config = config.moe
         self.layer_idx = layer_idx
         self.router = Router(config.hidden_size, m, init_method)
-        self.local_experts = range(m.num_experts)  # expert parallelism keeps a slice
+        self.ep_group = expert_parallel_group(m)
+        self.local_experts = local_experts(m, self.ep_group)
         experts = {}
         for i in range(m.num_experts):  # every expert drawn in order, so the weights do not depend on the split
             expert = ExpertMLP(config.hidden_size, m.ffn_hidden_size, config.swiglu, config.add_bias_linear,
@@ -152,6 +154,9 @@ class MoE(nn.Module):
         self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         for p in [*self.router.parameters(), *self.experts.parameters()]:
             p.sequence_parallel = config.sequence_parallel  # a sequence shard's tokens: summed over the TP group
+        if self.ep_group is not None:  # DeepSpeed's marks of an expert parameter: reduced over its EDP group
+            for p in self.experts.parameters():
+                p.allreduce, p.group_name = False, group_name(m.expert_model_parallel_size)
 
     def forward(self, x):
         shape = x.shape
@@ -187,11 +192,14 @@ class MoE(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         order = order[kept.flatten()[order]]  # dropped assignments (over capacity) go nowhere
-        counts = torch.bincount(flat[order], minlength=self.config.num_experts).tolist()
+        counts = torch.bincount(flat[order], minlength=self.config.num_experts)
         tokens = order // k
-        inputs = x2d[tokens].split(counts)
         # every expert runs, on no tokens too: its gradient is then zeros, never None (the data-parallel
         # reduction of ZeRO expects the same gradients on every rank, whatever each rank routed)
-        outputs = [self.experts[str(i)](inp) for i, inp in enumerate(inputs)]
-        weighted = torch.cat(outputs) * probs.flatten()[order].unsqueeze(-1).to(x2d.dtype)
+        run = lambda i, rows: self.experts[str(i)](rows)  # noqa: E731
+        if self.ep_group is None:
+            outputs = torch.cat([run(i, rows) for i, rows in enumerate(x2d[tokens].split(counts.tolist()))])
+        else:
+            outputs = run_experts_across(x2d[tokens], counts, run, self.local_experts, self.ep_group)
+        weighted = outputs * probs.flatten()[order].unsqueeze(-1).to(x2d.dtype)
         return torch.zeros_like(x2d).index_add(0, tokens, weighted)

@@ -23,7 +23,7 @@ from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
-from .moe import routers, with_router_step
+from .moe import ensure_expert_parallel, routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
 from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
@@ -59,6 +59,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                           "--tensor-model-parallel-size > 1")
     if tp > 1:
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
+    ensure_expert_parallel(config, pp)  # and a MoE's layers their expert-parallel group
     if layers is None:  # under vocabulary parallelism the word embedding and the output layer sit beside them
         layers = vocab_layer_specs(config) if settings.vocab_parallel else gpt_layer_specs(config)
     common = dict(layers=layers,

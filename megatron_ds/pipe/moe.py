@@ -9,9 +9,14 @@ import functools
 
 import torch.distributed as dist
 
-from megatron_ds.model.moe import RouterLossLog, set_grad_scale
+from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+from megatron_ds.model.moe import MoE, RouterLossLog, set_grad_scale
+from megatron_ds.model.moe_dispatch import group_name
 from megatron_ds.model.moe_router import Router
 from megatron_ds.model.tensor_parallel import get_parallel_state
+
+from .config import ConfigError
 
 
 def routers(module):
@@ -25,6 +30,31 @@ def router_grad_scale(engine) -> float:
     return float(loss_scale) / engine.micro_batches
 
 
+def ensure_expert_parallel(config, pp: int):
+    """DeepSpeed's expert-parallel and expert-data-parallel groups for `config`'s MoE layers (collective:
+    every rank, before the model is built; nothing without expert parallelism)."""
+    moe = getattr(config, "moe", None)
+    if moe is None or moe.expert_model_parallel_size == 1:
+        return
+    from deepspeed.utils import groups  # lazy: DeepSpeed's group registry, for expert-parallel runs only
+    ep = moe.expert_model_parallel_size
+    stage_ranks = dist.get_world_size() // pp
+    if stage_ranks % ep:
+        raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data-parallel ranks of a stage "
+                          f"({stage_ranks}): an expert-parallel group is made of them")
+    if group_name(ep) not in groups._get_expert_parallel_group_dict():
+        groups._create_expert_and_data_parallel(ep, pp_size=pp)
+
+
+def optimizer_param_groups(param_groups):
+    """The optimizer's parameter groups with expert-parallel parameters in groups of their own (DeepSpeed's
+    split: ZeRO reduces and partitions each over its expert-data-parallel group); unchanged without them.
+    Each group needs a distinct "name"."""
+    if not any(is_moe_param(p) for g in param_groups for p in g["params"]):
+        return param_groups
+    return split_params_into_different_moe_groups_for_optimizer(param_groups)
+
+
 class RouterStep:
     """A mixin before a PipelineEngine class (with_router_step). After each train_batch, `router_metrics`
     holds the step's router_metrics."""
@@ -35,6 +65,15 @@ class RouterStep:
         loss = super().train_batch(data_iter)
         self.router_metrics = router_metrics(self)
         return loss
+
+    def _configure_distributed_model(self, model):
+        """DeepSpeed knows its own MoE class only: a stage holding expert-parallel parameters says so here, before
+        the optimizer is made (ZeRO then takes their expert-data-parallel groups)."""
+        super()._configure_distributed_model(model)
+        moe = {m.config.num_experts for m in self.module.modules() if isinstance(m, MoE) and m.ep_group is not None}
+        if moe:
+            self.has_moe_layers = True
+            self.num_experts = sorted(moe)
 
     def _exec_schedule(self, pipe_schedule):
         set_grad_scale(router_grad_scale(self))

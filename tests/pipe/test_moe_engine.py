@@ -4,6 +4,8 @@ and DeepSpeed's stock engine, at PP=2 and PP=2 x DP=2, without expert parallelis
 the gradient once per token, scaled as the LM loss (Seq1F1B's segments weighed by their whole micro-batch's
 counts, activation checkpointing's recomputation counted once), and the expert bias moves by the whole
 batch's counts."""
+import dataclasses
+
 import pytest
 
 from megatron_ds.moe_config import MoEConfig
@@ -67,3 +69,60 @@ def test_moe_matches_reference_under_every_schedule(name):
         assert all(m == metrics[0] for m in metrics), "ranks disagree on the router metrics"
         moe_layers = [i for i in range(1, LAYERS + 1) if tiny_config(LAYERS, **MODELS[model]).is_moe_layer(i)]
         assert sorted(metrics[0]["expert_load"]) == moe_layers and metrics[0]["load_balancing_loss"] > 0
+
+
+EP_CASES = [None, {"schedule": "1f1b"}, {"schedule": "zb-h1"}, {"schedule": "zbv"}, {"schedule": "dualpipev"},
+            {"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "bitpipe"}, SEQ1F1B,
+            {**SEQ1F1B, "activation_checkpoint_interval": 1}]
+
+
+def with_expert_parallel(model, ep):
+    return {**MODELS[model], "moe": dataclasses.replace(MODELS[model]["moe"], expert_model_parallel_size=ep)}
+
+
+def ep_rank_runs(pp, ep, cases):
+    return [engine_rank_run(pp, GAS, STEPS, pipeline, num_layers=LAYERS, lr=LR, model=with_expert_parallel(model, ep))
+            for model, pipeline in cases]
+
+
+def assert_expert_parallel_matches(results, ref, dp, atol=1e-5):
+    """As assert_matches_reference, but an expert's gradient lives on the EP ranks that hold it: each one's
+    local gradient sums the tokens of its whole EP group, and their sum over the DP ranks holding it,
+    divided by the DP size, is the data-parallel mean."""
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])) <= atol, (r["losses"], ref["losses"])
+        assert abs(r["eval_loss"] - ref["eval_loss"]) <= atol, ("eval loss", r["eval_loss"], ref["eval_loss"])
+    for key, ref_grad in ref["grads"].items():
+        copies = {}  # pipeline rank -> the ranks holding its copy (BitPipe's twins: two pipeline ranks)
+        for r in results:
+            if key in r["grads"]:
+                copies.setdefault(r["engine"]["stage"], []).append(r["grads"][key])
+        assert copies, key
+        for stage, grads in copies.items():
+            got = sum(grads) / (dp if ".experts." in str(key[1]) else len(grads))
+            diff = (got - ref_grad).abs().max().item()
+            assert diff <= atol, f"gradient of {key} (pipeline rank {stage}): max abs diff {diff:.3g}"
+    for key, w in ref["weights"].items():
+        holders = [r for r in results if key in r["weights"]]
+        assert holders, key
+        for r in holders:
+            diff = (r["weights"][key] - w).abs().max().item()
+            assert diff <= atol, f"weight {key} after {len(ref['losses'])} steps: max abs diff {diff:.3g}"
+
+
+@pytest.mark.parametrize("pp, dp, ep", [(2, 2, 2), (1, 4, 4)])
+def test_expert_parallel_matches_reference(pp, dp, ep):
+    """The experts split over EP ranks of each stage's data-parallel ranks, tokens dispatched by all-to-all,
+    ZeRO-1 reducing them over their expert-data-parallel group (DeepSpeed's MoE groups)."""
+    cases = [("softmax", p) for p in (EP_CASES if pp > 1 else [None, {"schedule": "1f1b"}])] \
+        + [("sigmoid", {"schedule": "zb-h1"})]
+    per_rank = run_ranks(pp * dp, ep_rank_runs, pp, ep, cases, timeout=900)
+    refs = {m: reference_run(tiny_config(LAYERS, **MODELS[m]), dp, GAS, STEPS, lr=LR) for m in ("softmax", "sigmoid")}
+    for i, (model, pipeline) in enumerate(cases):
+        results = [r[i] for r in per_rank]
+        experts = {k for r in results for k in r["weights"] if ".experts." in str(k[1])}
+        assert all(sum(k in r["weights"] for k in experts) < len(experts) for r in results), "no rank split its experts"
+        try:
+            assert_expert_parallel_matches(results, refs[model], dp)
+        except AssertionError as exc:
+            raise AssertionError(f"EP {ep} {model} {pipeline}: {exc}") from None

@@ -1,0 +1,75 @@
+"""Expert parallelism: a MoE layer's experts split over an expert-parallel (EP) group of data-parallel ranks.
+
+EP rank r of a group of e holds the experts [r E/e, (r+1) E/e). Each rank routes its own tokens; the
+tokens for another rank's experts travel there and back by all-to-all (uneven counts per expert, dropless):
+the counts first (E/e per peer), then the token rows, ordered by peer and, within a peer, by expert. The
+receiver runs each local expert on the rows all peers sent it, and the results go back the same way.
+The all-to-all's backward is the reverse all-to-all, so an expert's weight gradient sums its tokens from
+every peer: ZeRO then reduces it over the expert-data-parallel group (the ranks holding the same experts)
+and divides by the whole data-parallel size, which makes it the data-parallel mean (DeepSpeed's MoE groups,
+`pipe/moe.py` creates them).
+
+The groups are DeepSpeed's (deepspeed.utils.groups, named "ep_size_<e>"): consecutive data-parallel ranks
+of a stage form an EP group, and ranks e apart an expert-data-parallel group.
+"""
+import torch
+import torch.distributed as dist
+
+
+def group_name(expert_parallel_size: int) -> str:
+    return f"ep_size_{expert_parallel_size}"
+
+
+def expert_parallel_group(m):
+    """The EP group of a MoEConfig's layers, None without expert parallelism (the groups must exist)."""
+    if m.expert_model_parallel_size == 1:
+        return None
+    from deepspeed.utils import groups  # lazy: only an expert-parallel model needs DeepSpeed's group registry
+    name = group_name(m.expert_model_parallel_size)
+    if name not in groups._get_expert_parallel_group_dict():
+        raise RuntimeError(f"expert parallelism {m.expert_model_parallel_size}: its process groups are not made "
+                           "(pipe/moe.ensure_expert_parallel, before the model is built)")
+    return groups._get_expert_parallel_group(name)
+
+
+def local_experts(m, group):
+    """The global indices of the experts this rank holds."""
+    per_rank = m.num_experts // m.expert_model_parallel_size
+    start = 0 if group is None else dist.get_rank(group) * per_rank
+    return range(start, start + per_rank)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x to the peers (in_splits[j] to peer j); returns the rows received (out_splits[j] from j)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def run_experts_across(rows, counts, experts, local, group):
+    """The outputs of the rows this rank routed (sorted by global expert, counts[i] for expert i), computed
+    by their experts on whichever EP rank holds them. `experts(i, rows)` runs local expert i."""
+    peers = dist.get_world_size(group)
+    per_rank = len(local)
+    send = counts.view(peers, per_rank)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # recv[j, i]: rows from peer j for local expert i
+    in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+    received = _AllToAll.apply(rows, out_splits, in_splits, group)
+    expert_of = torch.repeat_interleave(torch.arange(per_rank, device=rows.device).repeat(peers), recv.flatten())
+    by_expert = torch.argsort(expert_of, stable=True)  # peer order kept within each expert
+    inputs = received[by_expert].split(recv.sum(0).tolist())
+    outputs = torch.cat([experts(i, x) for i, x in zip(local, inputs)])
+    back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # peer-major again
+    return _AllToAll.apply(back, in_splits, out_splits, group)
