@@ -180,7 +180,8 @@ def main(argv=None):
     # A launch's figure is its median iteration; the best launch is the one least disturbed from outside.
     best = {cell: min(statistics.median(r["times"]) for r in rs) for cell, rs in runs.items() if "na" not in rs[0]}
     mb = 1024 * 1024
-    print("\n| schedule | TP | iteration (s) | per launch (s) | tokens/s | tokens/s vs DS 1F1B | speed vs TP=1 | "
+    print("\n| schedule | TP | iteration (s) | per launch (s) | tokens/s | iteration / DS 1F1B's (lower is better) | "
+          "iteration / TP=1's (lower is better) | "
           "peak RSS per rank (MB) | train RSS per rank (MB) | loss |")
     print("|---|---:|---:|---|---:|---:|---:|---|---|---:|")
     for (name, tp), rs in runs.items():
@@ -188,18 +189,18 @@ def main(argv=None):
             print(f"| {name} | {tp} | n/a: {rs[0]['na']} | | | | | | | |")
             continue
         it = best[name, tp]
-        vs_tp1 = f"{best[name, 1] / it:.3f}" if (name, 1) in best else ""
+        vs_tp1 = f"{it / best[name, 1]:.3f}" if (name, 1) in best else ""
         tokens = args.gas * opts["mbs"] * opts["seq"] * rs[0]["dp"]
         ranks = range(len(rs[0]["memory"]))
         peak = " ".join(f"{max(r['memory'][k]['peak'] for r in rs) / mb:.0f}" for k in ranks)
         train = " ".join(f"{max(r['memory'][k]['train'] for r in rs) / mb:.0f}" for k in ranks)
         launches = " ".join(f"{statistics.median(r['times']):.2f}" for r in rs)
-        print(f"| {name} | {tp} | {it:.3f} | {launches} | {tokens / it:.0f} | {best[STOCK, tp] / it:.3f} | {vs_tp1} | "
+        print(f"| {name} | {tp} | {it:.3f} | {launches} | {tokens / it:.0f} | {it / best[STOCK, tp]:.3f} | {vs_tp1} | "
               f"{peak} | {train} | "
               f"{rs[0]['losses'][-1]:.4f} |")
     load = os.getloadavg()
-    print(f"\n# tokens/s vs DS 1F1B = this tokens/s / DS 1F1B tokens/s (same TP); speed vs TP=1 = the schedule's "
-          f"iteration at TP=1 / this one; memory: the highest over launches; load average "
+    print(f"\n# iteration / DS 1F1B's = this iteration / DS 1F1B's (same TP); iteration / TP=1's = this iteration / "
+          f"the schedule's at TP=1; memory: the highest over launches; load average "
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
     return 0
 

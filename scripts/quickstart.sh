@@ -20,6 +20,8 @@ DS_CONFIG=${DS_CONFIG:-ds_configs/quickstart.json}
 MBS=2
 GBS=$((MBS * 2 * NPROC / PP))   # 2 micro-batches per step on each data-parallel replica
 PY=.venv/bin/python
+# the model flags that also cut a Seq1F1B sequence (the schedule picture draws the run's own cut)
+SHAPE=(--hidden-size 64 --num-attention-heads 4 --num-key-value-heads 2 --swiglu --seq-length 64)
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -40,15 +42,13 @@ if [ ! -s data/default_corpus_text_document.idx ]; then
 fi
 
 step "schedule picture -> $RUN/schedule.png"
-SCHEDULE=$("$PY" -c 'import json,sys; s=json.load(open(sys.argv[1])).get("pipeline",{}).get("schedule","deepspeed"); print("1f1b" if s=="deepspeed" else s)' "$DS_CONFIG")
-"$PY" tools/visualize_schedule.py --schedule "$SCHEDULE" --pp "$PP" --micro-batches $((GBS * PP / (MBS * NPROC))) \
-  --out "$RUN/schedule.png" --quiet || echo "(no schedule picture: $SCHEDULE)"
+"$PY" tools/visualize_schedule.py --ds-config "$DS_CONFIG" --pp "$PP" --micro-batches $((GBS * PP / (MBS * NPROC))) \
+  "${SHAPE[@]}" --out "$RUN/schedule.png" --quiet || echo "(no schedule picture for $DS_CONFIG)"
 
 step "training: $NPROC CPU processes, pipeline $PP x data $((NPROC / PP)), $ITERS iterations ($DS_CONFIG)"
 rm -f "$RUN/metrics.jsonl"
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" pretrain_gpt.py \
-  --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 \
-  --num-key-value-heads 2 --normalization rmsnorm --swiglu --position-embedding-type rope \
+  --num-layers 4 "${SHAPE[@]}" --max-position-embeddings 64 --normalization rmsnorm --position-embedding-type rope \
   --untie-embeddings-and-output-weights --disable-bias-linear \
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS" \
   --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 20 --weight-decay 0.1 \

@@ -25,6 +25,7 @@ from .auto import AutoSwitch
 from .messages import incoming_key, message_key, outgoing
 from .p2p import P2P
 from .post_validation import PostValidation
+from .replicas import idle_chunks
 from .sequence_parallel import with_sequence_parallel_reduction
 from .trace import Tracer, through_tracer
 from .vocab_passes import VocabPasses
@@ -84,9 +85,10 @@ class ScheduleEngine(PipelineEngine):
             torch.compiler.cudagraph_mark_step_begin()
         program = self.plan.program(self.stage_id, micro_batches, train)
         self.sched, ops, self._ahead = program.schedule, program.ops, program.ahead
-        self._sync_after = last_backward_ops(ops) if train and self.module.replica_sync else {}
-        if self._sync_after:
-            self.module.replica_sync.launched.clear()
+        sync = self.module.replica_sync if train else None
+        self._sync_after = last_backward_ops(ops) if sync else {}
+        if sync:
+            sync.start_step(idle_chunks(program.schedule, self.module.chunks))
         self.p2p = P2P(program.messages, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r),
                        self.plan.message_shape, lambda key: VocabPasses.dtype_of(key, self._dtype), self.device)
         if self.vocab:

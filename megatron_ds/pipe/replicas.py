@@ -8,7 +8,9 @@ is the full-batch gradient). One process group per stage keeps the two ranks'
 collectives matched whatever order their chunks finish in, so a chunk's
 all-reduce is launched asynchronously the moment its last backward op is done
 ("eager" sync, overlapping the remaining backward work) and waited for only
-before the data-parallel reduction.
+before the data-parallel reduction. A step of m <= p/2 micro-batches sends them all
+down: the up replica's chunks run nothing, and their zero gradients meet their twins'
+all-reduce from the start of the step (idle_chunks).
 """
 import functools
 import time
@@ -16,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron_ds.schedules.kinds import Kind
 
 
 def chunk_parameters(module):
@@ -33,6 +37,14 @@ def chunk_parameters(module):
                         params.append(p)
         out[chunk] = params
     return out
+
+
+def idle_chunks(schedule, chunks):
+    """Those of `chunks` (one rank's) that run no backward op in `schedule` while their twin does: a
+    replica that got no micro-batch (every rank reads the same schedule, so both twins agree)."""
+    busy = {(op.replica, op.stage) for ops in schedule.ranks for op in ops
+            if op.kind is not Kind.F and not op.kind.traits.vocab}
+    return [c for c in chunks if c not in busy and (1 - c[0], c[1]) in busy]
 
 
 class ReplicaSync:
@@ -67,6 +79,15 @@ class ReplicaSync:
             with torch.no_grad():
                 for p in self.params[chunk]:
                     dist.broadcast(p.data, src=src, group=group)
+
+    def start_step(self, idle):
+        """A training step starts; `idle` (idle_chunks) get zero gradients, synced with their twins now."""
+        self.launched.clear()
+        for chunk in idle:
+            for p in self.params[chunk]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.launch(chunk)
 
     def after_backward(self, chunk=None):
         """Called as each backward op ends; `chunk` when that op completed the chunk's gradients."""

@@ -79,16 +79,16 @@ def _op_bar(ax, schedule, rank, op, start, end, text, min_text, fontsize=7):
          text=text, min_text=min_text, fontsize=fontsize)
 
 
-def _legend(ax, schedule, extra=(), below=-0.18):
-    """A key for the op kinds the schedule uses, `extra` (label, colour) pairs, and replica 1's hatch."""
+def _legend(fig, schedule, extra=()):
+    """A key for the op kinds the schedule uses, `extra` (label, colour) pairs, and replica 1's hatch, in a
+    row of its own under the time axis's label (the figure's constrained layout makes room for it)."""
     from matplotlib.patches import Patch
     kinds = [k for k in Kind if any(op.kind == k for _, _, op in schedule.ops())]
     handles = [Patch(color=k.traits.colours[1], label=k) for k in kinds]
     handles += [Patch(color=fill, label=label) for label, fill in extra]
     if schedule.replicas > 1:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="replica 1"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, below), fontsize=7,
-              ncol=len(handles), frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", fontsize=7, ncol=len(handles), frameon=False)
 
 
 def _rank_axis(ax, labels):
@@ -102,7 +102,7 @@ def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str
     s = result.schedule
     t0 = min(result.start.values())
     fig_w = min(40.0, max(8.0, result.makespan * 0.35))
-    fig, ax = plt.subplots(figsize=(fig_w, 0.6 * s.pp + 1.6))
+    fig, ax = plt.subplots(figsize=(fig_w, 0.6 * s.pp + 1.6), layout="constrained")
     min_text = 0.25 * result.makespan / (fig_w * 6)
     for r, ops in enumerate(s.ranks):
         for op in ops:
@@ -111,12 +111,11 @@ def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str
     _rank_axis(ax, [f"rank {r}" for r in range(s.pp)])
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time")
-    _legend(ax, s)
+    _legend(fig, s)
     ax.set_title(title or f"{s.name}: p={s.pp} m={s.micro_batches}"
                  + (f" k={s.seq_splits}" if s.seq_splits > 1 else "")
                  + f"  makespan {result.makespan:g}  bubble {result.bubble_ratio:.3f}"
                  + "  (darker = later chunk on the rank)")
-    fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -134,7 +133,7 @@ def plot_measured(traces: list[RankTrace], sim: SimResult, path: str, title: str
     rows = len(traces)
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(min(18.0, max(10.0, right / 150)),
                                                                    0.5 * (rows + sched.pp) + 2.4),
-                                      gridspec_kw={"height_ratios": [rows + 1, sched.pp + 1]})
+                                      gridspec_kw={"height_ratios": [rows + 1, sched.pp + 1]}, layout="constrained")
     min_text = right / 900
     for row, t in enumerate(traces):
         for e in t.events:
@@ -160,8 +159,7 @@ def plot_measured(traces: list[RankTrace], sim: SimResult, path: str, title: str
                      fontsize=9)
     bottom.set_xlim(0, right)
     bottom.set_xlabel("ms")
-    _legend(bottom, sched, [("p2p wait", P2P_COLOUR), ("load/reduce/step", STEP_COLOUR)], below=-0.35)
-    fig.tight_layout()
+    _legend(fig, sched, [("p2p wait", P2P_COLOUR), ("load/reduce/step", STEP_COLOUR)])
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

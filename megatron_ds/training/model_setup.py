@@ -6,6 +6,7 @@ import torch
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+from megatron_ds.schedules import simulate
 
 from .learning_rates import AnnealingLR
 
@@ -53,5 +54,26 @@ def setup_model_and_optimizer(args):
                                override_lr_scheduler=args.override_lr_scheduler)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                settings=args.pipeline_settings, auto_plan=args.auto_plan)
-    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}")
+    print_rank_0(engine_line(type(engine).__name__, args.pipeline_settings, args.pipeline_plan, args.auto_plan))
     return engine, lr_scheduler
+
+
+def engine_line(engine, settings, plan, auto_plan=None):
+    """The start-up line: the engine and the schedule as the ds_config names it, then what the plan runs that the
+    name does not say: "auto"'s budget and the schedule it starts on, Seq1F1B's segments, vocabulary parallelism,
+    a schedule file's simulated makespan."""
+    line = f"> pipeline engine: {engine}, schedule {settings.schedule}"
+    if plan is None:  # DeepSpeed's own engine
+        return line
+    sched, more = plan.schedule, []
+    if auto_plan is not None:
+        more.append(f"memory_budget {auto_plan.budget_text}; starts on {plan.settings.schedule}")
+    if sched.seq_splits > 1:
+        more.append(f"seq_splits {sched.seq_splits}, segment lengths {list(plan.segment_lengths)} tokens")
+    if plan.settings.vocab_parallel:
+        more.append(f"vocabulary parallel (embedding and output layer sliced over the {plan.pp} pipeline ranks)")
+    if settings.file:
+        result = simulate(sched)
+        more.append(f"{sched.name!r} from the file, pp {sched.pp}, {sched.micro_batches} micro-batches: simulated "
+                    f"makespan {result.makespan:g} (TF = TB = TW = 1), bubble {result.bubble_ratio:.3f}")
+    return line + "".join(f"; {part}" for part in more)

@@ -33,3 +33,16 @@ def test_bitpipe_matches_reference(world, pp, gas, layers):
         second_leg = [t for (rep, stage), t in facts["replica_syncs"] if stage >= pp]
         assert len(second_leg) == 2 and len(facts["replica_syncs"]) == 4
         assert max(second_leg) < facts["last_backward_end"]
+
+
+@pytest.mark.parametrize("world,pp,gas,layers", [(2, 2, 1, 4), (4, 4, 2, 8)], ids=["pp2-m1", "pp4-m2"])
+def test_bitpipe_with_an_idle_replica_matches_reference(world, pp, gas, layers):
+    """m <= p/2 sends every micro-batch down: the up replica's chunks run nothing, and their twin
+    sync must still meet the down chunks' all-reduce (it hung until the collective timeout)."""
+    ref = reference_run(tiny_config(layers), world // pp, gas, 2)
+    results = [r[0] for r in run_ranks(world, engine_rank_runs, pp, gas, 2, PIPELINES, num_layers=layers,
+                                      timeout=120)]
+    assert_matches_reference(results, ref)
+    for key in ref["weights"]:  # the idle replica's copies took the same steps
+        copies = [r["weights"][key] for r in results if key in r["weights"]]
+        assert len(copies) >= 2 and all(torch.equal(copies[0], c) for c in copies[1:]), key

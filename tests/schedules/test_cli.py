@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from megatron_ds.schedules import CATALOG, Schedule, build_schedule
 from megatron_ds.schedules.cli import main
 from megatron_ds.testing.launcher import child_env
@@ -101,3 +102,51 @@ def test_vocab_parallel_export_show_compare(tmp_path, capsys):
     naive = next(r for r in rows if r[:1] == ["1f1b"] and r[1] != "+vocab")
     vocab = next(r for r in rows if r[:2] == ["1f1b", "+vocab"])
     assert float(vocab[2]) < float(naive[1])   # the head's cost spread over both ranks: a shorter iteration
+
+
+def _visualize(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "visualize_schedule.py"), *args, "--quiet"], cwd=cwd,
+                          capture_output=True, text=True, env=child_env(ROOT))
+
+
+def test_visualize_draws_the_run_of_a_ds_config(tmp_path):
+    """--ds-config: the schedule the run of that ds_config runs, its knobs and Seq1F1B cut as the run reads them
+    (the quick start drew seq1f1b with k=1 and interleaved with v=1)."""
+    from megatron_ds.gpt_config import GPTConfig
+    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan import segment_lengths
+    png = tmp_path / "s.png"
+    shape = ["--seq-length", "64", "--hidden-size", "64", "--num-attention-heads", "4", "--num-key-value-heads", "2",
+             "--swiglu"]
+    run = _visualize("--ds-config", "ds_configs/ds_config_seq1f1b.json", "--pp", "2", "--micro-batches", "4", *shape,
+                     "--out", str(png))
+    assert run.returncode == 0, run.stderr
+    seq1f1b = json.loads((ROOT / "ds_configs" / "ds_config_seq1f1b.json").read_text())
+    lengths = segment_lengths(pipeline_settings(seq1f1b), GPTConfig(
+        vocab_size=64, hidden_size=64, num_layers=4, num_attention_heads=4, num_key_value_heads=2, swiglu=True,
+        max_position_embeddings=64), 64)
+    assert run.stdout.splitlines()[0] == ("schedule seq1f1b: pp=2, micro_batches=4, stages=2 (1 per rank and "
+                                          f"replica), seq_splits=4, segment lengths {lengths}")
+    assert png.stat().st_size > 1000
+    run = _visualize("--ds-config", "ds_configs/ds_config_interleaved.json", "--pp", "2", "--micro-batches", "4",
+                     "--out", str(png))
+    assert run.returncode == 0 and "stages=4 (2 per rank and replica)" in run.stdout, run.stderr
+    stock = tmp_path / "stock.json"
+    stock.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    run = _visualize("--ds-config", str(stock), "--pp", "2", "--micro-batches", "4", "--out", str(png))
+    assert run.returncode == 0 and run.stdout.startswith("schedule 1f1b: pp=2"), run.stderr  # DeepSpeed's TrainSchedule
+
+
+@pytest.mark.parametrize("config,extra,message", [
+    ("ds_config_seq1f1b.json", [],
+     '"seq_splits": 4 cuts the run\'s sequences: give its --seq-length and --hidden-size'),
+    ("ds_config_auto.json", [], '"schedule": "auto" picks its schedule after timing'),
+    ("ds_config_zbv.json", ["--virtual-stages", "2"], "sets the schedule's knobs; leave out --virtual-stages"),
+    ("ds_config_bitpipe.json", ["--pp", "3"], "bitpipe needs an even pipeline size (pp=3)"),
+])
+def test_visualize_ds_config_refusals(tmp_path, config, extra, message):
+    pp = [] if "--pp" in extra else ["--pp", "2"]
+    run = _visualize("--ds-config", f"ds_configs/{config}", *pp, "--micro-batches", "4", *extra,
+                     "--out", str(tmp_path / "x.png"))
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.splitlines()) == 1 and message in run.stderr, run.stderr

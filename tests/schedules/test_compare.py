@@ -26,3 +26,12 @@ def test_seq_costs_weigh_the_segments():
                     for f in (None, lambda k: [3.0, 1.0]))
     s = build_schedule("seq1f1b", 4, 8, seq_splits=2)
     assert skewed["makespan"] == evaluate(s, ModelCosts(), seq_costs=[3.0, 1.0]).makespan != even["makespan"]
+
+
+def test_the_table_reads_lower_is_better_as_the_readme():
+    """One direction for "better" (issue 38): the ratio column is time over 1F1B's, named so in its header."""
+    from megatron_ds.schedules.compare import format_table
+    lines = format_table(compare_rows(4, 8)).splitlines()
+    assert lines[0].split()[-4:] == ["time/1f1b", "(lower", "is", "better)"]
+    ratio = {line.split()[0]: float(line.split()[-1]) for line in lines[2:] if "n/a" not in line}
+    assert ratio["1f1b"] == 1.0 and ratio["zbv"] == round(25.5 / 33, 3) < 1

@@ -50,3 +50,23 @@ def test_plot_files(tmp_path, suffix):
         root = ET.fromstring(data)
         assert root.tag.endswith("svg")
         assert b"replica 1" in data
+
+
+@pytest.mark.parametrize("name,pp,m", [("1f1b", 1, 2), ("zbv", 2, 4), ("bitpipe", 4, 8), ("zbv", 8, 16)])
+def test_the_legend_leaves_the_time_label_readable(name, pp, m, tmp_path, monkeypatch):
+    """The key sits under the axis label, inside the picture (it covered "time" on short pictures)."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+    save, boxes = Figure.savefig, []
+
+    def saving(fig, *args, **kwargs):  # where the label and the key were drawn, as the picture was written
+        save(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
+        boxes.append((fig.axes[0].xaxis.label.get_window_extent(renderer),
+                      [key.get_window_extent(renderer) for key in legends], fig.bbox))
+    monkeypatch.setattr(Figure, "savefig", saving)
+    plot_timeline(simulate(build_schedule(name, pp, m)), str(tmp_path / "t.png"))
+    (label, keys, picture), = boxes
+    assert len(keys) == 1
+    assert not keys[0].overlaps(label) and keys[0].y1 <= label.y0 and keys[0].y0 >= picture.y0

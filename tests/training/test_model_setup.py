@@ -44,3 +44,36 @@ def test_the_plan_is_made_once_at_parse_time_and_used_by_the_build(tmp_path):
     parsed, total, engine_holds_it, module_holds_it, parts = result
     assert (parsed, total, engine_holds_it, module_holds_it) == (1, 1, True, True)
     assert parts == [0, 5]  # one stage: the embedding, 2 layers, the norm and the head
+
+
+def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
+    """Seq1F1B's segment lengths, vocabulary parallelism, a schedule file's simulated makespan and "auto"'s budget
+    in micro-batches (issue 38)."""
+    from megatron_ds.gpt_config import GPTConfig
+    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.schedules import build_schedule, simulate
+    from megatron_ds.training.model_setup import engine_line
+
+    config = GPTConfig(vocab_size=64, hidden_size=64, num_layers=4, num_attention_heads=4, max_position_embeddings=64)
+    batch = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1}}
+
+    def line(pipeline):
+        ds_config = {**batch, "pipeline": pipeline}
+        plan, auto_plan = make_plan(config, ds_config, 2, 1)
+        return engine_line("ScheduleEngine", pipeline_settings(ds_config), plan, auto_plan)
+
+    seq = line({"schedule": "seq1f1b", "seq_splits": 4})
+    assert seq.startswith("> pipeline engine: ScheduleEngine, schedule seq1f1b")
+    assert "segment lengths [16, 16, 8, 24] tokens" in seq
+    assert "vocabulary parallel" in line({"schedule": "1f1b", "vocab_parallel": True})
+    assert line({"schedule": "zbv"}) == "> pipeline engine: ScheduleEngine, schedule zbv"
+    path = tmp_path / "zbv.json"
+    path.write_text(build_schedule("zbv", 2, 4).to_json())
+    makespan = simulate(build_schedule("zbv", 2, 4)).makespan
+    assert f"simulated makespan {makespan:g}" in line({"schedule": f"file:{path}"})
+    stock = engine_line("PipelineEngine", pipeline_settings({}), None)
+    assert stock == "> pipeline engine: PipelineEngine, schedule deepspeed"
+    auto = line({"schedule": "auto", "memory_budget": "1GiB"})  # the README's "Choosing a schedule" says it is logged
+    assert auto.startswith("> pipeline engine: ScheduleEngine, schedule auto; memory_budget \"1GiB\" = ")
+    assert "micro-batches of" in auto and "; starts on zb-h1" in auto
