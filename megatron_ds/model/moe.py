@@ -18,6 +18,8 @@ losses weigh the score sums by the whole micro-batch's counts: the segments shar
 their backward passes, which all come after the micro-batch's last forward on this stage (the schedule's
 dependencies), read it whole. The segment losses so add up to the unsplit micro-batch's exactly.
 """
+import dataclasses
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -27,7 +29,7 @@ from .kv_cache import SegmentKVCache
 from .linear import linear
 from .moe_dispatch import expert_parallel_group, group_name, local_experts, run_experts_across
 from .moe_router import Router, aux_loss_weights, loss_inputs
-from .tensor_parallel import Dropout
+from .tensor_parallel import Dropout, tensor_parallel_group
 
 
 class RouterLossLog:
@@ -102,6 +104,17 @@ class MicroBatchCounts:
         return sum(tokens for _, tokens in self.parts.values())
 
 
+def whole_sequence(inputs, group):
+    """A sequence shard's loss inputs with the counts and the token count of the whole sequence (summed over
+    the tensor-parallel ranks that hold its shards); the score sums stay the shard's: each rank's gradient is
+    its tokens' share, and the router's gradient is summed over those ranks (sequence_parallel)."""
+    counts = inputs.counts
+    if counts is not None:
+        counts = counts.clone()
+        torch.distributed.all_reduce(counts, group=group)
+    return dataclasses.replace(inputs, counts=counts, tokens=inputs.tokens * torch.distributed.get_world_size(group))
+
+
 def set_grad_scale(scale: float):
     """The factor the runtime multiplies a micro-batch's loss by before its backward (1 / micro-batches)."""
     RouterLosses.grad_scale = scale
@@ -152,6 +165,7 @@ class MoE(nn.Module):
         self.shared_expert = shared_expert
         self._segments = {}  # Seq1F1B: micro-batch key -> MicroBatchCounts of its segments run forward
         self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
+        self.shard_group = tensor_parallel_group(config) if config.sequence_parallel else None
         for p in [*self.router.parameters(), *self.experts.parameters()]:
             p.sequence_parallel = config.sequence_parallel  # a sequence shard's tokens: summed over the TP group
         if self.ep_group is not None:  # DeepSpeed's marks of an expert parameter: reduced over its EDP group
@@ -167,6 +181,8 @@ class MoE(nn.Module):
             out = out + self.shared_expert(x)
         if self.training:  # a checkpointed layer's first forward too (no autograd): its segment's counts count
             inputs = loss_inputs(logits, experts, kept, self.config, batch=shape[0])
+            if self.shard_group is not None:  # sequence parallelism: the balancing counts are the whole sequence's
+                inputs = whole_sequence(inputs, self.shard_group)
             totals, offset = self._micro_batch(inputs)
             if torch.is_grad_enabled():
                 out = RouterLosses.apply(out, inputs.score_sums, inputs.z_sum, self, inputs, totals, offset)

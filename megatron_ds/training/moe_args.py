@@ -78,9 +78,6 @@ def validate_moe_args(args):
     if (args.expert_model_parallel_size or 1) > 1:
         raise ArgumentsError("--expert-model-parallel-size > 1: expert parallelism is not available yet; every "
                              "data-parallel rank holds all experts (use 1)")
-    if args.tensor_model_parallel_size > 1:
-        raise ArgumentsError("--num-experts with --tensor-model-parallel-size > 1 is not available yet: run MoE "
-                             "models with pipeline and data parallelism")
     try:
         config = moe_config_from_args(args)
     except ValueError as exc:  # --moe-layer-freq's text

@@ -126,3 +126,27 @@ def test_expert_parallel_matches_reference(pp, dp, ep):
             assert_expert_parallel_matches(results, refs[model], dp)
         except AssertionError as exc:
             raise AssertionError(f"EP {ep} {model} {pipeline}: {exc}") from None
+
+
+TP_CASES = [("softmax", None, False), ("softmax", {"schedule": "1f1b"}, False), ("sigmoid", {"schedule": "zbv"}, False),
+            ("softmax", {"schedule": "zb-h1"}, True), ("seq_aux", SEQ1F1B, True)]
+
+
+def tp_rank_runs(cases):
+    return [engine_rank_run(2, GAS, STEPS, pipeline, num_layers=LAYERS, lr=LR,
+                            model={**MODELS[model], "tensor_model_parallel_size": 2, "sequence_parallel": sp})
+            for model, pipeline, sp in cases]
+
+
+def test_moe_with_tensor_parallelism_matches_reference():
+    """TP splits attention, the dense MLPs and the shared expert; the router and the experts stay whole on each
+    TP rank, which routes the same tokens (or, with sequence parallelism, its shard of them)."""
+    per_rank = run_ranks(4, tp_rank_runs, TP_CASES, timeout=900)
+    refs = {m: reference_run(tiny_config(LAYERS, **MODELS[m]), 1, GAS, STEPS, lr=LR) for m in MODELS}
+    failures = []
+    for i, (model, pipeline, sp) in enumerate(TP_CASES):
+        try:
+            assert_matches_reference([r[i] for r in per_rank], refs[model])
+        except AssertionError as exc:
+            failures.append(f"TP2 {model} {pipeline} sp={sp}: {str(exc)[:300]}")
+    assert not failures, "\n".join(failures)

@@ -75,3 +75,9 @@ def test_capacity_with_sequence_segments_is_refused():
     with pytest.raises(ConfigError, match="--moe-expert-capacity-factor with sequence segments"):
         make_plan(config, ds, 2, 1)
     make_plan(config, {**ds, "pipeline": {"schedule": "zb-h1"}}, 2, 1)
+
+
+def test_moe_takes_tensor_parallelism(monkeypatch):
+    args = parse_args(BASE + ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                      env={"WORLD_SIZE": "2", "RANK": "0"})
+    assert args.gpt_config.moe.num_experts == 4 and args.gpt_config.tensor_model_parallel_size == 2
