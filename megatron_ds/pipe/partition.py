@@ -27,7 +27,7 @@ import json
 import os
 from typing import Sequence
 
-from megatron_ds.schedules.flops import layer_shape, span_flops, vocab_size
+from megatron_ds.schedules.flops import layer_shapes, span_flops, vocab_size
 
 from .config import ConfigError
 
@@ -47,15 +47,15 @@ def gpt_layer_count(num_layers: int) -> int:
 def layer_flops(config) -> list[float]:
     """Forward FLOPs per token of each pipeline layer of a GPT of `config`'s sizes.
 
-    A transformer layer: schedules/flops.span_flops over the whole sequence, per token (GQA and
+    A transformer layer: schedules/flops.span_flops over the whole sequence, per token (MoE, GQA and
     SwiGLU aware; causal attention 2 s h per token on average). The head: 2 h V plus the softmax
     cross-entropy (about 5 V). The embedding is a lookup and the norms are elementwise: a few h
     each, so their cost is left to measured costs."""
     h, s = config.hidden_size, config.max_position_embeddings
-    layer = span_flops(0, s, **layer_shape(config)) / s
+    layers = [float(span_flops(0, s, **shape) / s) for shape in layer_shapes(config)]
     vocab = vocab_size(config)
     embed = 2 * h if getattr(config, "embed_layernorm", False) else h
-    return [float(embed)] + [float(layer)] * config.num_layers + [5.0 * h, 2.0 * h * vocab + 5.0 * vocab]
+    return [float(embed)] + layers + [5.0 * h, 2.0 * h * vocab + 5.0 * vocab]
 
 
 def _read_costs(spec: str, where: str) -> list:

@@ -8,7 +8,8 @@ Forward FLOPs of one transformer layer for the tokens [a, b) of a sequence (a mu
 - causal attention: the query at position t scores t keys and sums t values, 4ht, which over
   [a, b) integrates to 2h(b^2 - a^2): half of the full s x s count that Megatron's formula uses.
 The LM head adds 2hV per token (tied or not, the GEMM is the same); embedding lookups, norms and
-elementwise work are not counted. Training is forward + backward = 3x forward (4x when activations
+elementwise work are not counted. A mixture-of-experts layer counts the experts a token runs through
+(layer_shapes). Training is forward + backward = 3x forward (4x when activations
 are recomputed).
 """
 from __future__ import annotations
@@ -45,12 +46,25 @@ def layer_shape(config) -> dict:
                 swiglu=bool(getattr(config, "swiglu", False)))
 
 
+def layer_shapes(config) -> list[dict]:
+    """layer_shape of each transformer layer. A mixture-of-experts layer's MLP is what a token runs through:
+    its top-k experts and the shared expert, as one MLP of their summed widths (the router's 2 h E per
+    token is left out, as the norms are); `config` a GPTConfig, or the parsed flags (their gpt_config)."""
+    dense = layer_shape(config)
+    moe = getattr(config, "moe", None) or getattr(getattr(config, "gpt_config", None), "moe", None)
+    if moe is None:
+        return [dense] * config.num_layers
+    routed = moe.router_topk * (moe.ffn_hidden_size or dense["ffn"] or 4 * dense["hidden"])
+    sparse = {**dense, "ffn": routed + moe.shared_expert_intermediate_size}
+    return [sparse if moe.is_moe_layer(i, config.num_layers) else dense for i in range(config.num_layers)]
+
+
 def vocab_size(config) -> int:
     return _get(config, "padded_vocab_size") or _get(config, "vocab_size") or 50304
 
 
 def model_flops_per_sequence(config, seq_length: int, recompute: bool = False) -> float:
     """Training FLOPs (forward + backward, + a forward again when recomputing) of one sequence."""
-    shape = layer_shape(config)
-    forward = config.num_layers * span_flops(0, seq_length, **shape) + 2.0 * shape["hidden"] * vocab_size(config) * seq_length
+    layers = sum(span_flops(0, seq_length, **shape) for shape in layer_shapes(config))
+    forward = layers + 2.0 * config.hidden_size * vocab_size(config) * seq_length
     return (4.0 if recompute else 3.0) * forward

@@ -82,3 +82,26 @@ def test_device_peaks():
     assert peak_bf16_tflops("NVIDIA H200") == 989.0
     assert peak_bf16_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert peak_bf16_tflops("cpu") is None and peak_bf16_tflops(None) is None
+
+
+def test_a_moe_layer_counts_the_experts_a_token_runs_through():
+    """top-k experts of width f and the shared expert of width fs: the MLP of a dense layer of width k f + fs;
+    dense layers of the same model keep their MLP (the TFLOP/s of the log and the "flops" cuts)."""
+    from megatron_ds.gpt_config import GPTConfig
+    from megatron_ds.moe_config import MoEConfig
+    from megatron_ds.pipe.partition import layer_flops
+    from megatron_ds.schedules.flops import linear_flops_per_token, model_flops_per_sequence
+    h, f, fe, fs, s = 32, 48, 16, 8, 16
+    moe = MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=fe, shared_expert_intermediate_size=fs,
+                    layer_freq=(0, 1))
+    config = GPTConfig(vocab_size=64, hidden_size=h, num_layers=2, num_attention_heads=4, max_position_embeddings=s,
+                       ffn_hidden_size=f, swiglu=True, moe=moe)
+    dense = GPTConfig(vocab_size=64, hidden_size=h, num_layers=2, num_attention_heads=4, max_position_embeddings=s,
+                      ffn_hidden_size=f, swiglu=True)
+    mlp = lambda width: 3 * 2.0 * h * width  # noqa: E731
+    difference = 3.0 * s * (mlp(2 * fe + fs) - mlp(f))  # forward + backward, one MoE layer of two
+    assert model_flops_per_sequence(config, s) == pytest.approx(model_flops_per_sequence(dense, s) + difference)
+    costs = layer_flops(config)
+    assert costs[1] == pytest.approx(layer_flops(dense)[1])
+    assert costs[2] - costs[1] == pytest.approx(linear_flops_per_token(h, 2 * fe + fs, swiglu=True)
+                                                - linear_flops_per_token(h, f, swiglu=True))
