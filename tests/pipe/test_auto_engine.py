@@ -11,15 +11,18 @@ a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 seg
 parallelism (every candidate carries the passes, whose measured times are the head's and the embedding's costs),
 in the same launch: the own choice (GPT-2, tied), zb-h2 and the searched zb-search cap=3 (swaps; LLaMA, untied),
 zbv (a rebuild that re-cuts the slices' Adam state; LLaMA), at lr 1e-3 as test_vocab_engine.py. At PP=2 x DP=2 (ZeRO-1 shards
-re-cut across the switch): the own choice and zbv."""
+re-cut across the switch): the own choice and zbv. A mixture of experts (tests/pipe/test_moe_engine.py's) at PP=2: the
+own choice and zbv."""
 import dataclasses
 
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, reference_run, tiny_config
+from tests.pipe.test_moe_engine import MODELS
 from tests.pipe.test_vocab_engine import LLAMA, LR
 
 STEPS, LAYERS, GAS = 3, 4, 4
+MOE = MODELS["softmax"]  # 8 experts, top-2, a shared expert, aux and z losses
 BUDGET = 4  # every candidate fits at pp=2, m=4 (gpipe needs 4)
 SEQ1F1B = "seq1f1b seq_splits=2 split_backward=True"
 SWAPS = ("zb-h2", "zb-search cap=3", SEQ1F1B)  # placed as zb-h1
@@ -27,8 +30,17 @@ COSTED = "zbv-half op_costs"  # V-Half's order built for the measured costs (the
 CASES = [(None, BUDGET), ("zb-h2", BUDGET), ("zbv", BUDGET), ("bitpipe", BUDGET), ("zb-search cap=3", BUDGET),
          (SEQ1F1B, BUDGET), (COSTED, BUDGET), (None, 1.5)]  # 1.5: Seq1F1B (2 segments: 1.5 units, 4: 1.25) or zb-search cap=1.5
 VOCAB_BUDGET = 6  # the passes' order may hold a micro-batch more in flight
+MOE_CASES = [(None, BUDGET, MOE, False), ("zbv", BUDGET, MOE, False)]  # (label, budget, a MoE model, no vocab)
 VOCAB_CASES = [(None, VOCAB_BUDGET, {}), ("zb-h2", VOCAB_BUDGET, LLAMA), ("zb-search cap=3", VOCAB_BUDGET, LLAMA),
                ("zbv", VOCAB_BUDGET, LLAMA)]  # (label, budget, the model of a vocabulary-parallel run)
+
+
+def case_model(case):
+    """(GPTConfig options, vocabulary parallel, lr) of a case: (label, budget) is the tiny GPT-2;
+    (label, budget, model) a vocabulary-parallel run of `model`; (label, budget, model, False) `model` alone."""
+    _, _, *rest = case
+    vocab = rest[1] if len(rest) > 1 else bool(rest)
+    return (rest[0], vocab, LR) if rest else ({}, False, 1e-2)
 
 
 def forcing(label):
@@ -64,8 +76,10 @@ def auto_rank_run(pp, gas, steps, cases):
     dp = dist.get_world_size() // pp
 
     out = []
-    for label, budget, *vocab in cases:  # vocab: [the model options of a vocabulary-parallel run], or none
-        config, lr = (tiny_config(LAYERS, **vocab[0]), LR) if vocab else (tiny_config(LAYERS), 1e-2)
+    for case in cases:
+        label, budget = case[:2]
+        model, vocab, lr = case_model(case)
+        config = tiny_config(LAYERS, **model)
 
         def build(cfg):
             plan, auto_plan = make_plan(config, cfg, pp, dp)
@@ -105,13 +119,16 @@ def auto_rank_run(pp, gas, steps, cases):
     return out
 
 
-@pytest.mark.parametrize("world,pp,cases", [(2, 2, CASES + VOCAB_CASES), (4, 2, [(None, BUDGET), ("zbv", BUDGET)])],
+@pytest.mark.parametrize("world,pp,cases", [(2, 2, CASES + VOCAB_CASES + MOE_CASES),
+                                            (4, 2, [(None, BUDGET), ("zbv", BUDGET)])],
                          ids=["pp2", "pp2xdp2"])
 def test_auto_switch_matches_reference(world, pp, cases):
     from megatron_ds.testing.launcher import run_ranks
     per_rank = run_ranks(world, auto_rank_run, pp, GAS, STEPS, cases, timeout=900)
-    for i, (label, budget, *vocab) in enumerate(cases):
-        config, lr = (tiny_config(LAYERS, **vocab[0]), LR) if vocab else (tiny_config(LAYERS), 1e-2)
+    for i, case in enumerate(cases):
+        label, budget = case[:2]
+        model, vocab, lr = case_model(case)
+        config = tiny_config(LAYERS, **model)
         ref = reference_run(config, world // pp, GAS, STEPS, lr=lr)
         results = [r[i] for r in per_rank]
         for r in results:
