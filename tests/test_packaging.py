@@ -60,6 +60,32 @@ def test_wheel_installs_and_imports_from_another_folder(tmp_path):
     assert "--output-prefix" in _run(str(env / "bin" / "megatron-ds-preprocess"), "--help", cwd=elsewhere)
 
 
+@pytest.mark.timeout(900)
+def test_editable_install_imports_from_the_folder_that_holds_the_clone(tmp_path):
+    """`import megatron_ds` works from any folder after the README's set-up (`-e .`), the one that holds the
+    clone too: there a folder named megatron_ds (the clone; no __init__.py) with a data/ folder (the quick
+    start's corpus) is on sys.path first. With setuptools' import finder, asked after every path entry,
+    Python took the clone for a namespace package megatron_ds and data/ for megatron_ds.data."""
+    pytest.importorskip("setuptools")
+    clone = tmp_path / "megatron_ds"
+    shutil.copytree(os.path.join(ROOT, "megatron_ds"), clone / "megatron_ds",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), clone / name)
+    (clone / "data").mkdir()
+    env = tmp_path / "venv"
+    venv.create(env, with_pip=False)
+    python = env / "bin" / "python"
+    purelib = _run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
+    with open(os.path.join(purelib.strip(), "deps.pth"), "w") as f:
+        f.write("\n".join(site.getsitepackages()) + "\n")
+    _run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+         "--no-build-isolation", "-q", "-e", str(clone), cwd=tmp_path)
+    where = _run(str(python), "-c", "from megatron_ds.data.tokenizer import default_gpt2_files; import megatron_ds; "
+                 "print(megatron_ds.__file__)", cwd=tmp_path)
+    assert where.splitlines()[-1] == str(clone / "megatron_ds" / "__init__.py"), where
+
+
 def _parsed(*folders):
     """(path relative to the root, AST) of every .py file under `folders` and of pretrain_gpt.py."""
     import ast
@@ -91,8 +117,8 @@ def test_no_script_edits_sys_path():
 
 
 def test_nothing_outside_tests_imports_tests():
-    """tests/ is not installed and not importable from another folder: the package, tools and benchmarks
-    take what they share with the tests from megatron_ds.testing."""
+    """tests/ is not installed (a wheel holds megatron_ds alone): the package, tools and benchmarks take what
+    they share with the tests from megatron_ds.testing."""
     import ast
     imports = []
     for path, tree in _parsed("megatron_ds", "tools", "bench", "scripts"):

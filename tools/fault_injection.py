@@ -26,6 +26,7 @@ own exit code is seen (torchrun would SIGTERM the rest after the first).
 The launching helpers are shared with tests/training/test_faults.py.
 """
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -36,6 +37,7 @@ import tempfile
 import time
 import uuid
 
+import megatron_ds
 from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.initialize import free_port
@@ -190,9 +192,22 @@ def _last_line(out):
     return lines[-1] if lines else "no output"
 
 
-def worker_tracebacks(out):
-    """Traceback frames of the workers' code (torchrun's own summary traceback is not theirs)."""
-    return re.findall(r'File ".*?(?:megatron_ds|deepspeed)/[^"]+", line \d+', out)
+def _package_dirs():
+    """The folders of our package and of DeepSpeed as imported here (the workers import the same ones), each
+    as found and with its links resolved. Found by what they are, not by name: a clone in a folder named
+    megatron_ds with its .venv inside holds torch's and torchrun's frames under megatron_ds/.venv/."""
+    dirs = {os.path.dirname(os.path.abspath(megatron_ds.__file__))}
+    spec = importlib.util.find_spec("deepspeed")  # its folder, without the seconds of importing it
+    dirs.update(os.path.abspath(d) for d in (spec.submodule_search_locations or [] if spec else []))
+    return sorted({form for d in dirs for form in (d, os.path.realpath(d))}, key=len, reverse=True)
+
+
+def worker_tracebacks(out, package_dirs=None):
+    """Traceback frames in our package's or DeepSpeed's code (the workers'; torchrun's own summary traceback,
+    in torch, is not theirs). `package_dirs`: those folders (default: as imported here)."""
+    dirs = _package_dirs() if package_dirs is None else package_dirs
+    inside = "|".join(re.escape(d.rstrip(os.sep) + os.sep) for d in dirs)
+    return re.findall(rf'File "(?:{inside})[^"]+", line \d+', out)
 
 
 def rank_errors(out):

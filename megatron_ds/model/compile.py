@@ -111,12 +111,21 @@ def unplanned_graph_breaks():
     return {reason.splitlines()[0]: n for reason, n in breaks.items() if _BY_DESIGN not in reason}
 
 
-def compile_summary():
-    """One log line: compile time so far and the graph breaks not by design (None when nothing compiled)."""
+def compile_summary(first_iteration=None, later_iteration=None):
+    """One log line (None when nothing compiled): the first iteration's wall time `first_iteration` (s)
+    against `later_iteration` (s, the mean of the iterations after it; None: none yet), and the seconds
+    dynamo and inductor compiled in this process; then the graph breaks not by design. The compile time
+    alone understates what compiling costs a run: the first iteration waits for every rank's compiles."""
     seconds = compile_seconds()
     if not seconds:
         return None
-    line = f"> compiled regions (torch.compile, per layer and the loss): {seconds:.1f} s compiling"
+    line = "> compiled regions (torch.compile, per layer and the loss): "
+    if first_iteration:
+        line += f"the first iteration took {first_iteration:.1f} s"
+        line += f" against {later_iteration:.2f} s for the ones after it" if later_iteration else ""
+        line += f", {seconds:.1f} s ({seconds / first_iteration:.0%}) of it compiling in this process"
+    else:
+        line += f"{seconds:.1f} s compiling in this process"
     unplanned = unplanned_graph_breaks()
     if unplanned:
         line += "; graph breaks not removed: " + "; ".join(f"{r} (x{n})" for r, n in sorted(unplanned.items()))

