@@ -37,12 +37,7 @@ def test_wheel_installs_and_imports_from_another_folder(tmp_path):
          str(tmp_path / "dist"), cwd=src)
     wheel, = (tmp_path / "dist").glob("megatron_ds-*.whl")
 
-    env = tmp_path / "venv"
-    venv.create(env, with_pip=False)
-    python = env / "bin" / "python"
-    purelib = _run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
-    with open(os.path.join(purelib.strip(), "deps.pth"), "w") as f:
-        f.write("\n".join(site.getsitepackages()) + "\n")
+    python, purelib = _venv_with_our_dependencies(tmp_path)
     _run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
          str(wheel), cwd=tmp_path)
 
@@ -50,14 +45,14 @@ def test_wheel_installs_and_imports_from_another_folder(tmp_path):
     elsewhere.mkdir()
     where = _run(str(python), "-c", "import megatron_ds.training.checkpointing as c; print(c.__file__)",
                  cwd=elsewhere)
-    assert where.splitlines()[-1].startswith(purelib.strip()), where  # (DeepSpeed prints a warning first)
+    assert where.splitlines()[-1].startswith(purelib), where  # (DeepSpeed prints a warning first)
     for script in SCRIPTS:
-        assert (env / "bin" / script).exists(), script
-    assert "zbv" in _run(str(env / "bin" / "megatron-ds-schedules"), "compare", "--pp", "4", "--micro-batches", "8",
+        assert (python.parent / script).exists(), script
+    assert "zbv" in _run(str(python.parent / "megatron-ds-schedules"), "compare", "--pp", "4", "--micro-batches", "8",
                          cwd=elsewhere)
-    assert "--pipeline-model-parallel-size" in _run(str(env / "bin" / "megatron-ds-pretrain"), "--help",
+    assert "--pipeline-model-parallel-size" in _run(str(python.parent / "megatron-ds-pretrain"), "--help",
                                                     cwd=elsewhere)
-    assert "--output-prefix" in _run(str(env / "bin" / "megatron-ds-preprocess"), "--help", cwd=elsewhere)
+    assert "--output-prefix" in _run(str(python.parent / "megatron-ds-preprocess"), "--help", cwd=elsewhere)
 
 
 @pytest.mark.timeout(900)
@@ -73,17 +68,24 @@ def test_editable_install_imports_from_the_folder_that_holds_the_clone(tmp_path)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(os.path.join(ROOT, name), clone / name)
     (clone / "data").mkdir()
+    python, purelib = _venv_with_our_dependencies(tmp_path)
+    _run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+         "--no-build-isolation", "-q", "-e", str(clone), cwd=tmp_path)
+    where = _run(str(python), "-c", "from megatron_ds.data.tokenizer import default_gpt2_files; import megatron_ds; "
+                 "print(megatron_ds.__file__)", cwd=tmp_path)
+    assert where.splitlines()[-1] == str(clone / "megatron_ds" / "__init__.py"), where
+
+
+def _venv_with_our_dependencies(tmp_path):
+    """A new venv without pip that sees this one's site-packages (torch, DeepSpeed, ...): (its python, its
+    site-packages folder)."""
     env = tmp_path / "venv"
     venv.create(env, with_pip=False)
     python = env / "bin" / "python"
     purelib = _run(str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path)
     with open(os.path.join(purelib.strip(), "deps.pth"), "w") as f:
         f.write("\n".join(site.getsitepackages()) + "\n")
-    _run(sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-         "--no-build-isolation", "-q", "-e", str(clone), cwd=tmp_path)
-    where = _run(str(python), "-c", "from megatron_ds.data.tokenizer import default_gpt2_files; import megatron_ds; "
-                 "print(megatron_ds.__file__)", cwd=tmp_path)
-    assert where.splitlines()[-1] == str(clone / "megatron_ds" / "__init__.py"), where
+    return python, purelib.strip()
 
 
 def _parsed(*folders):
