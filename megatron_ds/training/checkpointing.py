@@ -41,6 +41,7 @@ from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.model.universal_info import universal_checkpoint_info
+from megatron_ds.moe_config import layer_pattern
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
 from megatron_ds.pipe.vocab_checkpoint import universal_names
 from megatron_ds.pipe.zero_internals import ZeroInternals
@@ -50,6 +51,7 @@ from . import checkpoint_engine, disk_full, recovery_script, safe_load
 from .initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
+from .moe_args import moe_config_from_args
 from .model_setup import model_config
 from .universal import LATEST as LATEST_UNIVERSAL, conversion_command, read_tag
 from .zero_relayout import RelayoutError, restore_by_name
@@ -177,6 +179,30 @@ def _check_model_shape(args, saved_args, load_dir, universal):
                               f"{getattr(args, name, None)}: the models differ"
                               + ("; keep the vocabulary padding (--pad-vocab-size-to)"
                                  if name == "padded_vocab_size" else ""))
+    if saved_args is not None:
+        _check_experts(moe_config_from_args(saved_args), args.gpt_config.moe, args.num_layers, load_dir)
+
+
+def _check_experts(saved, mine, num_layers, load_dir):
+    """The same experts where the weights live: their count, sizes, layers and the expert bias (the router's
+    other options may change, as Megatron lets a fine-tune change them)."""
+    if saved is None and mine is None:
+        return
+    kind = lambda m: "dense" if m is None else f"a mixture of {m.num_experts} experts"  # noqa: E731
+    if saved is None or mine is None or saved.num_experts != mine.num_experts:
+        raise CheckpointError(f"checkpoint {load_dir} is {kind(saved)}, this run is {kind(mine)}: the models differ")
+    for field, flag in (("ffn_hidden_size", "--moe-ffn-hidden-size"),
+                        ("shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size"),
+                        ("enable_expert_bias", "--moe-router-enable-expert-bias")):
+        theirs, ours = getattr(saved, field), getattr(mine, field)
+        if field == "ffn_hidden_size" and not theirs:  # Megatron's default: the dense MLP's, which the check above compared
+            theirs = ours
+        if theirs != ours:
+            raise CheckpointError(f"checkpoint {load_dir} has {flag} {theirs}, this run has {ours}: the models differ")
+    if layer_pattern(saved.layer_freq, num_layers) != layer_pattern(mine.layer_freq, num_layers):
+        raise CheckpointError(f"checkpoint {load_dir} has experts in layers "
+                              f"{layer_pattern(saved.layer_freq, num_layers)} (--moe-layer-freq), this run in "
+                              f"{layer_pattern(mine.layer_freq, num_layers)}: the models differ")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,3 +81,22 @@ def test_moe_takes_tensor_parallelism(monkeypatch):
     args = parse_args(BASE + ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
                       env={"WORLD_SIZE": "2", "RANK": "0"})
     assert args.gpt_config.moe.num_experts == 4 and args.gpt_config.tensor_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("saved, now, words", [
+    ([], ["--num-experts", "4"], "is dense, this run is a mixture of 4 experts"),
+    (["--num-experts", "8"], ["--num-experts", "4"], "is a mixture of 8 experts, this run is a mixture of 4"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "16"], ["--num-experts", "4"], "--moe-ffn-hidden-size 16"),
+    (["--num-experts", "4", "--moe-layer-freq", "2"], ["--num-experts", "4"], "--moe-layer-freq"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "8"], ["--num-experts", "4"],
+     "--moe-shared-expert-intermediate-size 8"),
+])
+def test_a_checkpoint_of_other_experts_is_refused(saved, now, words):
+    from megatron_ds.training.checkpointing import _check_model_shape
+    from megatron_ds.training.errors import CheckpointError
+    theirs, ours = parse(saved), parse(now)
+    with pytest.raises(CheckpointError) as info:
+        _check_model_shape(ours, theirs, "ckpt", universal=False)
+    assert words in str(info.value)
+    _check_model_shape(ours, parse(now + ["--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.1"]), "ckpt",
+                       universal=False)  # the router's options may change
