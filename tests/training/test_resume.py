@@ -140,19 +140,26 @@ def test_resume_is_bit_exact(tmp_path):
 SCHEDULE_CHANGE = ("--num-layers", "4", "--train-samples", "48", "--hidden-dropout", "0", "--attention-dropout", "0", "--adam-eps", "1e-6")
 
 
+# a mixture of experts with DeepSeek-V3's expert bias (a buffer the checkpoint carries) and the balancing loss
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01", "--moe-aux-loss-coeff", "0.01",
+       "--moe-shared-expert-intermediate-size", "32")
+
+
 @pytest.mark.timeout(1800)
-def test_resume_under_another_schedule(tmp_path):
+@pytest.mark.parametrize("model", [(), MOE], ids=["dense", "moe"])
+def test_resume_under_another_schedule(tmp_path, model):
     """Save under zbv, resume under 1f1b, save again and resume under zbv at PP=2 (each way once): the whole
     training state comes back (Adam's moments re-cut by parameter name, the lr schedule, DeepSpeed's step
-    count, the data position), so the losses equal an uninterrupted zbv run: bit-equal when measured,
-    rel 1e-5 here because schedules may sum micro-batch gradients in another order."""
+    count, the data position, a MoE's expert biases), so the losses equal an uninterrupted zbv run: bit-equal
+    when measured, rel 1e-5 here because schedules may sum micro-batch gradients in another order."""
     write_corpus(str(tmp_path / "corpus"))
     configs = {}
     for schedule in ("zbv", "1f1b"):
         configs[schedule] = tmp_path / f"{schedule}.json"
         configs[schedule].write_text(json.dumps({"zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
                                                  "pipeline": {"schedule": schedule}}))
-    run = dict(hard=SCHEDULE_CHANGE)
+    run = dict(hard=SCHEDULE_CHANGE + model)
     full, _ = launch(tmp_path, "uninterrupted", ds_config=configs["zbv"], **run)
     assert [r["iteration"] for r in full] == list(range(1, 7))
     ckpt = str(tmp_path / "ckpt")
