@@ -2,12 +2,14 @@
 
 The defaults are GPT-2. The other families are options on the same layers:
 LLaMA = rmsnorm + swiglu + rope + grouped-query attention + untied head + no linear biases,
-BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2).
+BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2),
+Qwen3 = LLaMA + a norm of each query and key head (qk_layernorm),
+Mixtral = LLaMA + experts in every layer (moe), Qwen3-MoE = Qwen3 + experts.
 """
 from dataclasses import dataclass
 from typing import Optional
 
-from .moe_config import MoEConfig, moe_problem, with_ffn_default
+from .moe_config import MoEConfig, hf_moe_family, moe_problem, with_ffn_default
 from .parallel_layout import check_model_split
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
@@ -35,6 +37,7 @@ class GPTConfig:
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     embed_layernorm: bool = False
+    qk_layernorm: bool = False  # each query and key head normalised (over head_dim) before RoPE (Qwen3)
     tensor_model_parallel_size: int = 1  # the layers split heads, MLP columns and vocabulary over this many ranks
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
@@ -75,20 +78,31 @@ class GPTConfig:
 
     @property
     def family(self):
-        """The Hugging Face model family these options make ("gpt2", "llama", "bloom"), None for another mix.
-        Any family may have its LM head tied or not (HF's tie_word_embeddings)."""
-        if self.moe is not None:
-            return None  # Mixtral, Qwen3-MoE: not mapped to Hugging Face yet
-        layout = (self.normalization, self.position_embedding_type, self.swiglu, self.embed_layernorm)
-        if layout == ("rmsnorm", "rope", True, False):
-            return "llama"  # HF LLaMA also has attention_bias/mlp_bias and num_key_value_heads
-        mha_with_biases = self.add_bias_linear and self.num_key_value_heads == self.num_attention_heads
-        if layout == ("layernorm", "learned_absolute", False, False) and mha_with_biases:
-            return "gpt2"
-        if layout == ("layernorm", "alibi", False, True) and mha_with_biases \
-                and self.ffn_hidden_size == 4 * self.hidden_size:
-            return "bloom"
-        return None
+        """The Hugging Face model family these options make ("gpt2", "llama", "bloom", "qwen3", "mixtral",
+        "qwen3_moe"), None for another mix. Any family may have its LM head tied or not (HF's tie_word_embeddings)."""
+        return hf_family(self)[0]
+
+
+def hf_family(c):
+    """(The Hugging Face family of GPTConfig `c`, or None and what keeps it from one: '' when nothing says more.)"""
+    layout = (c.normalization, c.position_embedding_type, c.swiglu, c.embed_layernorm)
+    llama = layout == ("rmsnorm", "rope", True, False)
+    if c.moe is not None or c.qk_layernorm:
+        if not llama or c.add_bias_linear:  # Qwen3's MLP has no biases, Mixtral none at all
+            what = "experts (Mixtral, Qwen3-MoE)" if c.moe is not None else "--qk-layernorm (Qwen3)"
+            return None, (f"{what}: Hugging Face has them on LLaMA's layout without biases (--normalization rmsnorm "
+                          "--swiglu --position-embedding-type rope --disable-bias-linear)")
+        if c.moe is None:
+            return "qwen3", ""
+        return hf_moe_family(c.moe, c.num_layers, c.qk_layernorm)
+    if llama:
+        return "llama", ""  # HF LLaMA also has attention_bias/mlp_bias and num_key_value_heads
+    mha_with_biases = c.add_bias_linear and c.num_key_value_heads == c.num_attention_heads
+    if layout == ("layernorm", "learned_absolute", False, False) and mha_with_biases:
+        return "gpt2", ""
+    if layout == ("layernorm", "alibi", False, True) and mha_with_biases and c.ffn_hidden_size == 4 * c.hidden_size:
+        return "bloom", ""
+    return None, ""
 
 
 def config_problem(c) -> str:

@@ -48,7 +48,8 @@ def layer_pattern(layer_freq, num_layers):
 
 
 def parse_layer_freq(text):
-    """--moe-layer-freq: an int, or a list of 0/1 as Megatron writes it ("[0,1,1]" or "([0]*1+[1]*3)")."""
+    """--moe-layer-freq: an int, or a list of 0/1 as Megatron writes it ("[0,1,1]" or "([0]*1+[1]*3)"), or bare
+    ("0,1,1": what the checkpoint tools write, no quoting needed in a shell)."""
     text = str(text).strip()
     if text.lstrip("-").isdigit():
         return (int(text),)
@@ -56,13 +57,13 @@ def parse_layer_freq(text):
         value = _eval_pattern(ast.parse(text, mode="eval").body)
     except (SyntaxError, ValueError, TypeError):
         raise ValueError(f"--moe-layer-freq {text!r}: give an int N (every N-th layer) or a list of 0/1 per "
-                         f"layer such as [0,1,1,1] or ([0]*1+[1]*3)") from None
+                         f"layer such as [0,1,1,1], ([0]*1+[1]*3) or 0,1,1,1") from None
     return tuple(value)
 
 
 def _eval_pattern(node):
     """A list expression of 0/1 literals, '+' and '* int' (no names, no calls: nothing runs)."""
-    if isinstance(node, ast.List):
+    if isinstance(node, (ast.List, ast.Tuple)):
         return [_eval_pattern(e) for e in node.elts]
     if isinstance(node, ast.Constant) and isinstance(node.value, int):
         return node.value
@@ -121,6 +122,39 @@ def moe_problem(m: MoEConfig, num_layers: int, tensor_parallel: int = 1) -> str:
         return (f"--moe-shared-expert-intermediate-size ({m.shared_expert_intermediate_size}) must be divisible by "
                 f"--tensor-model-parallel-size ({tensor_parallel})")
     return ""
+
+
+def compact_layer_freq(pattern) -> Tuple[int, ...]:
+    """One 0/1 per layer as --moe-layer-freq writes it shortest: (N,) when it is every N-th layer from the first."""
+    pattern = [int(bool(p)) for p in pattern]
+    for n in range(1, len(pattern) + 1):
+        if layer_pattern((n,), len(pattern)) == pattern:
+            return (n,)
+    return tuple(pattern)
+
+
+def hf_moe_family(m: MoEConfig, num_layers: int, qk_layernorm: bool) -> Tuple[Optional[str], str]:
+    """The Hugging Face family of these MoE options on LLaMA's layout without biases: ("mixtral", ""),
+    ("qwen3_moe", "") with per-head query/key norms, or (None, the option neither has, named by flag).
+    Options that act in training only (the balancing and z losses, the expert-parallel split) do not count."""
+    unmapped = (("--moe-router-score-function sigmoid", m.score_function != "softmax"),
+                ("--moe-router-enable-expert-bias", m.enable_expert_bias),
+                ("--moe-router-num-groups", bool(m.num_groups)),
+                ("--moe-router-topk-scaling-factor", m.topk_scaling_factor not in (None, 1.0)),
+                ("--moe-expert-capacity-factor", m.capacity_factor is not None),
+                ("--moe-shared-expert-intermediate-size (a shared expert)", bool(m.shared_expert_intermediate_size)))
+    for flag, on in unmapped:
+        if on:
+            return None, f"{flag}: Mixtral and Qwen3-MoE have no such option"
+    if qk_layernorm:
+        return "qwen3_moe", ""
+    if m.pre_softmax:
+        return None, ("--moe-router-pre-softmax without --qk-layernorm: Mixtral renormalises the top-k probabilities "
+                      "(Qwen3-MoE, which has --qk-layernorm, does either)")
+    if not all(layer_pattern(m.layer_freq, num_layers)):
+        return None, ("--moe-layer-freq: Mixtral has experts in every layer (Qwen3-MoE, which has --qk-layernorm, "
+                      "may leave layers dense)")
+    return "mixtral", ""
 
 
 def with_ffn_default(m: MoEConfig, ffn_hidden_size: int) -> MoEConfig:

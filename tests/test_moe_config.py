@@ -2,12 +2,12 @@
 import pytest
 
 from megatron_ds.gpt_config import GPTConfig
-from megatron_ds.moe_config import MoEConfig, layer_pattern, moe_problem, parse_layer_freq
+from megatron_ds.moe_config import MoEConfig, compact_layer_freq, layer_pattern, moe_problem, parse_layer_freq
 
 
 @pytest.mark.parametrize("text, layers, pattern", [
     ("1", 4, [1, 1, 1, 1]), ("2", 5, [1, 0, 1, 0, 1]), ("[0,1,1]", 3, [0, 1, 1]),
-    ("([0]*1+[1]*3)", 4, [0, 1, 1, 1]), ("[1]*2+[0]*2", 4, [1, 1, 0, 0]),
+    ("([0]*1+[1]*3)", 4, [0, 1, 1, 1]), ("[1]*2+[0]*2", 4, [1, 1, 0, 0]), ("0,1,1", 3, [0, 1, 1]),
 ])
 def test_layer_freq_as_megatron_writes_it(text, layers, pattern):
     assert layer_pattern(parse_layer_freq(text), layers) == pattern
@@ -49,8 +49,22 @@ def test_gpt_config_checks_moe_and_resolves_its_ffn_size():
     assert [c.is_moe_layer(i) for i in range(1, 5)] == [True, False, True, False]
 
 
-def test_a_moe_model_is_no_dense_hugging_face_family():
+def test_a_moe_model_on_llamas_layout_is_mixtral_or_with_qk_norms_qwen3_moe():
     base = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=16,
                 normalization="rmsnorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
-    assert GPTConfig(**base).family == "llama"
-    assert GPTConfig(**base, moe=MoEConfig(num_experts=4)).family is None
+    assert GPTConfig(**base).family == "llama" and GPTConfig(**base, qk_layernorm=True).family == "qwen3"
+    assert GPTConfig(**base, moe=MoEConfig(num_experts=4)).family == "mixtral"
+    sparse = MoEConfig(num_experts=4, layer_freq=(0, 1), pre_softmax=True, aux_loss_coeff=0.01, z_loss_coeff=0.1)
+    assert GPTConfig(**base, moe=sparse).family is None  # Mixtral: every layer, renormalised top-k
+    assert GPTConfig(**base, moe=sparse, qk_layernorm=True).family == "qwen3_moe"
+    assert GPTConfig(**{**base, "add_bias_linear": True}, moe=MoEConfig(num_experts=4)).family is None
+    assert GPTConfig(**base, moe=MoEConfig(num_experts=4, shared_expert_intermediate_size=8)).family is None
+    assert GPTConfig(**base, moe=MoEConfig(num_experts=4, score_function="sigmoid")).family is None
+
+
+def test_compact_layer_freq_is_the_shortest_flag_value():
+    assert compact_layer_freq([1, 1, 1, 1]) == (1,) and compact_layer_freq([1, 0, 1, 0]) == (2,)
+    assert compact_layer_freq([1, 0, 0]) == (3,) and compact_layer_freq([1]) == (1,)
+    assert compact_layer_freq([0, 1, 0, 1]) == (0, 1, 0, 1) and compact_layer_freq([1, 1, 0]) == (1, 1, 0)
+    for pattern in ([1, 0, 1, 0], [0, 1, 1], [1, 1, 1]):
+        assert layer_pattern(compact_layer_freq(pattern), len(pattern)) == pattern

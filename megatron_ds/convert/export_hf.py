@@ -5,6 +5,7 @@
 dtype they were saved in; `AutoTokenizer.from_pretrained(OUT)` the run's tokenizer.
 The vocabulary keeps Megatron's padding (config vocab_size = padded size).
 """
+from . import ToolError
 from .cli import quiet
 from .reference import checkpoint_tokenizer, load_checkpoint_model, override_tokenizer_args
 from .staging import check_new_folder, staged_folder
@@ -28,7 +29,10 @@ def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_nam
     tokenizer = checkpoint_tokenizer(args)
     config = model.config
     dtype = next(model.parameters()).dtype
-    hf_config = hf_config_from_gpt(config, bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod, dtype=dtype)
+    try:
+        hf_config = hf_config_from_gpt(config, bos_token_id=tokenizer.eod, eos_token_id=tokenizer.eod, dtype=dtype)
+    except ValueError as e:  # model options no Hugging Face family has
+        raise ToolError(f"{load_dir}: {e}") from None
     with quiet():
         hf_model = AutoModelForCausalLM.from_config(hf_config).to(dtype)
     hf_model.load_state_dict(to_hf_state_dict(model.named_parameters_by_layer(), config), strict=True)

@@ -19,6 +19,7 @@ from . import ToolError
 # GPTConfig fields that are no model flags: the vocabulary comes from the tokenizer
 # (padded to --pad-vocab-size-to), the seed only draws initial weights.
 _NOT_FLAGS = ("vocab_size", "seed")
+_FAMILY = MODEL_FAMILY_ARGS + ("moe",)  # model_family_flags writes them (the experts: moe_args.moe_flags)
 _ALWAYS = ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "ffn_hidden_size",
            "hidden_dropout", "attention_dropout")
 
@@ -53,7 +54,7 @@ def _flag(actions, name, value):
 def config_flags(config, seq_length):
     """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary): the sizes and
     dropouts always, the other GPT-2 options where they differ from the flags' defaults, then the family
-    options (training.model_args.model_family_flags)."""
+    options and the experts (training.model_args.model_family_flags)."""
     actions = _actions()
     flags = ["--seq-length", str(seq_length)]
     for name in _ALWAYS:
@@ -63,7 +64,7 @@ def config_flags(config, seq_length):
     default = config_from_args(plain)
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        if field.name not in _NOT_FLAGS + _ALWAYS + MODEL_FAMILY_ARGS and value != getattr(default, field.name):
+        if field.name not in _NOT_FLAGS + _ALWAYS + _FAMILY and value != getattr(default, field.name):
             flags += _flag(actions, field.name, value)
     return flags + model_family_flags(config)
 

@@ -3,7 +3,8 @@
 One fused projection c_attn gives [q (heads x d); k (kv heads x d); v (kv heads x d)]:
 with grouped-query attention (fewer K/V heads) each K/V head serves heads / kv heads
 query heads, and K/V stay grouped all the way (SDPA's enable_gqa; the Seq1F1B cache
-holds the grouped heads). RoPE rotates q and k; ALiBi is an additive bias.
+holds the grouped heads). With --qk-layernorm each query and key head is normalised over
+head_dim first (Qwen3's q_norm/k_norm), before RoPE rotates q and k; ALiBi is an additive bias.
 
 With tensor parallelism each rank projects, attends with and projects back its own
 query heads and their K/V heads (c_attn column-parallel by sections, c_proj row-parallel).
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
 from .kv_cache import KVSlot, SegmentKVCache, queries_reversed, segment_outputs, segment_queries
+from .norm import HeadNorm
 from .positions import alibi_bias, rope_tables, rotate
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
@@ -40,6 +42,7 @@ class CausalSelfAttention(nn.Module):
                                            **parallel)
         self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, init_method=output_init_method,
                                         **parallel)
+        self.q_norm, self.k_norm = (HeadNorm(config), HeadNorm(config)) if config.qk_layernorm else (None, None)
         self.split_sizes = [s // tp for s in self.c_attn.sections]
         self.total_heads, self.head_start = config.num_attention_heads, comm.rank(self.group) * self.num_heads
         self.position_embedding_type, self.rope_theta = config.position_embedding_type, config.rope_theta
@@ -51,8 +54,11 @@ class CausalSelfAttention(nn.Module):
         qkv = self.c_attn(x)
         b, s = qkv.shape[:2]  # the whole sequence, also when x is a sequence-parallel shard
         q, k, v = qkv.split(self.split_sizes, dim=2)
-        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k, v = (t.view(b, s, self.num_kv_heads, self.head_dim) for t in (k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         segmented = SegmentKVCache.opened  # a sequence segment (Seq1F1B): also attend to the earlier segments
         if self.position_embedding_type == "rope":
             start = SegmentKVCache.current().offset if segmented else 0  # a compiled layer: a graph per offset

@@ -21,6 +21,7 @@ from megatron_ds.gpt_config import GPTConfig
 from .chunked_loss import chunked_linear_cross_entropy
 from .compile import compile_loss
 from .moe import MoE
+from .norm import Norm
 from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_linear, copy_to_region, gather_from_sequence, scatter_to_sequence,
                               tensor_parallel_group, vocab_parallel_loss)
@@ -39,22 +40,6 @@ def _mark_sequence_parallel(module, config):
     """A norm on a sequence shard sees only its tokens: its gradient is summed over the TP group."""
     for p in module.parameters():
         p.sequence_parallel = config.sequence_parallel
-
-
-class Norm(nn.Module):
-    """LayerNorm or RMSNorm (config.normalization); parameters `weight` (and `bias` for LayerNorm)."""
-
-    def __init__(self, config: GPTConfig, layer_idx: int = 0):
-        super().__init__()
-        self.rms = config.normalization == "rmsnorm"
-        self.eps = config.layernorm_epsilon
-        self.weight = nn.Parameter(torch.ones(config.hidden_size))
-        self.bias = None if self.rms else nn.Parameter(torch.zeros(config.hidden_size))
-
-    def forward(self, x):
-        if self.rms:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class Embedding(nn.Module):

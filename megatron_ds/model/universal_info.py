@@ -9,7 +9,8 @@ The patterns are regexes over the PipelineModule's parameter names, whose first 
 global layer index (gpt.py): 0 embedding, 1..L transformer layers, L+1 final norm, L+2 the
 untied LM head; a tied head shares "tied_modules.embed.*" with the embedding.
 
-- replicated: the same on every TP rank (norms, learned positions, row-parallel biases);
+- replicated: the same on every TP rank (norms, --qk-layernorm's per-head norms too, learned positions,
+  row-parallel biases);
 - row-parallel: split along the input dimension (c_proj weights);
 - QKV: [q; k; v] with grouped K/V heads, each rank holding its slice of each section
   (layers.shard with sections), so its own widths per section (SUB_PARAM_SHARD_WIDTHS);
@@ -45,6 +46,8 @@ def layer_parameters(config):
     ffn = config.ffn_hidden_size
     fc = ("swiglu", (ffn, ffn)) if config.swiglu else ("column", None)
     layer = {f"ln_{i}.{p}": ("replicated", None) for i in (1, 2) for p in norm}
+    if config.qk_layernorm:  # each rank holds whole heads and the whole per-head weight
+        layer.update({f"attn.{qk}_norm.{p}": ("replicated", None) for qk in "qk" for p in norm})
     layer.update({"attn.c_attn.weight": ("qkv", (q, kv, kv)), "attn.c_proj.weight": ("row", None),
                   "mlp.c_fc.weight": fc, "mlp.c_proj.weight": ("row", None)})
     if bias:

@@ -27,7 +27,7 @@ from .moe import ensure_expert_parallel, routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
 from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
-from .sequence_parallel import SequenceParallelPipelineEngine, sequence_parallel_params
+from .sequence_parallel import SequenceParallelPipelineEngine, on_sequence_shards, sequence_parallel_params
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
@@ -120,11 +120,11 @@ def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None
                       settings=None, auto_plan=None):
     """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds."""
     tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
-    sequence_parallel = bool(sequence_parallel_params(module))
+    sequence_parallel = bool(sequence_parallel_params(module))  # gradient shares to sum over the TP group
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
         factory = functools.partial(ScheduleEngine, plan=module.plan, auto_plan=auto_plan, tracer=tracer)
     else:  # the stock engine: DeepSpeed's own, or with the sequence-parallel gradient sum
-        if sequence_parallel:
+        if on_sequence_shards(module):
             ds_config = sequence_parallel_ds_config(ds_config)
         traced, plain = ((TracedSequenceParallelPipelineEngine, SequenceParallelPipelineEngine) if sequence_parallel
                          else (TracedPipelineEngine, PipelineEngine))

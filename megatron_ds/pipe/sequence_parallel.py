@@ -7,7 +7,9 @@ the shard: each TP rank's gradient covers its own tokens, and the sum over the T
 (layers.py marks them `sequence_parallel`). The engine sums them once per step, after every backward and
 deferred weight-gradient (W) op and the twin-chunk sync, and before the tied-weight, data-parallel/ZeRO
 reduction and the gradient norm (Megatron's finalize_model_grads). The summed gradients are then equal
-on the TP ranks, so they count once in the norm, like any replicated parameter.
+on the TP ranks, so they count once in the norm, like any replicated parameter. The per-head query/key norms
+of --qk-layernorm (model/norm.HeadNorm, marked `tensor_parallel_partial`) join the same sum with or without
+sequence parallelism: each rank's gradient covers its own heads.
 """
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
@@ -18,8 +20,15 @@ from megatron_ds.model.tensor_parallel import get_parallel_state
 
 
 def sequence_parallel_params(module):
-    """The module's parameters marked `sequence_parallel` (parameters() yields a shared one once)."""
-    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+    """The module's parameters whose gradient a TP rank holds a share of: marked `sequence_parallel` (a sequence
+    shard's) or `tensor_parallel_partial` (its heads'); parameters() yields a shared one once."""
+    return [p for p in module.parameters()
+            if getattr(p, "sequence_parallel", False) or getattr(p, "tensor_parallel_partial", False)]
+
+
+def on_sequence_shards(module):
+    """Whether the module's activations are sequence shards (a parameter marked `sequence_parallel`)."""
+    return any(getattr(p, "sequence_parallel", False) for p in module.parameters())
 
 
 def reduce_sequence_parallel_grads(engine):

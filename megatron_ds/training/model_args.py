@@ -4,6 +4,7 @@ and the parsed flags -> GPTConfig mapping. Without these flags the model is GPT-
 LLaMA:  --normalization rmsnorm --swiglu --position-embedding-type rope --num-key-value-heads N
         --untie-embeddings-and-output-weights --disable-bias-linear
 BLOOM:  --position-embedding-type alibi --embed-layernorm
+Qwen3:  LLaMA's + --qk-layernorm; Mixtral: LLaMA's + --num-experts N (moe_args.py); Qwen3-MoE: Qwen3's + experts
 
 The flag checks here name the alias a user gave; GPTConfig (torch-free, megatron_ds/gpt_config.py)
 checks the same rules again when parse_args builds the run's one config (run_gpt_config).
@@ -13,11 +14,11 @@ import dataclasses
 from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 
 from .errors import ArgumentsError
-from .moe_args import moe_config_from_args
+from .moe_args import moe_config_from_args, moe_flags
 
 # the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
 MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
-                     "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm")
+                     "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm", "qk_layernorm")
 _POSITION_ALIASES = {"absolute": "learned_absolute", "rotary": "rope"}  # BigScience's names
 
 
@@ -45,6 +46,8 @@ def add_model_args(parser):
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="no biases in the attention and MLP linear layers")
     g.add_argument("--embed-layernorm", action="store_true", help="a norm after the word embeddings (BLOOM)")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="normalise each query and key head (over the head size) before RoPE (Qwen3)")
 
 
 def validate_model_args(args):
@@ -118,7 +121,8 @@ def gpt_config_from_args(args):
 
 
 def model_family_flags(config) -> list:
-    """The flags that give a GPTConfig's family options (none for GPT-2): the inverse of the above."""
+    """The flags that give a GPTConfig's family options (none for GPT-2), its experts' included: the inverse
+    of the above."""
     flags = []
     if config.normalization != "layernorm":
         flags += ["--normalization", config.normalization]
@@ -131,7 +135,8 @@ def model_family_flags(config) -> list:
     if config.num_key_value_heads != config.num_attention_heads:
         flags += ["--num-key-value-heads", str(config.num_key_value_heads)]
     for name, on in (("--untie-embeddings-and-output-weights", config.untie_embeddings_and_output_weights),
-                     ("--disable-bias-linear", not config.add_bias_linear), ("--embed-layernorm", config.embed_layernorm)):
+                     ("--disable-bias-linear", not config.add_bias_linear),
+                     ("--embed-layernorm", config.embed_layernorm), ("--qk-layernorm", config.qk_layernorm)):
         if on:
             flags.append(name)
-    return flags
+    return flags + moe_flags(config.moe)

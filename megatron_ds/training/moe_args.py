@@ -4,6 +4,8 @@ same), and the parsed flags -> MoEConfig. Without --num-experts the model is den
 The checks that need no process group run here, at parse time (exit 2): a MoE flag without
 --num-experts, and MoEConfig's own rules (moe_config.moe_problem) named by flag.
 """
+import dataclasses
+
 from megatron_ds.moe_config import LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig, moe_problem, parse_layer_freq
 
 from .errors import ArgumentsError
@@ -29,7 +31,8 @@ def add_moe_args(parser):
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="a shared expert every token passes through, of this FFN size")
     g.add_argument("--moe-layer-freq", type=str, default=None,
-                   help="N: experts in every N-th layer from the first; or one 0/1 per layer: [0,1,1,1] or ([0]*1+[1]*3)")
+                   help="N: experts in every N-th layer from the first; or one 0/1 per layer: [0,1,1,1], "
+                        "([0]*1+[1]*3) or 0,1,1,1")
     g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default=None)
     g.add_argument("--moe-router-pre-softmax", action="store_true", default=None,
                    help="softmax over all experts before the top-k (Qwen3's norm_topk_prob=False)")
@@ -58,6 +61,25 @@ def moe_config_from_args(args):
     if getattr(args, "moe_layer_freq", None) is not None:
         options["layer_freq"] = parse_layer_freq(args.moe_layer_freq)
     return MoEConfig(num_experts=experts[0] if isinstance(experts, list) else experts, **options)
+
+
+def moe_flags(m) -> list:
+    """The flags that give MoEConfig `m` (none for a dense model): the inverse of moe_config_from_args. The
+    experts' count, top-k and FFN size always, the other options where they differ from the defaults."""
+    if m is None:
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    flags = ["--num-experts", str(m.num_experts)]
+    for dest, field in _FIELDS.items():
+        value = getattr(m, field)
+        if value == defaults[field] and field not in ("router_topk", "ffn_hidden_size"):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        flags += [flag] if isinstance(value, bool) else [flag, repr(value) if isinstance(value, float) else str(value)]
+    if m.layer_freq != defaults["layer_freq"]:
+        pattern = m.layer_freq
+        flags += ["--moe-layer-freq", ",".join(map(str, pattern))]  # "N", or "0,1,1,1": no shell quoting
+    return flags
 
 
 def validate_moe_args(args):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.launcher import child_env
-from tests.convert.helpers import tiny_hf_gpt2, tool
+from tests.convert.helpers import gpt2_files, tiny_hf_gpt2, tool
 
 IMPORT, EXPORT = "checkpoint/import_hf.py", "checkpoint/export_hf.py"
 
@@ -171,3 +171,38 @@ def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
         assert proc.returncode == 2
         assert proc.stderr.splitlines() == [message]
         assert proc.stdout == "" and _nothing_written(str(tmp_path / "out"))
+
+
+def test_moe_options_our_layers_or_hugging_face_lack(tmp_path, capsys):
+    """Import: a Mixtral with router jitter, a Qwen3-MoE whose head_dim is not hidden / heads. Export: a MoE
+    with a shared expert, which neither Mixtral nor Qwen3-MoE has."""
+    import transformers
+    rope = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1)
+    jitter = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**rope, num_local_experts=2,
+                                                               router_jitter_noise=0.1)).save_pretrained(jitter)
+    _fails(capsys, IMPORT, "--input", jitter, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=[str(jitter / "config.json"), "'mixtral'", "router_jitter_noise 0.1"])
+    wide = tmp_path / "qwen3_moe"
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**rope, head_dim=16, num_experts=2,
+                                                                 num_experts_per_tok=1)).save_pretrained(wide)
+    _fails(capsys, IMPORT, "--input", wide, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=[str(wide / "config.json"), "head_dim 16 other than hidden_size / num_attention_heads (16 / 2 = 8)"])
+    from megatron_ds.convert.ds_format import write_checkpoint
+    from megatron_ds.convert.model_args import config_flags, parse_flags
+    from megatron_ds.gpt_config import GPTConfig
+    from megatron_ds.model import GPTModel
+    from megatron_ds.moe_config import MoEConfig
+    config = GPTConfig(vocab_size=50257, hidden_size=16, num_layers=1, num_attention_heads=2,
+                       max_position_embeddings=16, normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
+                       add_bias_linear=False, moe=MoEConfig(num_experts=2, shared_expert_intermediate_size=8))
+    vocab, merges = gpt2_files()
+    args = parse_flags(config_flags(config, 16) + ["--vocab-file", vocab, "--merge-file", merges,
+                                                   "--pad-vocab-size-to", "50257"])
+    args.padded_vocab_size = 50257
+    shared = tmp_path / "shared_expert"
+    write_checkpoint(str(shared), GPTModel(config).named_parameters_by_layer(), args)
+    _fails(capsys, EXPORT, "--load", shared, "--output", tmp_path / "hf", out=tmp_path / "hf",
+           says=[str(shared), "--moe-shared-expert-intermediate-size (a shared expert): Mixtral and Qwen3-MoE have "
+                              "no such option"])

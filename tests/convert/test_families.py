@@ -1,5 +1,5 @@
-"""LLaMA- and BLOOM-style Hugging Face models through the tools, on one process: import, export back
-bit for bit as the same HF class, and our checkpoint's perplexity and greedy text equal HF's."""
+"""LLaMA-, Mixtral-, Qwen3-MoE- and BLOOM-style Hugging Face models through the tools, on one process: import,
+export back bit for bit as the same HF class, and our checkpoint's perplexity and greedy text equal HF's."""
 import json
 
 import pytest
@@ -9,18 +9,27 @@ from safetensors.torch import load_file
 from tests.convert.helpers import hf_loss, tiny_hf_family, tool
 
 
-@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bloom", "BloomForCausalLM")])
+@pytest.mark.parametrize("family,cls", [("llama", "LlamaForCausalLM"), ("bloom", "BloomForCausalLM"),
+                                        ("mixtral", "MixtralForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
 def test_family_round_trip_perplexity_and_greedy(tmp_path, family, cls):
     from transformers import AutoModelForCausalLM
     source = tiny_hf_family(family, tmp_path / "hf")
     ckpt = tmp_path / "ckpt"
     assert tool("checkpoint/import_hf.py", "--input", tmp_path / "hf", "--output", ckpt, "--seq-length", 32) == 0
     flags = (ckpt / "megatron_ds_args.txt").read_text().split()
-    for flag in {"llama": ["--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"],
-                 "bloom": ["--embed-layernorm"]}[family]:
+    llama = ["--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    for flag in {"llama": llama, "bloom": ["--embed-layernorm"],
+                 "mixtral": llama + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64"],
+                 "qwen3_moe": llama + ["--qk-layernorm", "--num-experts", "--moe-router-pre-softmax",
+                                       "--moe-ffn-hidden-size", "24"]}[family]:
         assert flag in flags
-    if family == "llama":
+    if family == "qwen3_moe":  # mlp_only_layers=[1]: experts in every second layer from the first
+        assert flags[flags.index("--moe-layer-freq") + 1] == "2"
+    if family != "bloom":
         assert (ckpt / "global_step0" / "layer_04-model_states.pt").is_file()  # the untied head, layer L + 2
+    if family in ("mixtral", "qwen3_moe"):
+        layer = torch.load(ckpt / "global_step0" / "layer_01-model_states.pt")
+        assert layer["mlp.experts.3.fc1.weight"].shape == (2 * (64 if family == "mixtral" else 24), 32)
     assert tool("checkpoint/export_hf.py", "--load", ckpt, "--output", tmp_path / "back") == 0
     before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert sorted(before) == sorted(after)

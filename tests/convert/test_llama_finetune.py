@@ -1,6 +1,7 @@
-"""A Hugging Face LLaMA (grouped-query attention) imported and continued by pretrain_gpt.py under ZB-V.
+"""A Hugging Face LLaMA (grouped-query attention) and a Qwen3-MoE (per-head q/k norms, 4 experts, one dense
+layer) imported and continued by pretrain_gpt.py under ZB-V.
 
-One launch (2 gloo ranks, PP=2, 3 iterations) of a tiny random LlamaForCausalLM imported with
+One launch each (2 gloo ranks, PP=2, 3 iterations) of a tiny random LlamaForCausalLM / Qwen3MoeForCausalLM imported with
 tools/checkpoint/import_hf.py: the first iteration's loss is HF's on the same batch, and every
 iteration's loss is the single-process reference's (the checkpoint's GPTModel, the run's optimizer
 and lr schedule, the same samples)."""
@@ -44,16 +45,21 @@ def _reference_losses(ckpt, args, steps):
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
         opt.step()
         sched.step()
+    from megatron_ds.model.moe import RouterLossLog
+    RouterLossLog.take()  # a MoE's backward logged its experts' load: leave this process's log empty
     return losses
 
 
 @pytest.mark.timeout(1800)
-def test_llama_import_continues_under_zbv(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_llama_import_continues_under_zbv(tmp_path, family):
     hf_dir, ckpt = tmp_path / "hf", tmp_path / "imported"
-    source = tiny_hf_family("llama", hf_dir, num_layers=4)
+    source = tiny_hf_family(family, hf_dir, num_layers=4)
     assert tool("checkpoint/import_hf.py", "--input", hf_dir, "--output", ckpt, "--seq-length", 16) == 0
     flags = (ckpt / "megatron_ds_args.txt").read_text().split()
     assert "--num-key-value-heads" in flags and flags[flags.index("--num-key-value-heads") + 1] == "2"
+    if family == "qwen3_moe":  # mlp_only_layers=[1]
+        assert "--qk-layernorm" in flags and flags[flags.index("--moe-layer-freq") + 1] == "1,0,1,1"
     write_corpus(str(tmp_path / "corpus"))
     run = ["--micro-batch-size", str(MBS), "--global-batch-size", str(GBS), "--train-iters", str(ITERS),
            "--lr", "3e-3", "--pipeline-model-parallel-size", "2", "--data-path", str(tmp_path / "corpus"),

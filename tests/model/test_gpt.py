@@ -30,6 +30,8 @@ FAMILIES = {
     "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
                   untie_embeddings_and_output_weights=True, add_bias_linear=False),
     "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+    "qwen3": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
+                  untie_embeddings_and_output_weights=True, add_bias_linear=False, qk_layernorm=True),
 }
 
 
@@ -91,3 +93,28 @@ def test_families_by_options():
     assert llama.family == "llama" and llama.ffn_hidden_size == 64  # Megatron's swiglu width, at least 64
     assert tiny_config(position_embedding_type="alibi", embed_layernorm=True).family == "bloom"
     assert tiny_config(num_key_value_heads=2).family is None  # GPT-2 has no grouped-query attention
+    assert tiny_config(**FAMILIES["qwen3"]).family == "qwen3"
+    assert tiny_config(qk_layernorm=True).family is None  # Qwen3's per-head norms come with LLaMA's layout
+
+
+def test_qk_layernorm_normalises_each_query_and_key_head_before_rope():
+    """--qk-layernorm: q and k of every head RMS-normalised over head_dim (one weight vector per layer for all
+    heads), then rotated; against the attention computed by hand."""
+    import torch.nn.functional as F
+    from megatron_ds.model.positions import apply_rope
+    cfg = tiny_config(**FAMILIES["qwen3"])
+    attn = GPTModel(cfg).layers[0].attn
+    assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (cfg.head_dim,)
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(1))
+        attn.k_norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, 6, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    q, k, v = F.linear(x, attn.c_attn.weight).split([32, 16, 16], dim=-1)
+    heads = lambda t: t.view(2, 6, -1, cfg.head_dim)  # noqa: E731
+    rms = lambda t, w: t / t.pow(2).mean(-1, keepdim=True).add(cfg.layernorm_epsilon).sqrt() * w  # noqa: E731
+    q, k = rms(heads(q), attn.q_norm.weight).transpose(1, 2), rms(heads(k), attn.k_norm.weight).transpose(1, 2)
+    q, k = apply_rope(q, k, cfg.rope_theta, 0)
+    k, v = (t.repeat_interleave(2, dim=1) for t in (k, heads(v).transpose(1, 2)))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), F.linear(y, attn.c_proj.weight), rtol=1e-5, atol=1e-6)

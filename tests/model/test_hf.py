@@ -1,5 +1,8 @@
-"""Our GPT-2, LLaMA and BLOOM equal Hugging Face's own models (fp32 logits, 1e-5), loaded through
-hf.py both ways, and the state-dict conversion is bit-exact: HF -> ours -> HF and ours -> HF -> ours."""
+"""Our GPT-2, LLaMA, BLOOM, Qwen3, Mixtral and Qwen3-MoE equal Hugging Face's own models (fp32 logits, 1e-5),
+loaded through hf.py both ways, and the state-dict conversion is bit-exact: HF -> ours -> HF and ours -> HF ->
+ours; MoE models also from the files save_pretrained writes (one tensor per expert)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,10 +28,28 @@ def hf_configs():
             mlp_bias=True),
         "bloom": transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS),
         "bloom-6-heads": transformers.BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=LAYERS, n_head=6),
+        "qwen3": transformers.Qwen3Config(**ROPE, intermediate_size=48, head_dim=HIDDEN // HEADS),
+        "mixtral": transformers.MixtralConfig(**ROPE, intermediate_size=24, num_local_experts=4, rope_theta=500.0),
+        "mixtral-top3-tied": transformers.MixtralConfig(**ROPE, intermediate_size=16, num_local_experts=6,
+                                                        num_experts_per_tok=3, tie_word_embeddings=True),
+        # experts in layers 0 and 2 (1 is dense), the top-2 of the softmax over all experts, not renormalised
+        "qwen3_moe": transformers.Qwen3MoeConfig(**{**ROPE, "num_hidden_layers": 3}, intermediate_size=40,
+                                                 moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                 mlp_only_layers=[1]),
+        # experts in layers 1 and 3 (decoder_sparse_step 2: HF counts from 1), the top-2 renormalised
+        "qwen3_moe-step2-norm": transformers.Qwen3MoeConfig(**{**ROPE, "num_hidden_layers": 4}, intermediate_size=40,
+                                                            moe_intermediate_size=16, num_experts=4,
+                                                            num_experts_per_tok=2, decoder_sparse_step=2,
+                                                            norm_topk_prob=True),
     }
 
 
-FAMILY = {"gpt2": "gpt2", "llama": "llama", "llama-tied-bias-mha": "llama", "bloom": "bloom", "bloom-6-heads": "bloom"}
+ROPE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+            num_key_value_heads=2, max_position_embeddings=SEQ)
+FAMILY = {"gpt2": "gpt2", "llama": "llama", "llama-tied-bias-mha": "llama", "bloom": "bloom", "bloom-6-heads": "bloom",
+          "qwen3": "qwen3", "mixtral": "mixtral", "mixtral-top3-tied": "mixtral", "qwen3_moe": "qwen3_moe",
+          "qwen3_moe-step2-norm": "qwen3_moe"}
+MOE = [name for name in FAMILY if FAMILY[name] in ("mixtral", "qwen3_moe")]
 
 
 def random_hf_model(name):
@@ -127,3 +148,87 @@ def test_a_mix_of_options_no_family_has_is_refused_for_export():
     assert config.family is None
     with pytest.raises(ValueError, match="no Hugging Face family"):
         hf_config_from_gpt(config)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_models_load_from_the_files_save_pretrained_writes(name, tmp_path):
+    """HF v5 holds the experts stacked, its files one tensor per expert (Mixtral's under block_sparse_moe):
+    both give the same parameters."""
+    from safetensors.torch import load_file
+    hf = random_hf_model(name)
+    hf.save_pretrained(tmp_path)
+    files = load_file(tmp_path / "model.safetensors")
+    config = gpt_config_from_hf(hf.config)
+    first = min(i for i in range(config.num_layers) if config.is_moe_layer(i + 1))
+    expert = "block_sparse_moe.experts.0.w1.weight" if FAMILY[name] == "mixtral" else "mlp.experts.0.gate_proj.weight"
+    assert f"model.layers.{first}.{expert}" in files and files.keys() != hf.state_dict().keys()
+    from_files, from_model = from_hf_state_dict(files, config), from_hf_state_dict(hf.state_dict(), config)
+    assert from_files.keys() == from_model.keys()
+    for key, t in from_model.items():
+        assert torch.equal(from_files[key], t), key
+
+
+def _refusal(make, *args, **kwargs):
+    with pytest.raises(ValueError) as err:
+        make(*args, **kwargs)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda: transformers.MixtralConfig(**ROPE, router_jitter_noise=0.1),
+     "'mixtral' (architectures None) is not supported: router_jitter_noise 0.1"),
+    (lambda: transformers.MixtralConfig(**ROPE, sliding_window=8), "sliding_window 8"),
+    (lambda: transformers.Qwen3MoeConfig(**ROPE, head_dim=16),
+     "head_dim 16 other than hidden_size / num_attention_heads (32 / 4 = 8)"),
+    (lambda: transformers.Qwen3Config(**ROPE), "head_dim 128 other than"),  # Qwen3Config's default
+    (lambda: transformers.Qwen3MoeConfig(**ROPE, head_dim=8, attention_bias=True), "attention_bias"),
+    (lambda: transformers.Qwen3MoeConfig(**ROPE, mlp_only_layers=[0, 1]), "no layer with experts"),
+])
+def test_hf_options_our_layers_lack_are_refused_in_one_line(make, needle):
+    assert needle in _refusal(gpt_config_from_hf, make())
+
+
+MIXTRAL_LAYOUT = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_attention_heads=HEADS,
+                      max_position_embeddings=SEQ, normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
+                      add_bias_linear=False)
+
+
+@pytest.mark.parametrize("options,needle", [
+    (dict(shared_expert_intermediate_size=16), "--moe-shared-expert-intermediate-size (a shared expert): Mixtral and "
+                                               "Qwen3-MoE have no such option"),
+    (dict(score_function="sigmoid"), "--moe-router-score-function sigmoid"),
+    (dict(capacity_factor=1.0), "--moe-expert-capacity-factor"),
+    (dict(pre_softmax=True), "--moe-router-pre-softmax without --qk-layernorm"),
+    (dict(layer_freq=(2,)), "--moe-layer-freq: Mixtral has experts in every layer"),
+])
+def test_export_refuses_moe_options_mixtral_and_qwen3_moe_lack(options, needle):
+    from megatron_ds.gpt_config import GPTConfig
+    from megatron_ds.moe_config import MoEConfig
+    config = GPTConfig(**MIXTRAL_LAYOUT, moe=MoEConfig(num_experts=4, **options))
+    assert config.family is None
+    assert needle in _refusal(hf_config_from_gpt, config)
+    biased = GPTConfig(**{**MIXTRAL_LAYOUT, "add_bias_linear": True}, moe=MoEConfig(num_experts=4))
+    assert "without biases" in _refusal(hf_config_from_gpt, biased)
+
+
+def test_router_aux_loss_maps_only_its_coefficient_hf_s_loss_is_k_times_megatrons_for_one_layer():
+    """HF adds coef * load_balancing_loss_func iff output_router_logits; the coefficient maps both ways. For one
+    layer HF's loss is E * sum_i f_i P_i, Megatron's (ours) E / k * sum_i f_i P_i: k times apart."""
+    from megatron_ds.model.moe_router import aux_loss_weights, loss_inputs
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    on = gpt_config_from_hf(transformers.MixtralConfig(**ROPE, output_router_logits=True, router_aux_loss_coef=0.02))
+    off = gpt_config_from_hf(transformers.MixtralConfig(**ROPE, router_aux_loss_coef=0.02))
+    assert (on.moe.aux_loss_coeff, off.moe.aux_loss_coeff) == (0.02, 0.0)
+    back = hf_config_from_gpt(on)
+    assert back.output_router_logits and back.router_aux_loss_coef == 0.02
+    assert not hf_config_from_gpt(off).output_router_logits
+    m = dataclasses.replace(on.moe, aux_loss_coeff=1.0, router_topk=3)
+    logits = torch.randn(40, m.num_experts, generator=torch.Generator().manual_seed(3))
+    experts = torch.topk(logits, m.router_topk, dim=-1).indices
+    inputs = loss_inputs(logits, experts, torch.ones_like(experts, dtype=torch.bool), m, batch=1)
+    ours = (aux_loss_weights(inputs.counts, inputs.tokens, 1, m) * inputs.score_sums).sum()
+    theirs = load_balancing_loss_func((logits,), m.num_experts, m.router_topk)
+    assert theirs.item() == pytest.approx(m.router_topk * ours.item(), rel=1e-6)
+    assert ours.item() > 1.0  # >= 1, equality only for a perfectly balanced router

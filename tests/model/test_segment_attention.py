@@ -2,7 +2,8 @@
 forward outputs, input gradients and weight gradients, for k in {1, 2, 4} segments split
 evenly or FLOP-balanced, with activation-checkpoint recomputation and with deferred W;
 and so for the LLaMA layers (RoPE at the segment's positions, grouped K/V heads, which the
-cache holds as they are) and the BLOOM layers (ALiBi offsets)."""
+cache holds as they are), the Qwen3 layers (each query and key head normalised before RoPE: the cache
+holds the normalised keys) and the BLOOM layers (ALiBi offsets)."""
 import contextlib
 
 import pytest
@@ -22,6 +23,8 @@ FAMILIES = {
     "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", rope_theta=100.0,
                   num_key_value_heads=2, add_bias_linear=False, ffn_hidden_size=48),
     "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+    "qwen3": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", rope_theta=100.0,
+                  num_key_value_heads=2, add_bias_linear=False, ffn_hidden_size=48, qk_layernorm=True),
 }
 
 

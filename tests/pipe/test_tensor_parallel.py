@@ -4,7 +4,9 @@ first-step gradient and every weight after the steps, gathered over the TP ranks
 gradient norm, so DeepSpeed's clipping counts each slice once). PP=2 x TP=2 under every named schedule,
 without and with --sequence-parallel (sequence shards between stages, norm and row-bias gradients summed
 over the TP group, B/W split included); with it also DeepSpeed's stock engine at PP=1 (what pretrain_gpt
-runs without a "pipeline.schedule"): TP=2 x DP=2 and TP=4. Each schedule sees both families.
+runs without a "pipeline.schedule"): TP=2 x DP=2 and TP=4. Each schedule sees both families. Qwen3's per-head
+query/key norms (--qk-layernorm), whose gradient each TP rank holds a share of, under ZB-V, Seq1F1B with
+--sequence-parallel and the stock engine without it.
 
 Activation recompute (--checkpoint-activations: DeepSpeed's checkpoint around every transformer layer) with
 --sequence-parallel at TP=2 and hidden and attention dropout 0.1: the recomputed forward must draw the masks
@@ -28,6 +30,7 @@ FAMILIES = {
                   untie_embeddings_and_output_weights=True, add_bias_linear=False, ffn_hidden_size=48,
                   layernorm_epsilon=1e-6),
 }
+FAMILIES["qwen3"] = dict(FAMILIES["llama"], qk_layernorm=True)  # per-head norms: gradient shares summed over TP
 PP2_TP2 = dict(pp=2, tp=2, sp=False, steps=2)
 SP = dict(PP2_TP2, sp=True, steps=3)
 SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}
@@ -43,6 +46,9 @@ CASES = [("gpt2", s, PP2_TP2) for s in (
     # DeepSpeed's stock engine (shards sent whole), also at one stage (LLaMA's 2 K/V heads do not split 4 ways)
     ("gpt2", None, SP), ("llama", None, dict(pp=1, tp=2, sp=True, steps=3)),
     ("gpt2", None, dict(pp=1, tp=4, sp=True, steps=3)),
+    # --qk-layernorm: the per-head norms' gradients summed over TP with and without SP, stock engine included
+    ("qwen3", {"schedule": "zbv"}, PP2_TP2), ("qwen3", SEQ1F1B, SP),
+    ("qwen3", None, dict(pp=1, tp=2, sp=False, steps=2)),
 ]
 # (pipeline, layout) of the recompute pairs; each runs without, then with activation checkpointing. One step is
 # enough: its 4 micro-batches interleave forwards (drawing masks) with recomputing backwards (replaying them).
@@ -131,7 +137,8 @@ def test_tensor_parallel_equals_single_process_reference(tp_runs, index):
             (r["grad_norms"], ref["grad_norms"])
     assert ref["grad_norms"][0] > CLIP  # clipping is active, so a miscounted norm would change the weights
     if pipeline is None:
-        assert results[0]["engine"] == ("SequenceParallelPipelineEngine" if layout["sp"] else "PipelineEngine")
+        summed = layout["sp"] or family == "qwen3"  # gradient shares to sum over the TP group
+        assert results[0]["engine"] == ("SequenceParallelPipelineEngine" if summed else "PipelineEngine")
     print(_case_id(CASES[index]), "max abs/rel diff %.2e / %.2e" % _max_diffs(results, ref),
           "%.1f s" % max(r["seconds"] for r in results))
 

@@ -57,8 +57,22 @@ def test_bloom_flags():
     assert c.family == "bloom" and c.embed_layernorm and c.tied_head
 
 
+def test_qwen3_and_moe_flags():
+    assert config(*LLAMA, "--qk-layernorm").family == "qwen3"
+    mixtral = config(*LLAMA, "--num-experts", "4")
+    assert mixtral.family == "mixtral" and mixtral.moe.ffn_hidden_size == 48
+    qwen3_moe = config(*LLAMA, "--qk-layernorm", "--num-experts", "4", "--moe-router-pre-softmax")
+    assert qwen3_moe.qk_layernorm and qwen3_moe.moe.pre_softmax and qwen3_moe.family == "qwen3_moe"
+
+
+QWEN3_MOE = LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "16",
+                     "--moe-router-pre-softmax", "--moe-layer-freq", "[0,1]", "--moe-aux-loss-coeff", "0.01",
+                     "--moe-z-loss-coeff", "0.001"]
+
+
 @pytest.mark.parametrize("flags", [[], LLAMA + ["--rope-theta", "5e5"], ["--position-embedding-type", "alibi",
-                                                                       "--embed-layernorm"]])
+                                                                       "--embed-layernorm"], QWEN3_MOE,
+                                   LLAMA + ["--num-experts", "4", "--moe-layer-freq", "2"]])
 def test_flags_of_a_config_give_it_back(flags):
     c = config(*flags)
     assert config(*model_family_flags(c), "--ffn-hidden-size", str(c.ffn_hidden_size)) == c

@@ -328,7 +328,9 @@ def groups_case(pp, tp):
 FAMILIES = {"gpt2": {},
             "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
                           untie_embeddings_and_output_weights=True, add_bias_linear=False),
-            "bloom": dict(position_embedding_type="alibi", embed_layernorm=True)}
+            "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
+            "qwen3": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
+                          untie_embeddings_and_output_weights=True, add_bias_linear=False, qk_layernorm=True)}
 
 
 def _full_grads(model, group):
@@ -343,7 +345,8 @@ def _full_grads(model, group):
                 g = _gather(g, group, 1)
             elif isinstance(module, VocabParallelEmbedding):
                 g = _gather(g, group, 0)
-            elif getattr(p, "sequence_parallel", False):  # norms and row biases on a sequence shard
+            elif getattr(p, "sequence_parallel", False) or getattr(p, "tensor_parallel_partial", False):
+                # norms and row biases on a sequence shard; per-head norms on this rank's heads
                 g = g.clone()
                 dist.all_reduce(g, group=group)
             out[f"{mname}.{pname}"] = g
@@ -356,7 +359,7 @@ def model_case(group, family, sp):
     tp = tp_size(group)
     kw = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=2 * tp, max_position_embeddings=S,
               **FAMILIES[family])
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         kw["num_key_value_heads"] = tp
     dense = GPTModel(GPTConfig(**kw))
     config = GPTConfig(**kw, tensor_model_parallel_size=tp, sequence_parallel=sp)
