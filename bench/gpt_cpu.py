@@ -21,6 +21,7 @@ devices. The timed-layer bench (bench/schedules.py) measures the schedules thems
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import resource
@@ -98,7 +99,6 @@ def build(name, opts):
 def worker(name, opts):
     import deepspeed
     import torch
-    import torch.distributed as dist
     from megatron_ds.model import position_ids_like
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -118,20 +118,31 @@ def worker(name, opts):
             x = tokens[:, :-1].contiguous()
             yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
 
+    times, losses, every = timed_iterations(engine, batches, opts)
+    return {"times": times, "losses": losses, "init_s": init_s, "memory": every, "dp": engine.dp_world_size}
+
+
+def timed_iterations(engine, batches, opts, clock=None):
+    """opts["warmup"] steps, then opts["iterations"] timed ones (each after a barrier) under `clock` (a
+    context manager with .seconds, or None): (times, losses, every rank's {"peak", "train"[, "clock"]} RSS
+    bytes and clock seconds)."""
+    import torch.distributed as dist
     for step in range(opts["warmup"]):
         engine.train_batch(batches(step))
     before = rss_bytes()
     times, losses = [], []
-    with RssSampler() as sampler:
+    with RssSampler() as sampler, (clock or contextlib.nullcontext()):
         for step in range(opts["warmup"], opts["warmup"] + opts["iterations"]):
             dist.barrier()
             t0 = time.perf_counter()
             losses.append(float(engine.train_batch(batches(step))))
             times.append(time.perf_counter() - t0)
     mine = {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "train": sampler.peak - before}
+    if clock is not None:
+        mine["clock"] = clock.seconds
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return {"times": times, "losses": losses, "init_s": init_s, "memory": every, "dp": engine.dp_world_size}
+    return times, losses, every
 
 
 def run_table(args, opts):

@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import resource
 import statistics
 import sys
 import time
 import warnings
 
-from bench.gpt_cpu import RssSampler, rss_bytes
+from bench.gpt_cpu import timed_iterations
 from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
 
@@ -55,7 +54,6 @@ class AllToAllClock:
 def worker(name, opts):
     import deepspeed
     import torch
-    import torch.distributed as dist
     from megatron_ds.model import GPTConfig, position_ids_like
     from megatron_ds.moe_config import MoEConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
@@ -87,20 +85,7 @@ def worker(name, opts):
             x = tokens[:, :-1].contiguous()
             yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
 
-    for step in range(opts["warmup"]):
-        engine.train_batch(batches(step))
-    before = rss_bytes()
-    times, losses = [], []
-    with RssSampler() as sampler, AllToAllClock() as clock:
-        for step in range(opts["warmup"], opts["warmup"] + opts["iterations"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(float(engine.train_batch(batches(step))))
-            times.append(time.perf_counter() - t0)
-    mine = {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "train": sampler.peak - before,
-            "a2a_share": clock.seconds / sum(times)}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    times, losses, every = timed_iterations(engine, batches, opts, AllToAllClock())
     return {"times": times, "losses": losses, "ranks": every,
             "load": (engine.router_metrics or {}).get("expert_load", {})}
 
@@ -142,7 +127,7 @@ def main(argv=None):
     for name, rs in runs.items():
         it = best[name]
         launch = min(rs, key=lambda r: statistics.median(r["times"]))
-        share = statistics.mean(k["a2a_share"] for k in launch["ranks"])
+        share = statistics.mean(k["clock"] for k in launch["ranks"]) / sum(launch["times"])
         peak = " ".join(f"{k['peak'] / mb:.0f}" for k in launch["ranks"])
         train = " ".join(f"{k['train'] / mb:.0f}" for k in launch["ranks"])
         loads = " ".join(f"{v:.2f}" for _, v in sorted(launch["load"].items()))
