@@ -121,8 +121,12 @@ def test_what_every_rank_says_the_same_is_said_by_rank_0_alone():
     """Four ranks printed four copies of DeepSpeed's accelerator warning and of torch's deprecation of the call
     DeepSpeed's ZeRO makes; the other ranks keep those to themselves, not their own warnings."""
     import torch
+    env = child_env(ROOT)
+    # DeepSpeed warns only when it detects the accelerator itself: not when a tool run earlier in this test
+    # process named it (convert/cli.py sets DS_ACCELERATOR=cpu), which the children would inherit
+    env.pop("DS_ACCELERATOR", None)
     procs = {rank: subprocess.Popen([sys.executable, "-c", TIDY, str(rank)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, env=child_env(ROOT))
+                                    stderr=subprocess.STDOUT, text=True, env=env)
              for rank in (0, 1)}
     out = {rank: proc.communicate(timeout=300)[0] for rank, proc in procs.items()}
     assert all(proc.returncode == 0 for proc in procs.values()), out
