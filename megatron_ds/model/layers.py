@@ -20,7 +20,7 @@ from .attention import CausalSelfAttention
 from megatron_ds.gpt_config import GPTConfig
 from .chunked_loss import chunked_linear_cross_entropy
 from .compile import compile_loss
-from .moe import MoE
+from .moe import MoE, mlp_activation
 from .norm import Norm
 from .tensor_parallel import (ColumnParallelLinear, Dropout, RowParallelLinear, VocabParallelEmbedding,
                               column_parallel_linear, copy_to_region, gather_from_sequence, scatter_to_sequence,
@@ -140,13 +140,7 @@ class MLP(nn.Module):
         self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
 
     def forward(self, x):
-        x = self.c_fc(x)
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        else:
-            x = F.gelu(x, approximate="tanh")
-        return self.drop(self.c_proj(x))
+        return self.drop(self.c_proj(mlp_activation(self.c_fc(x), self.swiglu)))
 
 
 class TransformerLayer(nn.Module):

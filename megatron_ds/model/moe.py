@@ -120,6 +120,15 @@ def set_grad_scale(scale: float):
     RouterLosses.grad_scale = scale
 
 
+def mlp_activation(x, swiglu):
+    """Between an MLP's two linears (the dense MLP's and each expert's): silu(gate) * up of SwiGLU's
+    [gate; up], or GELU (tanh approximation)."""
+    if swiglu:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return F.gelu(x, approximate="tanh")
+
+
 class ExpertMLP(nn.Module):
     """One expert: fc1 (SwiGLU: [gate; up]) and fc2, whole on every rank that holds the expert."""
 
@@ -135,13 +144,8 @@ class ExpertMLP(nn.Module):
                     layer.bias.zero_()
 
     def forward(self, x):
-        x = linear(x, self.fc1.weight, self.fc1.bias)
-        if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
-        else:
-            x = F.gelu(x, approximate="tanh")
-        return linear(x, self.fc2.weight, self.fc2.bias)
+        return linear(mlp_activation(linear(x, self.fc1.weight, self.fc1.bias), self.swiglu), self.fc2.weight,
+                      self.fc2.bias)
 
 
 class MoE(nn.Module):

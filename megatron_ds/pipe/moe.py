@@ -23,6 +23,12 @@ def routers(module):
     return [m for m in module.modules() if isinstance(m, Router)]
 
 
+def routes_shards(routers_):
+    """Whether the routers see a sequence shard each (sequence parallelism): their tensor-parallel ranks route
+    different tokens, whose counts add up."""
+    return any(getattr(p, "sequence_parallel", False) for r in routers_ for p in r.parameters())
+
+
 def router_grad_scale(engine) -> float:
     """What the engine multiplies a micro-batch's loss by before its backward: 1 / micro-batches, and
     fp16's loss scale (bf16 and fp32 have none)."""
@@ -68,8 +74,9 @@ class RouterStep:
 
     def _configure_distributed_model(self, model):
         """DeepSpeed knows its own MoE class only: a stage holding expert-parallel parameters says so here, before
-        the optimizer is made (ZeRO then takes their expert-data-parallel groups)."""
+        the optimizer is made (ZeRO then takes their expert-data-parallel groups). The routers are found once."""
         super()._configure_distributed_model(model)
+        self.routers = routers(self.module)
         moe = {m.config.num_experts for m in self.module.modules() if isinstance(m, MoE) and m.ep_group is not None}
         if moe:
             self.has_moe_layers = True
@@ -81,14 +88,11 @@ class RouterStep:
 
     def _take_model_step(self, lr_kwargs):
         out = super()._take_model_step(lr_kwargs)
-        groups = [self.grid.get_data_parallel_group()]
-        if any(getattr(p, "sequence_parallel", False) for r in routers(self.module) for p in r.parameters()):
-            groups.append(get_parallel_state().get_tensor_model_parallel_group())
-        for router in routers(self.module):
-            for group in groups[1:]:
-                if router.tokens_per_expert is not None:
-                    dist.all_reduce(router.tokens_per_expert, group=group)
-            router.update_expert_bias(groups[0])
+        shards = get_parallel_state().get_tensor_model_parallel_group() if routes_shards(self.routers) else None
+        for router in self.routers:
+            if shards is not None and router.tokens_per_expert is not None:
+                dist.all_reduce(router.tokens_per_expert, group=shards)
+            router.update_expert_bias(self.grid.get_data_parallel_group())
         return out
 
 
@@ -98,9 +102,7 @@ def router_metrics(engine):
     backward passes (stages hold different layers, data-parallel ranks other tokens, tensor-parallel ranks
     the same tokens, or with sequence parallelism their shards). Every rank gets the same values."""
     sums, loads = RouterLossLog.take()
-    sequence_parallel = any(getattr(p, "sequence_parallel", False) for r in routers(engine.module)
-                            for p in r.parameters())
-    counted = sequence_parallel or engine.grid.get_slice_parallel_rank() == 0
+    counted = routes_shards(engine.routers) or engine.grid.get_slice_parallel_rank() == 0
     mine = ({k: float(v) for k, v in sums.items()}, {k: v.tolist() for k, v in loads.items()}) if counted else ({}, {})
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
