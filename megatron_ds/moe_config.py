@@ -124,6 +124,14 @@ def moe_problem(m: MoEConfig, num_layers: int, tensor_parallel: int = 1) -> str:
     return ""
 
 
+def expert_parallel_problem(ep: int, data_parallel: int) -> str:
+    """'' when EP groups can be made of each stage's (and TP rank's) data-parallel ranks, else why not."""
+    if data_parallel % ep:
+        return (f"--expert-model-parallel-size {ep} must divide the data-parallel size {data_parallel}: an "
+                "expert-parallel group is made of data-parallel ranks of one pipeline stage and tensor-parallel rank")
+    return ""
+
+
 def compact_layer_freq(pattern) -> Tuple[int, ...]:
     """One 0/1 per layer as --moe-layer-freq writes it shortest: (N,) when it is every N-th layer from the first."""
     pattern = [int(bool(p)) for p in pattern]

@@ -148,6 +148,11 @@ class ExpertMLP(nn.Module):
                       self.fc2.bias)
 
 
+def expert_parallel_size(module) -> int:
+    """The EP size of a module's MoE layers (1 without any)."""
+    return max((m.config.expert_model_parallel_size for m in module.modules() if isinstance(m, MoE)), default=1)
+
+
 class MoE(nn.Module):
     """Router + experts (+ shared expert) in place of a transformer layer's MLP. `layer_idx` is the
     global pipeline index (it names the layer in the load log)."""
@@ -175,6 +180,8 @@ class MoE(nn.Module):
         if self.ep_group is not None:  # DeepSpeed's marks of an expert parameter: reduced over its EDP group
             for p in self.experts.parameters():
                 p.allreduce, p.group_name = False, group_name(m.expert_model_parallel_size)
+            # a layer's state dict as saved holds every expert (pipe/moe_checkpoint.py): this rank keeps its own
+            self.register_load_state_dict_pre_hook(self._other_experts_dropped)
 
     def forward(self, x):
         shape = x.shape
@@ -205,6 +212,11 @@ class MoE(nn.Module):
         totals.put(segment.offset, inputs)
         totals.release = lambda: self._segments.pop(segment.key, None)
         return totals, segment.offset
+
+    def _other_experts_dropped(self, module, state, prefix, *rest):
+        for key in [k for k in state if k.startswith(prefix + "experts.")]:
+            if int(key[len(prefix + "experts."):].split(".", 1)[0]) not in self.local_experts:
+                del state[key]
 
     def _experts(self, x2d, probs, experts, kept):
         """Each kept (token, expert) assignment through its expert, weighted, summed per token."""

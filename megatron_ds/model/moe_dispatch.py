@@ -9,8 +9,8 @@ every peer: ZeRO then reduces it over the expert-data-parallel group (the ranks 
 and divides by the whole data-parallel size, which makes it the data-parallel mean (DeepSpeed's MoE groups,
 `pipe/moe.py` creates them).
 
-The groups are DeepSpeed's (deepspeed.utils.groups, named "ep_size_<e>"): consecutive data-parallel ranks
-of a stage form an EP group, and ranks e apart an expert-data-parallel group.
+The groups sit in DeepSpeed's registry (deepspeed.utils.groups, named "ep_size_<e>"): consecutive
+data-parallel ranks of one stage and TP rank form an EP group, and ranks e apart an expert-data-parallel group.
 """
 import torch
 import torch.distributed as dist

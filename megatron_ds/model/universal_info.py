@@ -10,7 +10,7 @@ global layer index (gpt.py): 0 embedding, 1..L transformer layers, L+1 final nor
 untied LM head; a tied head shares "tied_modules.embed.*" with the embedding.
 
 - replicated: the same on every TP rank (norms, --qk-layernorm's per-head norms too, learned positions,
-  row-parallel biases);
+  row-parallel biases, a MoE's router and experts);
 - row-parallel: split along the input dimension (c_proj weights);
 - QKV: [q; k; v] with grouped K/V heads, each rank holding its slice of each section
   (layers.shard with sections), so its own widths per section (SUB_PARAM_SHARD_WIDTHS);
@@ -43,21 +43,41 @@ def layer_parameters(config):
         out.update({(0, f"ln_emb.{p}"): ("replicated", None) for p in norm})
     q = config.hidden_size
     kv = (config.num_key_value_heads or config.num_attention_heads) * config.head_dim
-    ffn = config.ffn_hidden_size
-    fc = ("swiglu", (ffn, ffn)) if config.swiglu else ("column", None)
     layer = {f"ln_{i}.{p}": ("replicated", None) for i in (1, 2) for p in norm}
     if config.qk_layernorm:  # each rank holds whole heads and the whole per-head weight
         layer.update({f"attn.{qk}_norm.{p}": ("replicated", None) for qk in "qk" for p in norm})
-    layer.update({"attn.c_attn.weight": ("qkv", (q, kv, kv)), "attn.c_proj.weight": ("row", None),
-                  "mlp.c_fc.weight": fc, "mlp.c_proj.weight": ("row", None)})
+    layer.update({"attn.c_attn.weight": ("qkv", (q, kv, kv)), "attn.c_proj.weight": ("row", None)})
     if bias:
-        layer.update({"attn.c_attn.bias": ("qkv", (q, kv, kv)), "attn.c_proj.bias": ("replicated", None),
-                      "mlp.c_fc.bias": fc, "mlp.c_proj.bias": ("replicated", None)})
+        layer.update({"attn.c_attn.bias": ("qkv", (q, kv, kv)), "attn.c_proj.bias": ("replicated", None)})
     for i in range(1, L + 1):
-        out.update({(i, n): kind for n, kind in layer.items()})
+        mlp = _moe_parameters(config) if config.is_moe_layer(i) else _mlp_parameters(config, "mlp", config.ffn_hidden_size)
+        out.update({(i, n): kind for n, kind in {**layer, **mlp}.items()})
     out.update({(L + 1, p): ("replicated", None) for p in norm})
     if not config.tied_head:
         out[(L + 2, "weight")] = ("vocab", None)
+    return out
+
+
+def _mlp_parameters(config, prefix, ffn):
+    """An MLP split over TP ranks (the dense one, a MoE's shared expert): c_fc column-parallel, c_proj row."""
+    fc = ("swiglu", (ffn, ffn)) if config.swiglu else ("column", None)
+    out = {f"{prefix}.c_fc.weight": fc, f"{prefix}.c_proj.weight": ("row", None)}
+    if config.add_bias_linear:
+        out.update({f"{prefix}.c_fc.bias": fc, f"{prefix}.c_proj.bias": ("replicated", None)})
+    return out
+
+
+def _moe_parameters(config):
+    """A MoE layer's: the router and every expert whole on each TP rank (experts are not split over TP), the
+    shared expert split as the dense MLP. The expert bias is a buffer, in the layer files alone."""
+    m = config.moe
+    out = {"mlp.router.weight": ("replicated", None)}
+    for e in range(m.num_experts):
+        for fc in ("fc1", "fc2"):
+            out.update({f"mlp.experts.{e}.{fc}.{p}": ("replicated", None)
+                        for p in (("weight", "bias") if config.add_bias_linear else ("weight",))})
+    if m.shared_expert_intermediate_size:
+        out.update(_mlp_parameters(config, "mlp.shared_expert", m.shared_expert_intermediate_size))
     return out
 
 

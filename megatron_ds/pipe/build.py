@@ -59,11 +59,12 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                           "--tensor-model-parallel-size > 1")
     if tp > 1:
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
-    ensure_expert_parallel(config, pp)  # and a MoE's layers their expert-parallel group
+    topo = topology(pp, tp)
+    ensure_expert_parallel(config, topo)  # and a MoE's layers their expert-parallel group
     if layers is None:  # under vocabulary parallelism the word embedding and the output layer sit beside them
         layers = vocab_layer_specs(config) if settings.vocab_parallel else gpt_layer_specs(config)
     common = dict(layers=layers,
-                  loss_fn=loss_fn or loss_function(config), topology=topology(pp, tp),
+                  loss_fn=loss_fn or loss_function(config), topology=topo,
                   partition_method=settings.partition_method,
                   activation_checkpoint_interval=activation_checkpoint_interval,
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)

@@ -16,6 +16,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
+from megatron_ds.model.moe import expert_parallel_size
 from megatron_ds.model.weight_carriers import Carriers
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
@@ -358,11 +359,15 @@ def last_backward_ops(ops):
 
 def pipeline_layout(engine):
     """What ZeRO's optimizer partitioning depends on: pipeline and DP sizes, chunk placement
-    (DeepSpeed's stock engine: one stage per rank), and under vocabulary parallelism "vocab_parallel":
+    (DeepSpeed's stock engine: one stage per rank), "ep": the expert-parallel size where above 1, and under
+    vocabulary parallelism "vocab_parallel":
     how its parameter names read without it (model/vocab_slices.whole_names)."""
     plan = getattr(engine, "plan", None)  # a ScheduleEngine's
     placement = [list(row) for row in plan.placement] if plan else [list(range(engine.num_stages))]
     layout = {"pp": engine.num_stages, "dp": engine.dp_world_size, "placement": placement}
+    ep = expert_parallel_size(engine.module)
+    if ep > 1:  # the experts' ZeRO shards are cut over their expert-data-parallel groups
+        layout["ep"] = ep
     vocab = getattr(engine.module, "vocab_slice", None)
     if vocab is not None:
         layout["vocab_parallel"] = vocab.names

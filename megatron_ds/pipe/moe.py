@@ -15,8 +15,10 @@ from megatron_ds.model.moe import MoE, RouterLossLog, set_grad_scale
 from megatron_ds.model.moe_dispatch import group_name
 from megatron_ds.model.moe_router import Router
 from megatron_ds.model.tensor_parallel import get_parallel_state
+from megatron_ds.moe_config import expert_parallel_problem
 
 from .config import ConfigError
+from .moe_checkpoint import check_layer_writes, dense_checkpoint, whole_experts
 
 
 def routers(module):
@@ -36,20 +38,34 @@ def router_grad_scale(engine) -> float:
     return float(loss_scale) / engine.micro_batches
 
 
-def ensure_expert_parallel(config, pp: int):
-    """DeepSpeed's expert-parallel and expert-data-parallel groups for `config`'s MoE layers (collective:
-    every rank, before the model is built; nothing without expert parallelism)."""
+def ensure_expert_parallel(config, topo):
+    """The expert-parallel and expert-data-parallel groups of `config`'s MoE layers in DeepSpeed's registry
+    (collective: every rank, before the model is built; nothing without expert parallelism). `topo`: the
+    pipeline's ProcessTopology. For each stage and TP rank, consecutive data-parallel ranks form an EP group
+    and ranks EP apart an EDP group. DeepSpeed's own maker matches this without TP; with TP it would put
+    TP ranks, which route the same tokens, in one EDP group (deepspeed.utils.groups 0.19: members
+    _EXPERT_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP and their _RANKS, read by its ZeRO optimizer)."""
     moe = getattr(config, "moe", None)
     if moe is None or moe.expert_model_parallel_size == 1:
         return
     from deepspeed.utils import groups  # lazy: DeepSpeed's group registry, for expert-parallel runs only
-    ep = moe.expert_model_parallel_size
-    stage_ranks = dist.get_world_size() // pp
-    if stage_ranks % ep:
-        raise ConfigError(f"--expert-model-parallel-size {ep} must divide the data-parallel ranks of a stage "
-                          f"({stage_ranks}): an expert-parallel group is made of them")
-    if group_name(ep) not in groups._get_expert_parallel_group_dict():
-        groups._create_expert_and_data_parallel(ep, pp_size=pp)
+    ep, name = moe.expert_model_parallel_size, group_name(moe.expert_model_parallel_size)
+    problem = expert_parallel_problem(ep, topo.get_dim("data"))
+    if problem:
+        raise ConfigError(problem)
+    if name in groups._EXPERT_PARALLEL_GROUP:
+        return
+    me = dist.get_rank()
+    for lane in topo.get_axis_comm_lists("data"):  # one stage and TP rank's data-parallel ranks, in order
+        for registry, ranks_registry, cut in (
+                (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
+                 [lane[i:i + ep] for i in range(0, len(lane), ep)]),
+                (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
+                 [lane[j::ep] for j in range(ep)])):
+            for ranks in cut:
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    registry[name], ranks_registry[name] = group, ranks
 
 
 def optimizer_param_groups(param_groups):
@@ -63,7 +79,8 @@ def optimizer_param_groups(param_groups):
 
 class RouterStep:
     """A mixin before a PipelineEngine class (with_router_step). After each train_batch, `router_metrics`
-    holds the step's router_metrics."""
+    holds the step's router_metrics. Checkpoints are those of the model without expert parallelism
+    (moe_checkpoint.py)."""
     router_metrics = None
 
     def train_batch(self, data_iter=None):
@@ -81,6 +98,15 @@ class RouterStep:
         if moe:
             self.has_moe_layers = True
             self.num_experts = sorted(moe)
+            check_layer_writes(self.module)
+
+    def save_checkpoint(self, *args, **kwargs):
+        with whole_experts(self), dense_checkpoint(self):
+            return super().save_checkpoint(*args, **kwargs)
+
+    def load_checkpoint(self, *args, **kwargs):
+        with dense_checkpoint(self):
+            return super().load_checkpoint(*args, **kwargs)
 
     def _exec_schedule(self, pipe_schedule):
         set_grad_scale(router_grad_scale(self))

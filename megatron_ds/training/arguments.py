@@ -27,7 +27,7 @@ from .exit_signal import add_exit_signal_args
 from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, check_liger, run_gpt_config, validate_model_args
-from .moe_args import add_moe_args, validate_moe_args
+from .moe_args import add_moe_args, check_expert_parallel_size, validate_moe_args
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .out_of_memory import add_out_of_memory_args, check_out_of_memory_args
@@ -220,6 +220,7 @@ def validate_args(args):
         check_liger()
     _check_parallel(args)
     args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
+    check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
     apply_universal(args, args.ds_config, _err)
     check_schedule_shape(args)

@@ -53,7 +53,8 @@ from .manifest import verify_manifest, write_manifest
 from .model_args import MODEL_FAMILY_ARGS
 from .moe_args import moe_config_from_args
 from .model_setup import model_config
-from .universal import LATEST as LATEST_UNIVERSAL, conversion_command, read_tag
+from .universal import (BUFFERS_KEY, LATEST as LATEST_UNIVERSAL, conversion_command, persistent_buffers, read_tag,
+                        restore_buffers)
 from .zero_relayout import RelayoutError, restore_by_name
 
 CHECKPOINT_VERSION = 3.0
@@ -104,6 +105,7 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         "rng_state": get_rng_state(),
         LAYOUT_KEY: pipeline_layout(engine),  # DeepSpeed's stock engine records none of its own
         UNIVERSAL_CHECKPOINT_INFO: universal_info(args),
+        BUFFERS_KEY: persistent_buffers(engine.module),  # what a universal load takes from here
     }
     tag = tag_for(iteration)
     step_dir = os.path.join(args.save, tag)
@@ -315,6 +317,8 @@ def restore(engine, load_dir, tag, plan):
             load_lr_scheduler_states=plan.progress, load_module_only=not plan.progress)
     if load_path is None:
         raise CheckpointError(f"DeepSpeed could not load {tag} from {load_dir}")
+    if plan.universal:
+        restore_buffers(engine.module, os.path.join(load_dir, tag))
     if plan.universal and plan.optimizer is None:
         fresh_optimizer(engine.optimizer)
     if plan.optimizer == "by_name":

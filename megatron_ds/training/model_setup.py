@@ -6,6 +6,7 @@ import torch
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+from megatron_ds.pipe.moe import optimizer_param_groups
 from megatron_ds.schedules import simulate
 
 from .learning_rates import AnnealingLR
@@ -18,8 +19,9 @@ def build_optimizer(module, args):
     for _, p in module.named_parameters():
         if p.requires_grad:
             (no_decay if p.dim() == 1 else decay).append(p)
-    groups = [{"params": decay, "weight_decay": args.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # expert-parallel parameters in groups of their own (ZeRO cuts them over their expert-data-parallel groups)
+    groups = optimizer_param_groups([{"params": decay, "weight_decay": args.weight_decay, "name": "decay"},
+                                     {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}])
     if args.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
     adam = dict(lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)

@@ -6,7 +6,8 @@ The checks that need no process group run here, at parse time (exit 2): a MoE fl
 """
 import dataclasses
 
-from megatron_ds.moe_config import LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig, moe_problem, parse_layer_freq
+from megatron_ds.moe_config import (LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig, expert_parallel_problem, moe_problem,
+                                    parse_layer_freq)
 
 from .errors import ArgumentsError
 
@@ -97,13 +98,18 @@ def validate_moe_args(args):
     if (args.expert_tensor_parallel_size or 1) > 1:
         raise ArgumentsError("--expert-tensor-parallel-size > 1: experts are not split over tensor-parallel ranks "
                              "(tensor parallelism splits attention and the dense MLPs; experts stay whole)")
-    if (args.expert_model_parallel_size or 1) > 1:
-        raise ArgumentsError("--expert-model-parallel-size > 1: expert parallelism is not available yet; every "
-                             "data-parallel rank holds all experts (use 1)")
     try:
         config = moe_config_from_args(args)
     except ValueError as exc:  # --moe-layer-freq's text
         raise ArgumentsError(str(exc)) from None
     problem = moe_problem(config, args.num_layers, args.tensor_model_parallel_size)
+    if problem:
+        raise ArgumentsError(problem)
+
+
+def check_expert_parallel_size(args):
+    """With the data-parallel size derived (ArgumentsError, exit 2, before any process group starts)."""
+    moe = args.gpt_config.moe
+    problem = expert_parallel_problem(moe.expert_model_parallel_size, args.data_parallel_size) if moe else ""
     if problem:
         raise ArgumentsError(problem)

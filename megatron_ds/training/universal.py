@@ -20,6 +20,7 @@ vocabulary parallelism each slice's rows: pipe/vocab_checkpoint.universal_names)
 Checked at parse time (no torch): the flag and the key agree, and --load holds a converted
 checkpoint; otherwise one message that names the conversion command, exit code 2.
 """
+import glob
 import os
 
 SLICE_ATTR = "vocab_slice"  # model/vocab_slices.ATTR (that module needs torch; this one is read at parse time)
@@ -83,6 +84,39 @@ def apply_universal(args, ds_config, err):
         problem = check_universal_folder(args.load)
         if problem:
             err(problem)
+
+
+BUFFERS_KEY = "persistent_buffers"  # in the client state of every mp_rank_XX_model_states.pt
+
+
+def persistent_buffers(module) -> dict:
+    """{pipeline name: tensor} of this stage's state-dict entries that are not parameters (a MoE router's expert
+    bias): DeepSpeed's universal loader restores parameters alone, from their ZeRO state, and its converter
+    copies the model states files, which so carry these."""
+    params = {name for name, _ in module.named_parameters()}
+    return {name: t.detach().cpu().clone() for name, t in module.state_dict().items() if name not in params}
+
+
+def restore_buffers(module, step_dir):
+    """Under --universal-checkpoint: this stage's persistent buffers from the step's model states files (any
+    stage's file may hold them: the layout may differ)."""
+    # lazy: the checkpoint readers; the flag checks in this module run at parse time, torch-free
+    from . import safe_load
+    from .errors import CheckpointError
+    wanted = persistent_buffers(module)
+    if not wanted:
+        return
+    saved = {}
+    for path in sorted(glob.glob(os.path.join(step_dir, "mp_rank_*_model_states.pt"))):
+        saved.update(safe_load.load(path).get(BUFFERS_KEY) or {})
+    missing = sorted(set(wanted) - set(saved))
+    if missing:
+        raise CheckpointError(f"{step_dir} holds no value for {', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''} (its model states record no persistent "
+                              "buffers: saved by an older version); resume from the step itself with --load")
+    state = module.state_dict()
+    for name in wanted:
+        state[name].copy_(saved[name])
 
 
 def merge_vocab_slices(step_dir, output_folder, names):

@@ -85,13 +85,16 @@ def ep_rank_runs(pp, ep, cases):
             for model, pipeline in cases]
 
 
-def assert_expert_parallel_matches(results, ref, dp, atol=1e-5):
+def assert_expert_parallel_matches(results, ref, dp, atol=1e-5, tp=1):
     """As assert_matches_reference, but an expert's gradient lives on the EP ranks that hold it: each one's
     local gradient sums the tokens of its whole EP group, and their sum over the DP ranks holding it,
-    divided by the DP size, is the data-parallel mean."""
+    divided by the DP size, is the data-parallel mean (with TP, each TP rank holds that sum: the same tokens,
+    or under SP its shard's, summed over the TP ranks before ZeRO reduces). The gradient norm, which
+    clipping divides by, counts every expert once."""
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])) <= atol, (r["losses"], ref["losses"])
         assert abs(r["eval_loss"] - ref["eval_loss"]) <= atol, ("eval loss", r["eval_loss"], ref["eval_loss"])
+        assert r["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), (r["grad_norms"], ref["grad_norms"])
     for key, ref_grad in ref["grads"].items():
         copies = {}  # pipeline rank -> the ranks holding its copy (BitPipe's twins: two pipeline ranks)
         for r in results:
@@ -99,7 +102,7 @@ def assert_expert_parallel_matches(results, ref, dp, atol=1e-5):
                 copies.setdefault(r["engine"]["stage"], []).append(r["grads"][key])
         assert copies, key
         for stage, grads in copies.items():
-            got = sum(grads) / (dp if ".experts." in str(key[1]) else len(grads))
+            got = sum(grads) / (dp * tp if ".experts." in str(key[1]) else len(grads))
             diff = (got - ref_grad).abs().max().item()
             assert diff <= atol, f"gradient of {key} (pipeline rank {stage}): max abs diff {diff:.3g}"
     for key, w in ref["weights"].items():
@@ -149,4 +152,32 @@ def test_moe_with_tensor_parallelism_matches_reference():
             assert_matches_reference([r[i] for r in per_rank], refs[model])
         except AssertionError as exc:
             failures.append(f"TP2 {model} {pipeline} sp={sp}: {str(exc)[:300]}")
+    assert not failures, "\n".join(failures)
+
+
+CLIP = 0.05  # below every step's gradient norm here: clipping divides by the norm
+EP_TP_CASES = [("softmax", None, False, 0.0), ("softmax", {"schedule": "zbv"}, True, CLIP),
+               ("sigmoid", {"schedule": "1f1b"}, False, CLIP)]
+
+
+def ep_tp_rank_runs(cases):
+    return [engine_rank_run(2, GAS, STEPS, pipeline, num_layers=LAYERS, lr=LR, clip=clip,
+                            model={**with_expert_parallel(model, 2), "tensor_model_parallel_size": 2,
+                                   "sequence_parallel": sp})
+            for model, pipeline, sp, clip in cases]
+
+
+def test_expert_parallel_with_tensor_parallelism_matches_reference():
+    """TP 2 x PP 2 x DP 2 with EP 2: each TP rank's data-parallel ranks form its EP groups (the same experts on
+    both TP ranks of a DP rank), with and without SP, with gradient clipping."""
+    per_rank = run_ranks(8, ep_tp_rank_runs, EP_TP_CASES, timeout=1500)
+    failures = []
+    for i, (model, pipeline, sp, clip) in enumerate(EP_TP_CASES):
+        ref = reference_run(tiny_config(LAYERS, **MODELS[model]), 2, GAS, STEPS, clip=clip, lr=LR)
+        assert not clip or min(ref["grad_norms"]) > clip, "clipping is not active"
+        results = [r[i] for r in per_rank]
+        try:
+            assert_expert_parallel_matches(results, ref, 2, tp=2)
+        except AssertionError as exc:
+            failures.append(f"TP2 EP2 {model} {pipeline} sp={sp} clip={clip}: {str(exc)[:300]}")
     assert not failures, "\n".join(failures)

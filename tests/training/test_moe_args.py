@@ -64,6 +64,15 @@ def test_impossible_settings_stop_the_parse(extra, words):
     assert words in str(info.value)
 
 
+def test_expert_parallelism_must_divide_the_data_parallel_ranks():
+    """Known from the launcher's world size before any process group: 6 ranks at PP 2 are 3 data-parallel ranks."""
+    flags = BASE + ["--num-experts", "4", "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    with pytest.raises(ArgumentsError) as info:
+        parse_args(flags, env={"WORLD_SIZE": "6", "RANK": "0"})
+    assert "--expert-model-parallel-size 2 must divide the data-parallel size 3" in str(info.value)
+    assert parse_args(flags, env={"WORLD_SIZE": "8", "RANK": "0"}).gpt_config.moe.expert_model_parallel_size == 2
+
+
 def test_capacity_with_sequence_segments_is_refused():
     from megatron_ds.gpt_config import GPTConfig
     from megatron_ds.pipe.config import ConfigError

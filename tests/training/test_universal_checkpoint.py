@@ -49,11 +49,13 @@ def _convert(step_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def _side_by_side(tmp, runs):
-    """{name: launch(tmp, name, ...)} of runs {name: (args, nproc)}, all at once (the ranks mostly wait)."""
+def _side_by_side(tmp, runs, model=LLAMA):
+    """{name: launch(tmp, name, ...)} of runs {name: (args, nproc[, launch's keywords])}, all at once (the ranks
+    mostly wait)."""
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
-        futures = {name: pool.submit(launch, tmp, name, *args, nproc=nproc, hard=LLAMA, entry=CAPTURE)
-                   for name, (args, nproc) in runs.items()}
+        futures = {name: pool.submit(launch, tmp, name, *run[0], nproc=run[1], hard=model, entry=CAPTURE,
+                                     **(run[2] if len(run) > 2 else {}))
+                   for name, run in runs.items()}
         return {name: f.result() for name, f in futures.items()}
 
 

@@ -6,8 +6,10 @@ saved one under another layout, exactly.
 
     torchrun ... tests/training/universal_capture.py <pretrain_gpt.py flags> --capture-dir DIR
 
-writes DIR/{save<iteration>,load}-stage<pipeline stage>.pt from each stage's first tensor- and data-parallel
-rank: {"params": {name: {"fp32", "exp_avg", "exp_avg_sq", "module"}}, "steps": [...], "iteration": N}.
+writes DIR/{save<iteration>,load}-stage<pipeline stage>-dp<data-parallel rank>.pt from each stage's first tensor-
+and data-parallel rank (and, for the experts of an expert-parallel run, from the first rank of each expert-data-
+parallel group): {"params": {name: {"fp32", "exp_avg", "exp_avg_sq", "module"}}, "buffers": {name: the module's
+persistent buffers, from replica 0}, "steps": [...], "iteration": N}.
 """
 import os
 import sys
@@ -33,14 +35,33 @@ def optimizer_state(engine, args):
         params[name] = {k: None if t is None else gather_full(owner, name.rsplit(".", 1)[1], t, group).clone()
                         for k, t in entry.items()}
     steps = sorted({int(torch.as_tensor(s["step"]).item()) for s in adam.values() if "step" in s})
-    return {"params": params, "steps": steps}
+    names = {name for name, _ in engine.module.named_parameters()}
+    buffers = {k: t.clone() for k, t in engine.module.state_dict().items() if k not in names}
+    return {"params": params, "steps": steps, "buffers": buffers}
+
+
+def holds_first_copy(engine, name):
+    """Whether this rank writes `name`: data-parallel replica 0 of its stage, or for an expert of an
+    expert-parallel run (held by one EP rank's expert-data-parallel group) that group's first rank."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    if engine.grid.get_slice_parallel_rank() != 0:
+        return False
+    p = engine.module.get_parameter(name)
+    if getattr(p, "allreduce", True):
+        return engine.grid.get_data_parallel_rank() == 0
+    return dist.get_rank(groups._get_expert_data_parallel_group(p.group_name)) == 0
 
 
 def write(engine, args, label, iteration):
     import torch
     state = optimizer_state(engine, args)
-    if engine.grid.get_data_parallel_rank() == 0 and engine.grid.get_slice_parallel_rank() == 0:
-        torch.save({**state, "iteration": iteration}, os.path.join(CAPTURE_DIR, f"{label}-stage{engine.stage_id}.pt"))
+    mine = {k: v for k, v in state["params"].items() if holds_first_copy(engine, k)}
+    first = engine.grid.get_data_parallel_rank() == 0 and engine.grid.get_slice_parallel_rank() == 0
+    if mine or first:
+        name = f"{label}-stage{engine.stage_id}-dp{engine.grid.get_data_parallel_rank()}.pt"
+        torch.save({**state, "params": mine, "buffers": state["buffers"] if first else {}, "iteration": iteration},
+                   os.path.join(CAPTURE_DIR, name))
 
 
 def main():
