@@ -100,14 +100,15 @@ def run_gpt_config(args):
     try:
         return dataclasses.replace(gpt_config_from_args(args), vocab_size=args.pad_vocab_size_to,
                                    tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                   sequence_parallel=args.sequence_parallel)
+                                   sequence_parallel=args.sequence_parallel, moe=moe_config_from_args(args))
     except ValueError as exc:  # GPTConfig's own rules (and ParallelConfigError: the split over TP ranks)
         raise ArgumentsError(str(exc)) from None
 
 
 def gpt_config_from_args(args):
-    """The model the flags describe (one process: no tensor-parallel split), with the padded vocabulary of
-    a checkpoint's saved args (None before the tokenizer). Flags saved args predate take their defaults."""
+    """The model the flags describe (one process: no tensor- or expert-parallel split), with the padded
+    vocabulary of a checkpoint's saved args (None before the tokenizer). Flags saved args predate take
+    their defaults."""
     family = {name: getattr(args, name) for name in MODEL_FAMILY_ARGS if getattr(args, name, None) is not None}
     return GPTConfig(vocab_size=getattr(args, "padded_vocab_size", None), hidden_size=args.hidden_size,
                      num_layers=args.num_layers,
@@ -117,7 +118,13 @@ def gpt_config_from_args(args):
                      attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
                      init_method_std=args.init_method_std, seed=args.seed,
                      loss_chunk_size=getattr(args, "loss_chunk_size", 0) or 0,
-                     liger_kernel=getattr(args, "use_liger_kernel", False), moe=moe_config_from_args(args), **family)
+                     liger_kernel=getattr(args, "use_liger_kernel", False),
+                     moe=_one_process(moe_config_from_args(args)), **family)
+
+
+def _one_process(moe):
+    """A MoEConfig with every expert on one process (offline tools read an expert-parallel run's checkpoint so)."""
+    return moe if moe is None else dataclasses.replace(moe, expert_model_parallel_size=1)
 
 
 def model_family_flags(config) -> list:

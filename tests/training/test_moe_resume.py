@@ -99,3 +99,21 @@ def buffers(runs, name, label):
     for path in (runs["tmp"] / "capture" / name).glob(f"{label}-stage*.pt"):
         out.update(torch.load(path, weights_only=False)["buffers"])
     return out
+
+
+def test_zero_to_fp32_reads_an_expert_parallel_checkpoint(runs, tmp_path):
+    """The EP 2 run's step, consolidated by the zero_to_fp32.py its save folder holds (a single-process model):
+    every expert's weights as the run held them when it saved."""
+    import subprocess
+    import sys
+    folder = runs["tmp"] / "ep2"
+    proc = subprocess.run([sys.executable, str(folder / "zero_to_fp32.py"), str(folder), str(tmp_path), "-t",
+                           f"global_step{SAVE_AT}"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    saved, _, _ = captured(runs, "ep2_pp2", f"save{SAVE_AT}")
+    experts = {name: v["module"] for name, v in saved.items() if ".experts." in name}
+    assert len(experts) == 16
+    for name, weight in experts.items():
+        layer, rest = name.split(".", 1)
+        assert torch.equal(state[f"layers.{int(layer) - 1}.{rest}"], weight), name
