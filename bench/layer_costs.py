@@ -32,6 +32,16 @@ latency per message). The header gives the embedding's and the head's cost in la
 --num-layers transformer layers, final norm, head], ...}: the file "pipeline.partition_method" =
 "costs:FILE" balances.
 
+A mixture of experts (pretrain_gpt.py's MoE flags: --num-experts, --moe-router-topk, --moe-layer-freq,
+--expert-model-parallel-size, ...; bench/moe_costs.py): the first MoE layer and, when --moe-layer-freq
+leaves some dense, the first dense layer are timed apart (router and experts at the routed token count),
+and with expert parallelism the all-to-all of one micro-batch's routed rows is timed over gloo on
+--expert-model-parallel-size processes. The simulation then gives each layer its own cost, cuts them into
+stages as DeepSpeed's count-balanced default does, and charges the all-to-all to the MoE layers' F and B
+as communication (ModelCosts.all_to_all): the table's "a2a" column is the most time one rank spends in it,
+as a share of the iteration. The --costs-out list marks the MoE layers (their cost includes the
+all-to-all, which their ops wait for) and adds "all_to_all_ms" per layer and "moe_layers".
+
     python -m bench.layer_costs --hidden-size 1024 --num-attention-heads 16 --seq-length 2048 \\
         --micro-batch-size 1 --pp 4 --micro-batches 16 --swiglu --normalization rmsnorm \\
         --position-embedding-type rope --num-key-value-heads 4 --bf16
@@ -43,8 +53,10 @@ import os
 import statistics
 import time
 
+from bench.moe_costs import layer_names, measure_all_to_all, moe_config, moe_layers, single_process
 from megatron_ds.schedules.costs import ModelCosts
 from megatron_ds.training.model_args import add_model_args, validate_model_args
+from megatron_ds.training.moe_args import add_moe_args, validate_moe_args
 
 
 def build_parser():
@@ -61,6 +73,7 @@ def build_parser():
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     add_model_args(parser)
+    add_moe_args(parser)
     g = parser.add_argument_group("pipeline and measurement")
     g.add_argument("--pp", type=int, default=4)
     g.add_argument("--micro-batches", type=int, default=None, help="default 2 x --pp")
@@ -89,6 +102,11 @@ def parse_args(argv=None):
         parser.error(str(exc))
     args.num_layers = args.num_layers or args.pp
     args.micro_batches = args.micro_batches or 2 * args.pp
+    args.tensor_model_parallel_size = 1
+    try:
+        validate_moe_args(args)
+    except ArgumentsError as exc:
+        parser.error(str(exc))
     for name in ("hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "num_layers", "pp",
                  "micro_batches", "virtual_stages", "repeats"):
         if getattr(args, name) < 1:
@@ -132,17 +150,18 @@ def setup(args, vocab_size=64):
     config = GPTConfig(vocab_size=vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=args.seq_length,
                        ffn_hidden_size=args.ffn_hidden_size or 0, hidden_dropout=args.hidden_dropout,
-                       attention_dropout=args.attention_dropout, **family)
+                       attention_dropout=args.attention_dropout, moe=moe_config(args), **family)
     return config, device, dtype
 
 
-def layer_and_inputs(args):
-    """(TransformerLayer, input, output gradient, Timer, device, dtype) of the model the flags describe."""
+def layer_and_inputs(args, layer_idx=1):
+    """(TransformerLayer `layer_idx` (1..L: a MoE layer where the flags put experts, all of them on this
+    process), input, output gradient, Timer, device, dtype) of the model the flags describe."""
     import torch
     from megatron_ds.model import TransformerLayer
 
     config, device, dtype = setup(args)
-    layer = TransformerLayer(config, 1).to(device=device, dtype=dtype)
+    layer = TransformerLayer(single_process(config), layer_idx).to(device=device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     shape = (args.micro_batch_size, args.seq_length, args.hidden_size)
     x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
@@ -191,16 +210,19 @@ def saved_bytes(forward, params) -> int:
     return sum(held.values())
 
 
-def measure_layer(args):
-    """(TF, TB, TW, device name, activation bytes of one micro-batch) of one layer, times in seconds."""
+def measure_layer(args, layer_idx=1):
+    """(TF, TB, TW, device name, activation bytes of one micro-batch) of layer `layer_idx`, times in seconds."""
     import torch
+    from megatron_ds.model.moe import RouterLossLog
 
-    layer, x, grad, timer, device, dtype = layer_and_inputs(args)
+    layer, x, grad, timer, device, dtype = layer_and_inputs(args, layer_idx)
     x.requires_grad_()
 
     def reset():
         x.grad = None
         layer.zero_grad(set_to_none=True)
+        RouterLossLog.take()  # a MoE layer's backward logs its router losses and load, as a step's would
+    reset()  # what an earlier model left in the process-wide log (another expert count) goes
     times = time_passes(args, timer, lambda: layer(x), lambda y: torch.autograd.backward(y, grad), reset)
     held = saved_bytes(lambda: layer(x), layer.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -291,13 +313,32 @@ def measure_ends(args):
     return out
 
 
-def write_costs(args, layer, ends, device):
-    """The per-layer costs file of "pipeline.partition_method": "costs:FILE" (written whole, then renamed)."""
+def measure_layers(args) -> dict:
+    """Each transformer layer's costs: "flags" (0/1 per layer, 1: MoE), "times" ((F, B, W) seconds per layer),
+    "bytes" (activations of one micro-batch per layer), "all_to_all" ((F, B) seconds per layer: a MoE layer's
+    under expert parallelism, bench/moe_costs.py), "timed" ({"dense"/"MoE": (F, B, W, bytes)}: the one layer
+    of each kind timed), "device"."""
+    flags, timed, names = moe_layers(args), {}, ("dense", "MoE")
+    for name, flag in zip(names, (0, 1)):
+        if flag in flags:
+            *times, device, held = measure_layer(args, flags.index(flag) + 1)
+            timed[name] = (*times, held)
+    comm = measure_all_to_all(args, setup(args)[0]) if 1 in flags else (0.0, 0.0)
+    return {"flags": flags, "times": [timed[names[f]][:3] for f in flags], "bytes": [timed[names[f]][3] for f in flags],
+            "all_to_all": [comm if f else (0.0, 0.0) for f in flags], "timed": timed, "device": device}
+
+
+def write_costs(args, layers, ends):
+    """The per-layer costs file of "pipeline.partition_method": "costs:FILE" (written whole, then renamed):
+    a MoE layer's cost includes its all-to-all, which its F and B wait for."""
     import json
-    costs = [sum(ends["embedding"])] + [layer] * args.num_layers + [sum(ends["norm"]), sum(ends["head"])]
+    body = [sum(t) + sum(c) for t, c in zip(layers["times"], layers["all_to_all"])]
+    costs = [sum(ends["embedding"])] + body + [sum(ends["norm"]), sum(ends["head"])]
     data = {"layer_costs": [round(c * 1e3, 6) for c in costs], "unit": "ms of forward + backward",
-            "layers": ["embedding"] + [f"transformer {i}" for i in range(1, args.num_layers + 1)]
-            + ["final norm", "head + loss"], "device": device, "vocab_size": args.vocab_size}
+            "layers": ["embedding"] + layer_names(layers["flags"]) + ["final norm", "head + loss"],
+            "device": layers["device"], "vocab_size": args.vocab_size}
+    if any(layers["flags"]):
+        data.update(moe_layers=layers["flags"], all_to_all_ms=[round(sum(c) * 1e3, 6) for c in layers["all_to_all"]])
     tmp = args.costs_out + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(data, fh, indent=1)
@@ -305,13 +346,20 @@ def write_costs(args, layer, ends, device):
     print(f"\nwrote {args.costs_out}")
 
 
-def model_costs(args, tf, tb, tw, layer_bytes, ends) -> ModelCosts:
+def model_costs(args, layers, ends) -> ModelCosts:
     """The simulator's costs: the layers as one 1F1B stage (--num-layers / --pp of them), the embedding
     on the first stage, the head + loss on the last (rank 0 under the V placements), and one
-    micro-batch's logits in units of a 1F1B stage's activations (head_memory)."""
-    per_stage = args.num_layers / args.pp
-    return ModelCosts(tf * per_stage, tb * per_stage, tw * per_stage, embed=ends["embedding"], head=ends["head"],
-                      head_memory=ends["head bytes"] / (layer_bytes * per_stage))
+    micro-batch's logits in units of a 1F1B stage's activations (head_memory). With MoE layers each layer
+    has its own (F, B, W) and activations, and the MoE layers their all-to-all (ModelCosts' per-layer fields)."""
+    if not any(layers["flags"]):
+        tf, tb, tw = layers["times"][0]
+        per_stage = args.num_layers / args.pp
+        return ModelCosts(tf * per_stage, tb * per_stage, tw * per_stage, embed=ends["embedding"], head=ends["head"],
+                          head_memory=ends["head bytes"] / (layers["bytes"][0] * per_stage))
+    comm = tuple(tuple(c) for c in layers["all_to_all"])
+    return ModelCosts.of_layers(layers["times"], args.pp, embed=ends["embedding"], head=ends["head"],
+                                head_memory=ends["head bytes"] * args.pp / sum(layers["bytes"]),
+                                all_to_all=comm if any(map(any, comm)) else (), layer_memory=tuple(layers["bytes"]))
 
 
 def schedule_rows(args, costs: ModelCosts) -> list[dict]:
@@ -326,26 +374,50 @@ def schedule_rows(args, costs: ModelCosts) -> list[dict]:
     return compare_rows(args.pp, args.micro_batches, costs.tf, costs.tb, costs.tw,
                         p2p_latency=args.p2p_latency_ms / 1e3, virtual_stages=args.virtual_stages,
                         seq_splits=tuple(args.seq_splits), embed=costs.embed, head=costs.head,
-                        head_memory=costs.head_memory, vocab_parallel=True, seq_costs=seq_costs)
+                        head_memory=costs.head_memory, vocab_parallel=True, seq_costs=seq_costs,
+                        layers=costs.layers, all_to_all=costs.all_to_all, layer_memory=costs.layer_memory)
 
 
 def label(row: dict) -> str:
     return f"{row['schedule']} {row['setting']}".strip()
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    TF, TB, TW, device, layer_bytes = measure_layer(args)
-    ends = measure_ends(args)
-    costs = model_costs(args, TF, TB, TW, layer_bytes, ends)
-    layer = TF + TB + TW
-    per_stage = args.num_layers / args.pp
+def print_layers(args, layers):
+    """The timed layers' lines: the dense layer's, the MoE layer's and its all-to-all."""
+    ms = lambda t: t * 1e3  # noqa: E731
+    dense, moe = layers["timed"].get("dense"), layers["timed"].get("MoE")
     print(f"one transformer layer, hidden {args.hidden_size}, heads {args.num_attention_heads}"
           f"{f' (K/V {args.num_key_value_heads})' if args.num_key_value_heads != args.num_attention_heads else ''}, "
-          f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, on {device} "
+          f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, on {layers['device']} "
           f"(median of {args.repeats} after {args.warmup} warm-up):")
-    print(f"  TF {TF * 1e3:.3f} ms   TB {TB * 1e3:.3f} ms   TW {TW * 1e3:.3f} ms   "
-          f"(TB+TW)/TF {(TB + TW) / TF:.2f}")
+    if dense:
+        tf, tb, tw, _ = dense
+        print(f"  TF {ms(tf):.3f} ms   TB {ms(tb):.3f} ms   TW {ms(tw):.3f} ms   (TB+TW)/TF {(tb + tw) / tf:.2f}")
+    if moe:
+        m = setup(args)[0].moe  # its expert FFN size resolved
+        tf, tb, tw, held = moe
+        shared = f", shared expert {m.shared_expert_intermediate_size}" if m.shared_expert_intermediate_size else ""
+        versus = (f"  = {sum(moe[:3]) / sum(dense[:3]):.2f} dense layers, activations {held / dense[3]:.2f}x"
+                  if dense else "")
+        print(f"  MoE layer ({sum(layers['flags'])} of {args.num_layers}: {m.num_experts} experts, "
+              f"top-{m.router_topk}, expert FFN {m.ffn_hidden_size}{shared}; router and experts at "
+              f"{args.micro_batch_size * args.seq_length * m.router_topk} routed rows)")
+        print(f"  TF {ms(tf):.3f} ms   TB {ms(tb):.3f} ms   TW {ms(tw):.3f} ms   "
+              f"(TB+TW)/TF {(tb + tw) / tf:.2f}{versus}")
+        f, b = next(c for c, flag in zip(layers["all_to_all"], layers["flags"]) if flag)
+        ep = m.expert_model_parallel_size
+        print(f"  all-to-all per MoE layer, EP {ep} over gloo: F {ms(f):.3f} ms (counts, dispatch, combine)   "
+              f"B {ms(b):.3f} ms (their reverse)" if ep > 1 else "  no all-to-all (--expert-model-parallel-size 1)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    layers = measure_layers(args)
+    ends = measure_ends(args)
+    costs = model_costs(args, layers, ends)
+    layer = sum(map(sum, layers["times"])) / args.num_layers  # the mean layer's F + B + W
+    per_stage = args.num_layers / args.pp
+    print_layers(args, layers)
     for name, what in (("embedding", "embedding"), ("head", "head + loss"), ("norm", "final norm")):
         f, b, w = ends[name]
         print(f"  {what:<12} F {f * 1e3:.3f}  B {b * 1e3:.3f}  W {w * 1e3:.3f} ms  = {(f + b + w) / layer:.2f} layers"
@@ -357,20 +429,27 @@ def main(argv=None):
     rows = schedule_rows(args, costs)
     base = next(r["makespan"] for r in rows if label(r) == "1f1b")
     done = sorted((r for r in rows if "error" not in r), key=lambda r: r["makespan"])
-    print(f"{'schedule':<34}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}{'/ ideal':>9}")
+    comm = bool(costs.all_to_all)
+    print(f"{'schedule':<34}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}{'/ ideal':>9}"
+          + (f"{'a2a':>7}" if comm else ""))
     for r in done:
         print(f"{label(r):<34}{r['makespan'] * 1e3:>14.3f}{r['bubble']:>8.3f}{r['peak_memory']:>10.2f}"
-              f"{r['makespan'] / base:>8.3f}{r['makespan'] / r['ideal']:>9.3f}")
+              f"{r['makespan'] / base:>8.3f}{r['makespan'] / r['ideal']:>9.3f}"
+              + (f"{r['all_to_all'] / r['makespan']:>7.1%}" if comm else ""))
     print('\n"+vocab" rows: vocabulary parallelism ("pipeline": {"vocab_parallel": true}), the embedding and '
           'the head sliced over the ranks; "/ ideal": over the same schedule with their time spread evenly')
+    if comm:
+        print('"a2a": the all-to-all\'s share of the iteration on the rank that spends the most time in it')
+    tf, tb, tw = costs.mean_op_times(args.pp)
     print(f'"costed" rows: ds_config "pipeline": {{"schedule": "zbv-half", "op_costs": '
-          f'[{TF * 1e3:.3g}, {TB * 1e3:.3g}, {TW * 1e3:.3g}]}} (or zbv-min) runs that order')
+          f'[{tf * 1e3 / per_stage:.3g}, {tb * 1e3 / per_stage:.3g}, {tw * 1e3 / per_stage:.3g}]}} (or zbv-min) '
+          'runs that order')
     for r in (r for r in rows if "error" in r):
         print(f"{label(r):<34}{'n/a':>14}  {r['error']}")
     if args.time_segments:
-        print_segments(args, TF, TB, TW)
+        print_segments(args, *layers["times"][0])
     if args.costs_out:
-        write_costs(args, layer, ends, device)
+        write_costs(args, layers, ends)
     return costs, rows
 
 

@@ -12,6 +12,8 @@ and divides by the whole data-parallel size, which makes it the data-parallel me
 The groups sit in DeepSpeed's registry (deepspeed.utils.groups, named "ep_size_<e>"): consecutive
 data-parallel ranks of one stage and TP rank form an EP group, and ranks e apart an expert-data-parallel group.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -39,6 +41,26 @@ def local_experts(m, group):
     return range(start, start + per_rank)
 
 
+class AllToAllTimes:
+    """A timing hook: while `intervals` is a list, every all-to-all of the dispatch (the counts, the rows, forward
+    and backward) appends its (start, end) time.perf_counter() seconds to it, the wait for the peers included.
+    "auto" (pipe/auto.py) sets it during its timed iterations and charges each interval to the op it ran in:
+    the all-to-all is communication inside F and B, which the simulator keeps apart from their compute. On a
+    GPU the device is synchronised around each timed one (NCCL returns before the transfer is done)."""
+    intervals = None
+
+
+def _all_to_all(out, x, out_splits=None, in_splits=None, group=None):
+    if AllToAllTimes.intervals is None:
+        return dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    sync()  # the queued compute is the op's, not the all-to-all's
+    start = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    sync()
+    AllToAllTimes.intervals.append((start, time.perf_counter()))
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows of x to the peers (in_splits[j] to peer j); returns the rows received (out_splits[j] from j)."""
 
@@ -46,14 +68,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _all_to_all(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        _all_to_all(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -64,7 +86,7 @@ def run_experts_across(rows, counts, experts, local, group):
     per_rank = len(local)
     send = counts.view(peers, per_rank)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)  # recv[j, i]: rows from peer j for local expert i
+    _all_to_all(recv, send, group=group)  # recv[j, i]: rows from peer j for local expert i
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
     received = _AllToAll.apply(rows, out_splits, in_splits, group)
     expert_of = torch.repeat_interleave(torch.arange(per_rank, device=rows.device).repeat(peers), recv.flatten())

@@ -11,13 +11,18 @@ window every rank sends its medians per (kind, stage, op size, segment) to rank 
 time a ping-pong of one activation message (the p2p time), and rank 0 simulates every candidate
 that fits the budget (schedules/auto.py), logs the choice and the runner-up, and broadcasts the
 choice (one small object). Under vocabulary parallelism the vocabulary passes (EF, S, T, EW) are
-timed too, per slice, and give the embedding's and the head's costs. A choice that places the chunks as the module is cut is a schedule
-swap, done here; any other needs the module rebuilt, which the owner of the engine does
+timed too, per slice, and give the embedding's and the head's costs. A mixture of experts: the
+expert-parallel all-to-all that ran inside an F or B op (model/moe_dispatch.AllToAllTimes times every one)
+is taken out of the op's time and kept apart, and rank 0 learns which layers of each stage have experts, so
+that a MoE layer's cost is told from a dense one's and the all-to-all stated on its own
+(schedules/measurement.moe_costs). A choice that
+places the chunks as the module is cut is a schedule swap, done here; any other needs the module rebuilt, which the owner of the engine does
 (training/auto_schedule.py). Either way the engine reports the decision once, through its
 `on_auto_decision` hook (an AutoDecision).
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import socket
 import statistics
@@ -27,6 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_ds.model.layers import TransformerLayer
+from megatron_ds.model.moe import MoE
+from megatron_ds.model.moe_dispatch import AllToAllTimes
 from megatron_ds.schedules import auto
 from megatron_ds.schedules import measurement
 from megatron_ds.schedules import Op
@@ -34,6 +42,7 @@ from megatron_ds.schedules.kinds import VOCAB, Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
 
 from .config import AUTO_KEYS
+from .partition import layer_flops
 
 PING_REPEATS = 5
 TIMED = frozenset({Kind.F, Kind.B, Kind.W} | VOCAB)  # the op kinds whose times the decision takes
@@ -60,6 +69,7 @@ class AutoSwitch:
         self.engine, self.auto_plan = engine, auto_plan
         self.calls = 0  # training iterations this process has run
         self.times = {}  # (kind name, stage, seq_splits, seq) -> [seconds]
+        self.comm = {}  # the same keys (F and B of MoE stages) -> [seconds of all-to-all inside the op, not in times]
         self.gaps = []  # the runtime's seconds between two compute ops, per op, one entry per iteration
         self.ops = []  # per timed iteration: {Op: (start, end, start of the receive wait it ended, or None)}
         self.schedules = []  # the schedule each timed iteration ran
@@ -75,12 +85,14 @@ class AutoSwitch:
         timed = start <= self.calls < end
         probing = timed and self.auto_plan.probe is not None and (self.calls - start) % 2 == 1
         eng.tracer.listener = self.record if timed else None
+        AllToAllTimes.intervals = [] if timed else None
         if probing:
             eng.plan = eng.plan.switch(self.auto_plan.probe, cuts=self.auto_plan.cuts)
         try:
             loss = run()
         finally:
             eng.tracer.listener = None
+            AllToAllTimes.intervals = None
             if probing:
                 eng.plan = eng.plan.switch(self.start_section, cuts=self.auto_plan.cuts)
         self.calls += 1
@@ -98,9 +110,15 @@ class AutoSwitch:
     def record(self, trace):
         k = self.engine.plan.schedule.seq_splits
         compute = [(start, end, args) for _, tid, start, end, args in trace.events if tid == COMPUTE]
+        comm = sorted(AllToAllTimes.intervals or [])
+        AllToAllTimes.intervals = [] if AllToAllTimes.intervals is not None else None
         for start, end, args in compute:
             if args["kind"] in TIMED:
-                self.times.setdefault((args["kind"].name, args["stage"], k, args["seq"]), []).append(end - start)
+                key = (args["kind"].name, args["stage"], k, args["seq"])
+                waited = inside(comm, start, end) if args["kind"] in (Kind.F, Kind.B) else 0.0
+                self.times.setdefault(key, []).append(end - start - waited)  # the compute: what `separate` cuts
+                if waited:
+                    self.comm.setdefault(key, []).append(waited)
         waits = {end: start for name, tid, start, end, _ in trace.events if tid == P2P and name.startswith("recv")}
         self.ops.append({Op(a["kind"], a["replica"], a["stage"], a["mb"], a["seq"]): (start, end, waits.get(start))
                          for start, end, a in compute})
@@ -114,20 +132,24 @@ class AutoSwitch:
     def decide(self) -> dict:
         eng = self.engine
         medians = {key: statistics.median(v) for key, v in self.times.items()}
+        comm = {key: statistics.median(v) for key, v in self.comm.items()}
         ping = ping_pong(eng, eng.plan.activation_shape, eng._dtype, eng.device)
         gap = statistics.median(self.gaps) if self.gaps else 0.0
         traced = (socket.gethostname(), eng.grid.get_data_parallel_rank(), self.ops)
+        experts = {m.layer_idx for m in eng.module.modules() if isinstance(m, MoE)}
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((medians, ping, gap, traced), gathered, dst=0)
+        dist.gather_object((medians, ping, gap, traced, comm, experts), gathered, dst=0)
         box = [None]
         if dist.get_rank() == 0:
             vocab_parallel = eng.plan.settings.vocab_parallel
-            measured = merge(gathered, eng.plan.schedule.stages, self.schedules)
+            measured = merge([g[:4] for g in gathered], eng.plan.schedule.stages, self.schedules)
+            measured = with_experts(measured, eng.module, set().union(*(g[5] for g in gathered)),
+                                    [g[4] for g in gathered])
             if not vocab_parallel:  # else the head is no part of the loss stage
                 measured = dataclasses.replace(measured, head_share=measurement.head_share(
                     self.auto_plan.head_layers, self.auto_plan.num_layers, eng.plan.schedule.stages))
-            measured = measurement.calibrate(measured, eng.num_stages, traced_runs([t for *_, t in gathered], self.schedules),
-                                      self.auto_plan.cuts)
+            runs = traced_runs([g[3] for g in gathered], self.schedules)
+            measured = measurement.calibrate(measured, eng.num_stages, runs, self.auto_plan.cuts)
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
                                  self.auto_plan.budget, measured, self.auto_plan.cuts, vocab_parallel=vocab_parallel,
                                  head_memory=self.auto_plan.head_memory)
@@ -135,6 +157,54 @@ class AutoSwitch:
             print(auto.describe(box[0]), flush=True)
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def inside(intervals: list, start: float, end: float) -> float:
+    """Seconds of the sorted (start, end) `intervals` that fall within [start, end]."""
+    lo = bisect.bisect_left(intervals, (start,))
+    hi = bisect.bisect_right(intervals, (end, float("inf")))
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in intervals[max(0, lo - 1):hi])
+
+
+def layer_kinds(module, experts: set) -> tuple:
+    """Per virtual stage of `module` (its `parts`), a 0/1 per transformer layer it holds: 1 when that layer
+    (its global index, MoE.layer_idx) is among `experts`. Every rank holds every layer's spec."""
+    specs = module._layer_specs
+    flags = [None if spec.typename is not TransformerLayer else int(spec.module_args[1] in experts) for spec in specs]
+    return tuple(tuple(f for f in flags[a:b] if f is not None) for a, b in zip(module.parts, module.parts[1:]))
+
+
+def moe_flops(module, kinds: tuple) -> float:
+    """A MoE layer's forward FLOPs over a dense layer's, from the model's sizes (1 when either is missing)."""
+    specs = [spec for spec in module._layer_specs if spec.typename is TransformerLayer]
+    if not specs:
+        return 1.0
+    flops = layer_flops(specs[0].module_args[0])[1:-2]  # the transformer layers'
+    flat = [f for k in kinds for f in k]
+    moe = [x for x, f in zip(flops, flat) if f]
+    dense = [x for x, f in zip(flops, flat) if not f]
+    return statistics.mean(moe) / statistics.mean(dense) if moe and dense else 1.0
+
+
+def with_experts(measured: measurement.Measured, module, experts: set, comm: list) -> measurement.Measured:
+    """`measured` with the MoE layers of each stage and the all-to-all time inside each stage's F and B, which
+    its op times do not hold (per (kind, stage, op size, segment) the median over the ranks of their medians,
+    a micro-batch's the sum over its segments, at the op size `separate` kept: the simulator charges a segment
+    its share of it); unchanged for a dense model."""
+    if not experts:
+        return measured
+    kinds = layer_kinds(module, experts)
+    per = {}
+    for medians in comm:
+        for key, t in medians.items():
+            per.setdefault(key, []).append(t)
+    k = min(measured.op_sizes)
+    stage = [[0.0, 0.0] for _ in kinds]
+    for (kind, s, size, _), ts in per.items():
+        if size == k:
+            stage[s]["FB".index(kind)] += statistics.median(ts)
+    return dataclasses.replace(measured, layer_kinds=kinds, moe_flops=moe_flops(module, kinds),
+                               all_to_all=tuple(tuple(x) for x in stage))
 
 
 def merge(gathered, stages: int, schedules: list) -> measurement.Measured:

@@ -21,6 +21,11 @@ Under vocabulary parallelism every candidate, searched ones included, carries th
 (measurement.model_costs). `head_memory` is one micro-batch's logits in the memory unit
 (`logits_units`): with it in the budget, a schedule that holds more logits (the loss stage's F to
 its W without vocabulary parallelism, each slice's S to its T with it) needs more memory.
+
+A mixture of experts is costed layer by layer (measurement.moe_costs: a MoE layer's time told from a dense
+one's, each candidate's stages charged the layers it holds) and its expert-parallel all-to-all is a named
+quantity on the critical path of the MoE layers' F and B (ModelCosts.all_to_all); `describe` states both and
+the all-to-all's share of the chosen step.
 """
 from __future__ import annotations
 
@@ -184,7 +189,7 @@ def searched(pp: int, m: int, budget: float, costs: ModelCosts,
              vocab_parallel: bool = False) -> list[tuple[Candidate, Schedule, dict]]:
     """zb_search at the budget and every whole memory limit from p up to it (at most 2p - 1)."""
     linear_order = Schedule("linear", pp, m, 1, pp, 1, placement.linear(pp), [], vocab_parallel=vocab_parallel)
-    f, b, w = ([t + fixed for t in times] for times, fixed in zip(costs.per_stage(linear_order), costs.op_overhead))
+    f, b, w = ([t + fixed for t in times] for times, fixed in zip(costs.op_times(linear_order), costs.op_overhead))
     top = min(budget, 2 * pp - 1)
     out = []
     for cap in sorted({top, *range(pp, int(top) + 1)}):
@@ -201,7 +206,7 @@ def costed(pp: int, m: int, num_layers: int, costs: ModelCosts,
            vocab_parallel: bool = False) -> list[tuple[Candidate, Schedule, None]]:
     """The schedules whose op order depends on the costs (V-Half, V-Min), built for the measured
     ones: a layer's TF, TB, TW with each op's fixed time (a chunk op pays it once), relative."""
-    op = [t + 2 * fixed for t, fixed in zip((costs.tf, costs.tb, costs.tw), costs.op_overhead)]
+    op = [t + 2 * fixed for t, fixed in zip(costs.mean_op_times(pp), costs.op_overhead)]
     if len(set(op)) == 1:
         return []  # the catalogue's own order is built for equal costs
     op_costs = tuple(round(3 * t / sum(op), 3) for t in op)
@@ -218,9 +223,9 @@ def costed(pp: int, m: int, num_layers: int, costs: ModelCosts,
 
 def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0,
          search: bool = False, cuts: tuple = (), vocab_parallel: bool = False) -> list[dict]:
-    """Every candidate that fits, fastest first: {candidate, makespan, memory, search}; `search`
-    adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m). The memory
-    counts `costs.head_memory`."""
+    """Every candidate that fits, fastest first: {candidate, makespan, memory, search, all_to_all};
+    `search` adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m). The
+    memory counts `costs.head_memory`; all_to_all is the most time one rank spends in it (MoE)."""
     pool = [(c, s, None) for c, s in candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)]
     pool += costed(pp, m, num_layers, costs, vocab_parallel)
     pool += searched(pp, m, budget, costs, vocab_parallel) if search else []
@@ -229,7 +234,8 @@ def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p
     for cand, schedule, args in pool:
         res = evaluate(schedule, costs, p2p_latency=p2p, seq_costs=shares.get(schedule.seq_splits))
         if res.peak_memory_max <= budget + EPS:
-            rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max, "search": args})
+            rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max, "search": args,
+                         "all_to_all": max(res.all_to_all)})
     return sorted(rows, key=lambda r: (r["makespan"], r["memory"], r["search"] is not None))
 
 
@@ -249,13 +255,16 @@ def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, 
     def entry(row):
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()  # zb-h1's placement
         return {"label": row["candidate"].label, "section": section, "search": row["search"],
-                "makespan": row["makespan"], "memory": row["memory"]}
+                "makespan": row["makespan"], "memory": row["memory"], "all_to_all": row["all_to_all"]}
     return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None,
             "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),
                                         "head": list(costs.head), "p2p": measured.p2p,
                                         "op_overhead": list(costs.op_overhead), "op_sizes": list(measured.op_sizes),
                                         "op_residual": measured.op_residual, "head_memory": head_memory,
-                                        "vocab_parallel": vocab_parallel, "vocab": list(measured.vocab)}}
+                                        "vocab_parallel": vocab_parallel, "vocab": list(measured.vocab),
+                                        "layers": [list(t) for t in costs.layers],
+                                        "moe_layers": [f for k in measured.layer_kinds for f in k],
+                                        "all_to_all": [list(t) for t in costs.all_to_all]}}
 
 
 def describe(decision: dict) -> str:
@@ -272,10 +281,28 @@ def describe(decision: dict) -> str:
                    f"head + loss F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['head'])} ms"
                    + (f" (vocabulary passes per slice EF/S/T/EW={'/'.join(f'{x * 1e3:.2f}' for x in k['vocab'])} ms "
                       "beyond their fixed part)" if k.get("vocab") else "")
+                   + moe_costs(k, c)
                    + f", fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
                    f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}; "
                    f"{k['op_residual'] * 1e3:.2f} ms of it from the traced makespans), "
                    f"p2p {k['p2p'] * 1e3:.3f} ms")
+
+
+def moe_costs(costs: dict, choice: dict) -> str:
+    """The log line's part on MoE layers (decide's "costs"; empty for a dense model): a MoE layer's and a dense
+    layer's F/B/W, and the all-to-all per MoE layer and its share of the choice's step on its busiest rank."""
+    flags, layers, comm = costs.get("moe_layers") or [], costs.get("layers") or [], costs.get("all_to_all") or []
+    if not any(flags):
+        return ""
+    moe, dense = flags.index(1), flags.index(0) if 0 in flags else None
+    ms = lambda t: "/".join(f"{x * 1e3:.2f}" for x in t)  # noqa: E731
+    text = f", a MoE layer F/B/W={ms(layers[moe])} ms ({sum(flags)} of {len(flags)} layers)"
+    text += f", a dense one {ms(layers[dense])} ms" if dense is not None else ""
+    if not comm:
+        return text + ", no all-to-all (no expert parallelism)"
+    share = choice.get("all_to_all", 0.0) / choice["makespan"] if choice["makespan"] > 0 else 0.0
+    return text + (f", all-to-all per MoE layer F/B={ms(comm[moe])} ms ({share:.1%} of the chosen step on its "
+                   "busiest rank)")
 
 
 BYTE_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}

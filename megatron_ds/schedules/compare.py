@@ -12,18 +12,22 @@ from .ir import ScheduleError
 def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 1.0, *,
                  p2p_latency: float = 0.0, virtual_stages: int = 2, seq_splits=2,
                  act_size=None, embed=(0.0, 0.0, 0.0), head=(0.0, 0.0, 0.0), head_memory: float = 0.0,
-                 vocab_parallel: bool = False, seq_costs: Callable[[int], list] | None = None) -> list[dict]:
+                 vocab_parallel: bool = False, seq_costs: Callable[[int], list] | None = None,
+                 layers=(), all_to_all=(), layer_memory=()) -> list[dict]:
     """Simulate each schedule (with `vocab_parallel`, each also with the vocabulary passes: "+vocab");
     a refused setting gives a row with its reason. `seq_splits`: Seq1F1B's segment count, or a tuple
     of them; `seq_costs(k)`: the relative costs of k segments (default: equal). Every row's "ideal"
-    is its schedule's makespan with the embedding and the head spread evenly (ModelCosts.balanced)."""
+    is its schedule's makespan with the embedding and the head spread evenly (ModelCosts.balanced).
+    `layers`, `all_to_all`, `layer_memory`: ModelCosts' per-layer fields (MoE); each row then also has
+    "all_to_all", the most time one rank spends in it, and every row "memory", each rank's peak."""
     splits = (seq_splits,) if isinstance(seq_splits, int) else tuple(seq_splits)
+    costs = ModelCosts(tf, tb, tw, embed=tuple(embed), head=tuple(head), head_memory=head_memory, layers=tuple(layers),
+                       all_to_all=tuple(all_to_all), layer_memory=tuple(layer_memory))
     variants = [(name, kwargs, note) for name, spec in CATALOG.items()
-                for note, kwargs in spec.variants(virtual_stages, splits, op_costs=(tf, tb, tw))]
+                for note, kwargs in spec.variants(virtual_stages, splits, op_costs=costs.mean_op_times(pp))]
     if vocab_parallel:
         variants = [row for name, kwargs, note in variants for row in
                     ((name, kwargs, note), (name, {**kwargs, "vocab_parallel": True}, f"{note} +vocab".strip()))]
-    costs = ModelCosts(tf, tb, tw, embed=tuple(embed), head=tuple(head), head_memory=head_memory)
     rows, base, ideal = [], None, {}
     for name, kwargs, note in variants:
         row = {"schedule": name, "setting": note}
@@ -41,7 +45,8 @@ def compare_rows(pp: int, m: int, tf: float = 1.0, tb: float = 1.0, tw: float = 
             rows.append(row)
             continue
         row.update(makespan=res.makespan, bubble=res.bubble_ratio, peak_memory=res.peak_memory_max,
-                   p2p=res.p2p_messages, ideal=ideal[(name, plain)])
+                   p2p=res.p2p_messages, ideal=ideal[(name, plain)], memory=res.peak_memory,
+                   all_to_all=max(res.all_to_all))
         if name == BASELINE and not kwargs.get("vocab_parallel"):
             base = res.makespan
         rows.append(row)

@@ -14,6 +14,16 @@ vocabulary passes carry 1/p of them (simulate's `head`, `embed`). `head_memory` 
 micro-batch's logits hold, in the activation unit (simulate's). `balanced` is the ideal that
 vocabulary parallelism is judged against: the embedding's and the head's times spread evenly over
 the p ranks at no overhead.
+
+Mixture of experts: when the transformer layers differ (MoE layers among dense ones, --moe-layer-freq),
+`layers` gives each layer's own (F, B, W) compute and a stage costs the layers it holds, cut as
+DeepSpeed's count-balanced default does ("type:transformer": the first L % S stages one layer more);
+tf, tb, tw are then their mean per 1F1B stage. `all_to_all` gives each layer's expert-parallel
+all-to-all time in its F and its B (dispatch and combine, or their reverse; 0 for a dense layer):
+communication, kept apart from the compute because overlapping it (issue 40) would hide it, and charged
+on the critical path of the F and B ops for now, as the runtime runs it inside the layer. `layer_memory`
+gives each layer's activations (any unit: only their ratios count), so a stage of MoE layers holds more
+than one of dense layers.
 """
 from __future__ import annotations
 
@@ -34,28 +44,81 @@ class ModelCosts:
     head: Triple = (0.0, 0.0, 0.0)    # (F, B, W) of the LM head and loss, on the last stage
     op_overhead: Triple = (0.0, 0.0, 0.0)  # (F, B, W) time every op pays on top of its share
     head_memory: float = 0.0          # one micro-batch's logits, in one 1F1B stage's activations
+    layers: tuple = ()                # per transformer layer, its (F, B, W) when they differ (MoE); (): all alike
+    all_to_all: tuple = ()            # per transformer layer, (F, B) of its expert-parallel all-to-all; (): none
+    layer_memory: tuple = ()          # per transformer layer, its activations (relative); (): all alike
+
+    @classmethod
+    def of_layers(cls, layers, pp: int, **kwargs) -> "ModelCosts":
+        """Costs of per-layer (F, B, W) times, tf, tb, tw their mean per 1F1B stage (kwargs: the other fields)."""
+        layers = tuple(tuple(float(x) for x in t) for t in layers)
+        return cls(*(sum(t[i] for t in layers) / pp for i in range(3)), layers=layers, **kwargs)
 
     def per_stage(self, schedule: Schedule) -> tuple[list[float], list[float], list[float]]:
         """(tf, tb, tw) lists, one entry per stage of a replica, as simulate() takes them."""
         body = schedule.pp / schedule.stages
+        cut = stage_layers(len(self.layers), schedule.stages) if self.layers else None
         out = []
         for i, t in enumerate((self.tf, self.tb, self.tw)):
-            costs = [t * body] * schedule.stages
+            costs = [sum(self.layers[j][i] for j in held) for held in cut] if cut else [t * body] * schedule.stages
             if not schedule.vocab_parallel:
                 costs[0] += self.embed[i]
                 costs[-1] += self.head[i]
             out.append(costs)
         return out[0], out[1], out[2]
 
+    def all_to_all_per_stage(self, schedule: Schedule) -> tuple[list[float], list[float]] | None:
+        """(F, B) lists of the all-to-all time inside each stage's ops, as simulate()'s all_to_all; None: none."""
+        if not self.all_to_all:
+            return None
+        cut = stage_layers(len(self.all_to_all), schedule.stages)
+        return tuple([sum(self.all_to_all[j][i] for j in held) for held in cut] for i in range(2))
+
+    def stage_memory(self, schedule: Schedule) -> list[float] | None:
+        """Each stage's activations over an even share's (simulate's stage_memory); None: all alike."""
+        if not self.layer_memory:
+            return None
+        cut, total = stage_layers(len(self.layer_memory), schedule.stages), sum(self.layer_memory)
+        return [sum(self.layer_memory[j] for j in held) * schedule.stages / total for held in cut]
+
+    def op_times(self, schedule: Schedule) -> tuple[list[float], list[float], list[float]]:
+        """per_stage with the all-to-all added to F and B: what an op takes, compute and communication."""
+        f, b, w = self.per_stage(schedule)
+        comm = self.all_to_all_per_stage(schedule)
+        if comm:
+            f, b = [x + y for x, y in zip(f, comm[0])], [x + y for x, y in zip(b, comm[1])]
+        return f, b, w
+
+    def mean_op_times(self, pp: int) -> Triple:
+        """(F, B, W) of one 1F1B stage of p, compute and all-to-all: tf, tb, tw with 1/p of the layers' all-to-all."""
+        f, b = (sum(t[i] for t in self.all_to_all) / pp for i in range(2))
+        return self.tf + f, self.tb + b, self.tw
+
     def balanced(self, pp: int) -> "ModelCosts":
         """The same model with the embedding's and the head's (F, B, W) spread evenly over the p
         1F1B stages (each kind into its own kind), no vocabulary passes and no logits held."""
         spread = [t + (e + h) / pp for t, e, h in zip((self.tf, self.tb, self.tw), self.embed, self.head)]
-        return ModelCosts(*spread, op_overhead=self.op_overhead)
+        layers = tuple(tuple(t + (e + h) / len(self.layers) for t, e, h in zip(layer, self.embed, self.head))
+                       for layer in self.layers)
+        return ModelCosts(*spread, op_overhead=self.op_overhead, layers=layers, all_to_all=self.all_to_all,
+                          layer_memory=self.layer_memory)
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The transformer layers (0-based) of each stage of a replica under DeepSpeed's count-balanced cut
+    ("type:transformer", partition_uniform): L // S each, the first L % S stages one more."""
+    per, extra = divmod(num_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + per + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def evaluate(schedule: Schedule, costs: ModelCosts, **kwargs) -> SimResult:
     """simulate() with the model's costs cut to this schedule's stages (kwargs: simulate's)."""
     vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
+    moe = {"all_to_all": costs.all_to_all_per_stage(schedule)} if costs.all_to_all else {}
+    if costs.layer_memory and kwargs.get("act_size") is None:
+        moe["stage_memory"] = costs.stage_memory(schedule)
     return simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead,
-                    head_memory=costs.head_memory, **vocab, **kwargs)
+                    head_memory=costs.head_memory, **vocab, **moe, **kwargs)

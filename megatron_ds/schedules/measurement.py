@@ -8,6 +8,12 @@ a fixed part and a per-token part, `message_latencies` reads the p2p time off th
 simulated ones), and `model_costs` states it all as the simulator's ModelCosts. Under vocabulary
 parallelism the embedding and the head are no part of the end stages: their costs are the
 vocabulary passes' own times (`with_vocab`).
+
+A mixture of experts (`Measured.layer_kinds` names each stage's MoE layers): a MoE layer costs more
+than a dense one, so where the timed stages hold them in different mixes `model_costs` tells the two
+apart and states every layer's own cost (ModelCosts.layers), for candidates that cut the layers
+otherwise. The expert-parallel all-to-all was timed inside the ops apart from their compute
+(`Measured.all_to_all`): it is stated per MoE layer as its own quantity (ModelCosts.all_to_all).
 """
 from __future__ import annotations
 
@@ -34,6 +40,10 @@ class Measured:
     op_residual: float = 0.0  # of op_overhead, what `calibrate` added
     head_share: float = 0.0  # of the loss stage's time, the head + loss's by FLOPs (with no interior stage)
     vocab: tuple = ()  # vocabulary parallelism: per slice, EF, S, T and EW on one micro-batch less their fixed part
+    layer_kinds: tuple = ()  # per stage, a 0/1 per transformer layer it holds (1: a MoE layer); (): a dense model
+    moe_flops: float = 1.0  # a MoE layer's forward FLOPs over a dense one's (when the stages cannot tell them apart)
+    all_to_all: tuple = ()  # per stage, (F, B) seconds of the expert-parallel all-to-all in one micro-batch's ops,
+    # which f and b do not hold (the runtime's op times less it)
 
 
 def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:
@@ -110,6 +120,55 @@ def head_share(head_layers: float, num_layers: int, stages: int) -> float:
     return head_layers / (num_layers / stages + head_layers) if head_layers > 0 else 0.0
 
 
+def _layer_split(counts: list, times: list, moe_flops: float) -> tuple:
+    """(a dense layer's time, a MoE layer's) from stages of (dense, MoE) layer counts and their layers'
+    times: least squares where the stages hold two mixes that are not multiples of each other, else
+    their time shared by FLOPs (a MoE layer costs `moe_flops` dense ones), the median over stages."""
+    rows = [(d, e, t) for (d, e), t in zip(counts, times) if d + e]
+    sdd, see, sde = (sum(a * b for a, b in pairs) for pairs in
+                     ([(d, d) for d, _, _ in rows], [(e, e) for _, e, _ in rows], [(d, e) for d, e, _ in rows]))
+    det = sdd * see - sde * sde
+    if det > 1e-9 * max(sdd * see, 1.0):
+        sdt, set_ = sum(d * t for d, _, t in rows), sum(e * t for _, e, t in rows)
+        dense, moe = (see * sdt - sde * set_) / det, (sdd * set_ - sde * sdt) / det
+        if dense >= 0 and moe >= 0:
+            return dense, moe
+    dense = statistics.median(t / (d + moe_flops * e) for d, e, t in rows) if rows else 0.0
+    return dense, moe_flops * dense
+
+
+def moe_costs(measured: Measured, pp: int) -> ModelCosts:
+    """model_costs of a MoE model: the layers' times from the interior stages' (or as model_costs without
+    them), dense and MoE layers told apart (`_layer_split`); the ends' excess over their own layers the
+    embedding's and the head's; the all-to-all per MoE layer the median over the stages that hold MoE
+    layers of their all-to-all time per MoE layer."""
+    kinds = measured.layer_kinds
+    counts = [(len(k) - sum(k), sum(k)) for k in kinds]
+    comm = list(measured.all_to_all) or [(0.0, 0.0)] * len(kinds)
+    stages, layers, embed, head = len(kinds), [], [], []
+    for compute in (measured.f, measured.b, measured.w):
+        if stages <= 2 and measured.head_share > 0:
+            inner = [(counts[-1], compute[-1] * (1 - measured.head_share))]
+        elif stages > 2:
+            inner = list(zip(counts[1:-1], compute[1:-1]))
+        else:  # the cheaper end stage taken as layers alone
+            inner = [min(zip(counts, compute), key=lambda ct: ct[1])]
+        dense, moe = _layer_split([c for c, _ in inner], [t for _, t in inner], measured.moe_flops)
+        layers.append([moe if flag else dense for k in kinds for flag in k])
+        own = [d * dense + e * moe for d, e in counts]
+        embed.append(max(0.0, compute[0] - own[0]))
+        head.append(max(0.0, compute[-1] - own[-1]))
+    per_moe = [statistics.median(c[i] / e for c, (_, e) in zip(comm, counts) if e) if any(e for _, e in counts)
+               else 0.0 for i in range(2)]
+    all_to_all = tuple((per_moe[0], per_moe[1]) if flag else (0.0, 0.0) for k in kinds for flag in k)
+    if measured.vocab:
+        ef, s, t, ew = (x * pp for x in measured.vocab)
+        embed, head = [ef, ew, 0.0], [s, 0.0, t]
+    return ModelCosts.of_layers(zip(*layers), pp, embed=tuple(embed), head=tuple(head),
+                                op_overhead=tuple(measured.op_overhead),
+                                all_to_all=all_to_all if any(any(t) for t in all_to_all) else ())
+
+
 def model_costs(measured: Measured, pp: int) -> ModelCosts:
     """ModelCosts from per-stage times of equal layer counts: the layers cost what the interior
     stages cost, the ends' excess is the embedding's (stage 0) and the LM head + loss's (last stage).
@@ -117,7 +176,9 @@ def model_costs(measured: Measured, pp: int) -> ModelCosts:
     layers' (without a share: the cheaper end stage is taken as layers alone). Under vocabulary
     parallelism (measured.vocab) the embedding and the head cost what p slices' passes do: EF is the
     embedding's forward, EW its backward, S the head's forward with its input gradient, T its weight
-    gradient (kinds.py's costs)."""
+    gradient (kinds.py's costs). A MoE model: `moe_costs`."""
+    if any(any(k) for k in measured.layer_kinds):
+        return moe_costs(measured, pp)
     stages = len(measured.f)
     body, embed, head = [], [], []
     for times in (measured.f, measured.b, measured.w):

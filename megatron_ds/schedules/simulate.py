@@ -20,10 +20,18 @@ Otherwise give them in the stages' costs (ModelCosts does). `head_memory` is wha
 micro-batch's logits (and their gradient) hold, in the activation unit: without vocabulary
 parallelism the loss stage's F allocates it and the op that ends that unit's backward (W, or BW)
 frees it; with it, each S allocates 1/p of it and the T of that micro-batch frees it.
+
+`all_to_all` (F, B) is communication inside the ops: a MoE layer's expert-parallel all-to-all, which
+the runtime runs synchronously in the layer's forward (dispatch and combine) and input-gradient
+backward (their reverse). It is time on the critical path of F and of B (or BW), given per stage as
+tf is, and kept apart from the compute: SimResult.all_to_all is each rank's time in it, so a model
+that overlaps it with other work (issue 40) can take it off the ops instead. `stage_memory` scales
+the activations of each stage of a replica over an even share's (1: the stage holds 1/S of the
+model's; a stage of MoE layers holds more than one of dense layers).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence, Union
 
 from .deps import UnitIndex
@@ -50,6 +58,7 @@ class SimResult:
     peak_memory: list[float]     # peak activation memory per rank
     p2p_messages: int            # cross-rank edges (activations down + gradients up)
     p2p_sent: list[int]          # messages sent per rank
+    all_to_all: list[float] = field(default_factory=list)  # per rank, time in its ops' all-to-all (within busy)
 
     @property
     def peak_memory_max(self) -> float:
@@ -60,10 +69,13 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
              p2p_latency: float = 0.0, seq_costs: Sequence[float] | None = None,
              act_size: ActSize = None, check: bool = True,
              op_overhead: tuple = (0.0, 0.0, 0.0), head: tuple = (0.0, 0.0, 0.0),
-             embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0) -> SimResult:
+             embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0, all_to_all: tuple | None = None,
+             stage_memory: Sequence[float] | None = None) -> SimResult:
     if check:
         validate(schedule)
-    duration = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, {"head": head, "embed": embed})
+    comm = _comm_fn(schedule, all_to_all, seq_costs)
+    compute = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, {"head": head, "embed": embed})
+    duration = compute if all_to_all is None else lambda op: compute(op) + comm(op)  # synchronous: the op waits
     index = UnitIndex(schedule)
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
@@ -95,7 +107,9 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
                 progressed = True
         if not progressed:
             raise ScheduleError("simulation stalled: the op lists deadlock (run validate for details)")
-    return _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size, head_memory))
+    result = _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size, head_memory, stage_memory))
+    result.all_to_all = [sum(comm(op) for op in ops) for ops in schedule.ranks]
+    return result
 
 
 def _per_stage(value: Cost, schedule: Schedule, what: str) -> list[float]:
@@ -133,7 +147,20 @@ def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, vocab: dict) -> C
     return lambda op: base[op.kind][op.stage] * share[op.seq] + fixed[op.kind]
 
 
-def _memory_fn(schedule: Schedule, act_size: ActSize, head_memory: float) -> Callable[[Op], float]:
+def _comm_fn(schedule: Schedule, all_to_all: tuple | None, seq_costs) -> Callable[[Op], float]:
+    """The all-to-all time inside one op: F pays the stage's forward one, B and BW its backward one
+    (a segment its share, as of the compute), W and the vocabulary passes none."""
+    if all_to_all is None:
+        return lambda op: 0.0
+    f, b = (_per_stage(t, schedule, "all_to_all") for t in all_to_all)
+    share = _seq_shares(schedule, seq_costs)
+    per = {kind: [0.0] * schedule.stages if kind.traits.vocab else
+           [kind.traits.cost[0] * x + kind.traits.cost[1] * y for x, y in zip(f, b)] for kind in Kind}
+    return lambda op: per[op.kind][op.stage] * share[op.seq]
+
+
+def _memory_fn(schedule: Schedule, act_size: ActSize, head_memory: float,
+               stage_memory: Sequence[float] | None = None) -> Callable[[Op], float]:
     """Memory change of one op (positive: allocates)."""
     logits = _logits_fn(schedule, head_memory)
     if callable(act_size):
@@ -146,8 +173,12 @@ def _memory_fn(schedule: Schedule, act_size: ActSize, head_memory: float) -> Cal
         else:
             m_b, m_w = (float(x) for x in act_size)
         scale = schedule.pp / schedule.stages
+        stage = [1.0] * schedule.stages if stage_memory is None else [float(x) for x in stage_memory]
+        if len(stage) != schedule.stages:
+            raise ScheduleError(f"stage_memory lists {len(stage)} stages for a schedule with {schedule.stages}")
         share = _token_shares(schedule)
-        sizes = lambda op: (m_b * scale * share[op.seq], m_w * scale * share[op.seq])  # noqa: E731
+        sizes = lambda op: (m_b * scale * stage[op.stage] * share[op.seq],  # noqa: E731
+                            m_w * scale * stage[op.stage] * share[op.seq])
     def delta(op: Op) -> float:
         if op.kind.traits.vocab:
             return logits(op)

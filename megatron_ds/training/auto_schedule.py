@@ -17,7 +17,8 @@ run chose.
 
 On --load with an "auto" ds_config the decision is reused when everything it was made for is
 unchanged (`WHAT`: pp, the micro-batch count, the layer count, the budget, the sizes and precision
-that set the measured op times, the device, and the candidates this code offers): the run builds
+that set the measured op times, the mixture-of-experts flags, expert parallelism included, the device,
+and the candidates this code offers): the run builds
 the chosen schedule directly (pipe/auto.chosen_ds_config; a searched zb-search schedule by a switch
 of the plan after the build) and times nothing. Otherwise it times again and says why in one line:
 something differs, "remeasure": true, --finetune, or a universal checkpoint (another layout). A
@@ -43,6 +44,7 @@ from .checkpointing import LoadPlan, read_latest_tag, restore
 from .fork_flags import run_plan
 from .initialize import get_rng_state, set_rng_state
 from .model_setup import model_config, setup_model_and_optimizer
+from .moe_args import moe_flags
 from .nonfinite import NanGuard
 
 NAME = "auto_schedule.json"
@@ -56,9 +58,9 @@ WHAT = {
     "sequence_parallel": "--sequence-parallel", "recompute": "activation checkpointing interval",
     "dtype": "precision", "device": "device", "candidates": "candidate schedules",
     "cuts": "Seq1F1B segment lengths", "vocab_size": "padded vocabulary",
-    "vocab_parallel": '"vocab_parallel"',
+    "vocab_parallel": '"vocab_parallel"', "moe": "the mixture-of-experts flags",
 }
-UNSAVED = {"vocab_parallel": False}  # what a record saved before the key existed meant
+UNSAVED = {"vocab_parallel": False, "moe": "none"}  # what a record saved before the key existed meant
 
 
 def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
@@ -76,7 +78,8 @@ def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: in
             "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, auto_plan.num_layers,
                                                                       auto_plan.cuts, vocab_parallel=vocab_parallel)),
             "cuts": [list(c.lengths) for c in auto_plan.cuts], "vocab_size": vocab_size(config),
-            "vocab_parallel": vocab_parallel}
+            "vocab_parallel": vocab_parallel,
+            "moe": " ".join(moe_flags(getattr(config, "moe", None))) or "none"}  # experts, sizes and EP set the times
 
 
 def _same(a, b) -> bool:

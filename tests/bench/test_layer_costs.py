@@ -104,3 +104,50 @@ def test_the_vocabulary_enters_every_row():
     for label in ("1f1b", "zb-h1", "zbv"):
         assert abs(off(large_by[f"{label} +vocab"]) - 1) < abs(off(large_by[label]) - 1), label
     assert large_by["1f1b"]["peak_memory"] > large.head_memory > small_by["1f1b"]["peak_memory"]
+
+
+MOE = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2", "--moe-layer-freq", "2",
+       "--expert-model-parallel-size", "2", "--vocab-size", "256"]
+
+
+def test_moe_layers_cost_their_own_and_the_all_to_all_is_timed_apart(tmp_path, capsys):
+    """Every second layer MoE (4 experts, top-2, EP 2): the MoE layers and the dense ones each cost their
+    own timed layer's F, B, W; the all-to-all (timed over gloo on 2 processes) is the MoE layers' own
+    quantity, in the simulation and in the costs file, which marks them."""
+    import json
+
+    from megatron_ds.schedules import build_schedule
+    from megatron_ds.schedules.costs import evaluate
+
+    path = tmp_path / "costs.json"
+    costs, rows = layer_costs.main(TINY + MOE + ["--costs-out", str(path)])
+    out = capsys.readouterr().out
+    assert costs.layers[0] == costs.layers[2] and costs.layers[1] == costs.layers[3] != costs.layers[0]
+    assert costs.all_to_all[1] == costs.all_to_all[3] == (0.0, 0.0) and min(costs.all_to_all[0]) > 0
+    assert costs.all_to_all[0] == costs.all_to_all[2] and costs.layer_memory[0] != costs.layer_memory[1]
+    assert (costs.tf, costs.tb, costs.tw) == pytest.approx([sum(t[i] for t in costs.layers) / 2 for i in range(3)])
+    data = json.loads(path.read_text())
+    assert data["layers"][1:5] == ["transformer 1 (MoE)", "transformer 2", "transformer 3 (MoE)", "transformer 4"]
+    assert data["moe_layers"] == [1, 0, 1, 0]
+    assert data["all_to_all_ms"] == [pytest.approx(sum(costs.all_to_all[0]) * 1e3, abs=1e-6), 0.0] * 2
+    cost = data["layer_costs"][1:5]  # a MoE layer's F + B + W and its all-to-all
+    assert cost[0] == cost[2] == pytest.approx(sum(costs.layers[0]) * 1e3 + data["all_to_all_ms"][0], abs=1e-5)
+    assert cost[1] == cost[3] == pytest.approx(sum(costs.layers[1]) * 1e3, abs=1e-5)
+    assert "MoE layer (2 of 4: 4 experts, top-2, expert FFN 128; router and experts at 64 routed rows)" in out
+    assert "all-to-all per MoE layer, EP 2 over gloo: F " in out
+    header = next(line for line in out.splitlines() if line.startswith("schedule "))
+    assert header.split()[-1] == "a2a"
+    by = {layer_costs.label(r): r for r in rows}
+    for name in ("1f1b", "zbv", "dualpipev"):  # every row is the simulation of these costs
+        res = evaluate(build_schedule(name, 2, 4), costs)
+        assert by[name]["makespan"] == res.makespan and by[name]["all_to_all"] == max(res.all_to_all) > 0
+        line = next(line for line in out.splitlines() if line[:34].strip() == name)
+        assert line.split()[-1] == f"{max(res.all_to_all) / res.makespan:.1%}"
+
+
+@pytest.mark.parametrize("flags", [["--moe-router-topk", "2"],
+                                   ["--num-experts", "4", "--expert-model-parallel-size", "3"]])
+def test_bad_moe_flags_exit_2(flags):
+    with pytest.raises(SystemExit) as exc:
+        layer_costs.main(TINY + flags)
+    assert exc.value.code == 2

@@ -12,7 +12,8 @@ parallelism (every candidate carries the passes, whose measured times are the he
 in the same launch: the own choice (GPT-2, tied), zb-h2 and the searched zb-search cap=3 (swaps; LLaMA, untied),
 zbv (a rebuild that re-cuts the slices' Adam state; LLaMA), at lr 1e-3 as test_vocab_engine.py. At PP=2 x DP=2 (ZeRO-1 shards
 re-cut across the switch): the own choice and zbv. A mixture of experts (tests/pipe/test_moe_engine.py's) at PP=2: the
-own choice and zbv."""
+own choice and zbv, and the own choice of a model whose first layer is dense (rank 0's decision names the MoE layers and
+costs each layer on its own)."""
 import dataclasses
 
 import pytest
@@ -30,7 +31,9 @@ COSTED = "zbv-half op_costs"  # V-Half's order built for the measured costs (the
 CASES = [(None, BUDGET), ("zb-h2", BUDGET), ("zbv", BUDGET), ("bitpipe", BUDGET), ("zb-search cap=3", BUDGET),
          (SEQ1F1B, BUDGET), (COSTED, BUDGET), (None, 1.5)]  # 1.5: Seq1F1B (2 segments: 1.5 units, 4: 1.25) or zb-search cap=1.5
 VOCAB_BUDGET = 6  # the passes' order may hold a micro-batch more in flight
-MOE_CASES = [(None, BUDGET, MOE, False), ("zbv", BUDGET, MOE, False)]  # (label, budget, a MoE model, no vocab)
+MIXED = MODELS["sigmoid"]  # the first layer dense, the others MoE: the stages hold different mixes
+MOE_CASES = [(None, BUDGET, MOE, False), ("zbv", BUDGET, MOE, False),
+             (None, BUDGET, MIXED, False)]  # (label, budget, a MoE model, no vocab)
 VOCAB_CASES = [(None, VOCAB_BUDGET, {}), ("zb-h2", VOCAB_BUDGET, LLAMA), ("zb-search cap=3", VOCAB_BUDGET, LLAMA),
                ("zbv", VOCAB_BUDGET, LLAMA)]  # (label, budget, the model of a vocabulary-parallel run)
 
@@ -113,7 +116,8 @@ def auto_rank_run(pp, gas, steps, cases):
                         vocab_costs=(costs["vocab_parallel"], costs["vocab"]),
                         start=start, probe=probe, now=(now.name, now.seq_splits), rebuilt_at=switched_at,
                         global_steps=engine.global_steps, auto_left=engine.auto is not None,
-                        overhead=reports[0].decision["costs"]["op_overhead"],
+                        overhead=reports[0].decision["costs"]["op_overhead"], moe_layers=costs["moe_layers"],
+                        layer_costs=costs["layers"],
                         op_sizes=reports[0].decision["costs"]["op_sizes"], choice=reports[0].decision["choice"],
                         reports=len(reports)))
     return out
@@ -137,6 +141,9 @@ def test_auto_switch_matches_reference(world, pp, cases):
             # the head's and the embedding's costs are the passes' measured times (EF, S, T, EW beyond their
             # fixed part, which at this size is most of them)
             assert len(passes) == (4 if vocab else 0) and min(passes, default=0) >= 0
+            # which layers have experts, as rank 0 learnt it from the ranks' modules; each layer's own costs
+            flags = [int(config.is_moe_layer(i)) for i in range(1, LAYERS + 1)] if model.get("moe") else []
+            assert r["moe_layers"] == flags and len(r["layer_costs"]) == len(flags)
             small = budget < 2
             assert r["start"] == (("seq1f1b", 2) if small else ("zb-h1", 1)), r["start"]
             assert r["probe"] == {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True}
@@ -172,3 +179,31 @@ def test_merge_takes_each_vocabulary_pass_as_the_median_over_the_slices():
     measured = merge([rank(s, p) for s, p in enumerate(slices)], 3, [])
     assert measured.f == [2.0 * ms] * 3 and measured.vocab == pytest.approx((0.2 * ms, 1.2 * ms, 0.5 * ms, 0.2 * ms))
     assert merge([rank(s, {}) for s in range(3)], 3, []).vocab == ()  # no passes: the ends' excess, as before
+
+
+def test_a_moe_models_stages_and_all_to_all_as_rank_0_takes_them():
+    """Single process: which layers of each stage have experts (from the module's layer specs and cut, and the
+    MoE layers the ranks hold), a MoE layer's FLOPs over a dense one's, and each stage's all-to-all time
+    (the median over the ranks, a micro-batch's sum over its segments, at the op size the times are kept at)."""
+    from types import SimpleNamespace
+
+    from megatron_ds.model.gpt import gpt_layer_specs
+    from megatron_ds.pipe.auto import inside, layer_kinds, moe_flops, with_experts
+    from megatron_ds.pipe.partition import layer_flops
+    from megatron_ds.schedules import measurement
+
+    config = tiny_config(6, **{**MOE, "moe": dataclasses.replace(MOE["moe"], layer_freq=(1, 0, 0, 1, 1, 0))})
+    module = SimpleNamespace(_layer_specs=gpt_layer_specs(config), parts=[0, 3, 5, 9])  # [emb, 1, 2], [3, 4], [5, 6, norm, head]
+    experts = {1, 4, 5}  # MoE.layer_idx: the global pipeline index
+    assert layer_kinds(module, experts) == ((1, 0), (0, 1), (1, 0))
+    flops = layer_flops(config)
+    assert moe_flops(module, ((1, 0), (0, 1), (1, 0))) == pytest.approx(flops[1] / flops[2]) and flops[1] > flops[2]
+    assert inside(sorted([(0.0, 1.0), (2.0, 2.5), (2.9, 3.2), (5.0, 6.0)]), 2.0, 3.0) == pytest.approx(0.6)
+    measured = measurement.Measured([1.0] * 3, [1.0] * 3, [1.0] * 3, op_sizes=(1, 4))
+    comm = [{("F", 0, 1, 0): 0.2, ("B", 0, 1, 0): 0.1, ("F", 1, 1, 0): 0.4, ("F", 1, 4, 0): 9.0},  # a DP pair's
+            {("F", 0, 1, 0): 0.4, ("B", 0, 1, 0): 0.3, ("F", 1, 1, 0): 0.4, ("F", 2, 1, 0): 0.1, ("F", 2, 1, 1): 0.2}]
+    out = with_experts(measured, module, experts, comm)
+    assert out.layer_kinds == ((1, 0), (0, 1), (1, 0)) and out.moe_flops == pytest.approx(flops[1] / flops[2])
+    assert [list(t) for t in out.all_to_all] == [[pytest.approx(0.3), pytest.approx(0.2)], [0.4, 0.0],
+                                                 [pytest.approx(0.3), 0.0]]
+    assert with_experts(measured, module, set(), comm) == measured  # a dense model: as before

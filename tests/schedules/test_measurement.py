@@ -65,3 +65,69 @@ def test_two_stages_split_the_loss_stage_by_the_heads_flop_share():
     assert auto.evaluate(s, costs).busy == pytest.approx([4 * (fi + bi + wi) for fi, bi, wi in zip(f, b, w)])
     blind = measurement.model_costs(auto.Measured(f, b, w), 2)  # the cheaper end taken as layers alone
     assert blind.embed == (0.0, 0.0, 0.0) and sum(blind.head) < sum(costs.head)
+
+
+# A MoE model timed on a linear start at p=4, 8 layers: per stage the MoE flags of its layers (two mixes
+# among the interior stages, so their times tell a dense layer from a MoE one). F, B, W of a dense layer,
+# of a MoE layer (compute), the embedding, the head + loss; each MoE layer's all-to-all, timed apart.
+MS = 1e-3
+KINDS = ((1, 0), (0, 0), (1, 1), (0, 1))
+DENSE, MOE, EMBED, HEAD, A2A = (1.0, 1.5, 0.5), (3.0, 4.0, 2.0), (0.2, 0.1, 0.0), (2.0, 3.0, 1.0), (0.4, 0.3)
+
+
+def flat(pairs):
+    return [x for t in pairs for x in t]
+
+
+def moe_measured(kinds=KINDS, moe_flops=1.0):
+    def stage(s, i):
+        own = sum(MOE[i] if flag else DENSE[i] for flag in kinds[s])
+        return (own + EMBED[i] * (s == 0) + HEAD[i] * (s == len(kinds) - 1)) * MS
+    f, b, w = ([stage(s, i) for s in range(len(kinds))] for i in range(3))
+    comm = tuple((sum(k) * A2A[0] * MS, sum(k) * A2A[1] * MS) for k in kinds)
+    return measurement.Measured(f, b, w, layer_kinds=kinds, moe_flops=moe_flops, all_to_all=comm)
+
+
+def test_moe_layers_told_from_dense_ones_and_the_all_to_all_kept_apart():
+    costs = measurement.model_costs(moe_measured(), 4)
+    flags = [f for k in KINDS for f in k]
+    assert flat(costs.layers) == pytest.approx([x * MS for f in flags for x in (MOE if f else DENSE)])
+    assert costs.embed == pytest.approx(tuple(x * MS for x in EMBED))
+    assert costs.head == pytest.approx(tuple(x * MS for x in HEAD))
+    assert flat(costs.all_to_all) == pytest.approx(flat((A2A[0] * MS, A2A[1] * MS) if f else (0, 0) for f in flags))
+    assert costs.tf == pytest.approx((4 * 3.0 + 4 * 1.0) / 4 * MS)  # the mean 1F1B stage's compute
+    # a ZB-V candidate cuts one layer per stage: its stage 2 (rank 2) holds layer 2, a dense one
+    from megatron_ds.schedules import build_schedule
+    zbv = build_schedule("zbv", 4, 8)
+    assert costs.per_stage(zbv)[0][2] == pytest.approx(DENSE[0] * MS)
+    assert costs.all_to_all_per_stage(zbv)[0][:3] == pytest.approx([A2A[0] * MS, 0.0, 0.0])
+
+
+def test_moe_layers_in_the_same_mix_on_every_stage_are_told_apart_by_flops():
+    """Every stage holds one MoE and one dense layer: the times cannot tell them apart, the FLOPs do (a MoE
+    layer 3x a dense one here: each interior stage's F = 4 = 1 + 3)."""
+    kinds = ((1, 0),) * 4
+    costs = measurement.model_costs(moe_measured(kinds, moe_flops=3.0), 4)
+    assert flat(costs.layers[:2]) == pytest.approx([3.0 * MS, 3.0 * 5.5 / 4 * MS, 3.0 * 2.5 / 4 * MS,
+                                                    1.0 * MS, 5.5 / 4 * MS, 2.5 / 4 * MS])
+    assert costs.embed[0] == pytest.approx(EMBED[0] * MS) and costs.head[0] == pytest.approx(HEAD[0] * MS)
+
+
+def test_a_dense_model_keeps_the_stage_model():
+    dense = measurement.Measured([1.2, 1.0, 1.0, 2.0], [1.0] * 4, [0.5] * 4)
+    flagged = measurement.Measured([1.2, 1.0, 1.0, 2.0], [1.0] * 4, [0.5] * 4, layer_kinds=((0, 0),) * 4)
+    assert measurement.model_costs(flagged, 4) == measurement.model_costs(dense, 4)
+    assert measurement.model_costs(dense, 4).layers == () and measurement.model_costs(dense, 4).all_to_all == ()
+
+
+def test_auto_decides_and_logs_with_the_moe_costs():
+    decision = auto.decide(4, 8, 8, 8, moe_measured())
+    k = decision["costs"]
+    assert k["moe_layers"] == [1, 0, 0, 0, 1, 1, 0, 1]
+    assert k["all_to_all"][0] == pytest.approx([A2A[0] * MS, A2A[1] * MS]) and k["all_to_all"][1] == [0.0, 0.0]
+    assert k["layers"][0] == pytest.approx([x * MS for x in MOE])
+    choice = decision["choice"]
+    assert 0 < choice["all_to_all"] < choice["makespan"]
+    line = auto.describe(decision)
+    assert "a MoE layer F/B/W=3.00/4.00/2.00 ms (4 of 8 layers), a dense one 1.00/1.50/0.50 ms" in line
+    assert f"all-to-all per MoE layer F/B=0.40/0.30 ms ({choice['all_to_all'] / choice['makespan']:.1%} " in line
