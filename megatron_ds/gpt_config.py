@@ -5,6 +5,8 @@ LLaMA = rmsnorm + swiglu + rope + grouped-query attention + untied head + no lin
 BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2),
 Qwen3 = LLaMA + a norm of each query and key head (qk_layernorm),
 Mixtral = LLaMA + experts in every layer (moe), Qwen3-MoE = Qwen3 + experts.
+Packed documents (Megatron's --reset-position-ids, --reset-attention-mask, --eod-mask-loss) are options
+too: they change what attention sees and what the loss scores (model/documents.py).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -43,6 +45,22 @@ class GPTConfig:
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
     liger_kernel: bool = False  # the LM head and loss as Liger-Kernel's fused linear cross-entropy (CUDA)
     moe: Optional[MoEConfig] = None  # experts in place of the MLP of the layers moe.layer_freq picks
+    reset_position_ids: bool = False  # positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # a token attends to its own document only
+    eod_mask_loss: bool = False  # the prediction made at an end-of-document token is not scored
+    eod_token: Optional[int] = None  # the tokenizer's end-of-document id (known once it is built)
+
+    @property
+    def packs_documents(self):
+        """Whether any of the three document flags is on (the batches then mark their documents)."""
+        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
+
+    @property
+    def documents_in_every_stage(self):
+        """Whether every pipeline stage needs the micro-batch's documents, not only the embedding and the loss:
+        attention masks by document, or rotates by positions that restart (learned positions are added once,
+        in the embedding)."""
+        return self.reset_attention_mask or (self.reset_position_ids and self.position_embedding_type == "rope")
 
     @property
     def head_hands_weight(self):
@@ -131,6 +149,9 @@ def config_problem(c) -> str:
                 "--tensor-model-parallel-size > 1 use --loss-chunk-size (vocabulary-parallel)")
     if c.position_embedding_type == "rope" and not c.rope_theta > 0:
         return f"--rope-theta must be positive, got {c.rope_theta}"
+    eod = getattr(c, "eod_token", None)
+    if eod is not None and not 0 <= eod < (c.vocab_size or eod + 1):
+        return f"the end-of-document token {eod} is not in the vocabulary of {c.vocab_size} ids"
     if getattr(c, "moe", None) is not None:
         return moe_problem(c.moe, c.num_layers, c.tensor_model_parallel_size)
     return ""

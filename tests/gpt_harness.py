@@ -26,6 +26,28 @@ def micro_batch(step, index, vocab=64, seq=SEQ):
     return (x, position_ids_like(x)), y
 
 
+EOD = 1  # the end-of-document token of packed micro-batches
+PACKED = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True, eod_token=EOD)  # GPTConfig's
+
+
+def packed_text(step, index, vocab=64, seq=SEQ):
+    """The (MBS, seq + 1) tokens of packed_micro_batch: random, about one in five an EOD (a document's end)."""
+    g = torch.Generator().manual_seed(1000 * step + index + 7)
+    tokens = torch.randint(0, vocab, (MBS, seq + 1), generator=g)
+    tokens[tokens == EOD] = EOD + 1
+    tokens[torch.rand(MBS, seq + 1, generator=g) < 0.2] = EOD
+    return tokens
+
+
+def packed_micro_batch(step, index, vocab=64, seq=SEQ):
+    """micro_batch's kind of tokens with documents packed in (packed_text), as pretraining with all three
+    document flags batches them: positions restart after each EOD and the predictions made at an EOD are
+    not scored (model/documents.Packing)."""
+    from megatron_ds.model.documents import Packing
+    tokens = packed_text(step, index, vocab, seq)
+    return Packing(tiny_config(seq=seq, **PACKED)).batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
 def ds_config(pp, dp, gas, *, zero=1, clip=0.0, bf16=False, pipeline=None, lr=1e-2):
     cfg = {"train_batch_size": MBS * gas * dp, "train_micro_batch_size_per_gpu": MBS,
            "gradient_accumulation_steps": gas, "gradient_clipping": clip,
@@ -57,8 +79,10 @@ def optimizer_for(params_by_name, lr=1e-2):
 EVAL_STEP = 99  # eval micro-batches are those of this (never trained) step
 
 
-def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2):
-    """Losses of every step, the first step's gradients, weights after `steps` steps, then the eval loss."""
+def reference_run(config, dp, gas, steps, clip=0.0, lr=1e-2, batch=None):
+    """Losses of every step, the first step's gradients, weights after `steps` steps, then the eval loss.
+    `batch`: the micro-batch maker (micro_batch's signature; default micro_batch)."""
+    micro_batch = batch or globals()["micro_batch"]
     model = GPTModel(config)
     opt = optimizer_for(model.named_parameters(), lr)
     losses, norms, first_grads = [], [], None
@@ -129,10 +153,12 @@ def engine_rank_runs(pp, gas, steps, pipelines, **kw):
 
 
 def engine_rank_run(pp, gas, steps, pipeline=None, zero=1, clip=0.0, bf16=False, num_layers=4, lr=1e-2, seq=SEQ,
-                    model=None):
+                    model=None, batch=None):
     """Per-rank side: train `steps` steps, return losses, first-step grads and final weights.
     The pipeline section's "activation_checkpoint_interval" (a DeepSpeed key) checkpoints layers.
-    `model`: GPTConfig options (a model family) on top of tiny_config."""
+    `model`: GPTConfig options (a model family) on top of tiny_config. `batch`: the micro-batch maker
+    (micro_batch's signature; default micro_batch)."""
+    micro_batch = batch or globals()["micro_batch"]
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():

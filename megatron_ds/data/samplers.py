@@ -1,6 +1,8 @@
 """Megatron's data samplers (data_samplers.py): the pretraining sampler that resumes at
-`consumed_samples`, the collate into ((tokens, position_ids), labels), this rank's micro-batch
-iterator, and the train/valid/test dataset build from the flags."""
+`consumed_samples`, the collate into ((tokens, position_ids), labels) (packed documents: as their flags
+make them), this rank's micro-batch iterator, and the train/valid/test dataset build from the flags."""
+import functools
+
 from .dist_utils import print_rank_0
 
 
@@ -24,13 +26,27 @@ class PretrainingSampler:
             yield list(range(begin, begin + self.mbs))
 
 
-def _collate(samples):
+def _collate(samples, packing=None):
+    """((tokens, position_ids), labels); with packed documents (`packing`, model/documents.Packing) their
+    positions and labels as Megatron's document flags make them."""
     import numpy as np
     import torch
     from megatron_ds.model import position_ids_like  # lazy: torch, after the flags are checked
     text = torch.from_numpy(np.stack([s["text"] for s in samples]).astype(np.int64))
     tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
+    if packing is not None:
+        return packing.batch(tokens, labels)
     return (tokens, position_ids_like(tokens)), labels
+
+
+def _packing(args):
+    """The run's document packing (None without the document flags), with the tokenizer's EOD token."""
+    import dataclasses
+    from megatron_ds.model.documents import Packing  # lazy: torch, after the flags are checked
+    config = getattr(args, "gpt_config", None)
+    if config is None or not config.packs_documents:
+        return None
+    return Packing(dataclasses.replace(config, eod_token=args.eod_token))
 
 
 class MicroBatchIterator:
@@ -51,7 +67,8 @@ class MicroBatchIterator:
             sampler = PretrainingSampler(len(self.dataset), self.consumed, self.args.micro_batch_size,
                                          self.dp_rank, self.args.data_parallel_size)
             loader = DataLoader(self.dataset, batch_sampler=sampler, num_workers=self.args.num_workers,
-                                collate_fn=_collate, persistent_workers=False,
+                                collate_fn=functools.partial(_collate, packing=_packing(self.args)),
+                                persistent_workers=False,
                                 generator=torch.Generator().manual_seed(self.args.seed))  # not the global RNG
             self._it = iter(loader)
         return next(self._it)

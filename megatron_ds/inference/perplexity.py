@@ -28,7 +28,11 @@ def windows(num_tokens, seq_length, stride):
 @torch.no_grad()
 def evaluate_stream(model, tokens, seq_length, stride=None, micro_batch_size=8, progress=None):
     """{"loss": mean token cross-entropy, "ppl": exp(loss), "tokens": scored tokens, "windows"}.
-    `progress(n)` is told the n windows of each micro-batch when they are scored (a progress bar's update)."""
+    `progress(n)` is told the n windows of each micro-batch when they are scored (a progress bar's update).
+    A model trained on packed documents (its config's document flags) reads each window as it was trained:
+    positions and attention restart at every EOD, and under --eod-mask-loss the token after an EOD (the next
+    document's first, which its own document cannot predict) is not scored."""
+    packing = getattr(model, "packing", None)
     tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     if len(tokens) < 2:
         raise ValueError("need at least 2 tokens to score one")
@@ -43,10 +47,11 @@ def evaluate_stream(model, tokens, seq_length, stride=None, micro_batch_size=8, 
             part = group[i:i + micro_batch_size]
             chunk = torch.stack([c for c, _ in part])
             logits = model(chunk[:, :-1]).float()
-            losses = F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="none").view(len(part), -1)
-            for row, (_, first) in zip(losses, part):
+            labels = packing.labels(chunk[:, :-1], chunk[:, 1:]) if packing else chunk[:, 1:]
+            losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(len(part), -1)
+            for row, scored, (_, first) in zip(losses, labels >= 0, part):
                 total += float(row[first:].double().sum())
-                count += row.numel() - first
+                count += int(scored[first:].sum())
             if progress:
                 progress(len(part))
     loss = total / count

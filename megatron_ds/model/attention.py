@@ -5,6 +5,7 @@ with grouped-query attention (fewer K/V heads) each K/V head serves heads / kv h
 query heads, and K/V stay grouped all the way (SDPA's enable_gqa; the Seq1F1B cache
 holds the grouped heads). With --qk-layernorm each query and key head is normalised over
 head_dim first (Qwen3's q_norm/k_norm), before RoPE rotates q and k; ALiBi is an additive bias.
+Packed documents (--reset-attention-mask) attend within each document (documents.py).
 
 With tensor parallelism each rank projects, attends with and projects back its own
 query heads and their K/V heads (c_attn column-parallel by sections, c_proj row-parallel).
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
+from .documents import Documents, documents_attention, documents_rope_tables
 from .kv_cache import KVSlot, SegmentKVCache, queries_reversed, segment_outputs, segment_queries
 from .norm import HeadNorm
 from .positions import alibi_bias, rope_tables, rotate
@@ -62,9 +64,12 @@ class CausalSelfAttention(nn.Module):
         segmented = SegmentKVCache.opened  # a sequence segment (Seq1F1B): also attend to the earlier segments
         if self.position_embedding_type == "rope":
             start = SegmentKVCache.current().offset if segmented else 0  # a compiled layer: a graph per offset
-            q, k = rotate(q, k, *rope_tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype))
+            tables = documents_rope_tables if Documents.positioning else rope_tables
+            q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype))
         if segmented:
             y = self._attend_through_cache(segment_queries(q), k, v)
+        elif Documents.masking:  # packed documents (--reset-attention-mask)
+            y = documents_attention(q, k, v, 0, False, self._attend, self._document_bias(), self._recomputable())
         else:
             y = self._attend(q, k, v, self._mask(q, k, None))
         return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
@@ -92,7 +97,23 @@ class CausalSelfAttention(nn.Module):
         keys/values of its own and every earlier position (b, heads, s, head_dim)."""
         segment = SegmentKVCache.current()
         k, v = segment.extend(self.kv_slot, k, v)
+        if Documents.masking:
+            return documents_attention(q, k, v, segment.offset, queries_reversed(q.device), self._attend,
+                                       self._document_bias(), self._recomputable())
         return self._attend(q, k, v, self._mask(q, k, segment))
+
+    def _recomputable(self):
+        """Whether attending again in backward draws the same dropout masks: torch's RNG is restored by the
+        recomputation, the tensor-parallel tracker's is not."""
+        return not (self.training and self.attention_dropout and self.group is not None)
+
+    def _document_bias(self):
+        """ALiBi's bias of this rank's heads for document attention's groups (documents.py), else None."""
+        if self.position_embedding_type != "alibi":
+            return None
+        heads = slice(self.head_start, self.head_start + self.num_heads)
+        return lambda lq, lk, reversed_queries, dtype, device: alibi_bias(self.total_heads, lq, lk, dtype, device,
+                                                                          reversed_queries)[heads]
 
     def _mask(self, q, k, segment):
         """SDPA's mask arguments: causal (bottom-right aligned for a segment), plus ALiBi's bias."""

@@ -117,14 +117,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             local, outside = _local_target(y[start:end], weight.shape[0], group)
             lse[start:end], target[start:end] = math.lse_and_target(torch.matmul(h2[start:end], weight.t()), local,
                                                                     outside, group)
-        ctx.save_for_backward(h2, weight, y, lse)
+        scored = (y >= 0).to(lse.dtype)  # a label below 0 (documents.IGNORE) is not scored
+        ctx.save_for_backward(h2, weight, y, lse, scored)
         ctx.chunk, ctx.scale, ctx.group, ctx.shape, ctx.math = chunk, scale, group, hidden.shape, math
-        return (lse - target).sum() * scale
+        return ((lse - target) * scored).sum() * scale
 
     @staticmethod
     def backward(ctx, grad_loss):
-        h2, weight, y, lse = ctx.saved_tensors
-        scale = grad_loss.float() * ctx.scale
+        h2, weight, y, lse, scored = ctx.saved_tensors
+        scale = (grad_loss.float() * ctx.scale * scored).unsqueeze(-1)  # per token
         chunks = _chunks(h2.shape[0], ctx.chunk)
         grad_hidden = torch.empty_like(h2) if ctx.needs_input_grad[0] else None
         want_weight = ctx.needs_input_grad[1]
@@ -133,7 +134,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start, end in chunks:
             if grad_hidden is None and (defer or not want_weight):
                 break
-            grad = ctx.math.grad_logits(h2[start:end], weight, y[start:end], lse[start:end], scale, ctx.group)
+            grad = ctx.math.grad_logits(h2[start:end], weight, y[start:end], lse[start:end], scale[start:end],
+                                        ctx.group)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad.matmul(weight)
             if grad_weight is not None:
@@ -145,7 +147,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             def weight_pass():
                 total = None
                 for start, end in chunks:
-                    grad = math.grad_logits(h2[start:end], weight, y[start:end], lse[start:end], scale, group)
+                    grad = math.grad_logits(h2[start:end], weight, y[start:end], lse[start:end], scale[start:end],
+                                            group)
                     part = grad.t().matmul(h2[start:end])
                     total = part if total is None else total.add_(part)
                 accumulate_grad(weight, total)
@@ -156,12 +159,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def chunked_linear_cross_entropy(hidden, weight, labels, chunk, group=None, compiled=False):
     """gpt_loss(hidden @ weight^T, labels) (vocab_parallel_loss with `group`), `chunk` tokens at a time.
-    `labels` is a tensor (mean over tokens) or (labels, num_tokens) (a Seq1F1B segment's sum / count).
-    `compiled`: the arithmetic between the GEMMs compiled (ChunkMath; under tensor parallelism the
+    `labels` is a tensor (mean over tokens) or (labels, num_tokens) (a Seq1F1B segment's sum / count); a
+    label below 0 (documents.IGNORE, --eod-mask-loss) is not scored. `compiled`: the arithmetic between the GEMMs compiled (ChunkMath; under tensor parallelism the
     backward's, as the forward's all-reduces sit between its reductions)."""
     if isinstance(labels, (tuple, list)):
         labels, num_tokens = labels
         scale = 1.0 / num_tokens
-    else:
-        scale = 1.0 / labels.numel()
+    else:  # the mean over the scored tokens (a label below 0 is not: documents.IGNORE)
+        scale = 1.0 / (labels >= 0).sum().clamp(min=1)  # a tensor: no wait for the device
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, chunk, scale, group, chunk_math(compiled))

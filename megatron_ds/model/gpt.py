@@ -10,6 +10,7 @@ import torch.nn as nn
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from megatron_ds.gpt_config import GPTConfig
+from .documents import Packing, opened
 from .layers import Embedding, FinalNorm, LMHead, TiedLMHead, TransformerLayer, lm_head
 
 TIED_KEY = "embed"
@@ -39,14 +40,18 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(1, config.num_layers + 1))
         self.final_norm = FinalNorm(config, config.num_layers + 1)
         self.lm_head = None if config.tied_head else LMHead(config, config.num_layers + 2)
+        self.packing = Packing.of(config)  # packed documents: positions and attention by document
 
     def forward(self, tokens, position_ids=None):
-        """position_ids feed learned absolute embeddings; rope and alibi use the token's index."""
+        """position_ids feed learned absolute embeddings; rope and alibi use the token's index, or, with
+        packed documents, RoPE the position_ids (by default positions as the packing restarts them)."""
         if position_ids is None:
-            position_ids = position_ids_like(tokens)
-        x = self.embedding((tokens, position_ids))
-        for layer in self.layers:
-            x = layer(x)
+            position_ids = self.packing.positions(tokens) if self.packing else position_ids_like(tokens)
+        documents = self.packing.documents(tokens, position_ids) if self.packing else None
+        with opened(documents):
+            x = self.embedding((tokens, position_ids))
+            for layer in self.layers:
+                x = layer(x)
         x = self.final_norm(x)
         out = lm_head(self.embedding, x) if self.lm_head is None else self.lm_head(x)
         if isinstance(out, tuple):  # a chunked head (--loss-chunk-size) leaves its GEMM to the pipeline's loss

@@ -235,7 +235,7 @@ class SegmentKVCache:
         self._entries = {}  # key -> {KVSlot -> _Entry}
         self._runs = {}  # key -> [(start, stop)] of its segments run forward and not yet backward
         self._layouts = {}  # chunk -> {KVSlot -> (b, heads, head_dim, total, dtype, device)}
-        self._masks = {}  # (lq, lk, dtype, device) -> mask row (lq + lk - 1 values), shared by all layers and micro-batches
+        self._masks = {}  # (lq, lk, dtype, device) -> mask (a view of one row), shared by all layers and micro-batches
 
     @classmethod
     def current(cls):
@@ -334,10 +334,17 @@ class SegmentKVCache:
         """The additive bottom-right causal mask for queries last first: (lq, lk), row[i + j]. A compiled
         layer makes it in its graph (a few elementwise ops) rather than reading Python state."""
         name, compiling = (lq, lk, dtype, device), torch.compiler.is_compiling()
-        row = None if compiling else self._masks.get(name)
-        if row is None:
-            row = torch.zeros(lq + lk - 1, dtype=dtype, device=device)
-            row = row.index_fill_(0, torch.arange(lk, lq + lk - 1, device=device), float("-inf"))
+        mask = None if compiling else self._masks.get(name)
+        if mask is None:
+            mask = reversed_causal_mask(lq, lk, dtype, device)
             if not compiling:
-                self._masks[name] = row
-        return torch.as_strided(row, (lq, lk), (1, 1))
+                self._masks[name] = mask
+        return mask
+
+
+def reversed_causal_mask(lq, lk, dtype, device):
+    """The additive causal mask (lq, lk) of the last lq of lk positions as queries, last first: query i sees key
+    j iff i + j <= lk - 1, so mask[i, j] = row[i + j], a strided view of one row of lq + lk - 1 values."""
+    row = torch.zeros(lq + lk - 1, dtype=dtype, device=device)
+    row = row.index_fill_(0, torch.arange(lk, lq + lk - 1, device=device), float("-inf"))
+    return torch.as_strided(row, (lq, lk), (1, 1))

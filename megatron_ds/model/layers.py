@@ -184,7 +184,9 @@ def gpt_loss(logits, labels):
 
     `labels` is a tensor, or (labels, num_tokens) when a micro-batch is split into
     sequence segments: each segment's loss is then divided by the whole
-    micro-batch's token count, so the segment losses sum to the full loss.
+    micro-batch's token count, so the segment losses sum to the full loss. A label of
+    documents.IGNORE (--eod-mask-loss) is not scored, nor counted in the mean (it is
+    cross_entropy's ignore_index).
     """
     if isinstance(labels, (tuple, list)):
         labels, num_tokens = labels
@@ -224,9 +226,10 @@ def chunked_head_loss(outputs, labels, chunk, group=None, compiled=False):
 def liger_head_loss(outputs, labels):
     """The loss of the head's (hidden, weight) by Liger-Kernel's fused linear cross-entropy (--use-liger-kernel):
     Triton kernels that make the gradients chunk by chunk in the forward, fp32 accumulation. Summed, then
-    scaled as gpt_loss: by the token count (a Seq1F1B segment: the micro-batch's)."""
+    scaled as gpt_loss: by the scored token count (a Seq1F1B segment: the micro-batch's; IGNORE labels are
+    Liger's ignore_index too)."""
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # lazy: an optional CUDA extra
     hidden, weight = outputs
-    labels, num_tokens = labels if isinstance(labels, (tuple, list)) else (labels, labels.numel())
+    labels, num_tokens = labels if isinstance(labels, (tuple, list)) else (labels, (labels >= 0).sum())
     fused = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32)
     return fused(weight, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)) / num_tokens

@@ -2,7 +2,10 @@
 
 Both need the absolute position of each token. A pipeline stage sees only hidden
 states, so positions are the token's index in the sequence: 0..s-1, or, inside a
-Seq1F1B segment, the segment's offset onward (SegmentKVCache.current().offset).
+Seq1F1B segment, the segment's offset onward (SegmentKVCache.current().offset); with
+packed documents whose positions restart, RoPE takes them from the open micro-batch's
+Documents (documents.py). ALiBi needs nothing more: its bias is a distance, the same
+within a document whatever its first position.
 
 RoPE uses the rotate-half layout (the two halves of a head are the pairs), as
 Hugging Face's LLaMA and Megatron-LM do, so HF's q/k projections load unchanged.
@@ -32,6 +35,16 @@ def rope_tables(head_dim, theta, start, length, device, dtype):
     graph, where they fuse with the rotation, instead of reading dynamo-opaque cached tensors)."""
     tables = _rope_cos_sin.__wrapped__ if torch.compiler.is_compiling() else _rope_cos_sin
     return tables(head_dim, theta, start, length, device, dtype)
+
+
+def rope_tables_at(head_dim, theta, positions, dtype):
+    """cos and sin (b, 1, s, head_dim) of the positions (b, s) of each token (packed documents, whose positions
+    restart): the angles rope_tables makes of the same positions, bit for bit."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
+                                / head_dim)
+    angles = positions.float().unsqueeze(-1) * inv_freq
+    angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rotate(q, k, cos, sin):

@@ -17,6 +17,7 @@ from deepspeed.runtime.pipe.topology import PipeDataParallelTopology, PipeModelD
 
 from megatron_ds.model import GPTConfig, gpt_layer_specs
 from megatron_ds.model.compile import compile_layers
+from megatron_ds.model.documents import Packing
 from megatron_ds.model.layers import FinalNorm, TransformerLayer, compiled_loss, loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
@@ -31,6 +32,9 @@ from .sequence_parallel import SequenceParallelPipelineEngine, on_sequence_shard
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
+STOCK_DOCUMENTS = ('--reset-attention-mask (and --reset-position-ids under RoPE) with DeepSpeed\'s own engine (no '
+                   '"pipeline.schedule"): its stages past the first see hidden states only, not where documents '
+                   'end; run a named schedule ("schedule": "1f1b" is its order on our engine)')
 
 
 def topology(pp: int, tp: int = 1):
@@ -69,11 +73,14 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                   activation_checkpoint_interval=activation_checkpoint_interval,
                   checkpointable_layers=CHECKPOINTABLE_LAYERS)
     if settings.stock:
+        if getattr(config, "documents_in_every_stage", False):
+            raise ConfigError(STOCK_DOCUMENTS)
         if is_cost_method(settings.partition_method):
             module = CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         else:
             module = PipelineModule(**common)
         return compiled(module, settings, defer_weight_grads=False)
+    packing = Packing.of(config) if getattr(config, "packs_documents", False) else None
     if plan is None:
         if settings.auto:  # the engine needs its AutoPlan, which only make_plan hands out
             raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan.make_plan, pass it '
@@ -82,6 +89,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                                         settings)
     parts = chunk_cost_bounds(settings.partition_method, config, plan.placement, settings.vocab_parallel)
     module = ChunkedPipelineModule(plan=plan, parts=parts, **common)
+    module.packing = packing  # the engine reads each micro-batch's documents with it (model/documents.py)
     if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab_passes.py)
         module.vocab_slice = VocabSlice(config, module.stage_id, pp)
     # "auto" may switch to a schedule that splits backward: its layers leave the linears eager from the start

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from megatron_ds.model.documents import opened
 from megatron_ds.model.kv_cache import SegmentKVCache
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.model.moe import expert_parallel_size
@@ -58,6 +59,9 @@ class ScheduleEngine(PipelineEngine):
         # the ops after which a chunk's twin-gradient sync starts, the p2p state, the loss sum.
         self.sched, self._ahead, self._sync_after, self.p2p = None, {}, {}, None
         self._batches = None
+        # packed documents (model/documents.py): each micro-batch's Documents and scored-token count
+        self.packing = getattr(self.module, "packing", None)
+        self._documents, self._scored = None, None
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
@@ -123,13 +127,29 @@ class ScheduleEngine(PipelineEngine):
         self.data_iterator = iterator
 
     def _exec_load_micro_batches(self):
-        self._batches = None
+        self._batches = self._documents = self._scored = None
         if self.plan.needs_data(self.stage_id):
-            self._batches = [self._on_device(next(self.data_iterator)) for _ in range(self.sched.micro_batches)]
+            batches = [next(self.data_iterator) for _ in range(self.sched.micro_batches)]
+            if self.packing is not None:
+                self._read_documents(batches)
+            self._batches = [self._on_device(batch) for batch in batches]
             lengths = self.plan.segment_lengths
             if lengths and any(labels.shape[1] != sum(lengths) for _, labels in self._batches):
                 raise RuntimeError(f"seq_splits={self.sched.seq_splits} cuts {sum(lengths)}-token sequences into "
                                    f"{lengths}; a micro-batch has another length")
+
+    def _read_documents(self, batches):
+        """Each micro-batch's documents, from its tokens as they came (on the host: the attention groups are
+        planned there), and the count of tokens its loss scores (--eod-mask-loss leaves some out)."""
+        self._documents = [self.packing.documents(tokens, positions) for (tokens, positions), _ in batches]
+        self._documents = [None if d is None else d.to(self.device) for d in self._documents]
+        if self.packing.eod_mask_loss:
+            self._scored = [int((labels >= 0).sum()) for _, labels in batches]
+
+    def scored_tokens(self, mb):
+        """The tokens whose loss micro-batch `mb` scores: a Seq1F1B segment's loss sum is divided by it."""
+        _, labels = self._batches[mb]
+        return self._scored[mb] if self._scored is not None else labels.numel()
 
     def _on_device(self, batch):
         """A micro-batch moved to the device once: a copy from pageable memory synchronises the host (the
@@ -147,14 +167,19 @@ class ScheduleEngine(PipelineEngine):
         if self.sched.seq_splits == 1:
             return labels
         # A segment's loss is divided by the whole micro-batch's token count: they sum to its loss.
-        return labels[:, self.plan.segment(seq)], labels.numel()
+        return labels[:, self.plan.segment(seq)], self.scored_tokens(mb)
 
+    @contextlib.contextmanager
     def _open_segment(self, replica, stage, mb, seq):
-        """Attention sees the K/V cache of (replica, stage, mb) while an op on segment `seq` runs."""
-        if self.sched.seq_splits == 1:
-            return contextlib.nullcontext()
-        cut = self.plan.segment(seq)
-        return self._kv.segment(((replica, stage), mb), cut.start, cut.stop, sum(self.plan.segment_lengths))
+        """Attention sees the K/V cache of (replica, stage, mb) while an op on segment `seq` runs, and the
+        micro-batch's packed documents (every stage holds its whole token sequence: a segment's keys of
+        earlier segments know their documents too)."""
+        segment = contextlib.nullcontext()
+        if self.sched.seq_splits > 1:
+            cut = self.plan.segment(seq)
+            segment = self._kv.segment(((replica, stage), mb), cut.start, cut.stop, sum(self.plan.segment_lengths))
+        with segment, opened(self._documents[mb] if self._documents else None):
+            yield
 
     def _carry_weight_grads(self, chunk, seq):
         """A compiled chunk that defers weight gradients hands them out of its graphs in carriers
@@ -291,7 +316,7 @@ class ScheduleEngine(PipelineEngine):
         if leftovers or self._local:
             raise RuntimeError(f"rank {self.stage_id}: schedule left work undone: {leftovers or list(self._local)}")
         self._stash.clear()
-        self._batches = None
+        self._batches = self._documents = self._scored = None
 
     # -- loss ------------------------------------------------------------------------------------
     def _aggregate_total_loss(self):

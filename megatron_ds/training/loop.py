@@ -21,6 +21,7 @@ from megatron_ds.errors import UserError, print_error, record_for_launcher
 
 from . import exit_signal, out_of_memory, timeouts
 from .arguments import ArgumentsError, parse_args, print_args
+from .document_args import eod_token
 from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .observability import Profile, apply_log_level, tidy_output
 from .parallel_args import rank_coordinates
@@ -294,7 +295,8 @@ def pretrain(args):
     seed = set_random_seed(args.seed, pipeline_rank)
     # dropout inside split regions (heads) draws from a stream per tensor rank
     model_parallel_manual_seed(seed, tensor_rank)
-    build_tokenizer(args)  # sets args.padded_vocab_size
+    tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
+    args.eod_token = eod_token(tokenizer, args)  # packed documents end at it (None without their flags)
     if rank == 0 and verbose:
         print_args(args)
     # data first: it is cheap, and a bad corpus should fail before minutes of model building

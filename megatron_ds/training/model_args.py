@@ -13,6 +13,7 @@ import dataclasses
 
 from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 
+from .document_args import FLAGS as DOCUMENT_FLAGS
 from .errors import ArgumentsError
 from .moe_args import moe_config_from_args, moe_flags
 
@@ -118,8 +119,15 @@ def gpt_config_from_args(args):
                      attention_dropout=args.attention_dropout, layernorm_epsilon=args.layernorm_epsilon,
                      init_method_std=args.init_method_std, seed=args.seed,
                      loss_chunk_size=getattr(args, "loss_chunk_size", 0) or 0,
-                     liger_kernel=getattr(args, "use_liger_kernel", False),
-                     moe=_one_process(moe_config_from_args(args)), **family)
+                     liger_kernel=getattr(args, "use_liger_kernel", False), moe=_one_process(moe_config_from_args(args)),
+                     **documents_from_args(args), **family)
+
+
+def documents_from_args(args):
+    """The packed-document options (document_args.py): the three flags, and the end-of-document token once the
+    tokenizer gave it (a checkpoint's saved args carry it)."""
+    flags = {name: bool(getattr(args, name, False)) for name in DOCUMENT_FLAGS}
+    return dict(flags, eod_token=getattr(args, "eod_token", None))
 
 
 def _one_process(moe):

@@ -36,8 +36,10 @@ def build_optimizer(module, args):
 
 
 def model_config(args):
-    """The run's GPTConfig (parse_args built it) with the vocabulary the tokenizer padded."""
-    return dataclasses.replace(args.gpt_config, vocab_size=args.padded_vocab_size)
+    """The run's GPTConfig (parse_args built it) with the vocabulary the tokenizer padded and, for packed
+    documents, its end-of-document token."""
+    return dataclasses.replace(args.gpt_config, vocab_size=args.padded_vocab_size,
+                               eod_token=getattr(args, "eod_token", None))
 
 
 def setup_model_and_optimizer(args):
@@ -56,15 +58,21 @@ def setup_model_and_optimizer(args):
                                override_lr_scheduler=args.override_lr_scheduler)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                settings=args.pipeline_settings, auto_plan=args.auto_plan)
-    print_rank_0(engine_line(type(engine).__name__, args.pipeline_settings, args.pipeline_plan, args.auto_plan))
+    print_rank_0(engine_line(type(engine).__name__, args.pipeline_settings, args.pipeline_plan, args.auto_plan,
+                             config))
     return engine, lr_scheduler
 
 
-def engine_line(engine, settings, plan, auto_plan=None):
+def engine_line(engine, settings, plan, auto_plan=None, config=None):
     """The start-up line: the engine and the schedule as the ds_config names it, then what the plan runs that the
     name does not say: "auto"'s budget and the schedule it starts on, Seq1F1B's segments, vocabulary parallelism,
-    a schedule file's simulated makespan."""
+    a schedule file's simulated makespan; and packed documents (`config`'s flags)."""
     line = f"> pipeline engine: {engine}, schedule {settings.schedule}"
+    if config is not None and config.packs_documents:
+        flags = [name for name, on in (("positions restart", config.reset_position_ids),
+                                       ("attention within documents", config.reset_attention_mask),
+                                       ("EOD predictions not scored", config.eod_mask_loss)) if on]
+        line += f"; packed documents ending at token {config.eod_token}: {', '.join(flags)}"
     if plan is None:  # DeepSpeed's own engine
         return line
     sched, more = plan.schedule, []

@@ -44,8 +44,10 @@ def vocab_parallel_cross_entropy(logits, target, group):
 
 def vocab_parallel_loss(logits, labels, group):
     """layers.gpt_loss on vocab-parallel logits: the mean token loss, or with (labels, num_tokens)
-    (a Seq1F1B segment) the segment's summed loss over the whole micro-batch's token count."""
-    if isinstance(labels, (tuple, list)):
-        labels, num_tokens = labels
-        return vocab_parallel_cross_entropy(logits, labels, group).sum() / num_tokens
-    return vocab_parallel_cross_entropy(logits, labels, group).mean()
+    (a Seq1F1B segment) the segment's summed loss over the whole micro-batch's token count. A label
+    below 0 (documents.IGNORE: --eod-mask-loss) is not scored, nor counted in the mean."""
+    summed = isinstance(labels, (tuple, list))
+    labels, num_tokens = labels if summed else (labels, None)
+    scored = labels >= 0
+    loss = vocab_parallel_cross_entropy(logits, labels, group).masked_fill(~scored, 0.0).sum()
+    return loss / (num_tokens if summed else scored.sum())
