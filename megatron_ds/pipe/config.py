@@ -14,6 +14,7 @@ from megatron_ds.schedules.catalog import KNOBS, check_vocab_parallel
 from megatron_ds.schedules.auto import parse_bytes
 
 from .ds_keys import unknown_keys_line
+from .layout import PREFIX as LAYOUT_PREFIX, LayoutError, is_layout, parse as parse_layout
 
 # Keys DeepSpeed itself defines in "pipeline" (runtime/config.py get_pipeline_config; a test compares).
 DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_interval",
@@ -172,9 +173,15 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         _check_vocab_parallel(settings)
     method = settings.partition_method
     if not isinstance(method, str) or (method not in ("uniform", "parameters", "flops")
-                                       and not method.startswith(("type:", "costs:"))):
+                                       and not method.startswith(("type:", "costs:", "layout:"))):
         raise ConfigError(f'ds_config "pipeline.partition_method" = {method!r}: use "uniform", "parameters", '
-                          '"type:REGEX", "flops", "costs:[c0, c1, ...]" or "costs:FILE.json"')
+                          '"type:REGEX", "flops", "costs:[c0, c1, ...]", "costs:FILE.json" or "layout:Et*3|t*4|..." '
+                          "(Megatron's --pipeline-model-parallel-layout)")
+    if is_layout(method):
+        try:
+            parse_layout(method[len(LAYOUT_PREFIX):])  # the grammar now; the stage and layer counts with the schedule
+        except LayoutError as exc:
+            raise ConfigError(f'ds_config "pipeline.partition_method": {exc}') from None
     return settings
 
 

@@ -30,13 +30,15 @@ from typing import Sequence
 from megatron_ds.schedules.flops import layer_shapes, span_flops, vocab_size
 
 from .config import ConfigError
+from .layout import PREFIX as LAYOUT_PREFIX, LayoutError, is_layout, layout_bounds
 
 COSTS_PREFIX = "costs:"
 FLOPS = "flops"
 
 
 def is_cost_method(method: str) -> bool:
-    return method == FLOPS or method.startswith(COSTS_PREFIX)
+    """Whether this package cuts the layers (by costs, or as a written layout: pipe/layout.py), not DeepSpeed."""
+    return method == FLOPS or method.startswith(COSTS_PREFIX) or is_layout(method)
 
 
 def gpt_layer_count(num_layers: int) -> int:
@@ -171,9 +173,14 @@ def cost_bounds(method: str, config, placement: Sequence[Sequence[int]], num_spe
                 vocab_parallel: bool = False) -> list[int]:
     """The layer bounds of each virtual stage of replica 0's order under a cost method (`vocab_parallel`:
     of the list without the head)."""
+    stages = len(placement[0])
+    if is_layout(method):
+        try:
+            return layout_bounds(method[len(LAYOUT_PREFIX):], config.num_layers, stages, vocab_parallel)
+        except LayoutError as exc:
+            raise ConfigError(f'ds_config "pipeline.partition_method": {exc}') from None
     num_specs = gpt_layer_count(config.num_layers) if num_specs is None else num_specs
     weights = layer_costs(method, config, num_specs, vocab_parallel)
-    stages = len(placement[0])
     if stages > len(weights):
         raise ConfigError(f'ds_config "pipeline.partition_method" = {method!r}: {stages} virtual stages but only '
                           f"{len(weights)} pipeline layers; every stage needs at least one")

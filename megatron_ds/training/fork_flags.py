@@ -16,6 +16,7 @@ import sys
 
 from megatron_ds.errors import record_for_launcher
 from megatron_ds.pipe.config import ConfigError
+from megatron_ds.pipe.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
 from megatron_ds.pipe.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from megatron_ds.pipe.plan import make_plan
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
@@ -105,6 +106,13 @@ def add_fork_args(parser):
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                    help='Megatron-LM: "pipeline.schedule" = "interleaved", "virtual_stages" = '
                         "layers / (pipeline size x N)")
+    g.add_argument("--pipeline-model-parallel-layout", default=None,
+                   help='Megatron-core: each virtual stage\'s layers, e.g. "Et*3|t*4|t*4|t*3L" (E embedding, t transformer '
+                        'layer, L loss, | between stages; "pipeline.partition_method" = "layout:...")')
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="Megatron-core: transformer layers of the first stage (the others an even share)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="Megatron-core: transformer layers of the last stage (the others an even share)")
     g.add_argument("--pipe-sp-splits", type=int, default=None,
                    help='Seq1F1B: "pipeline.schedule" = "seq1f1b", "seq_splits" = K')
     g.add_argument("--pipe-sp-strategy", choices=["uniform_comp", "average", "balanced", "even"], default=None,
@@ -187,6 +195,7 @@ def apply_fork_flags(args, ds_config):
     for flag, schedule in _flag_schedules(args):
         pipe.set("schedule", schedule, flag)
     _apply_virtual_stages(args, pipe)
+    _apply_layout(args, pipe)
     if args.pipe_sp_strategy is not None:
         method = {"uniform_comp": "balanced", "average": "even"}.get(args.pipe_sp_strategy, args.pipe_sp_strategy)
         pipe.set("seq_split_method", method, f"--pipe-sp-strategy {args.pipe_sp_strategy}")
@@ -243,6 +252,33 @@ def _apply_virtual_stages(args, pipe):
     elif not chunks and v > 1:
         _err(f"{flag} gives {v} virtual stages per rank, which schedule {schedule!r} does not take "
              f"(only {' and '.join(takes('virtual_stages'))} do)")
+
+
+def _apply_layout(args, pipe):
+    """Megatron-core's written cut: "pipeline.partition_method" = "layout:..." (pipe/layout.py)."""
+    layout = args.pipeline_model_parallel_layout
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    if layout is None and first is None and last is None:
+        return
+    if layout is not None:
+        if first is not None or last is not None:
+            _err("--pipeline-model-parallel-layout and --decoder-first/last-pipeline-num-layers both cut the layers: "
+                 "give one")
+        pipe.set("partition_method", LAYOUT_PREFIX + layout, f"--pipeline-model-parallel-layout {layout}")
+        return
+    schedule = pipe.section.get("schedule")
+    chunks = CATALOG[schedule].virtual_stages if schedule in CATALOG else 1
+    chunks = pipe.section.get("virtual_stages", 1) if chunks == ANY else chunks or 1  # None: one per rank
+    flags = " ".join(f"--decoder-{name}-pipeline-num-layers {n}" for name, n in (("first", first), ("last", last))
+                     if n is not None)
+    if chunks != 1:
+        _err(f"{flags}: schedule {schedule!r} places {chunks} virtual stages on each rank; write each stage's "
+             "layers with --pipeline-model-parallel-layout")
+    try:
+        text = first_last_layout(first, last, args.num_layers, args.pipeline_model_parallel_size)
+    except LayoutError as exc:
+        _err(str(exc))
+    pipe.set("partition_method", LAYOUT_PREFIX + text, flags)
 
 
 def _apply_recompute(args):

@@ -1,7 +1,8 @@
 """Cost-balanced partitions and --allow-padding-num-layers on the engines equal the single-process
 reference (loss, every gradient of the first step, weights after 3 AdamW steps, eval loss; fp32,
 1e-5), in one launch at PP=2: a measured-costs list whose head weighs 4 layers under 1F1B, ZB-V
-and DeepSpeed's own engine, "flops" under ZB-V, and 6 layers over ZB-V's 4 stages with padding."""
+and DeepSpeed's own engine, "flops" under ZB-V, 6 layers over ZB-V's 4 stages with padding, and the costs'
+cuts written as Megatron-core layouts (the same cuts, the same training)."""
 from tests.gpt_harness import assert_schedules_match_reference
 
 LAYERS = 6
@@ -13,6 +14,10 @@ PIPELINES = [
     {"partition_method": COSTS},                                   # DeepSpeed's stock engine
     {"schedule": "zbv", "partition_method": "flops"},
     {"schedule": "zbv", "partition_method": "type:transformer", "allow_padding_num_layers": True},
+    # Megatron-core's written layouts of the costs' cuts (--pipeline-model-parallel-layout)
+    {"schedule": "1f1b", "partition_method": "layout:Et*5|tL"},
+    {"schedule": "zbv", "partition_method": "layout:Et|t*3|t*2|L"},
+    {"partition_method": "layout:Et*5|tL"},
 ]
 EXPECTED_PARTS = [
     [0, 6, 9],            # 5.5 | 1 layer + head = 5
@@ -20,6 +25,9 @@ EXPECTED_PARTS = [
     [0, 6, 9],
     [0, 3, 4, 6, 9],      # the tiny model's head (vocabulary 64) weighs 0.17 layer: 2 + 1 + head | 1 + 2
     [0, 3, 5, 6, 9],      # DeepSpeed's balanced cut: 2, 2, 1, 1 layers; rank 0 and rank 1 hold 3 each
+    [0, 6, 9],            # the layouts: the costs' cuts above
+    [0, 2, 5, 7, 9],
+    [0, 6, 9],
 ]
 
 

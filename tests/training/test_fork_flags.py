@@ -229,3 +229,38 @@ def test_cli_unknown_flags_and_shape_error_are_one_line_exit_2_before_torch():
     assert rc == 2 and len(lines) == 1 and "--num-layers 6 must be a multiple of 4" in lines[0], lines
     assert "--allow-padding-num-layers" in lines[0]
     assert imported == "[]", f"a schedule-shape error came after importing {imported}"  # fast: before torch
+
+
+@pytest.mark.parametrize("flags, ds, method", [
+    (["--pipeline-model-parallel-layout", "Et*5|t*3L"], {"pipeline": {"schedule": "1f1b"}}, "layout:Et*5|t*3L"),
+    (["--pipeline-model-parallel-layout", "Et|t*3|t*3|tL"], {"zero_optimization": {"stage": 1},
+                                                         "pipeline": {"schedule": "zbv"}}, "layout:Et|t*3|t*3|tL"),
+    (["--decoder-first-pipeline-num-layers", "3"], None, "layout:Ettt|tttttL"),
+    (["--decoder-last-pipeline-num-layers", "2", "--decoder-first-pipeline-num-layers", "6"],
+     {"pipeline": {"schedule": "1f1b"}}, "layout:Etttttt|ttL"),
+])
+def test_megatron_core_layout_flags(flags, ds, method):
+    """--pipeline-model-parallel-layout and the first/last-stage counts write "pipeline.partition_method"."""
+    assert pipeline(*flags, ds=ds)["partition_method"] == method
+
+
+@pytest.mark.parametrize("flags, ds, words", [
+    (["--pipeline-model-parallel-layout", "Et*5|t*3L"], {"zero_optimization": {"stage": 1},
+                                                     "pipeline": {"schedule": "zbv"}},
+     "layout 'Et*5|t*3L' has 2 stages; the schedule cuts the model into 4 virtual stages"),
+    (["--pipeline-model-parallel-layout", "Et*4|t*3L"], None, "places 7 transformer layers; the model has 8"),
+    (["--pipeline-model-parallel-layout", "Et*5|m|t*3L"], None, "'m' (Megatron's multi-token-prediction layer)"),
+    (["--decoder-first-pipeline-num-layers", "2"], {"zero_optimization": {"stage": 1},
+                                                    "pipeline": {"schedule": "zbv"}},
+     "schedule 'zbv' places 2 virtual stages on each rank; write each stage's layers with "
+     "--pipeline-model-parallel-layout"),
+    (["--decoder-first-pipeline-num-layers", "9"], None, "leave -1 of --num-layers 8 to the 1 other stages"),
+    (["--pipeline-model-parallel-layout", "Et*5|t*3L", "--decoder-first-pipeline-num-layers", "5"], None,
+     "both cut the layers: give one"),
+    (["--pipeline-model-parallel-layout", "Et*5|t*3L"], {"pipeline": {"partition_method": "flops"}},
+     '"pipeline.partition_method" = "layout:Et*5|t*3L") disagrees with ds_config "pipeline.partition_method"'),
+])
+def test_a_layout_that_cannot_cut_stops_the_parse(flags, ds, words):
+    with pytest.raises(ArgumentsError) as info:
+        parse(*flags, ds=ds)
+    assert words in str(info.value) and "\n" not in str(info.value)
