@@ -118,7 +118,6 @@ VARIANTS = {"off": "", "on": " compiled", "graphs": " graphs"}  # --compile valu
 
 def engine_step(pipeline, variant, config, shape, bf16):
     """A train_batch closure of our (or DeepSpeed's) engine at PP=1."""
-    import torch
     from megatron_ds.model import position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     ds_config = {"train_micro_batch_size_per_gpu": shape.mb, "gradient_accumulation_steps": shape.gas,

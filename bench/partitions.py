@@ -62,7 +62,7 @@ def main(argv=None):
     print(f"h={args.hidden_size} L={args.num_layers} V={args.vocab_size} s={args.seq_length} ffn={ffn}"
           f"{' swiglu' if args.swiglu else ''}: head = {weights[-1]:.2f} layers, embedding = {weights[0]:.3f}; "
           f"p={args.pp} m={args.micro_batches}; costs from {'--costs ' + args.costs if args.costs else 'FLOPs'}\n")
-    print(f"| schedule | cut | transformer layers per stage | busiest rank (layers) | iteration | / default |")
+    print("| schedule | cut | transformer layers per stage | busiest rank (layers) | iteration | / default |")
     print("|---|---|---|---:|---:|---:|")
     for name in args.schedules:
         schedule = build_schedule(name, args.pp, args.micro_batches)

@@ -71,7 +71,7 @@ def run(name: str, pp: int, m: int, head: float, layers: int, schedules: dict | 
 def _simulate(schedule, cut: list, head: float, embed: tuple, vocab_layers: bool) -> Placement:
     """Simulate with `cut[s]` layers on stage s (the embedding and head on the end stages unless
     `vocab_layers`), in units of one layer's F; memory in A."""
-    stages, pp = schedule.stages, schedule.pp
+    pp = schedule.pp
     costs = []
     for i in range(3):
         per = [float(n) for n in cut]

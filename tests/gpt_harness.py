@@ -2,7 +2,6 @@
 single-process reference, and the per-rank side that trains the same steps on a
 DeepSpeed pipeline engine and reports losses, gradients and weights keyed by
 (global layer index, local parameter name)."""
-import copy
 
 import torch
 

@@ -4,7 +4,6 @@ whole-vocabulary computation within 1e-6 of the largest value compared (fp32: a 
 rounding of ~2e-6 in either computation), with the S and T passes whole and a chunk of tokens at a time.
 One launch per world size serves every case."""
 import pytest
-import torch
 
 from megatron_ds.model.vocab_parallel import vocab_range
 from megatron_ds.testing.launcher import run_ranks

@@ -20,7 +20,7 @@ import torch
 
 from megatron_ds.model import GPTModel
 from megatron_ds.testing.launcher import run_ranks
-from tests.gpt_harness import (MBS, PACKED, assert_matches_reference, engine_rank_run, packed_micro_batch, packed_text,
+from tests.gpt_harness import (PACKED, assert_matches_reference, engine_rank_run, packed_micro_batch, packed_text,
                                reference_run, tiny_config)
 from tests.model.test_documents import documents_alone
 from tests.pipe.test_model_families import FAMILIES as MODEL_FAMILIES

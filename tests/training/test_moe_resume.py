@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from megatron_ds.testing.corpus import write_corpus
-from tests.training.test_resume import launch
 from tests.training.test_universal_checkpoint import _convert, _side_by_side, assert_same_tensors, captured
 
 SAVE_AT, ITERS = 3, 6

@@ -186,7 +186,7 @@ def block_case(group, sp, deferred):
 
 
 def embedding_case(group, sp):
-    tp, r = tp_size(group), tp_rank(group)
+    tp = tp_size(group)
     vocab, h = 8 * tp, 6
     dense = torch.nn.Embedding(vocab, h)
     with torch.no_grad():
