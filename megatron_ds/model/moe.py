@@ -2,7 +2,8 @@
 
 Tokens (flattened to T x H) go to their top-k experts; each expert runs its tokens through its own
 MLP (GELU or SwiGLU as the dense MLP, deferrable linears, so the B/W split defers the experts' weight
-GEMMs too), the outputs come back weighted by the router's probabilities and summed per token; the
+GEMMs too; with `grouped_gemm` the experts' GEMMs run grouped where the device has the kernel, grouped_linear.py),
+the outputs come back weighted by the router's probabilities and summed per token; the
 shared expert, if any, adds its output for every token.
 
 The router's losses never reach the pipeline's loss: a micro-batch's loss lives on the last stage, the
@@ -25,6 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
+from .compile import outside_graph
+from .grouped_linear import grouped_linear, grouped_mm_fits
 from .kv_cache import SegmentKVCache
 from .linear import linear
 from .moe_dispatch import expert_parallel_group, group_name, local_experts, run_experts_across
@@ -148,6 +151,33 @@ class ExpertMLP(nn.Module):
                       self.fc2.bias)
 
 
+def expert_loop(experts, rows, counts):
+    """Each expert on its rows in turn (rows sorted by expert, counts[i] of them for experts[i]): the exact path."""
+    return torch.cat([expert(r) for expert, r in zip(experts, rows.split(counts))])
+
+
+def grouped_experts(experts, rows, counts):
+    """expert_loop's result by grouped GEMMs (grouped_linear.py); by expert_loop itself where the kernel cannot
+    run these shapes (grouped_mm_fits) or no rows came."""
+    fc1, fc2 = [e.fc1 for e in experts], [e.fc2 for e in experts]
+    if not (rows.shape[0] and all(grouped_mm_fits(rows.device, rows.dtype, [lin.weight for lin in fc])
+                                  for fc in (fc1, fc2))):
+        return expert_loop(experts, rows, counts)
+    hidden = grouped_linear(rows, counts, [lin.weight for lin in fc1], _biases(fc1))
+    return grouped_linear(mlp_activation(hidden, experts[0].swiglu), counts, [lin.weight for lin in fc2], _biases(fc2))
+
+
+def _biases(linears):
+    return None if linears[0].bias is None else [lin.bias for lin in linears]
+
+
+# eager between a compiled layer's graphs: the counts are data (a graph would be specialised on them), and the
+# kernel's traced (fake tensor) form takes bf16 only
+@outside_graph
+def _grouped_experts_eager(experts, rows, counts):
+    return grouped_experts(experts, rows, counts.tolist())
+
+
 def expert_parallel_size(module) -> int:
     """The EP size of a module's MoE layers (1 without any)."""
     return max((m.config.expert_model_parallel_size for m in module.modules() if isinstance(m, MoE)), default=1)
@@ -226,12 +256,18 @@ class MoE(nn.Module):
         order = order[kept.flatten()[order]]  # dropped assignments (over capacity) go nowhere
         counts = torch.bincount(flat[order], minlength=self.config.num_experts)
         tokens = order // k
-        # every expert runs, on no tokens too: its gradient is then zeros, never None (the data-parallel
-        # reduction of ZeRO expects the same gradients on every rank, whatever each rank routed)
-        run = lambda i, rows: self.experts[str(i)](rows)  # noqa: E731
         if self.ep_group is None:
-            outputs = torch.cat([run(i, rows) for i, rows in enumerate(x2d[tokens].split(counts.tolist()))])
+            outputs = self._run_local(counts, x2d[tokens])
         else:
-            outputs = run_experts_across(x2d[tokens], counts, run, self.local_experts, self.ep_group)
+            outputs = run_experts_across(x2d[tokens], counts, self._run_local, self.local_experts, self.ep_group)
         weighted = outputs * probs.flatten()[order].unsqueeze(-1).to(x2d.dtype)
         return torch.zeros_like(x2d).index_add(0, tokens, weighted)
+
+    def _run_local(self, counts, rows):
+        """This rank's experts on their rows (sorted by expert, counts[i] for its i-th: a tensor). Every expert
+        runs, on no rows too: its gradient is then zeros, never None (the data-parallel reduction of ZeRO expects
+        the same gradients on every rank, whatever each rank routed)."""
+        experts = [self.experts[str(i)] for i in self.local_experts]
+        if self.config.grouped_gemm:
+            return _grouped_experts_eager(experts, rows, counts)
+        return expert_loop(experts, rows, counts.tolist())

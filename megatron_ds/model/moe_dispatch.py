@@ -81,7 +81,8 @@ class _AllToAll(torch.autograd.Function):
 
 def run_experts_across(rows, counts, experts, local, group):
     """The outputs of the rows this rank routed (sorted by global expert, counts[i] for expert i), computed
-    by their experts on whichever EP rank holds them. `experts(i, rows)` runs local expert i."""
+    by their experts on whichever EP rank holds them. `experts(counts, rows)` runs the local experts on their
+    rows, sorted by local expert (counts[i] for the i-th, a tensor): as a loop or as grouped GEMMs."""
     peers = dist.get_world_size(group)
     per_rank = len(local)
     send = counts.view(peers, per_rank)
@@ -91,7 +92,6 @@ def run_experts_across(rows, counts, experts, local, group):
     received = _AllToAll.apply(rows, out_splits, in_splits, group)
     expert_of = torch.repeat_interleave(torch.arange(per_rank, device=rows.device).repeat(peers), recv.flatten())
     by_expert = torch.argsort(expert_of, stable=True)  # peer order kept within each expert
-    inputs = received[by_expert].split(recv.sum(0).tolist())
-    outputs = torch.cat([experts(i, x) for i, x in zip(local, inputs)])
+    outputs = experts(recv.sum(0), received[by_expert])
     back = torch.empty_like(outputs).index_copy(0, by_expert, outputs)  # peer-major again
     return _AllToAll.apply(back, in_splits, out_splits, group)

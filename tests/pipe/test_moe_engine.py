@@ -34,6 +34,8 @@ MODELS = {
                     ffn_hidden_size=24, moe=MoEConfig(num_experts=4, router_topk=2, load_balancing_type="seq_aux_loss",
                                                       aux_loss_coeff=0.05, z_loss_coeff=0.01)),
 }
+# the softmax model's experts as grouped GEMMs (--moe-grouped-gemm; on CPU bit-equal to the loop)
+MODELS["grouped"] = {**MODELS["softmax"], "moe": dataclasses.replace(MODELS["softmax"]["moe"], grouped_gemm=True)}
 SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}
 PP2 = [None, {"schedule": "1f1b"}, {"schedule": "interleaved", "virtual_stages": 2}, {"schedule": "zb-h1"},
        {"schedule": "zbv"}, {"schedule": "bitpipe"}, {"schedule": "dualpipev"},
@@ -128,7 +130,8 @@ def test_expert_parallel_matches_reference(pp, dp, ep):
     """The experts split over EP ranks of each stage's data-parallel ranks, tokens dispatched by all-to-all,
     ZeRO-1 reducing them over their expert-data-parallel group (DeepSpeed's MoE groups)."""
     cases = [("softmax", p) for p in (EP_CASES if pp > 1 else [None, {"schedule": "1f1b"}])] \
-        + [("sigmoid", {"schedule": "zb-h1"}), ("capacity", {"schedule": "zbv" if pp > 1 else "1f1b"})]
+        + [("sigmoid", {"schedule": "zb-h1"}), ("grouped", {"schedule": "zb-h1"}),
+           ("capacity", {"schedule": "zbv" if pp > 1 else "1f1b"})]
     per_rank = run_ranks(pp * dp, ep_rank_runs, pp, ep, cases, timeout=900)
     refs = {m: reference_run(tiny_config(LAYERS, **MODELS[m]), dp, GAS, STEPS, lr=LR) for m in {m for m, _ in cases}}
     for i, (model, pipeline) in enumerate(cases):
