@@ -37,21 +37,26 @@ class WeightGradStore:
 
 
 def accumulate_grad(param, grad):
-    """param.grad += grad, as autograd's AccumulateGrad does (for gradients made outside autograd)."""
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)
+    """param.grad += grad, as autograd's AccumulateGrad does (for gradients made outside autograd; a graph the
+    caller's grad made would ride along: it is detached)."""
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad.detach()
+        else:
+            param.grad.add_(grad)
 
 
 def _accumulate_product(param, grad_2d, x_2d):
     """param.grad += grad_2d^T x_2d. Into an existing gradient the GEMM adds itself (Megatron's
     gradient accumulation fusion): no temporary and no separate pass over the weight gradient,
-    which the W of every micro-batch (and Seq1F1B segment) after the first would otherwise pay."""
-    if param.grad is None:
-        param.grad = grad_2d.t().matmul(x_2d)
-    else:
-        param.grad.addmm_(grad_2d.t(), x_2d)
+    which the W of every micro-batch (and Seq1F1B segment) after the first would otherwise pay. A W op drains
+    its queue with autograd on: unguarded, the gradient would record a graph holding the micro-batch's input
+    and output gradient until the gradients are cleared."""
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad_2d.t().matmul(x_2d)
+        else:
+            param.grad.addmm_(grad_2d.t(), x_2d)
 
 
 def linear_forward(ctx, x, weight, bias):

@@ -36,3 +36,17 @@ def test_deferred_w_accumulates_over_micro_batches_as_the_fused_backward_does():
         assert diff <= 1e-5 * fused.weight.grad.abs().max().item(), (i, diff)
     assert torch.equal(split.bias.grad, fused.bias.grad)  # B: autograd's own accumulation on both
     assert not torch.equal(grads[0], grads[2])
+
+
+def test_a_drained_w_records_no_graph():
+    """A W op drains its queue with autograd on (the engine's ops run under grad mode): the weight gradient must
+    be a plain tensor, or its graph would keep each micro-batch's input and output gradient alive."""
+    _, split = layers()
+    for step in range(2):  # the first W sets the gradient, the second adds into it
+        x = torch.randn(4, 16, 48, requires_grad=True)
+        queue = []
+        with WeightGradStore.deferring(queue):
+            split(x * 1).backward(torch.randn(4, 16, 32))
+        assert torch.is_grad_enabled()
+        WeightGradStore.drain(queue)
+        assert split.weight.grad.grad_fn is None and not split.weight.grad.requires_grad, step
