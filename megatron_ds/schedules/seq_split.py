@@ -12,10 +12,9 @@ later tokens cost little more than the first, and the split comes out nearly eve
 """
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
-from .flops import linear_flops_per_token, span_flops
+from .flops import span_flops
 from .ir import ScheduleError
 
 SEGMENT_MULTIPLE = 8  # balanced segment lengths the runtime uses are multiples of this (kernel-friendly)
@@ -58,30 +57,7 @@ def balanced_segment_lengths(seq_length: int, k: int, hidden_size: int,
     if hidden_size < 1:
         raise ScheduleError(f"hidden_size must be positive (hidden_size={hidden_size})")
     shape = dict(heads=heads, kv_heads=kv_heads, swiglu=swiglu)
-    if keys is not None:
-        return _balanced_by_search(seq_length, k, multiple, lambda a, b: span_flops(a, b, hidden_size,
-                                                                                  ffn_hidden_size, keys=keys, **shape))
-    lin = linear_flops_per_token(hidden_size, ffn_hidden_size, **shape)
-    share = span_flops(0, seq_length, hidden_size, ffn_hidden_size, **shape) / k
-    lengths: list[int] = []
-    start = 0
-    for _ in range(k - 1):
-        # Solve 2h*b^2 + lin*b = lin*start + 2h*start^2 + share for the segment end b.
-        c = lin * start + 2.0 * hidden_size * start * start + share
-        end = (-lin + math.sqrt(lin * lin + 8.0 * hidden_size * c)) / (4.0 * hidden_size)
-        length = max(multiple, int((end - start) // multiple) * multiple)
-        lengths.append(length)
-        start += length
-    lengths.append(seq_length - start)
-    if lengths[-1] < 1:
-        raise ScheduleError(f"seq_length={seq_length} is too short for seq_splits={k} balanced "
-                            f"segments in multiples of {multiple}")
-    return lengths
-
-
-def _balanced_by_search(seq_length: int, k: int, multiple: int, cost) -> list[int]:
-    """balanced_segment_lengths for any `cost(a, b)` of the tokens [a, b) that grows with b: each segment the
-    longest multiple of `multiple` within 1/k of the whole cost (at least `multiple`), the last the rest."""
+    cost = lambda a, b: span_flops(a, b, hidden_size, ffn_hidden_size, keys=keys, **shape)  # noqa: E731
     share = cost(0, seq_length) / k
     lengths, start = [], 0
     for _ in range(k - 1):
