@@ -3,7 +3,8 @@
 The defaults are GPT-2. The other families are options on the same layers:
 LLaMA = rmsnorm + swiglu + rope + grouped-query attention + untied head + no linear biases,
 BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2),
-Qwen3 = LLaMA + a norm of each query and key head (qk_layernorm),
+Qwen3 = LLaMA + a norm of each query and key head (qk_layernorm), often with heads wider than hidden / heads
+(kv_channels: HF's head_dim, as Qwen3-30B-A3B's 128 at 2048 / 32),
 Mixtral = LLaMA + experts in every layer (moe), Qwen3-MoE = Qwen3 + experts.
 Packed documents (Megatron's --reset-position-ids, --reset-attention-mask, --eod-mask-loss) are options
 too: they change what attention sees and what the loss scores (model/documents.py).
@@ -36,6 +37,9 @@ class GPTConfig:
     position_embedding_type: str = "learned_absolute"
     rope_theta: float = 10000.0
     num_key_value_heads: int = 0  # 0: one K/V head per query head (no grouping)
+    # the head size where it is not hidden_size // num_attention_heads (Megatron's --kv-channels, HF's head_dim:
+    # Qwen3's 128 at hidden 2048 / 32 heads); the same as that is kept as None, so that one model has one config
+    kv_channels: Optional[int] = None
     untie_embeddings_and_output_weights: bool = False
     add_bias_linear: bool = True
     embed_layernorm: bool = False
@@ -68,6 +72,8 @@ class GPTConfig:
         return bool(self.loss_chunk_size or self.liger_kernel)
 
     def __post_init__(self):
+        if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
+            self.kv_channels = None
         if not self.num_key_value_heads:
             self.num_key_value_heads = self.num_attention_heads
         if not self.ffn_hidden_size:
@@ -88,7 +94,13 @@ class GPTConfig:
 
     @property
     def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_projection_size(self):
+        """The width of the queries and of the attention's output, heads x head_dim (Megatron's name): the
+        hidden size unless --kv-channels sets another head size."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def tied_head(self):
@@ -116,11 +128,19 @@ def hf_family(c):
     if llama:
         return "llama", ""  # HF LLaMA also has attention_bias/mlp_bias and num_key_value_heads
     mha_with_biases = c.add_bias_linear and c.num_key_value_heads == c.num_attention_heads
-    if layout == ("layernorm", "learned_absolute", False, False) and mha_with_biases:
-        return "gpt2", ""
-    if layout == ("layernorm", "alibi", False, True) and mha_with_biases and c.ffn_hidden_size == 4 * c.hidden_size:
-        return "bloom", ""
-    return None, ""
+    gpt2 = layout == ("layernorm", "learned_absolute", False, False) and mha_with_biases
+    bloom = layout == ("layernorm", "alibi", False, True) and mha_with_biases and c.ffn_hidden_size == 4 * c.hidden_size
+    if (gpt2 or bloom) and c.kv_channels is not None:
+        return None, (f"--kv-channels {c.kv_channels}: Hugging Face's GPT-2 and BLOOM have no head size of their "
+                      "own (hidden / heads)")
+    return ("gpt2" if gpt2 else "bloom" if bloom else None), ""
+
+
+def head_size_text(c) -> str:
+    """The head size of GPTConfig or parsed flags `c` as the flags give it, for a message."""
+    if getattr(c, "kv_channels", None) is not None:
+        return f"--kv-channels {c.kv_channels}"
+    return f"--hidden-size {c.hidden_size} / --num-attention-heads {c.num_attention_heads}"
 
 
 def config_problem(c) -> str:
@@ -136,9 +156,12 @@ def config_problem(c) -> str:
         return f"--normalization {c.normalization!r}: choose one of {', '.join(NORMALIZATIONS)}"
     if c.position_embedding_type not in POSITION_EMBEDDINGS:
         return f"--position-embedding-type {c.position_embedding_type!r}: choose one of {', '.join(POSITION_EMBEDDINGS)}"
-    if c.position_embedding_type == "rope" and (c.hidden_size // heads) % 2:
-        return (f"--position-embedding-type rope rotates pairs of channels: the head size "
-                f"(--hidden-size {c.hidden_size} / --num-attention-heads {heads}) must be even")
+    kv_channels = getattr(c, "kv_channels", None)
+    if kv_channels is not None and (not isinstance(kv_channels, int) or kv_channels < 1):
+        return f"--kv-channels (the head size) must be a positive whole number, got {kv_channels!r}"
+    if c.position_embedding_type == "rope" and (kv_channels or c.hidden_size // heads) % 2:
+        return (f"--position-embedding-type rope rotates pairs of channels: the head size ({head_size_text(c)}) "
+                "must be even")
     chunk = getattr(c, "loss_chunk_size", 0) or 0
     if not isinstance(chunk, int) or chunk < 0:
         return f"--loss-chunk-size must be a whole number of tokens >= 0 (0: off), got {chunk!r}"

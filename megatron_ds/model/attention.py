@@ -1,6 +1,7 @@
 """Causal self-attention through torch's scaled_dot_product_attention.
 
-One fused projection c_attn gives [q (heads x d); k (kv heads x d); v (kv heads x d)]:
+One fused projection c_attn gives [q (heads x d); k (kv heads x d); v (kv heads x d)], d the head size
+(hidden / heads, or --kv-channels: then q and the output c_proj takes back are heads x d wide, not hidden):
 with grouped-query attention (fewer K/V heads) each K/V head serves heads / kv heads
 query heads, and K/V stay grouped all the way (SDPA's enable_gqa; the Seq1F1B cache
 holds the grouped heads). With --qk-layernorm each query and key head is normalised over
@@ -37,13 +38,12 @@ class CausalSelfAttention(nn.Module):
         tp = config.tensor_model_parallel_size
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads // tp,
                                                             config.num_key_value_heads // tp, config.head_dim)
-        kv_size = config.num_key_value_heads * self.head_dim
+        q_size, kv_size = config.query_projection_size, config.num_key_value_heads * self.head_dim
         parallel = dict(group=self.group, sequence_parallel=config.sequence_parallel, bias=config.add_bias_linear)
-        self.c_attn = ColumnParallelLinear(config.hidden_size, config.hidden_size + 2 * kv_size,
-                                           sections=[config.hidden_size, kv_size, kv_size], init_method=init_method,
+        self.c_attn = ColumnParallelLinear(config.hidden_size, q_size + 2 * kv_size,
+                                           sections=[q_size, kv_size, kv_size], init_method=init_method,
                                            **parallel)
-        self.c_proj = RowParallelLinear(config.hidden_size, config.hidden_size, init_method=output_init_method,
-                                        **parallel)
+        self.c_proj = RowParallelLinear(q_size, config.hidden_size, init_method=output_init_method, **parallel)
         self.q_norm, self.k_norm = (HeadNorm(config), HeadNorm(config)) if config.qk_layernorm else (None, None)
         self.split_sizes = [s // tp for s in self.c_attn.sections]
         self.total_heads, self.head_start = config.num_attention_heads, comm.rank(self.group) * self.num_heads

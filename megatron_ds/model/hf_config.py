@@ -1,6 +1,7 @@
 """Hugging Face configs <-> GPTConfig, both ways: GPT-2, LLaMA, BLOOM, Qwen3, Mixtral and Qwen3-MoE, each the
 options of our layers that make the family (gpt_config.hf_family). An HF option our layers lack is refused
-with one line that names it.
+with one line that names it. HF's head_dim is kv_channels (None where it is hidden / heads); GPT-2 and BLOOM have
+none of their own, so a model with kv_channels exports as neither.
 
 Mixture of experts. The routing is HF's: Mixtral's softmax, top-k, renormalised is our softmax over the top-k
 logits; Qwen3-MoE's norm_topk_prob=False is --moe-router-pre-softmax. HF adds its balancing loss only with
@@ -46,10 +47,6 @@ def _rope_fields(c):
     rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
     _require(c, rope.get("rope_type", "default") == "default", f"RoPE scaling {rope}")
     _require(c, c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} (ours is SwiGLU: silu)")
-    head = c.hidden_size // c.num_attention_heads
-    _require(c, getattr(c, "head_dim", None) in (None, head),
-             f"head_dim {getattr(c, 'head_dim', None)} other than hidden_size / num_attention_heads "
-             f"({c.hidden_size} / {c.num_attention_heads} = {head}), the only head size our attention has")
     window = getattr(c, "sliding_window", None)
     _require(c, window is None or window >= c.max_position_embeddings,
              f"sliding_window {window} (ours attends to every earlier position)")
@@ -57,7 +54,8 @@ def _rope_fields(c):
                 num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
                 ffn_hidden_size=c.intermediate_size, attention_dropout=c.attention_dropout,
                 layernorm_epsilon=c.rms_norm_eps, normalization="rmsnorm", swiglu=True,
-                position_embedding_type="rope", rope_theta=rope["rope_theta"], add_bias_linear=False)
+                position_embedding_type="rope", rope_theta=rope["rope_theta"], add_bias_linear=False,
+                kv_channels=getattr(c, "head_dim", None))  # hidden / heads when None or equal (GPTConfig's None)
 
 
 def _llama_fields(c):
@@ -127,7 +125,8 @@ def _rope_config(c):
     return dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
                 num_key_value_heads=c.num_key_value_heads, intermediate_size=c.ffn_hidden_size,
                 max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
-                rope_theta=c.rope_theta, hidden_act="silu", attention_dropout=c.attention_dropout)
+                rope_theta=c.rope_theta, hidden_act="silu", attention_dropout=c.attention_dropout,
+                head_dim=c.head_dim)  # Qwen3's default is 128, whatever hidden / heads
 
 
 def _llama_config(c):
@@ -136,7 +135,7 @@ def _llama_config(c):
 
 
 def _qwen3_config(c):
-    return "Qwen3Config", dict(architectures=["Qwen3ForCausalLM"], **_rope_config(c), head_dim=c.head_dim,
+    return "Qwen3Config", dict(architectures=["Qwen3ForCausalLM"], **_rope_config(c),
                                attention_bias=False, use_sliding_window=False)
 
 
@@ -156,7 +155,7 @@ def _mixtral_config(c):
 def _qwen3_moe_config(c):
     m = c.moe
     dense = [i for i, on in enumerate(layer_pattern(m.layer_freq, c.num_layers)) if not on]
-    return "Qwen3MoeConfig", dict(architectures=["Qwen3MoeForCausalLM"], **_rope_config(c), head_dim=c.head_dim,
+    return "Qwen3MoeConfig", dict(architectures=["Qwen3MoeForCausalLM"], **_rope_config(c),
                                   attention_bias=False, use_sliding_window=False, num_experts=m.num_experts,
                                   num_experts_per_tok=m.router_topk, moe_intermediate_size=m.ffn_hidden_size,
                                   norm_topk_prob=not m.pre_softmax, decoder_sparse_step=1, mlp_only_layers=dense,

@@ -145,7 +145,7 @@ def _llama(c):
     """LLaMA; with --qk-layernorm Qwen3; with experts Mixtral, or Qwen3-MoE, whose dense layers are LLaMA's."""
     h = "model.layers.{i}."
     kv = c.num_key_value_heads * c.head_dim
-    qkv, gate_up = split_rows([c.hidden_size, kv, kv]), split_rows([c.ffn_hidden_size, c.ffn_hidden_size])
+    qkv, gate_up = split_rows([c.query_projection_size, kv, kv]), split_rows([c.ffn_hidden_size, c.ffn_hidden_size])
     dense = None if c.moe is None else _dense_layer
     out = [Rule(EMBED, "wte.weight", ("model.embed_tokens.weight",)),
            *_norm(LAYER, "ln_1.", h + "input_layernorm.", c),

@@ -41,7 +41,7 @@ def layer_parameters(config):
         out[(0, "wpe.weight")] = ("replicated", None)
     if config.embed_layernorm:
         out.update({(0, f"ln_emb.{p}"): ("replicated", None) for p in norm})
-    q = config.hidden_size
+    q = config.query_projection_size
     kv = (config.num_key_value_heads or config.num_attention_heads) * config.head_dim
     layer = {f"ln_{i}.{p}": ("replicated", None) for i in (1, 2) for p in norm}
     if config.qk_layernorm:  # each rank holds whole heads and the whole per-head weight

@@ -45,18 +45,19 @@ def even_segment_lengths(seq_length: int, k: int, multiple: int = 1) -> list[int
 
 def balanced_segment_lengths(seq_length: int, k: int, hidden_size: int,
                              ffn_hidden_size: int | None = None, multiple: int = 8, *, heads: int | None = None,
-                             kv_heads: int | None = None, swiglu: bool = False, keys=None) -> list[int]:
+                             kv_heads: int | None = None, swiglu: bool = False, keys=None,
+                             head_dim: int | None = None) -> list[int]:
     """k lengths summing to seq_length whose segments cost the same FLOPs.
 
     Walking from the start, each segment is the longest multiple of `multiple` whose cost
     does not exceed 1/k of the whole sequence's; the last segment takes the rest.
-    heads, kv_heads, swiglu: the layer's shape beyond h and f (flops.span_flops). `keys`: a
+    heads, kv_heads, swiglu, head_dim: the layer's shape beyond h and f (flops.span_flops). `keys`: a
     document mask's average keys per query (flops.attention_flops), whose segments are weighed by them.
     """
     _check(seq_length, k, multiple)
     if hidden_size < 1:
         raise ScheduleError(f"hidden_size must be positive (hidden_size={hidden_size})")
-    shape = dict(heads=heads, kv_heads=kv_heads, swiglu=swiglu)
+    shape = dict(heads=heads, kv_heads=kv_heads, swiglu=swiglu, head_dim=head_dim)
     cost = lambda a, b: span_flops(a, b, hidden_size, ffn_hidden_size, keys=keys, **shape)  # noqa: E731
     share = cost(0, seq_length) / k
     lengths, start = [], 0
@@ -75,14 +76,15 @@ def balanced_segment_lengths(seq_length: int, k: int, hidden_size: int,
 
 def segment_costs(lengths: Sequence[int], hidden_size: int, ffn_hidden_size: int | None = None, *,
                   heads: int | None = None, kv_heads: int | None = None, swiglu: bool = False,
-                  keys=None) -> list[float]:
+                  keys=None, head_dim: int | None = None) -> list[float]:
     """Relative FLOPs of consecutive segments (mean 1), e.g. for simulate(seq_costs=...); `keys`: a
     document mask's (balanced_segment_lengths)."""
     if not lengths or any(n < 1 for n in lengths):
         raise ScheduleError(f"segment lengths must be positive (lengths={list(lengths)})")
     costs, start = [], 0
     for n in lengths:
-        costs.append(span_flops(start, start + n, hidden_size, ffn_hidden_size, heads, kv_heads, swiglu, keys))
+        costs.append(span_flops(start, start + n, hidden_size, ffn_hidden_size, heads, kv_heads, swiglu, keys,
+                                head_dim))
         start += n
     mean = sum(costs) / len(costs)
     return [c / mean for c in costs]

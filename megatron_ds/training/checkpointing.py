@@ -63,6 +63,8 @@ CHECKPOINT_VERSION = 3.0
 # Arguments that must match for a checkpoint to load into this model.
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "padded_vocab_size") + MODEL_FAMILY_ARGS
+# what a checkpoint saved before one of them existed meant by its absence (compared as that; the others are skipped)
+UNSAVED_MODEL_ARGS = {"kv_channels": None}
 
 
 def _plain_args(args):
@@ -175,11 +177,14 @@ def _check_model_shape(args, saved_args, load_dir, universal):
     follows the TP size), as DeepSpeed's loader adds zero rows."""
     saved = vars(saved_args) if saved_args is not None else {}
     for name in MODEL_ARGS:
-        if name not in saved or saved[name] == getattr(args, name, None):
+        if name not in saved and name not in UNSAVED_MODEL_ARGS:
             continue
-        if name == "padded_vocab_size" and universal and args.padded_vocab_size > saved[name]:
+        then = saved.get(name, UNSAVED_MODEL_ARGS.get(name))
+        if then == getattr(args, name, None):
             continue
-        raise CheckpointError(f"checkpoint {load_dir} has {name}={saved[name]}, this run has "
+        if name == "padded_vocab_size" and universal and args.padded_vocab_size > then:
+            continue
+        raise CheckpointError(f"checkpoint {load_dir} has {name}={then}, this run has "
                               f"{getattr(args, name, None)}: the models differ"
                               + ("; keep the vocabulary padding (--pad-vocab-size-to)"
                                  if name == "padded_vocab_size" else ""))

@@ -4,14 +4,15 @@ and the parsed flags -> GPTConfig mapping. Without these flags the model is GPT-
 LLaMA:  --normalization rmsnorm --swiglu --position-embedding-type rope --num-key-value-heads N
         --untie-embeddings-and-output-weights --disable-bias-linear
 BLOOM:  --position-embedding-type alibi --embed-layernorm
-Qwen3:  LLaMA's + --qk-layernorm; Mixtral: LLaMA's + --num-experts N (moe_args.py); Qwen3-MoE: Qwen3's + experts
+Qwen3:  LLaMA's + --qk-layernorm (+ --kv-channels D where the head size is not hidden / heads, as Qwen3-32B's
+        and Qwen3-30B-A3B's 128); Mixtral: LLaMA's + --num-experts N (moe_args.py); Qwen3-MoE: Qwen3's + experts
 
 The flag checks here name the alias a user gave; GPTConfig (torch-free, megatron_ds/gpt_config.py)
 checks the same rules again when parse_args builds the run's one config (run_gpt_config).
 """
 import dataclasses
 
-from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
+from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig, head_size_text
 
 from .document_args import FLAGS as DOCUMENT_FLAGS
 from .errors import ArgumentsError
@@ -19,7 +20,8 @@ from .moe_args import moe_config_from_args, moe_flags
 
 # the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
 MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
-                     "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm", "qk_layernorm")
+                     "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm", "qk_layernorm",
+                     "kv_channels")
 _POSITION_ALIASES = {"absolute": "learned_absolute", "rotary": "rope"}  # BigScience's names
 
 
@@ -40,6 +42,9 @@ def add_model_args(parser):
     g.add_argument("--rope-theta", type=float, default=10000.0)
     g.add_argument("--num-key-value-heads", type=int, default=None,
                    help="grouped-query attention: K/V heads, each shared by heads / N query heads")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="the head size where it is not --hidden-size / --num-attention-heads (Megatron's flag; "
+                        "Hugging Face's head_dim): the queries are heads x this wide, the K/V heads as wide")
     g.add_argument("--group-query-attention", action="store_true", help="Megatron-LM: with --num-query-groups")
     g.add_argument("--num-query-groups", type=int, default=None, help="Megatron-LM's --num-key-value-heads")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
@@ -75,11 +80,14 @@ def validate_model_args(args):
     if args.num_attention_heads % kv:
         raise ArgumentsError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
                              f"--num-key-value-heads {kv}: each K/V head serves a whole group of query heads")
+    if args.kv_channels is not None and args.kv_channels < 1:
+        raise ArgumentsError(f"--kv-channels (the head size) must be positive, got {args.kv_channels}")
+    if args.kv_channels is not None and args.kv_channels * args.num_attention_heads == args.hidden_size:
+        args.kv_channels = None  # the default head size: saved and compared as the flag left out (GPTConfig's)
     if args.position_embedding_type == "rope":
-        if (args.hidden_size // args.num_attention_heads) % 2:
+        if (args.kv_channels or args.hidden_size // args.num_attention_heads) % 2:
             raise ArgumentsError(f"--position-embedding-type rope rotates pairs of channels: the head size "
-                                 f"(--hidden-size {args.hidden_size} / --num-attention-heads "
-                                 f"{args.num_attention_heads}) must be even")
+                                 f"({head_size_text(args)}) must be even")
         if not args.rope_theta > 0:
             raise ArgumentsError(f"--rope-theta must be positive, got {args.rope_theta}")
 
@@ -149,6 +157,8 @@ def model_family_flags(config) -> list:
         flags += ["--rope-theta", repr(float(config.rope_theta))]
     if config.num_key_value_heads != config.num_attention_heads:
         flags += ["--num-key-value-heads", str(config.num_key_value_heads)]
+    if config.kv_channels is not None:
+        flags += ["--kv-channels", str(config.kv_channels)]
     for name, on in (("--untie-embeddings-and-output-weights", config.untie_embeddings_and_output_weights),
                      ("--disable-bias-linear", not config.add_bias_linear),
                      ("--embed-layernorm", config.embed_layernorm), ("--qk-layernorm", config.qk_layernorm)):

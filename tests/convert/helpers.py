@@ -37,8 +37,9 @@ def tiny_hf_gpt2(path, vocab_size=50257, n_positions=32, with_tokenizer=False, s
 
 def tiny_hf_family(family, path, num_layers=2):
     """A random LLaMA (GQA: 4 heads, 2 K/V heads, untied, no biases), Mixtral or Qwen3-MoE (the same, with 4
-    experts, top-2; Qwen3-MoE's second layer dense, not renormalising the top-2) or BLOOM, hidden 32, every
-    tensor perturbed, saved with save_pretrained."""
+    experts, top-2; Qwen3-MoE's second layer dense, not renormalising the top-2, and its head_dim 16, twice
+    hidden / heads as Qwen3-30B-A3B's: --kv-channels) or BLOOM, hidden 32, every tensor perturbed, saved with
+    save_pretrained."""
     import transformers
     torch.manual_seed(0)
     rope = dict(vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
@@ -50,7 +51,8 @@ def tiny_hf_family(family, path, num_layers=2):
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**rope, num_local_experts=4))
     elif family == "qwen3_moe":
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **rope, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1]))
+            **rope, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+            head_dim=16))
     else:
         config = transformers.BloomConfig(vocab_size=50257, hidden_size=32, n_layer=num_layers, n_head=4,
                                           bos_token_id=50256, eos_token_id=50256)

@@ -174,8 +174,8 @@ def test_command_line_exit_code_and_one_line(tmp_path, hf_dir):
 
 
 def test_moe_options_our_layers_or_hugging_face_lack(tmp_path, capsys):
-    """Import: a Mixtral with router jitter, a Qwen3-MoE whose head_dim is not hidden / heads. Export: a MoE
-    with a shared expert, which neither Mixtral nor Qwen3-MoE has."""
+    """Import: a Mixtral with router jitter, a Qwen3-MoE with attention biases (a head_dim other than hidden /
+    heads imports: --kv-channels). Export: a MoE with a shared expert, which neither Mixtral nor Qwen3-MoE has."""
     import transformers
     rope = dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1)
@@ -184,11 +184,11 @@ def test_moe_options_our_layers_or_hugging_face_lack(tmp_path, capsys):
                                                                router_jitter_noise=0.1)).save_pretrained(jitter)
     _fails(capsys, IMPORT, "--input", jitter, "--output", tmp_path / "out", out=tmp_path / "out",
            says=[str(jitter / "config.json"), "'mixtral'", "router_jitter_noise 0.1"])
-    wide = tmp_path / "qwen3_moe"
-    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**rope, head_dim=16, num_experts=2,
-                                                                 num_experts_per_tok=1)).save_pretrained(wide)
-    _fails(capsys, IMPORT, "--input", wide, "--output", tmp_path / "out", out=tmp_path / "out",
-           says=[str(wide / "config.json"), "head_dim 16 other than hidden_size / num_attention_heads (16 / 2 = 8)"])
+    biased = tmp_path / "qwen3_moe"
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**rope, head_dim=16, num_experts=2, attention_bias=True,
+                                                                 num_experts_per_tok=1)).save_pretrained(biased)
+    _fails(capsys, IMPORT, "--input", biased, "--output", tmp_path / "out", out=tmp_path / "out",
+           says=[str(biased / "config.json"), "'qwen3_moe'", "attention_bias"])
     from megatron_ds.convert.ds_format import write_checkpoint
     from megatron_ds.convert.model_args import config_flags, parse_flags
     from megatron_ds.gpt_config import GPTConfig

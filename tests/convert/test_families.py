@@ -25,6 +25,12 @@ def test_family_round_trip_perplexity_and_greedy(tmp_path, family, cls):
         assert flag in flags
     if family == "qwen3_moe":  # mlp_only_layers=[1]: experts in every second layer from the first
         assert flags[flags.index("--moe-layer-freq") + 1] == "2"
+        assert flags[flags.index("--kv-channels") + 1] == "16"  # head_dim 16, not 32 / 4
+        layer = torch.load(ckpt / "global_step0" / "layer_01-model_states.pt")
+        assert layer["attn.c_attn.weight"].shape == (4 * 16 + 2 * 2 * 16, 32)
+        assert layer["attn.c_proj.weight"].shape == (32, 4 * 16)
+    else:
+        assert "--kv-channels" not in flags
     if family != "bloom":
         assert (ckpt / "global_step0" / "layer_04-model_states.pt").is_file()  # the untied head, layer L + 2
     if family in ("mixtral", "qwen3_moe"):

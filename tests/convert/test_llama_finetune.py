@@ -1,5 +1,5 @@
-"""A Hugging Face LLaMA (grouped-query attention) and a Qwen3-MoE (per-head q/k norms, 4 experts, one dense
-layer) imported and continued by pretrain_gpt.py under ZB-V.
+"""A Hugging Face LLaMA (grouped-query attention) and a Qwen3-MoE (per-head q/k norms, head_dim twice hidden / heads:
+--kv-channels, 4 experts, one dense layer) imported and continued by pretrain_gpt.py under ZB-V.
 
 One launch each (2 gloo ranks, PP=2, 3 iterations) of a tiny random LlamaForCausalLM / Qwen3MoeForCausalLM imported with
 tools/checkpoint/import_hf.py: the first iteration's loss is HF's on the same batch, and every
@@ -58,8 +58,9 @@ def test_llama_import_continues_under_zbv(tmp_path, family):
     assert tool("checkpoint/import_hf.py", "--input", hf_dir, "--output", ckpt, "--seq-length", 16) == 0
     flags = (ckpt / "megatron_ds_args.txt").read_text().split()
     assert "--num-key-value-heads" in flags and flags[flags.index("--num-key-value-heads") + 1] == "2"
-    if family == "qwen3_moe":  # mlp_only_layers=[1]
+    if family == "qwen3_moe":  # mlp_only_layers=[1]; head_dim 16 (not 32 / 4): the pipeline's attention is wider
         assert "--qk-layernorm" in flags and flags[flags.index("--moe-layer-freq") + 1] == "1,0,1,1"
+        assert flags[flags.index("--kv-channels") + 1] == "16"
     write_corpus(str(tmp_path / "corpus"))
     run = ["--micro-batch-size", str(MBS), "--global-batch-size", str(GBS), "--train-iters", str(ITERS),
            "--lr", "3e-3", "--pipeline-model-parallel-size", "2", "--data-path", str(tmp_path / "corpus"),

@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen3": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
                   untie_embeddings_and_output_weights=True, add_bias_linear=False, qk_layernorm=True),
 }
+FAMILIES["qwen3-kv16"] = dict(FAMILIES["qwen3"], kv_channels=16)  # heads of 16, not 32 / 4 (Qwen3-30B-A3B's 2x)
 
 
 CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
@@ -84,6 +85,13 @@ def test_impossible_family_options_are_refused_by_name():
         tiny_config(normalization="batchnorm")
     with pytest.raises(ValueError, match="head size"):
         tiny_config(hidden_size=36, position_embedding_type="rope")
+    with pytest.raises(ValueError, match=r"^--kv-channels \(the head size\) must be a positive whole number, got 0$"):
+        tiny_config(kv_channels=0)
+    with pytest.raises(ValueError, match=r"the head size \(--kv-channels 7\) must be even"):
+        tiny_config(kv_channels=7, position_embedding_type="rope")
+    with pytest.raises(ValueError, match=r"--num-attention-heads \(4\) must be divisible by "
+                                         r"--tensor-model-parallel-size \(3\)"):
+        tiny_config(kv_channels=16, tensor_model_parallel_size=3)
 
 
 def test_families_by_options():
@@ -118,3 +126,35 @@ def test_qk_layernorm_normalises_each_query_and_key_head_before_rope():
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 6, 32)
     with torch.no_grad():
         torch.testing.assert_close(attn(x), F.linear(y, attn.c_proj.weight), rtol=1e-5, atol=1e-6)
+
+
+def test_kv_channels_set_the_head_size_and_the_attention_widths():
+    """--kv-channels 16 at hidden 32 / 4 heads (2 K/V heads): q is 4 x 16 = 64 wide, k and v 2 x 16, c_proj takes
+    the 64 back to 32, the per-head norms are 16 wide, and the scores are scaled by 1/sqrt(16); against the
+    attention computed by hand. The TP split's sections (model/universal_info.py) are those widths."""
+    import torch.nn.functional as F
+    from megatron_ds.model.positions import apply_rope
+    from megatron_ds.model.universal_info import layer_parameters, universal_checkpoint_info
+    from deepspeed.checkpoint import constants as C
+    cfg = tiny_config(**FAMILIES["qwen3-kv16"])
+    assert (cfg.head_dim, cfg.query_projection_size) == (16, 64)
+    model = GPTModel(cfg)
+    attn = model.layers[0].attn
+    assert attn.c_attn.weight.shape == (128, 32) and attn.c_attn.sections == [64, 32, 32]
+    assert attn.c_proj.weight.shape == (32, 64) and attn.q_norm.weight.shape == attn.k_norm.weight.shape == (16,)
+    x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(3))
+    q, k, v = F.linear(x, attn.c_attn.weight).split([64, 32, 32], dim=-1)
+    heads = lambda t: t.view(2, 6, -1, 16)  # noqa: E731
+    rms = lambda t, w: t / t.pow(2).mean(-1, keepdim=True).add(cfg.layernorm_epsilon).sqrt() * w  # noqa: E731
+    q, k = rms(heads(q), attn.q_norm.weight).transpose(1, 2), rms(heads(k), attn.k_norm.weight).transpose(1, 2)
+    q, k = apply_rope(q, k, cfg.rope_theta, 0)
+    k, v = (t.repeat_interleave(2, dim=1) for t in (k, heads(v).transpose(1, 2)))
+    scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 6, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), F.linear(y, attn.c_proj.weight), rtol=1e-5, atol=1e-6)
+    splits = layer_parameters(cfg)
+    assert splits[(1, "attn.c_attn.weight")] == ("qkv", (64, 32, 32))
+    assert {k for k in splits} == set(model.named_parameters_by_layer())
+    info = universal_checkpoint_info(tiny_config(**FAMILIES["qwen3-kv16"], tensor_model_parallel_size=2), 128)
+    assert list(info[C.SUB_PARAM_SHARD_WIDTHS].values()) == [[[32, 32], [16, 16], [16, 16]]]

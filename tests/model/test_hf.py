@@ -1,6 +1,7 @@
 """Our GPT-2, LLaMA, BLOOM, Qwen3, Mixtral and Qwen3-MoE equal Hugging Face's own models (fp32 logits, 1e-5),
 loaded through hf.py both ways, and the state-dict conversion is bit-exact: HF -> ours -> HF and ours -> HF ->
-ours; MoE models also from the files save_pretrained writes (one tensor per expert)."""
+ours; MoE models also from the files save_pretrained writes (one tensor per expert). A head_dim other than
+hidden / heads (Qwen3-8B's and Qwen3-30B-A3B's 128) is --kv-channels: LLaMA, Qwen3 and Qwen3-MoE with it too."""
 import dataclasses
 
 import pytest
@@ -29,6 +30,9 @@ def hf_configs():
         "bloom": transformers.BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS),
         "bloom-6-heads": transformers.BloomConfig(vocab_size=VOCAB, hidden_size=48, n_layer=LAYERS, n_head=6),
         "qwen3": transformers.Qwen3Config(**ROPE, intermediate_size=48, head_dim=HIDDEN // HEADS),
+        # head_dim twice hidden / heads, as Qwen3-30B-A3B's 128 at 2048 / 32: q is 64 wide, k and v 32, o 64 -> 32
+        "qwen3-head16": transformers.Qwen3Config(**ROPE, intermediate_size=48, head_dim=16),
+        "llama-head4": transformers.LlamaConfig(**ROPE, intermediate_size=48, head_dim=4),
         "mixtral": transformers.MixtralConfig(**ROPE, intermediate_size=24, num_local_experts=4, rope_theta=500.0),
         "mixtral-top3-tied": transformers.MixtralConfig(**ROPE, intermediate_size=16, num_local_experts=6,
                                                         num_experts_per_tok=3, tie_word_embeddings=True),
@@ -41,6 +45,9 @@ def hf_configs():
                                                             moe_intermediate_size=16, num_experts=4,
                                                             num_experts_per_tok=2, decoder_sparse_step=2,
                                                             norm_topk_prob=True),
+        "qwen3_moe-head16": transformers.Qwen3MoeConfig(**{**ROPE, "num_hidden_layers": 3}, intermediate_size=40,
+                                                        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                                                        mlp_only_layers=[1], head_dim=16),
     }
 
 
@@ -48,7 +55,8 @@ ROPE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_
             num_key_value_heads=2, max_position_embeddings=SEQ)
 FAMILY = {"gpt2": "gpt2", "llama": "llama", "llama-tied-bias-mha": "llama", "bloom": "bloom", "bloom-6-heads": "bloom",
           "qwen3": "qwen3", "mixtral": "mixtral", "mixtral-top3-tied": "mixtral", "qwen3_moe": "qwen3_moe",
-          "qwen3_moe-step2-norm": "qwen3_moe"}
+          "qwen3_moe-step2-norm": "qwen3_moe", "qwen3-head16": "qwen3", "llama-head4": "llama",
+          "qwen3_moe-head16": "qwen3_moe"}
 MOE = [name for name in FAMILY if FAMILY[name] in ("mixtral", "qwen3_moe")]
 
 
@@ -148,6 +156,24 @@ def test_a_mix_of_options_no_family_has_is_refused_for_export():
     assert config.family is None
     with pytest.raises(ValueError, match="no Hugging Face family"):
         hf_config_from_gpt(config)
+    for name in ("gpt2", "bloom"):  # their HF configs have no head size of their own
+        config = gpt_config_from_hf(hf_configs()[name], kv_channels=16)
+        assert config.family is None
+        assert "--kv-channels 16: Hugging Face's GPT-2 and BLOOM have no head size" in _refusal(hf_config_from_gpt,
+                                                                                                 config)
+
+
+def test_head_dim_is_kv_channels_where_it_is_not_hidden_over_heads():
+    """Qwen3Config's default head_dim is 128 whatever the hidden size: imported as --kv-channels 128 (the
+    attention's widths follow), exported as head_dim 128; a head_dim equal to hidden / heads is no option."""
+    config = gpt_config_from_hf(transformers.Qwen3Config(**ROPE))
+    assert (config.kv_channels, config.head_dim, config.query_projection_size) == (128, 128, 512)
+    attn = GPTModel(config).layers[0].attn
+    assert attn.c_attn.weight.shape == (512 + 2 * 2 * 128, HIDDEN) and attn.c_proj.weight.shape == (HIDDEN, 512)
+    assert attn.q_norm.weight.shape == (128,)
+    assert hf_config_from_gpt(config).head_dim == 128
+    assert gpt_config_from_hf(hf_configs()["qwen3"]).kv_channels is None  # head_dim 8 = 32 / 4
+    assert hf_config_from_gpt(gpt_config_from_hf(hf_configs()["qwen3"])).head_dim == 8
 
 
 @pytest.mark.parametrize("name", MOE)
@@ -180,9 +206,6 @@ def _refusal(make, *args, **kwargs):
     (lambda: transformers.MixtralConfig(**ROPE, router_jitter_noise=0.1),
      "'mixtral' (architectures None) is not supported: router_jitter_noise 0.1"),
     (lambda: transformers.MixtralConfig(**ROPE, sliding_window=8), "sliding_window 8"),
-    (lambda: transformers.Qwen3MoeConfig(**ROPE, head_dim=16),
-     "head_dim 16 other than hidden_size / num_attention_heads (32 / 4 = 8)"),
-    (lambda: transformers.Qwen3Config(**ROPE), "head_dim 128 other than"),  # Qwen3Config's default
     (lambda: transformers.Qwen3MoeConfig(**ROPE, head_dim=8, attention_bias=True), "attention_bias"),
     (lambda: transformers.Qwen3MoeConfig(**ROPE, mlp_only_layers=[0, 1]), "no layer with experts"),
 ])

@@ -105,3 +105,27 @@ def test_a_moe_layer_counts_the_experts_a_token_runs_through():
     assert costs[1] == pytest.approx(layer_flops(dense)[1])
     assert costs[2] - costs[1] == pytest.approx(linear_flops_per_token(h, 2 * fe + fs, swiglu=True)
                                                 - linear_flops_per_token(h, f, swiglu=True))
+
+
+def test_kv_channels_count_q_k_v_o_and_attention_heads_x_head_size_wide():
+    """Qwen3-32B: h 5120, 64 query heads of --kv-channels 128 (queries 8192 wide, not h), 8 K/V heads, SwiGLU
+    25600, untied vocab 151936. Q, K, V take h in, the output projection takes 8192 back to h, and each query's
+    scores and weighted sum are 8192 wide (2 x 8192 x s^2 per layer over a causal sequence)."""
+    from megatron_ds.gpt_config import GPTConfig
+    h, q, kv, d, f, s, layers, vocab = 5120, 64 * 128, 8, 128, 25600, 4096, 64, 151936
+    params = h * (q + 2 * kv * d) + q * h + 3 * h * f
+    want = 3 * (2 * (layers * params + h * vocab) * s + layers * 2 * q * s * s)
+    shape = dict(hidden_size=h, num_layers=layers, num_attention_heads=64, num_key_value_heads=kv, ffn_hidden_size=f,
+                 swiglu=True, max_position_embeddings=s)
+    flags = SimpleNamespace(**shape, kv_channels=d, padded_vocab_size=vocab)
+    assert model_flops_per_sequence(flags, s) == pytest.approx(want, rel=1e-12)
+    config = GPTConfig(**shape, vocab_size=vocab, kv_channels=d, normalization="rmsnorm",
+                       position_embedding_type="rope", add_bias_linear=False)
+    assert model_flops_per_sequence(config, s) == pytest.approx(want, rel=1e-12)
+    assert layer_flops(config)[1] == pytest.approx(2 * params + 2 * q * s)  # per token, the "flops" partition's
+    costs = segment_costs([1024, 3072], h, f, heads=64, kv_heads=kv, swiglu=True, head_dim=d)
+    first = span_flops(0, 1024, h, f, 64, kv, True, head_dim=d)
+    assert first == pytest.approx(2 * params * 1024 + 2 * q * 1024 ** 2)
+    assert costs[0] == pytest.approx(first / ((first + span_flops(1024, s, h, f, 64, kv, True, head_dim=d)) / 2))
+    # the default head size named is the count without it
+    assert model_flops_per_sequence(llama(kv_channels=128), 2048) == model_flops_per_sequence(llama(), 2048)

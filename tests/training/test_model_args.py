@@ -72,10 +72,41 @@ QWEN3_MOE = LLAMA + ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk"
 
 @pytest.mark.parametrize("flags", [[], LLAMA + ["--rope-theta", "5e5"], ["--position-embedding-type", "alibi",
                                                                        "--embed-layernorm"], QWEN3_MOE,
-                                   LLAMA + ["--num-experts", "4", "--moe-layer-freq", "2"]])
+                                   LLAMA + ["--num-experts", "4", "--moe-layer-freq", "2"],
+                                   QWEN3_MOE + ["--kv-channels", "16"]])
 def test_flags_of_a_config_give_it_back(flags):
     c = config(*flags)
     assert config(*model_family_flags(c), "--ffn-hidden-size", str(c.ffn_hidden_size)) == c
+
+
+def test_kv_channels_sets_the_head_size():
+    """Megatron's --kv-channels: heads x kv_channels wide queries (here 4 x 16 = 64 at hidden 32); hidden / heads
+    given is the flag left out (one model, one config, one saved value)."""
+    c = config(*LLAMA, "--qk-layernorm", "--kv-channels", "16")
+    assert (c.kv_channels, c.head_dim, c.query_projection_size, c.family) == (16, 16, 64, "qwen3")
+    flags = model_family_flags(c)
+    assert flags[flags.index("--kv-channels") + 1] == "16"
+    assert config(*LLAMA, "--kv-channels", "8") == config(*LLAMA) and config(*LLAMA).head_dim == 8
+    assert config("--kv-channels", "16").family is None  # HF GPT-2 has no head size of its own
+
+
+def test_a_checkpoint_of_another_head_size_is_refused_one_saved_before_the_flag_has_none():
+    import argparse
+    from megatron_ds.training.checkpointing import MODEL_ARGS, _check_model_shape
+    from megatron_ds.training.errors import CheckpointError
+
+    def args(*extra):
+        return parse_args(BASE + LLAMA + list(extra), env={"WORLD_SIZE": "1", "RANK": "0"})
+    wide, plain = args("--kv-channels", "16"), args()
+    assert "kv_channels" in MODEL_ARGS and plain.kv_channels is None
+    _check_model_shape(wide, args("--kv-channels", "16"), "ckpt", universal=False)
+    _check_model_shape(plain, args("--kv-channels", "8"), "ckpt", universal=False)  # 32 / 4: the default
+    with pytest.raises(CheckpointError, match="has kv_channels=16, this run has None: the models differ"):
+        _check_model_shape(plain, wide, "ckpt", universal=False)
+    before = argparse.Namespace(**{k: v for k, v in vars(plain).items() if k != "kv_channels"})
+    _check_model_shape(plain, before, "ckpt", universal=False)
+    with pytest.raises(CheckpointError, match="has kv_channels=None, this run has 16"):
+        _check_model_shape(wide, before, "ckpt", universal=False)
 
 
 def test_swiglu_default_ffn_size_is_megatrons():
@@ -93,6 +124,9 @@ def test_swiglu_default_ffn_size_is_megatrons():
     (["--position-embedding-type", "rope", "--hidden-size", "36", "--num-attention-heads", "4"],
      "head size"),
     (["--position-embedding-type", "rope", "--rope-theta", "0"], "--rope-theta must be positive"),
+    (["--kv-channels", "0"], "--kv-channels (the head size) must be positive, got 0"),
+    (["--position-embedding-type", "rope", "--kv-channels", "7"],
+     "rotates pairs of channels: the head size (--kv-channels 7) must be even"),
 ])
 def test_impossible_combinations_name_the_flags(extra, needle):
     with pytest.raises(ArgumentsError) as err:
@@ -111,6 +145,11 @@ def test_bad_model_flags_exit_2_with_one_message():
     proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--normalization", "batchnorm"],
                           capture_output=True, text=True, timeout=600, env=child_env(root))
     assert proc.returncode == 2 and "--normalization: invalid choice: 'batchnorm'" in proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--kv-channels", "-4"],
+                          capture_output=True, text=True, timeout=600, env=child_env(root))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_gpt.py: error: --kv-channels (the head size) must be positive, got -4"]
 
 
 def test_one_gpt_config_from_the_flags_at_parse_time():

@@ -331,6 +331,7 @@ FAMILIES = {"gpt2": {},
             "bloom": dict(position_embedding_type="alibi", embed_layernorm=True),
             "qwen3": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope",
                           untie_embeddings_and_output_weights=True, add_bias_linear=False, qk_layernorm=True)}
+FAMILIES["qwen3-kv16"] = dict(FAMILIES["qwen3"], kv_channels=16)  # heads of 16: q, k, v and c_proj's input not h wide
 
 
 def _full_grads(model, group):
@@ -359,7 +360,7 @@ def model_case(group, family, sp):
     tp = tp_size(group)
     kw = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=2 * tp, max_position_embeddings=S,
               **FAMILIES[family])
-    if family in ("llama", "qwen3"):
+    if family in ("llama", "qwen3", "qwen3-kv16"):
         kw["num_key_value_heads"] = tp
     dense = GPTModel(GPTConfig(**kw))
     config = GPTConfig(**kw, tensor_model_parallel_size=tp, sequence_parallel=sp)

@@ -99,13 +99,14 @@ def test_collectives_per_layer_equal_megatrons_formulas(tp_results, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bloom", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bloom", "qwen3", "qwen3-kv16"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp+deferred-w"])
 def test_gpt_model_split_over_tp_ranks_equals_dense(tp_results, world, family, sp):
     """GPTModel with tensor_model_parallel_size=world: gathered logits, vocab-parallel loss and every
     gathered gradient equal the dense model's (LLaMA: grouped K/V heads, SwiGLU, RoPE, untied head,
     no biases; BLOOM: ALiBi slopes per rank's heads, embedding norm; Qwen3: LLaMA's with the per-head q/k
-    norms, whose weight each rank holds whole and whose gradient shares sum to the dense one)."""
+    norms, whose weight each rank holds whole and whose gradient shares sum to the dense one; and with
+    --kv-channels 16, heads wider than h / heads: each rank's sections of q, k, v and c_proj's columns)."""
     for r in tp_results(world):
         case = r["model", family, sp]
         assert case["names"]
