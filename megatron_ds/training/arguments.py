@@ -218,7 +218,8 @@ DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "pad
 
 def validate_args(args):
     """Check the flags and derive DERIVED, in the order each needs the ones before."""
-    args.moe_ds_config = moe_ds_config(args, read_ds_config(args.deepspeed_config), args.deepspeed_config)
+    ds_config = read_ds_config(args.deepspeed_config)  # read once: the MoE section first, the rest with the flags
+    args.moe_ds_config = moe_ds_config(args, ds_config, args.deepspeed_config)
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
@@ -227,7 +228,7 @@ def validate_args(args):
     _check_parallel(args)
     args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
     check_expert_parallel_size(args)
-    merge_ds_config(args, apply_fork_flags(args, read_ds_config(args.deepspeed_config)))
+    merge_ds_config(args, apply_fork_flags(args, ds_config))
     apply_universal(args, args.ds_config, _err)
     check_schedule_shape(args)
     check_document_args(args)
