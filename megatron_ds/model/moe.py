@@ -178,6 +178,12 @@ def _grouped_experts_eager(experts, rows, counts):
     return grouped_experts(experts, rows, counts.tolist())
 
 
+def expert_of(key: str, prefix: str = ""):
+    """The global index of the expert a state-dict key under `prefix` (a MoE layer's) names; None for another key."""
+    head = prefix + "experts."
+    return int(key[len(head):].split(".", 1)[0]) if key.startswith(head) else None
+
+
 def expert_parallel_size(module) -> int:
     """The EP size of a module's MoE layers (1 without any)."""
     return max((m.config.expert_model_parallel_size for m in module.modules() if isinstance(m, MoE)), default=1)
@@ -244,8 +250,8 @@ class MoE(nn.Module):
         return totals, segment.offset
 
     def _other_experts_dropped(self, module, state, prefix, *rest):
-        for key in [k for k in state if k.startswith(prefix + "experts.")]:
-            if int(key[len(prefix + "experts."):].split(".", 1)[0]) not in self.local_experts:
+        for key in [k for k in state if expert_of(k, prefix) is not None]:
+            if expert_of(key, prefix) not in self.local_experts:
                 del state[key]
 
     def _experts(self, x2d, probs, experts, kept):

@@ -21,7 +21,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from megatron_ds.model.moe import MoE
+from megatron_ds.model.moe import MoE, expert_of
 
 from .config import ConfigError
 
@@ -76,9 +76,9 @@ def _every_expert(others, module, state, prefix, meta):
     """A state-dict post hook: this layer's experts, the local ones and `others`, in global index order where
     the local ones were."""
     items = list(state.items())
-    experts = {k: v for k, v in items if k.startswith(prefix + PREFIX)}
+    experts = {k: v for k, v in items if expert_of(k, prefix) is not None}
     experts.update({prefix + k: v for k, v in others.items()})
-    ordered = sorted(experts.items(), key=lambda kv: int(kv[0][len(prefix + PREFIX):].split(".", 1)[0]))
+    ordered = sorted(experts.items(), key=lambda kv: expert_of(kv[0], prefix))
     state.clear()
     for key, value in items:
         if key not in experts:
