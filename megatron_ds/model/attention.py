@@ -6,7 +6,8 @@ with grouped-query attention (fewer K/V heads) each K/V head serves heads / kv h
 query heads, and K/V stay grouped all the way (SDPA's enable_gqa; the Seq1F1B cache
 holds the grouped heads). With --qk-layernorm each query and key head is normalised over
 head_dim first (Qwen3's q_norm/k_norm), before RoPE rotates q and k; ALiBi is an additive bias.
-Packed documents (--reset-attention-mask) attend within each document (documents.py).
+Packed documents (--reset-attention-mask) attend within each document (documents.py). Under selective
+recompute the core (mask, scores, softmax, dropout, weighted sum) is attended again in backward (recompute.py).
 
 With tensor parallelism each rank projects, attends with and projects back its own
 query heads and their K/V heads (c_attn column-parallel by sections, c_proj row-parallel).
@@ -22,6 +23,7 @@ from .documents import Documents, documents_attention, documents_rope_tables
 from .kv_cache import KVSlot, SegmentKVCache, queries_reversed, segment_outputs, segment_queries
 from .norm import HeadNorm
 from .positions import alibi_bias, rope_tables, rotate
+from .recompute import recomputed
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
 
@@ -51,6 +53,7 @@ class CausalSelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         self.resid_drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         self.kv_slot = KVSlot()  # where the runtime puts this layer's K/V buffers of the open Seq1F1B segment
+        self.recompute_core = config.recompute_granularity == "selective"
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -66,12 +69,7 @@ class CausalSelfAttention(nn.Module):
             start = SegmentKVCache.current().offset if segmented else 0  # a compiled layer: a graph per offset
             tables = documents_rope_tables if Documents.positioning else rope_tables
             q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype))
-        if segmented:
-            y = self._attend_through_cache(segment_queries(q), k, v)
-        elif Documents.masking:  # packed documents (--reset-attention-mask)
-            y = documents_attention(q, k, v, 0, False, self._attend, self._document_bias(), self._recomputable())
-        else:
-            y = self._attend(q, k, v, self._mask(q, k, None))
+        y = self._attend_through_cache(segment_queries(q), k, v) if segmented else self._core(q, k, v)
         return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
 
     def _attend(self, q, k, v, mask):
@@ -95,11 +93,24 @@ class CausalSelfAttention(nn.Module):
     def _attend_through_cache(self, q, k, v):
         """Attention of the open segment's queries q, already in their order (segment_queries), to the
         keys/values of its own and every earlier position (b, heads, s, head_dim)."""
-        segment = SegmentKVCache.current()
-        k, v = segment.extend(self.kv_slot, k, v)
-        if Documents.masking:
-            return documents_attention(q, k, v, segment.offset, queries_reversed(q.device), self._attend,
-                                       self._document_bias(), self._recomputable())
+        k, v = SegmentKVCache.current().extend(self.kv_slot, k, v)
+        return self._core(q, k, v)
+
+    def _core(self, q, k, v):
+        """The attention core of q to k, v (the open segment's, whose keys start at position 0), kept for backward
+        or, under selective recompute, attended again there: q, k, v are all it keeps."""
+        if self.recompute_core:
+            return recomputed(self._masked_attention, q, k, v)
+        return self._masked_attention(q, k, v)
+
+    def _masked_attention(self, q, k, v):
+        """Causal attention, within documents when packed (--reset-attention-mask); its masks made here, so that
+        a recomputed core holds none between forward and backward."""
+        segment = SegmentKVCache.current() if SegmentKVCache.opened else None
+        if Documents.masking:  # its own recomputation only where the core keeps its groups' outputs
+            start, reversed_queries = (segment.offset, queries_reversed(q.device)) if segment else (0, False)
+            return documents_attention(q, k, v, start, reversed_queries, self._attend, self._document_bias(),
+                                       self._recomputable() and not self.recompute_core)
         return self._attend(q, k, v, self._mask(q, k, segment))
 
     def _recomputable(self):

@@ -28,6 +28,7 @@ from .moe import ensure_expert_parallel, routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
 from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from .plan import PipelinePlan
+from .recompute import checked as checked_recompute, stock_problem
 from .sequence_parallel import SequenceParallelPipelineEngine, on_sequence_shards, sequence_parallel_params
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
 
@@ -65,6 +66,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
     topo = topology(pp, tp)
     ensure_expert_parallel(config, topo)  # and a MoE's layers their expert-parallel group
+    recompute = checked_recompute(config)  # Megatron's recompute flags (selective: the layers' own)
     if layers is None:  # under vocabulary parallelism the word embedding and the output layer sit beside them
         layers = vocab_layer_specs(config) if settings.vocab_parallel else gpt_layer_specs(config)
     common = dict(layers=layers,
@@ -75,6 +77,10 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     if settings.stock:
         if getattr(config, "documents_in_every_stage", False):
             raise ConfigError(STOCK_DOCUMENTS)
+        if stock_problem(recompute):
+            raise ConfigError(stock_problem(recompute))
+        if recompute.full:  # uniform 1: DeepSpeed's interval 1 is Megatron's
+            common["activation_checkpoint_interval"] = max(1, activation_checkpoint_interval)
         if is_cost_method(settings.partition_method):
             module = CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         else:
@@ -88,7 +94,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
         plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length,
                                         settings)
     parts = chunk_cost_bounds(settings.partition_method, config, plan.placement, settings.vocab_parallel)
-    module = ChunkedPipelineModule(plan=plan, parts=parts, **common)
+    module = ChunkedPipelineModule(plan=plan, parts=parts, recompute=recompute, **common)
     module.packing = packing  # the engine reads each micro-batch's documents with it (model/documents.py)
     if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab_passes.py)
         module.vocab_slice = VocabSlice(config, module.stage_id, pp)
@@ -126,12 +132,14 @@ def _with_router_step(factory):
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
-                      settings=None, auto_plan=None):
-    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds."""
+                      settings=None, auto_plan=None, engine_class=ScheduleEngine, **initialize_kwargs):
+    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds.
+    `engine_class`: the ScheduleEngine (sub)class a chunked module gets (a user's own PipelineModule's:
+    pipe/foreign_engine.py); `initialize_kwargs`: more of deepspeed.initialize's arguments (training_data...)."""
     tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
     sequence_parallel = bool(sequence_parallel_params(module))  # gradient shares to sum over the TP group
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
-        factory = functools.partial(ScheduleEngine, plan=module.plan, auto_plan=auto_plan, tracer=tracer)
+        factory = functools.partial(engine_class, plan=module.plan, auto_plan=auto_plan, tracer=tracer)
     else:  # the stock engine: DeepSpeed's own, or with the sequence-parallel gradient sum
         if on_sequence_shards(module):
             ds_config = sequence_parallel_ds_config(ds_config)
@@ -141,7 +149,7 @@ def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None
     if routers(module):  # a mixture of experts: the router losses' scale, the expert bias update
         factory = _with_router_step(factory)
     kwargs = dict(model=module, config=ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                  model_parameters=model_parameters)
+                  model_parameters=model_parameters, **initialize_kwargs)
     with deepspeed_engine_class("PipelineEngine", factory):
         engine, _, _, _ = deepspeed.initialize(**kwargs)
     return engine

@@ -23,6 +23,7 @@ from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 
 from . import instructions as ins
+from .activations import detached, input_grads, leaves
 from .auto import AutoSwitch
 from .messages import incoming_key, message_key, outgoing
 from .p2p import P2P
@@ -94,12 +95,16 @@ class ScheduleEngine(PipelineEngine):
         self._sync_after = last_backward_ops(ops) if sync else {}
         if sync:
             sync.start_step(idle_chunks(program.schedule, self.module.chunks))
-        self.p2p = P2P(program.messages, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r),
-                       self.plan.message_shape, lambda key: VocabPasses.dtype_of(key, self._dtype), self.device)
+        self.p2p = self._new_p2p(program.messages)
         if self.vocab:
             self.vocab.start(program.schedule, ops, train)
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train)
+
+    def _new_p2p(self, messages):
+        """This iteration's P2P (a user's own PipelineModule's learns its shapes: pipe/learned_p2p.py)."""
+        return P2P(messages, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r),
+                   self.plan.message_shape, lambda key: VocabPasses.dtype_of(key, self._dtype), self.device)
 
     def _exec_schedule(self, pipe_schedule):
         with self.tracer.iteration(self):
@@ -199,7 +204,7 @@ class ScheduleEngine(PipelineEngine):
     def _emit(self, op, tensor):
         out = outgoing(self.sched, self.stage_id, op)
         if out is None:
-            self._local[message_key(op)] = tensor.detach()
+            self._local[message_key(op)] = detached(tensor)
         else:
             key, dst = out
             self.p2p.send(key, dst, tensor)
@@ -207,7 +212,7 @@ class ScheduleEngine(PipelineEngine):
     def _post_ahead(self, op):
         """Post the next receiving op's irecv as `op` starts: its message moves while `op` runs."""
         for key in self._ahead.get(op, ()):
-            self.p2p.post(key)
+            self.p2p.post(key, block=False)
 
     def _take(self, op):
         key = incoming_key(op)
@@ -224,7 +229,7 @@ class ScheduleEngine(PipelineEngine):
         elif stage == 0:
             x = self._inputs(mb, seq)
         else:
-            x = self._take(op).detach().requires_grad_(self.module.training)
+            x = leaves(self._take(op), self.module.training)
         with self._open_segment(replica, stage, mb, seq), self._carry_weight_grads((replica, stage), seq):
             out = self.module.chunk_forward((replica, stage), x)
         if not self.module.training and seq == self.sched.seq_splits - 1:
@@ -233,7 +238,7 @@ class ScheduleEngine(PipelineEngine):
         if stage == self.sched.loss_stage and self.vocab:  # the loss comes of every rank's S pass
             self.vocab.hidden_out(op, out)
         elif stage == self.sched.loss_stage:
-            loss = self.module.loss_fn(out, self._labels(mb, seq))
+            loss = self._stage_loss(out, mb, seq)
             self._loss_sum += loss.detach().float()
             out = loss
         else:
@@ -251,20 +256,28 @@ class ScheduleEngine(PipelineEngine):
             root, grad = self._scale_loss(out), None
         else:
             root, grad = out, self._take(op)
+        # DeepSpeed's activation checkpoint recomputes through the module's forward_funcs: the active chunk's
+        self.module.activate((replica, stage))
         with self._engine_backward():
-            if kind is Kind.B:
-                queue = self._wgrad.setdefault(unit, [])
-                with WeightGradStore.deferring(queue):
-                    torch.autograd.backward(root, grad)
-            else:
-                torch.autograd.backward(root, grad)
+            self._backward_pass(unit, kind, root, grad, x)
         if seq == 0:
             self._kv.free(((replica, stage), mb))  # segment 0 runs the micro-batch's last backward here
         if stage > 0:
-            self._emit(op, x.grad)
+            self._emit(op, input_grads(x))
         elif self.vocab:
             self.vocab.embedding_grad_out(op, x[0].grad)
         self._backward_done(op)
+
+    def _backward_pass(self, unit, kind, root, grad, x):
+        """BW, or B with the linears' weight GEMMs queued for the W of `unit` (model/linear.py)."""
+        if kind is Kind.B:
+            with WeightGradStore.deferring(self._wgrad.setdefault(unit, [])):
+                torch.autograd.backward(root, grad)
+        else:
+            torch.autograd.backward(root, grad)
+
+    def _stage_loss(self, out, mb, seq):
+        return self.module.loss_fn(out, self._labels(mb, seq))
 
     @contextlib.contextmanager
     def _engine_backward(self):
@@ -295,6 +308,7 @@ class ScheduleEngine(PipelineEngine):
     def _exec_backward_weight_op(self, replica, stage, mb, seq):
         op = Op(Kind.W, replica, stage, mb, seq)
         self._post_ahead(op)
+        self.module.activate((replica, stage))  # (as in B: a recomputation in W runs this chunk's layers)
         with self._engine_backward():
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
         self._backward_done(op)

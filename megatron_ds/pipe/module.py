@@ -12,6 +12,7 @@ import contextlib
 from deepspeed.pipe import PipelineModule
 
 from .config import ConfigError
+from .recompute import chunk_groups, forward_in_groups, interval
 from .replicas import ReplicaSync
 from .vocab_checkpoint import gather_whole, load_slice, save_head, with_whole_embedding, without_whole_embedding
 
@@ -38,11 +39,16 @@ class CostPartitionedPipelineModule(PipelineModule):
 
 class ChunkedPipelineModule(PipelineModule):
 
-    def __init__(self, layers, plan, parts=None, **kwargs):
+    def __init__(self, layers, plan, parts=None, recompute=None, **kwargs):
         """`plan` (a PipelinePlan) places the chunks: placement[replica][stage] -> pipeline rank.
         `parts`: the layer bounds of the virtual stages under a cost partition method
-        (partition.chunk_cost_bounds; None: DeepSpeed's method cuts them)."""
+        (partition.chunk_cost_bounds; None: DeepSpeed's method cuts them). `recompute`: Megatron's whole-layer
+        recompute (schedules/recompute.Recompute, granularity "full"), run per chunk (pipe/recompute.py)."""
         self.plan, self.given_parts = plan, parts
+        self.recompute = recompute if recompute is not None and recompute.full else None
+        if self.recompute:
+            kwargs["activation_checkpoint_interval"] = interval(self.recompute,
+                                                                kwargs.get("activation_checkpoint_interval", 0))
         self.placement = [list(row) for row in plan.placement]
         super().__init__(layers, **kwargs)
         self.replica_sync = None
@@ -82,12 +88,14 @@ class ChunkedPipelineModule(PipelineModule):
         raise ValueError(f"layer {layer_idx} is outside the partition {self.parts}")
 
     def _build(self):
-        self.chunk_funcs, self.chunk_checkpointable = {}, {}
+        self.chunk_funcs, self.chunk_checkpointable, self.chunk_groups = {}, {}, {}
         for chunk in self.chunks:
             self._set_bounds(*self.chunk_bounds[chunk])
             self.forward_funcs = []
             super()._build()
             self.chunk_funcs[chunk] = self.forward_funcs
+            if self.recompute:  # Megatron's groups, in place of DeepSpeed's interval (pipe/recompute.py)
+                self.chunk_groups[chunk] = chunk_groups(self.recompute, self.forward_funcs)
         self.activate(self.chunks[0])
 
     def activate(self, chunk):
@@ -106,6 +114,8 @@ class ChunkedPipelineModule(PipelineModule):
 
     def chunk_forward(self, chunk, inputs):
         self.activate(chunk)
+        if chunk in self.chunk_groups:
+            return forward_in_groups(self, self.chunk_groups[chunk], inputs)
         return super().forward(inputs)
 
     def save_state_dict(self, save_dir, checkpoint_engine, exclude_frozen_params=False):

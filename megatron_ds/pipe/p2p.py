@@ -24,15 +24,24 @@ class P2P:
         tensor = tensor.detach().contiguous()
         self.pending_send.append((dist.isend(tensor, self.group_rank_of(dst)), tensor))
 
-    def post(self, key):
-        """Post the irecv of `key` (and, first, those of the messages its sender sends before it)."""
+    def post(self, key, block=True):
+        """Post the irecv of `key` (and, first, those of the messages its sender sends before it). `block`
+        false: a receive ahead of its op, which stops short of a message whose shape is not known yet."""
         src = self.plan.source[key]
         expected = self.plan.sends[(src, self.rank)]
         while key not in self.pending_recv:
             nxt = expected[self.posted_upto[src]]
-            buf = torch.empty(self.shape_of(nxt), dtype=self.dtype_of(nxt), device=self.device)
-            self.pending_recv[nxt] = (dist.irecv(buf, self.group_rank_of(src)), buf)
+            posted = self._irecv(nxt, src, block)
+            if posted is None:
+                return
+            self.pending_recv[nxt] = posted
             self.posted_upto[src] += 1
+
+    def _irecv(self, key, src, block):
+        """(work, buffer) of the posted receive of `key`; None where it must wait to learn its shape and
+        may not (the plan's shapes are known: it never must)."""
+        buf = torch.empty(self.shape_of(key), dtype=self.dtype_of(key), device=self.device)
+        return dist.irecv(buf, self.group_rank_of(src)), buf
 
     def recv(self, key):
         self.post(key)

@@ -96,6 +96,8 @@ class ReplicaSync:
             self.launch(chunk)
 
     def launch(self, chunk):
+        if not self.params[chunk]:  # parameter-free layers (a user's own PipelineModule may cut such a chunk)
+            return
         grads = [p.grad for p in self.params[chunk] if p.grad is not None]
         if len(grads) != len(self.params[chunk]):
             raise RuntimeError(f"chunk {chunk} finished backward with parameters lacking gradients")

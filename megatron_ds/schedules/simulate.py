@@ -27,7 +27,8 @@ backward (their reverse). It is time on the critical path of F and of B (or BW),
 tf is, and kept apart from the compute: SimResult.all_to_all is each rank's time in it, so a model
 that overlaps it with other work (issue 40) can take it off the ops instead. `stage_memory` scales
 the activations of each stage of a replica over an even share's (1: the stage holds 1/S of the
-model's; a stage of MoE layers holds more than one of dense layers).
+model's; a stage of MoE layers holds more than one of dense layers). `transient` (op -> memory) is what an op
+holds only while it runs, on top of the level before it: a recomputed layer's activations in B (recompute.py).
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
              act_size: ActSize = None, check: bool = True,
              op_overhead: tuple = (0.0, 0.0, 0.0), head: tuple = (0.0, 0.0, 0.0),
              embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0, all_to_all: tuple | None = None,
-             stage_memory: Sequence[float] | None = None) -> SimResult:
+             stage_memory: Sequence[float] | None = None,
+             transient: Callable[[Op], float] | None = None) -> SimResult:
     if check:
         validate(schedule)
     comm = _comm_fn(schedule, all_to_all, seq_costs)
@@ -107,7 +109,8 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
                 progressed = True
         if not progressed:
             raise ScheduleError("simulation stalled: the op lists deadlock (run validate for details)")
-    result = _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size, head_memory, stage_memory))
+    result = _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size, head_memory, stage_memory),
+                        transient)
     result.all_to_all = [sum(comm(op) for op in ops) for ops in schedule.ranks]
     return result
 
@@ -216,7 +219,7 @@ def _token_shares(schedule: Schedule) -> list[float]:
     return [n / sum(lengths) for n in lengths]
 
 
-def _summarize(schedule, start, end, sent, delta) -> SimResult:
+def _summarize(schedule, start, end, sent, delta, transient=None) -> SimResult:
     t0 = min(start.values())
     makespan = max(end.values()) - t0
     busy, bubble, own, peak = [], [], [], []
@@ -228,6 +231,8 @@ def _summarize(schedule, start, end, sent, delta) -> SimResult:
         own.append((span - work) / span if span > 0 else 0.0)
         level = top = 0.0
         for op in lst:
+            if transient is not None:
+                top = max(top, level + transient(op))
             level += delta(op)
             top = max(top, level)
         peak.append(top)

@@ -9,6 +9,7 @@ The schedule's shape (layers per virtual stage, micro-batches per step, segments
 checked here, at parse time: the same rules the model build applies, a fraction of a second in, not 30 s.
 """
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -19,7 +20,9 @@ from megatron_ds.pipe.config import ConfigError
 from megatron_ds.pipe.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
 from megatron_ds.pipe.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
 from megatron_ds.pipe.plan import make_plan
+from megatron_ds.pipe.recompute import stock_problem
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
+from megatron_ds.schedules.recompute import Recompute
 
 from .document_args import document_keys
 from .errors import ArgumentsError
@@ -124,12 +127,16 @@ def add_fork_args(parser):
     g.add_argument("--use-flash-attn", "--use-flash-attn-v2", "--use-flash-attn-triton", dest="use_flash_attn",
                    action="store_true", help="accepted; attention already uses scaled_dot_product_attention")
     g.add_argument("--recompute-activations", action="store_true",
-                   help="Megatron-LM: recompute each transformer layer (= --checkpoint-activations)")
+                   help="Megatron-LM: = --recompute-granularity selective")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="Megatron-LM: full and selective both recompute whole layers (= --checkpoint-activations)")
-    g.add_argument("--recompute-method", choices=["uniform"], default=None,
-                   help="Megatron-LM: uniform, with --recompute-num-layers (= --checkpoint-num-layers)")
-    g.add_argument("--recompute-num-layers", type=int, default=None, help="= --checkpoint-num-layers")
+                   help="Megatron-LM: selective recomputes each layer's attention core in backward, full whole "
+                        "layers (chosen by --recompute-method)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="Megatron-LM, with --recompute-granularity full: uniform (default) recomputes each virtual "
+                        "stage's layers in groups of --recompute-num-layers, block its first --recompute-num-layers "
+                        "layers and keeps the others")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="Megatron-LM: N of --recompute-method (default 1)")
     g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
                    help="Megatron-DeepSpeed: accepted; --checkpoint-activations always uses DeepSpeed's")
     g.add_argument("--kill-switch-file", default=None, help="Megatron-DeepSpeed's name for --kill-switch-path")
@@ -215,7 +222,7 @@ def apply_fork_flags(args, ds_config):
         pipe.set("compile_layers", args.compile_layers, "--compile-layers" if args.compile_layers else "--no-compile-layers")
     if args.enable_cuda_graph:
         pipe.set("cuda_graphs", True, "--enable-cuda-graph")
-    _apply_recompute(args)
+    _apply_recompute(args, pipe)
     if args.kill_switch_file is not None:
         if args.kill_switch_path not in (None, args.kill_switch_file):
             _err(f"--kill-switch-file {args.kill_switch_file} disagrees with --kill-switch-path "
@@ -281,16 +288,35 @@ def _apply_layout(args, pipe):
     pipe.set("partition_method", LAYOUT_PREFIX + text, flags)
 
 
-def _apply_recompute(args):
-    if args.recompute_activations or args.recompute_granularity:
-        args.checkpoint_activations = True
-    if args.recompute_num_layers is not None:
-        if args.recompute_num_layers < 1:
-            _err(f"--recompute-num-layers must be positive, got {args.recompute_num_layers}")
-        if args.checkpoint_num_layers not in (1, args.recompute_num_layers):
-            _err(f"--recompute-num-layers {args.recompute_num_layers} disagrees with --checkpoint-num-layers "
+def _apply_recompute(args, pipe):
+    """Megatron's recompute flags into the run's GPTConfig (its recompute_* fields, pipe/recompute.py), checked
+    against each other and against the engine; --checkpoint-activations stays DeepSpeed's interval."""
+    granularity = args.recompute_granularity
+    if args.recompute_activations and granularity not in (None, "selective"):
+        _err(f"--recompute-activations (selective, as in Megatron-LM) disagrees with --recompute-granularity "
+             f"{granularity}: give one")
+    granularity = granularity or ("selective" if args.recompute_activations else None)
+    recompute = Recompute(granularity, args.recompute_method, args.recompute_num_layers)
+    problem = recompute.problem()
+    if problem:
+        _err(problem)
+    if granularity is None:
+        return
+    if granularity == "selective" and args.checkpoint_activations:
+        _err("--checkpoint-activations recomputes whole layers, --recompute-granularity selective the attention "
+             "core only: give one")
+    if granularity == "selective" and pipe.section.get("cuda_graphs"):
+        _err("--recompute-granularity selective with CUDA graphs (--enable-cuda-graph): the recomputed attention "
+             "core keeps q, k and v between two graphs whose replays reuse their memory")
+    if recompute.full:
+        if args.checkpoint_num_layers not in (1, recompute.n):
+            _err(f"--recompute-num-layers {recompute.n} disagrees with --checkpoint-num-layers "
                  f"{args.checkpoint_num_layers}: give one")
-        args.checkpoint_num_layers = args.recompute_num_layers
+        if pipe.section.get("schedule", "deepspeed") == "deepspeed" and stock_problem(recompute):
+            _err(stock_problem(recompute))
+        args.checkpoint_activations, args.checkpoint_num_layers = True, recompute.n
+    args.gpt_config = dataclasses.replace(args.gpt_config, recompute_granularity=granularity,
+                                          recompute_method=recompute.method, recompute_num_layers=recompute.num_layers)
 
 
 def run_plan(args):

@@ -154,11 +154,11 @@ def test_every_derived_value_is_computed_once_by_parse_args(tmp_path):
 @pytest.mark.parametrize("extra,aliases", [
     (["--micro-batch-size", "2", "--save", "ckpt", "--tensorboard-dir", "tb"], set()),
     (["--micro-batch-size", "2", "--glu-activation", "swiglu", "--use-rotary-position-embeddings",
-      "--group-query-attention", "--num-query-groups", "1", "--recompute-activations", "--recompute-num-layers",
-      "2", "--kill-switch-file", "stop", "--log-level", "info", "--enable-zbh1-pipeline",
+      "--group-query-attention", "--num-query-groups", "1", "--recompute-granularity", "full",
+      "--recompute-num-layers", "2", "--kill-switch-file", "stop", "--log-level", "info", "--enable-zbh1-pipeline",
       "--pipeline-model-parallel-size", "2"],
      {"swiglu", "position_embedding_type", "num_key_value_heads", "checkpoint_activations", "checkpoint_num_layers",
-      "kill_switch_path", "log_level_replica"}),
+      "kill_switch_path", "log_level_replica", "gpt_config"}),
 ])
 def test_parse_args_writes_only_declared_attributes(extra, aliases):
     """Every attribute parse_args adds to argparse's Namespace, or changes, is declared in DERIVED."""

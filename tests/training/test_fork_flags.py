@@ -122,10 +122,6 @@ def test_virtual_stage_flag_follows_the_catalogue(schedule):
 
 
 def test_megatron_lm_and_ds_aliases(capsys):
-    args = parse("--recompute-activations")
-    assert args.checkpoint_activations and args.activation_checkpoint_interval == 1
-    args = parse("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2")
-    assert args.activation_checkpoint_interval == 2
     args = parse("--deepspeed-activation-checkpointing", "--checkpoint-activations")
     assert args.activation_checkpoint_interval == 1
     assert parse("--kill-switch-file", "stop").kill_switch_path == "stop"
@@ -134,6 +130,48 @@ def test_megatron_lm_and_ds_aliases(capsys):
     out = capsys.readouterr().out
     assert out.count("--use-flash-attn") == 1 and "scaled_dot_product_attention" in out
     assert parse("--use-flash-attn-v2").use_flash_attn
+
+
+def recompute_of(args):
+    c = args.gpt_config
+    return c.recompute_granularity, c.recompute_method, c.recompute_num_layers, args.activation_checkpoint_interval
+
+
+def test_megatron_recompute_flags_keep_megatron_meaning():
+    """Megatron-LM: --recompute-activations is selective; full recomputes layers by uniform (default, N = 1) or
+    block; the settings reach the model (GPTConfig) for every engine, and DeepSpeed's interval stays positive."""
+    assert recompute_of(parse("--recompute-activations")) == ("selective", None, None, 0)
+    assert recompute_of(parse("--recompute-granularity", "selective", "--enable-zbh1-pipeline")) == \
+        ("selective", None, None, 0)
+    assert recompute_of(parse("--recompute-granularity", "full")) == ("full", None, None, 1)
+    zbv = ("--zero-bubble-v-schedule",)
+    assert recompute_of(parse(*zbv, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                              "--recompute-num-layers", "2")) == ("full", "uniform", 2, 2)
+    assert recompute_of(parse(*zbv, "--recompute-granularity", "full", "--recompute-method", "block",
+                              "--recompute-num-layers", "1")) == ("full", "block", 1, 1)
+    assert recompute_of(parse("--checkpoint-activations")) == (None, None, None, 1)  # DeepSpeed's own interval
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute-method", "block"], "--recompute-method and --recompute-num-layers choose the layers a full "
+     "recompute checkpoints: they need --recompute-granularity full"),
+    (["--recompute-activations", "--recompute-num-layers", "2"], "need --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-activations"],
+     "--recompute-activations (selective, as in Megatron-LM) disagrees with --recompute-granularity full: give one"),
+    (["--recompute-granularity", "selective", "--checkpoint-activations"], "--checkpoint-activations recomputes "
+     "whole layers, --recompute-granularity selective the attention core only: give one"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "0"], "--recompute-num-layers must be positive"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+     "--recompute-method block with DeepSpeed's own engine (no \"pipeline.schedule\")"),
+    (["--recompute-granularity", "full", "--recompute-num-layers", "2"],
+     "--recompute-method uniform with --recompute-num-layers 2 with DeepSpeed's own engine"),
+    (["--recompute-granularity", "selective", "--enable-zbh1-pipeline", "--compile-layers", "--enable-cuda-graph"],
+     "--recompute-granularity selective with CUDA graphs (--enable-cuda-graph)"),
+])
+def test_recompute_refusals_are_one_line(flags, message):
+    with pytest.raises(ArgumentsError) as info:
+        parse(*flags)
+    assert message in str(info.value) and "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,0 +1,227 @@
+"""Megatron's recompute on CPU: peak activation memory per rank and step time of none, selective and full,
+under 1F1B and ZB-V, with the simulator's prediction of each beside it.
+
+A GPT-2-shaped model with Megatron's default dropouts (0.1: attention dropout makes torch's CPU attention the
+unfused kernel, whose (s x s) probabilities, dropout mask and dropped probabilities per head are what selective
+recompute frees; --attention-dropout 0 shows the fused kernel, where it frees the softmax statistics alone).
+Each (schedule, recompute) cell runs in its own launch of --pp fresh processes (ZeRO-1, AdamW, fp32): one
+warm-up iteration, one whose activation memory is metered (testing/saved_memory.SavedMemory: what autograd
+saves, what DeepSpeed's checkpoint holds as its inputs and what a split backward's B queues for W, each storage
+once, parameters not counted; its peak per rank), then --iterations timed ones (median of train_batch on rank 0,
+after a barrier; --rounds launches per cell, every other round in reverse order, the best launch kept). On a
+shared machine the wall time moves with the load; "cpu s" (the busiest rank's CPU seconds per iteration, its
+process time: work, not waiting) shows what recomputing adds whatever else runs.
+
+The prediction: schedules/recompute.evaluate, the memory model layer_memory (bytes per layer and micro-batch,
+torch-free) over the schedule's op order, a rank's peak in bytes = its simulated peak x one unit (a 1F1B stage's
+layers' activations, nothing recomputed; the embedding's and head's activations are not in the model, the
+logits are: head_memory); times from one layer timed in this process (F, B, W as bench/layer_costs.py times
+them; the embedding and head not modelled), and the attention core's share of a layer's forward, which selective
+runs again in B: what selective adds to one layer's forward + backward over what a whole-layer recompute adds,
+the modes timed in turns in this process (printed above the table, as each mode's cost of one layer).
+"saving" is none's peak less the mode's on the same rank, measured and simulated: the check of the memory model.
+
+    python -m bench.recompute                      # pp 2, 8 micro-batches, 8 layers, seq 512: about 10 minutes
+    python -m bench.recompute --attention-dropout 0 --modes none selective
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+
+from bench.options import add_model_args
+from megatron_ds.testing.launcher import run_ranks
+
+MB = 2 ** 20
+MODES = {"none": {}, "selective": {"recompute_granularity": "selective"},
+         "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+         "block1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1}}
+LABELS = {"none": "none", "selective": "selective", "full": "full uniform 1", "block1": "full block 1"}
+
+
+def gpt_config(opts, mode="none"):
+    from megatron_ds.model import GPTConfig
+    return GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
+                     num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"],
+                     attention_dropout=opts["attention_dropout"], hidden_dropout=opts["hidden_dropout"],
+                     **MODES[mode])
+
+
+def worker(schedule, mode, opts):
+    """One cell on this rank: {"peak": metered bytes, "times": [s], "cpu": [s], "loss": last loss}."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from megatron_ds.model import position_ids_like
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.testing.saved_memory import SavedMemory
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    config = gpt_config(opts, mode)
+    ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
+                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9, "pipeline": {"schedule": schedule},
+                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    module = build_pipeline_module(config, ds_config, opts["pp"], seq_length=opts["seq"])
+    engine = initialize_engine(module, ds_config, model_parameters=list(module.parameters()))
+
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        for _ in range(opts["gas"]):
+            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
+            x = tokens[:, :-1].contiguous()
+            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
+
+    engine.train_batch(batches(0))  # warm-up: optimizer state, p2p buffers
+    meter = SavedMemory(exclude=list(module.parameters()))
+    with meter.recording():
+        engine.train_batch(batches(1))
+    times, cpu = [], []
+    for step in range(2, 2 + opts["iterations"]):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = float(engine.train_batch(batches(step)))
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return {"peak": meter.peak, "times": times, "cpu": cpu, "loss": loss}
+
+
+def layer_times(opts, repeats=7):
+    """(TF, TB, TW, the attention core's forward) seconds of one layer (none), medians, as bench/layer_costs
+    times a layer."""
+    import torch
+    from bench.layer_costs import Timer, time_passes
+    from megatron_ds.model import TransformerLayer
+
+    torch.set_num_threads(1)
+    layer = TransformerLayer(gpt_config(opts), 1)
+    shape = (opts["mbs"], opts["seq"], opts["hidden"])
+    x, grad = torch.randn(shape, requires_grad=True), torch.randn(shape)
+
+    def reset():
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+    passes = types.SimpleNamespace(warmup=2, repeats=repeats)
+    tf, tb, tw = time_passes(passes, Timer(torch.device("cpu")), lambda: layer(x),
+                             lambda y: torch.autograd.backward(y, grad), reset)
+    heads, d = opts["heads"], opts["hidden"] // opts["heads"]
+    q, k, v = (torch.randn(opts["mbs"], heads, opts["seq"], d, requires_grad=True) for _ in range(3))
+    core = [Timer(torch.device("cpu"))(lambda: layer.attn._masked_attention(q, k, v)) for _ in range(repeats + 2)]
+    return tf, tb, tw, statistics.median(core[2:])
+
+
+def layer_step_times(opts, modes, repeats=9):
+    """{mode: seconds of one layer's forward and backward}, the modes taking turns in each repeat (the load of
+    the moment hits all alike), the fastest repeat of each: a whole-layer recompute as the module runs it
+    (DeepSpeed's checkpoint around the layer), selective as the layer runs it."""
+    import torch
+    from deepspeed.runtime.activation_checkpointing.checkpointing import checkpoint
+    from megatron_ds.model import TransformerLayer
+
+    torch.set_num_threads(1)
+    shape = (opts["mbs"], opts["seq"], opts["hidden"])
+    x, grad = torch.randn(shape, requires_grad=True), torch.randn(shape)
+    layers = {mode: TransformerLayer(gpt_config(opts, mode), 1) for mode in modes}
+    best = {mode: float("inf") for mode in modes}
+    for i in range(repeats + 1):
+        for mode, layer in layers.items():
+            whole = MODES[mode].get("recompute_granularity") == "full"
+            t0 = time.perf_counter()
+            y = checkpoint(layer, x) if whole else layer(x)
+            torch.autograd.backward(y, grad)
+            seconds = time.perf_counter() - t0
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            if i:  # the first is a warm-up
+                best[mode] = min(best[mode], seconds)
+    return best
+
+
+def simulated(opts, schedule, mode, times, core_share):
+    """(peak bytes per rank, makespan s) that schedules/recompute.evaluate predicts for the cell."""
+    from megatron_ds.schedules import build_schedule
+    from megatron_ds.schedules.auto import LOGIT_BYTES
+    from megatron_ds.schedules.costs import ModelCosts
+    from megatron_ds.schedules.recompute import Recompute, evaluate, layer_memory
+
+    config, pp, layers = gpt_config(opts, mode), opts["pp"], opts["layers"]
+    memory = layer_memory(config, opts["seq"], opts["mbs"], 4)
+    unit = memory.kept * layers / pp
+    tf, tb, tw = times[:3]
+    per_stage = layers / pp
+    costs = ModelCosts(tf * per_stage, tb * per_stage, tw * per_stage,
+                       head_memory=opts["seq"] * opts["mbs"] * opts["vocab"] * LOGIT_BYTES / unit)
+    result = evaluate(build_schedule(schedule, pp, opts["gas"]), costs, Recompute.of(config), memory, layers,
+                      core_share=core_share)
+    return [units * unit for units in result.peak_memory], result.makespan
+
+
+def run_cells(args, opts):
+    cells = [(s, m) for s in args.schedules for m in args.modes]
+    runs = {cell: [] for cell in cells}
+    for rnd in range(args.rounds):
+        for schedule, mode in (cells if rnd % 2 == 0 else cells[::-1]):
+            print(f"round {rnd + 1}: {schedule} {LABELS[mode]} ...", file=sys.stderr, flush=True)
+            runs[schedule, mode].append(run_ranks(args.pp, worker, schedule, mode, opts, timeout=1800, quiet=True))
+    return runs
+
+
+def busiest(ranks):
+    """The most CPU seconds one rank spends per iteration (median over the timed ones)."""
+    return max(statistics.median(r["cpu"]) for r in ranks)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser, pp=2, gas=8, micro_batch_size=1, seq_length=512, hidden_size=256, num_layers=8,
+                   num_attention_heads=8, vocab_size=512)
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--hidden-dropout", type=float, default=0.1)
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"])
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    opts = dict(pp=args.pp, gas=args.gas, mbs=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size,
+                layers=args.num_layers, heads=args.num_attention_heads, vocab=args.vocab_size,
+                attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+                iterations=args.iterations)
+    times, steps = layer_times(opts), layer_step_times(opts, sorted(set(args.modes) | {"none", "selective", "full"}))
+    # the core's share of a layer's forward: what selective adds over what a whole-layer recompute adds (both
+    # timed in turns), steadier than the core timed alone
+    core_share = (steps["selective"] - steps["none"]) / (steps["full"] - steps["none"])
+    runs = run_cells(args, opts)
+    print(f"\npp={args.pp} m={args.gas} mbs={args.micro_batch_size} seq={args.seq_length} hidden={args.hidden_size} "
+          f"heads={args.num_attention_heads} layers={args.num_layers} vocab={args.vocab_size}, dropout "
+          f"{args.attention_dropout} (attention) / {args.hidden_dropout} (hidden), fp32 on CPU, {args.rounds} "
+          f"launches per cell, best kept")
+    print(f"one layer: F {times[0] * 1e3:.1f} ms, B {times[1] * 1e3:.1f} ms, W {times[2] * 1e3:.1f} ms; the "
+          f"attention core's forward alone {times[3] * 1e3:.1f} ms ({times[3] / times[0]:.0%} of F), its share of F "
+          f"from the turns below {core_share:.0%} (the simulation's)")
+    print("one layer's forward + backward, the modes taking turns (fastest of 9): " + ", ".join(
+        f"{LABELS[m]} {steps[m] * 1e3:.1f} ms ({steps[m] / steps['none']:.2f}x)" for m in MODES if m in steps) + "\n")
+    print(f"{'schedule':<9}{'recompute':<16}{'rank':>4}{'peak MB':>9}{'sim MB':>8}{'saving MB':>11}{'sim':>8}"
+          f"{'sim/meas':>9}{'step s':>8}{'x none':>8}{'cpu s':>7}{'x none':>8}{'sim x':>7}")
+    for schedule in args.schedules:
+        base = min(runs[schedule, args.modes[0]], key=lambda ranks: statistics.median(ranks[0]["times"]))
+        base_cpu = busiest(base)
+        base_sim = simulated(opts, schedule, args.modes[0], times, core_share)
+        for mode in args.modes:
+            best = min(runs[schedule, mode], key=lambda ranks: statistics.median(ranks[0]["times"]))
+            peaks, makespan = simulated(opts, schedule, mode, times, core_share)
+            step = statistics.median(best[0]["times"])
+            for rank, res in enumerate(best):
+                saving, sim_saving = base[rank]["peak"] - res["peak"], base_sim[0][rank] - peaks[rank]
+                ratio = f"{sim_saving / saving:.3f}" if saving > 0 else "-"
+                timing = (f"{step:>8.2f}{step / statistics.median(base[0]['times']):>8.2f}{busiest(best):>7.2f}"
+                          f"{busiest(best) / base_cpu:>8.2f}{makespan / base_sim[1]:>7.2f}") if rank == 0 else ""
+                print(f"{schedule if mode == args.modes[0] and rank == 0 else '':<9}"
+                      f"{LABELS[mode] if rank == 0 else '':<16}{rank:>4}{res['peak'] / MB:>9.1f}{peaks[rank] / MB:>8.1f}"
+                      f"{saving / MB:>11.1f}{sim_saving / MB:>8.1f}{ratio:>9}{timing}")
+
+
+if __name__ == "__main__":
+    main()

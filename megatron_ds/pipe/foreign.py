@@ -1,0 +1,135 @@
+"""A user's own DeepSpeed PipelineModule cut into a schedule's virtual stages (megatron_ds.initialize).
+
+DeepSpeed's PipelineModule builds, when constructed, one stage's layers per rank; a schedule with several
+chunks per rank (interleaved, the V shapes, BitPipe's twins) needs other layers there. The module keeps its
+whole layer list (modules, LayerSpecs, TiedLayerSpecs, functions) and its settings, so it is built again
+from them as a ChunkedPipelineModule, the GPT's: the same layers, loss, topology, seeds and activation
+checkpointing, cut by the same partition method into the schedule's stages. DeepSpeed keeps no record of
+the method, only the bounds it cut, so the method is the one that cuts those bounds again (or the ds_config's
+"pipeline.partition_method").
+
+What a foreign layer cannot do is refused here, in one line naming what a layer would have to provide.
+"""
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime import utils as ds_utils
+from deepspeed.runtime.pipe.module import LayerSpec
+
+from megatron_ds.schedules import ScheduleError
+
+from .config import ConfigError
+from .module import ChunkedPipelineModule
+from .plan import PipelinePlan, micro_batches_per_step
+
+DEEPSPEED_METHODS = "DeepSpeed's partition methods (\"parameters\", \"uniform\", \"type:REGEX\")"
+
+
+def check_settings(settings, ds_config):
+    """The "pipeline" settings a user's own layers cannot run, refused with what a layer would need."""
+    where = 'ds_config "pipeline"'
+    if settings.auto:
+        raise ConfigError(f'{where}."schedule" = "auto" with your own PipelineModule: "auto" builds its candidates '
+                          "from the GPT's sizes (layers, hidden size, sequence, vocabulary), which a PipelineModule's "
+                          "layers do not state; name a schedule")
+    if settings.seq_splits > 1:
+        raise ConfigError(f'{where}."seq_splits" = {settings.seq_splits} with your own PipelineModule: Seq1F1B runs '
+                          "each micro-batch as sequence segments, and a layer must know which tokens it holds and "
+                          "keep the keys/values of earlier segments (megatron_ds.model's attention and its "
+                          "SegmentKVCache); choose a schedule without segments")
+    if settings.vocab_parallel:
+        raise ConfigError(f'{where}."vocab_parallel" = true with your own PipelineModule: the vocabulary passes '
+                          "slice the word embedding and the output layer + loss, which must be megatron_ds.model's "
+                          "(model/vocab_slices.py); leave it out")
+    method = settings.partition_method
+    if "partition_method" in (ds_config.get("pipeline") or {}) and not _deepspeed_method(method):
+        raise ConfigError(f'{where}."partition_method" = {method!r} with your own PipelineModule: the cost and '
+                          f"layout methods weigh the GPT's layers; use one of {DEEPSPEED_METHODS}")
+    zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if zero not in (0, 1) or (settings.post_validation and zero != 1):
+        raise ConfigError(f'{where}: schedule {settings.schedule!r} runs with ZeRO stage 0 or 1 (post_validation: '
+                          f'1); "zero_optimization.stage" is {zero}')
+
+
+def _deepspeed_method(method):
+    return method in ("uniform", "parameters") or method.startswith("type:")
+
+
+def plan_for(module, ds_config, settings):
+    """The PipelinePlan of `module` (a PipelineModule as its user built it) under the settings' schedule."""
+    topology = module.topology()
+    if "model" in topology.get_axis_names() and topology.get_dim("model") > 1:
+        raise ConfigError("a schedule with your own PipelineModule runs pipeline x data parallelism; its "
+                          "topology has a tensor-parallel axis (\"model\") of size "
+                          f"{topology.get_dim('model')}, which megatron_ds.initialize does not run yet")
+    pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
+    mbs, gas = micro_batches_per_step(ds_config, dp)
+    try:
+        schedule = settings.build_schedule(pp, gas)
+    except ScheduleError as exc:
+        raise ConfigError(f'ds_config "pipeline": {exc}') from None
+    if schedule.seq_splits > 1 or schedule.vocab_parallel:  # a schedule file may carry them
+        check_settings(dataclasses.replace(settings, seq_splits=schedule.seq_splits,
+                                           vocab_parallel=schedule.vocab_parallel), ds_config)
+    layers = len(module._layer_specs)
+    if layers < schedule.stages:
+        raise ConfigError(f"schedule {settings.schedule!r} cuts the model into {schedule.stages} virtual stages; "
+                          f"the PipelineModule has {layers} layers")
+    # seq_length and hidden_size give the GPT's message shape; these messages learn theirs (pipe/learned_p2p.py)
+    return PipelinePlan(settings, pp, mbs, gas, seq_length=0, hidden_size=0)
+
+
+def partition_method(module, ds_config, stages):
+    """The ds_config's "pipeline.partition_method", else the DeepSpeed method that cuts `module` as it is cut
+    (the first of "parameters", DeepSpeed's default, "uniform", "type:CLASS" that does; the log says so when
+    another one would cut the `stages` virtual stages otherwise)."""
+    section = ds_config.get("pipeline") or {}
+    if "partition_method" in section:
+        return section["partition_method"]
+    names = []
+    for layer in module._layer_specs:
+        if isinstance(layer, (LayerSpec, torch.nn.Module)):
+            name = layer.typename.__name__ if isinstance(layer, LayerSpec) else type(layer).__name__
+            names += [name] if name not in names else []
+    parts, found = [int(b) for b in module.parts], []
+    for method in ["parameters", "uniform", *(f"type:{name}" for name in names)]:
+        try:
+            if _cut(module, method, module.num_stages) == parts:
+                found.append(method)
+        except RuntimeError:  # a type that matches nothing
+            continue
+    if found:
+        if len({tuple(_cut(module, m, stages)) for m in found}) > 1 and dist.get_rank() == 0:
+            print(f"megatron_ds: the PipelineModule's stages {parts} are the cut of {found}; its layers are cut into "
+                  f'the schedule\'s stages by {found[0]!r} (set "pipeline.partition_method" for another)', flush=True)
+        return found[0]
+    raise ConfigError(f"your PipelineModule's stages {parts} are not a cut of any of {DEEPSPEED_METHODS} over its "
+                      'layers; name the method in the ds_config\'s "pipeline.partition_method"')
+
+
+def _cut(module, method, stages):
+    """DeepSpeed's partition of `module`'s layers into `stages` by `method` (its PipelineModule._partition_layers,
+    without the log)."""
+    if method == "uniform":
+        parts = ds_utils.partition_uniform(num_items=len(module._layer_specs), num_parts=stages)
+    elif method == "parameters":
+        parts = ds_utils.partition_balanced(weights=module._count_layer_params(), num_parts=stages)
+    else:
+        weights = [0] * len(module._layer_specs)
+        for idx in module._find_layer_type(method.split(":", 1)[1]):
+            weights[idx] = 1
+        parts = ds_utils.partition_balanced(weights=weights, num_parts=stages)
+    return [int(b) for b in parts]
+
+
+def chunked(module, plan, method):
+    """`module`'s layers built again as the chunks `plan` places on this rank."""
+    chunked_module = ChunkedPipelineModule(
+        layers=module._layer_specs, plan=plan, loss_fn=module.loss_fn, topology=module.topology(),
+        seed_layers=module.seed_layers, seed_fn=module.seed_fn, base_seed=module.base_seed,
+        partition_method=method, activation_checkpoint_interval=module.activation_checkpoint_interval,
+        activation_checkpoint_func=module.activation_checkpoint_func,
+        checkpointable_layers=module.checkpointable_layers, dynamic_shape=module.dynamic_shape)
+    chunked_module.packing = None  # no packed documents: the engine reads none
+    return chunked_module

@@ -1,0 +1,108 @@
+"""The bytes autograd keeps for backward, live and at their peak: what activation memory a pass holds.
+
+Three kinds of tensors are kept: those autograd's nodes save (seen through torch's saved_tensors_hooks), the
+inputs of DeepSpeed's checkpoint (a recomputed layer or attention core), which its function holds as
+attributes where no hook sees them, and what a split backward's B queues for its W (model/linear.py: each
+deferred weight GEMM's input and output gradient, held by the queued call until W drains it). Each storage counts once however many tensors view it, parameters not at
+all; a tensor counts from when it is first kept until its last keeper lets go. A recomputation in backward
+saves through the hooks too, so the peak includes what a recomputed layer holds while its backward runs.
+
+    meter = SavedMemory(exclude=model.parameters())
+    with meter.recording():
+        loss = model(x).sum()
+        loss.backward()
+    meter.peak
+"""
+import contextlib
+
+import torch
+from deepspeed.runtime.activation_checkpointing.checkpointing import CheckpointFunction
+
+from megatron_ds.model.linear import WeightGradStore
+
+
+class SavedMemory:
+
+    def __init__(self, exclude=()):
+        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self.live = {}  # storage pointer -> [keepers, bytes]
+        self.now = self.peak = 0
+
+    def pack(self, tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in self.exclude or tensor.device.type == "meta":
+            return tensor
+        if ptr not in self.live:
+            self.live[ptr] = [0, tensor.untyped_storage().nbytes()]
+            self.now += self.live[ptr][1]
+            self.peak = max(self.peak, self.now)
+        self.live[ptr][0] += 1
+        return _Kept(self, ptr, tensor)
+
+    @staticmethod
+    def unpack(kept):
+        return kept.tensor if isinstance(kept, _Kept) else kept
+
+    def release(self, ptr):
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self.live[ptr]
+            self.now -= entry[1]
+
+    def reset_peak(self):
+        self.peak = self.now
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Count what autograd keeps while inside (the checkpoint's inputs included)."""
+        original = CheckpointFunction.forward
+
+        def forward(ctx, run_function, all_outputs, *args):
+            out = original(ctx, run_function, all_outputs, *args)
+            # the node (ctx) holds its inputs until autograd frees it after its backward
+            ctx.kept_by_meter = [self.pack(a) for a in args if torch.is_tensor(a)]
+            return out
+        CheckpointFunction.forward = staticmethod(forward)
+        descriptors = {name: WeightGradStore.__dict__[name] for name in ("deferring", "drain")}
+        deferring, drain, queued = WeightGradStore.deferring, WeightGradStore.drain, {}  # id(queue) -> [_Kept]
+
+        @contextlib.contextmanager
+        def metered_deferring(queue):
+            with deferring(_MeteredQueue(queue, self, queued.setdefault(id(queue), []))):
+                yield queue
+
+        def metered_drain(queue):
+            drain(queue)
+            queued.pop(id(queue), None)
+        WeightGradStore.deferring, WeightGradStore.drain = metered_deferring, metered_drain
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield self
+        finally:
+            CheckpointFunction.forward = staticmethod(original)
+            for name, descriptor in descriptors.items():
+                setattr(WeightGradStore, name, descriptor)
+
+
+class _MeteredQueue:
+    """A B op's queue of deferred weight GEMMs as the layers see it: what each queued call holds is kept until
+    the W op drains the queue."""
+
+    def __init__(self, queue, meter, kept):
+        self.queue, self.meter, self.kept = queue, meter, kept
+
+    def append(self, compute):
+        cells = [c.cell_contents for c in (getattr(compute, "__closure__", None) or ())]
+        self.kept.extend(self.meter.pack(t) for t in cells if torch.is_tensor(t))
+        self.queue.append(compute)
+
+
+class _Kept:
+    """One keeper of a storage; its bytes are released when the last keeper is dropped."""
+
+    def __init__(self, meter, ptr, tensor):
+        self.meter, self.ptr, self.tensor = meter, ptr, tensor
+
+    def __del__(self):
+        self.meter.release(self.ptr)

@@ -1,0 +1,58 @@
+"""What megatron_ds.initialize refuses for a user's own PipelineModule (pipe/foreign.check_settings, one line
+naming what a layer would need), what it rebinds to the rebuilt layers (user_pipeline._rebound), and the
+metadata of learned message shapes (pipe/learned_p2p.py); one process, no launch."""
+import pytest
+import torch
+
+from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.foreign import check_settings
+from megatron_ds.pipe.learned_p2p import decode, encode, gradient_spec, spec_of
+from megatron_ds.user_pipeline import _rebound
+
+
+def refusal(section, zero=1):
+    ds_config = {"pipeline": section, "zero_optimization": {"stage": zero}}
+    with pytest.raises(ConfigError) as err:
+        check_settings(pipeline_settings(ds_config), ds_config)
+    return str(err.value)
+
+
+def test_what_a_foreign_layer_cannot_run_is_refused_in_one_line():
+    assert "SegmentKVCache" in refusal({"schedule": "seq1f1b", "seq_splits": 2})
+    assert "model/vocab_slices.py" in refusal({"schedule": "zbv", "vocab_parallel": True})
+    assert "name a schedule" in refusal({"schedule": "auto", "memory_budget": 4})
+    assert "DeepSpeed's partition methods" in refusal({"schedule": "zbv", "partition_method": "flops"})
+    assert "ZeRO stage 0 or 1" in refusal({"schedule": "zbv"}, zero=2)
+    assert "post_validation: 1" in refusal({"schedule": "zbv", "post_validation": True}, zero=0)
+    for message in map(refusal, [{"schedule": "seq1f1b", "seq_splits": 2}, {"schedule": "auto", "memory_budget": 4}]):
+        assert "\n" not in message
+    ok = {"pipeline": {"schedule": "zbv", "partition_method": "type:Linear"}, "zero_optimization": {"stage": 0}}
+    check_settings(pipeline_settings(ok), ok)
+
+
+def test_the_optimizer_and_model_parameters_are_bound_to_the_rebuilt_layers():
+    user, rebuilt = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    optimizer = torch.optim.AdamW(user.parameters(), lr=0.5, betas=(0.8, 0.9))
+    new, params = _rebound(user, rebuilt, optimizer, user.parameters(), None)
+    assert [id(p) for p in params] == [id(p) for p in rebuilt.parameters()]
+    assert [id(p) for p in new.param_groups[0]["params"]] == [id(p) for p in rebuilt.parameters()]
+    assert type(new) is torch.optim.AdamW and new.defaults["lr"] == 0.5 and new.defaults["betas"] == (0.8, 0.9)
+    with pytest.raises(ConfigError, match="optimizer=lambda params"):
+        _rebound(user, rebuilt, torch.optim.SGD([{"params": [user.weight]}, {"params": [user.bias]}], lr=1), None,
+                 None)
+    with pytest.raises(ConfigError, match="lr_scheduler=lambda optimizer"):
+        _rebound(user, rebuilt, optimizer, None, torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    with pytest.raises(ConfigError, match="model_parameters"):
+        _rebound(user, rebuilt, None, [torch.nn.Parameter(torch.zeros(1))], None)
+
+
+def test_message_metadata_round_trips_and_gradients_keep_the_floating_tensors():
+    payload = (torch.zeros(2, 3), torch.ones(4, dtype=torch.int64), torch.zeros(1, 2, 2, dtype=torch.bfloat16),
+               torch.zeros(5, dtype=torch.bool))
+    spec = spec_of(payload)
+    assert decode(encode(spec)) == spec == (False, (((2, 3), torch.float32), ((4,), torch.int64),
+                                                    ((1, 2, 2), torch.bfloat16), ((5,), torch.bool)))
+    assert gradient_spec(spec) == (False, (((2, 3), torch.float32), ((1, 2, 2), torch.bfloat16)))
+    assert decode(encode(spec_of(torch.zeros(7)))) == (True, (((7,), torch.float32),))
+    with pytest.raises(TypeError, match="a tensor or a tuple of tensors"):
+        spec_of((torch.zeros(1), 3))
