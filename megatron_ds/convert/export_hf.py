@@ -22,7 +22,7 @@ def hf_tokenizer(args, tokenizer):
 
 def export_hf(load_dir, out_dir, vocab_file=None, merge_file=None, tokenizer_name_or_path=None):
     from transformers import AutoModelForCausalLM
-    from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict  # lazy: torch
+    from megatron_ds.convert.hf import hf_config_from_gpt, to_hf_state_dict  # lazy: torch
     check_new_folder(out_dir)
     model, args, iteration = load_checkpoint_model(load_dir)
     override_tokenizer_args(args, vocab_file, merge_file, tokenizer_name_or_path)

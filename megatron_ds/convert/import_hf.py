@@ -23,7 +23,7 @@ ARGS_FILE = "megatron_ds_args.txt"
 
 
 def _model_config(hf_dir):
-    from megatron_ds.model.hf import SUPPORTED, gpt_config_from_hf  # lazy: torch, so --help is quick
+    from megatron_ds.convert.hf import SUPPORTED, gpt_config_from_hf  # lazy: torch, so --help is quick
     hf_config = read_config(hf_dir)
     if hf_config.model_type not in SUPPORTED:
         archs = ", ".join(getattr(hf_config, "architectures", None) or [])
@@ -39,7 +39,7 @@ def _params(hf_dir, config):
     """{(layer, name): tensor}, every parameter of our model found once, with its shape."""
     # lazy: torch
     from megatron_ds.model import GPTModel
-    from megatron_ds.model.hf import from_hf_state_dict
+    from megatron_ds.convert.hf import from_hf_state_dict
     hf_sd = read_weights(hf_dir)
     try:
         params = from_hf_state_dict(hf_sd, config)

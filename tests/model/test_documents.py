@@ -234,7 +234,7 @@ def test_transformers_scores_each_document_as_the_packed_model():
     """The model exported to Hugging Face (LlamaForCausalLM), each document scored alone by transformers, gives the
     packed model's loss: the documents' isolation against an independent implementation."""
     transformers = pytest.importorskip("transformers")
-    from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict
+    from megatron_ds.convert.hf import hf_config_from_gpt, to_hf_state_dict
     packed = config("llama", **FLAGS)
     model = GPTModel(packed).eval()
     hf = transformers.AutoModelForCausalLM.from_config(hf_config_from_gpt(packed)).eval()

@@ -33,7 +33,7 @@ def family_rank_runs(pp, cases):
 def hf_first_loss(config, dp):
     """HF LlamaForCausalLM's mean loss over step 0's micro-batches, from our initial weights."""
     transformers = pytest.importorskip("transformers")
-    from megatron_ds.model.hf import hf_config_from_gpt, to_hf_state_dict
+    from megatron_ds.convert.hf import hf_config_from_gpt, to_hf_state_dict
     ours = GPTModel(config)
     hf = transformers.AutoModelForCausalLM.from_config(hf_config_from_gpt(config)).eval()
     hf.load_state_dict(to_hf_state_dict(ours.named_parameters_by_layer(), config), strict=True)

@@ -190,7 +190,7 @@ def _offline_readers_agree(vp_dir, plain_dir, config, at_save):
     saving run's whole weights, and a plain checkpoint's within 1e-5."""
     from megatron_ds.convert.ds_format import load_into
     from megatron_ds.model import GPTModel
-    from megatron_ds.model.hf import to_hf_state_dict
+    from megatron_ds.convert.hf import to_hf_state_dict
     vp, plain = load_into(GPTModel(config), str(vp_dir)), load_into(GPTModel(config), str(plain_dir))
     by_layer = {k: p.detach() for k, p in vp.named_parameters_by_layer().items()}
     assert _max_diff(by_layer, {k: at_save[k] for k in by_layer}) == 0.0

@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_ds.model import GPTModel, gpt_loss  # noqa: E402
-from megatron_ds.model.hf import (from_hf_state_dict, gpt_config_from_hf, hf_config_from_gpt,  # noqa: E402
+from megatron_ds.convert.hf import (from_hf_state_dict, gpt_config_from_hf, hf_config_from_gpt,  # noqa: E402
                                   to_hf_state_dict)
 
 VOCAB, HIDDEN, LAYERS, HEADS, SEQ = 96, 32, 2, 4, 16
