@@ -12,9 +12,14 @@ every attention layer then calls `segment.extend(slot, k, v)` (its `KVSlot`), wh
 - returns the keys/values of positions [0, stop), to be attended with a
   bottom-right-aligned causal mask (`segment.causal_mask`).
 
-Buffers. Each (micro-batch, layer) has one buffer of the keys and values of all `total`
-positions, allocated when the micro-batch's first segment opens and written in place:
-nothing earlier is copied as the sequence grows.
+Buffers. Each (micro-batch, layer) has one buffer of keys and values, written in place.
+Eager, it holds the positions the micro-batch's segments need and no more: laid out
+positions first (a prefix of positions is a prefix of its storage), it grows to `stop` as
+each segment opens forward and shrinks to `stop` as each opens backward (storage resized
+in place: the views earlier segments saved stay valid), so a rank holds K/V of the tokens
+in flight only, as it holds their other activations. A compiled layer's graph is made for
+one buffer shape, and CUDA graphs replay over the same memory: there the buffer holds all
+`total` positions from the micro-batch's first segment on (`growing` False).
 The open does the bookkeeping (order checks, fresh tensors over the buffers, each with
 its own version counter, so writing later positions never trips autograd's in-place
 check on the views earlier segments saved for backward); inside a layer the cache is
@@ -76,10 +81,11 @@ def _positions(t, start, stop):
 
 
 def _half(buffer, which, start, stop):
-    """Positions [start, stop) of the keys (which=0) or values (1) of a (2, b, heads, total, head_dim)
-    buffer, as one view operator."""
-    _, b, h, total, d = buffer.shape
-    return torch.as_strided(buffer, (b, h, stop - start, d), buffer.stride()[1:], (which * b * h * total + start) * d)
+    """Positions [start, stop) of the keys (which=0) or values (1) of a (2, b, heads, positions, head_dim)
+    buffer (either layout: _Entry), as one view operator."""
+    _, b, h, _, d = buffer.shape
+    strides = buffer.stride()
+    return torch.as_strided(buffer, (b, h, stop - start, d), strides[1:], which * strides[0] + start * strides[3])
 
 
 class KVSlot:
@@ -89,21 +95,32 @@ class KVSlot:
 
 
 class _Entry:
-    """One (micro-batch, layer): its keys-and-values buffer (2, b, heads, total, head_dim), and the
+    """One (micro-batch, layer): its keys-and-values buffer (2, b, heads, positions, head_dim), and the
     gradients owed to their positions. `static`: the tensors over them are a CUDA graph's static inputs
-    (SegmentKVCache's docstring)."""
+    (SegmentKVCache's docstring). `growing`: the buffers hold the positions `reach` asks for, laid out
+    positions first; else all `total`, contiguous (the module's docstring)."""
 
-    def __init__(self, b, heads, head_dim, total, dtype, device, static=False):
+    def __init__(self, b, heads, head_dim, total, dtype, device, static=False, growing=False):
         self.shape, self.dtype, self.device, self.static = (2, b, heads, total, head_dim), dtype, device, static
-        self.nbytes = 2 * b * heads * total * head_dim * dtype.itemsize
-        self.kv = torch.UntypedStorage(self.nbytes, device=device)
+        self.growing = growing
+        self.position_nbytes = 2 * b * heads * head_dim * dtype.itemsize
+        self.nbytes = total * self.position_nbytes
+        self.kv = torch.UntypedStorage(0 if growing else self.nbytes, device=device)
         self.owed = torch.UntypedStorage(0, device=device)  # memory at the first backward
         self.owing = False  # the owed gradients are zeroed for the micro-batch now using the entry
         self.busy = True  # a micro-batch uses it (a static cache reuses a free one)
 
     def _tensor(self, storage):
+        """A tensor over `storage` (the keys and values, or the owed gradients: the same shape, so that a
+        recomputed segment saves what its forward saved)."""
         empty = storage.nbytes() == 0
-        t = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, self.shape)
+        if self.growing:
+            _, b, h, _, d = self.shape
+            positions = self.kv.nbytes() // self.position_nbytes
+            t = torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                storage, 0, (2, b, h, positions, d), (b * h * d, h * d, d, 2 * b * h * d, 1))
+        else:
+            t = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, 0, self.shape)
         if empty:  # set_ grew it: the owed buffer stays empty before the first backward (only saved until then)
             storage.resize_(0)
         if self.static:  # no guard on the tensor object: a fresh one each open, over the same memory
@@ -114,11 +131,17 @@ class _Entry:
         """Fresh tensors (keys and values, owed gradients) over the buffers, (2, b, heads, total, head_dim)."""
         return self._tensor(self.kv), self._tensor(self.owed)
 
+    def reach(self, stop):
+        """A growing entry: hold positions [0, stop) (of the owed gradients too, once owing), no more."""
+        if self.growing:
+            for storage in (self.kv, self.owed) if self.owing else (self.kv,):
+                storage.resize_(stop * self.position_nbytes)
+
     def owe(self):
         """Give the owed gradients their memory, zeros, when the micro-batch's first backward opens."""
         if not self.owing:
             if self.owed.nbytes() == 0:
-                self.owed.resize_(self.nbytes)
+                self.owed.resize_(self.kv.nbytes() if self.growing else self.nbytes)
             self._tensor(self.owed).zero_()
             self.owing = True
 
@@ -168,8 +191,9 @@ class Segment:
         """The keys/values of the layer whose KVSlot is `slot`: the micro-batch's earlier segments'
         followed by k, v (b, heads, s, d)."""
         buffers = slot.buffers
-        b, h, _, d = k.shape
-        if buffers is None or buffers[0].shape != (2, b, h, self.total, d) or buffers[0].dtype != k.dtype:
+        b, h, s, d = k.shape
+        if (buffers is None or buffers[0].dtype != k.dtype or buffers[0].shape[:3] != (2, b, h)
+                or buffers[0].shape[4] != d or buffers[0].shape[3] < self.offset + s):
             buffers = _lay_out(self, slot, k)
         return _Extend.apply(k, v, *buffers, self.offset)
 
@@ -196,6 +220,7 @@ class Segment:
 def _lay_out(segment, slot, k):
     b, h, _, d = k.shape
     entry = segment.cache._new_entry(segment.key, slot, (b, h, d, segment.total, k.dtype, k.device))
+    entry.reach(segment.offset + k.shape[2])
     if segment.backward:
         entry.owe()
     segment.fill(slot, entry)
@@ -225,12 +250,15 @@ class SegmentKVCache:
     ones: the same schedule takes the same buffers in the same order every iteration. It keeps, between
     iterations too, the keys/values and owed gradients of as many micro-batches as were ever in flight at
     once: the owed gradients of a micro-batch still in forward are held, where an ordinary cache has none.
+
+    `growing` (None: where the layers are not compiled): each buffer holds only the positions its
+    micro-batch's segments need (the module's docstring); never under `static`.
     """
     _open = None  # the Segment of the op the runtime is running, None outside one
     opened = False  # _open is not None: what a compiled layer reads (its graphs depend on it, not on the Segment)
 
-    def __init__(self, static=False):
-        self.static = static
+    def __init__(self, static=False, growing=None):
+        self.static, self.growing = static, growing
         self._pool = {}  # layout -> [_Entry] a static cache made, in the order it made them (kept and reused)
         self._entries = {}  # key -> {KVSlot -> _Entry}
         self._runs = {}  # key -> [(start, stop)] of its segments run forward and not yet backward
@@ -280,10 +308,13 @@ class SegmentKVCache:
                 for slot, layout in self._layouts.get(chunk, {}).items():
                     if layout[3] == total:
                         entries[slot] = self._take(layout)
+            for entry in entries.values():
+                entry.reach(stop)
             return entries, False
         if runs and (start, stop) == runs[-1]:  # its backward
             runs.pop()
             for entry in entries.values():
+                entry.reach(stop)
                 entry.owe()
             return entries, True
         if start > done or stop > total:
@@ -302,7 +333,8 @@ class SegmentKVCache:
         """A static cache's first free entry of `layout` (the same schedule takes the same ones each
         iteration), else a new one."""
         if not self.static:
-            return _Entry(*layout)
+            growing = not CompileMode.layers_compiled if self.growing is None else self.growing
+            return _Entry(*layout, growing=growing)
         entries = self._pool.setdefault(layout, [])
         entry = next((e for e in entries if not e.busy), None)
         if entry is None:

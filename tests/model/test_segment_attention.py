@@ -207,10 +207,11 @@ def test_cpu_causal_mask_is_one_strided_row_and_exact_at_kernel_block_sizes():
 
 
 def test_kv_buffers_are_written_in_place_and_owed_gradients_wait_for_the_backward():
-    """The micro-batch's K/V buffer is laid out once at its full length and each segment writes its
-    positions in place (no copy of earlier ones); the owed-gradient buffer gets memory only when the
-    first backward opens; a second micro-batch of the chunk gets its buffers when its segment opens."""
-    cache, slot, k = SegmentKVCache(), KVSlot(), torch.randn(1, 2, 48, 8, requires_grad=True)
+    """A cache for compiled layers (not growing): the micro-batch's K/V buffer is laid out once at its full
+    length and each segment writes its positions in place (no copy of earlier ones); the owed-gradient buffer
+    gets memory only when the first backward opens; a second micro-batch of the chunk gets its buffers when
+    its segment opens."""
+    cache, slot, k = SegmentKVCache(growing=False), KVSlot(), torch.randn(1, 2, 48, 8, requires_grad=True)
     pointers, outs = [], []
     for start, end in ((0, 24), (24, 32), (32, 48)):
         with cache.segment(("mb", 0), start, end, 48) as seg:
@@ -227,6 +228,33 @@ def test_kv_buffers_are_written_in_place_and_owed_gradients_wait_for_the_backwar
     assert torch.equal(k.grad[:, :, 32:], torch.ones(1, 2, 16, 8))
     with cache.segment(("mb", 1), 0, 24, 48):  # laid out before any layer runs
         assert [tuple(t.shape) for t in slot.buffers] == [(2, 1, 2, 48, 8)] * 2
+
+
+def test_eager_kv_buffers_hold_the_positions_in_flight_only():
+    """Eager (growing), a micro-batch's K/V buffer holds positions [0, stop) of its last segment run forward,
+    and shrinks to each segment's stop as its backward opens (the owed gradients with it); the keys and values
+    written survive every resize, and the gradients equal one unsegmented pass."""
+    cache, slot = SegmentKVCache(), KVSlot()
+    k, v = torch.randn(1, 2, 48, 8, requires_grad=True), torch.randn(1, 2, 48, 8, requires_grad=True)
+    position = 2 * 2 * 8 * 4  # keys and values of one position: 2 heads x 8, fp32
+    outs, held = [], []
+    for start, end in ((0, 24), (24, 32), (32, 48)):
+        with cache.segment(("mb", 0), start, end, 48) as seg:
+            keys, values = seg.extend(slot, k[:, :, start:end], v[:, :, start:end])
+            outs.append((keys * values).sum())
+        held.append(cache._entries[("mb", 0)][slot].kv.nbytes())
+    assert held == [24 * position, 32 * position, 48 * position]
+    assert torch.equal(next(cache.kv_tensors()), torch.stack([k.detach(), v.detach()]))
+    entry, owed = cache._entries[("mb", 0)][slot], []
+    for (start, end), out in zip(((32, 48), (24, 32), (0, 24)), reversed(outs)):
+        with cache.segment(("mb", 0), start, end, 48):
+            assert entry.kv.nbytes() == entry.owed.nbytes() == end * position
+            out.backward()
+            owed.append(entry.owed.nbytes())
+    assert owed == [48 * position, 32 * position, 24 * position]
+    k_ref, v_ref = k.detach().clone().requires_grad_(), v.detach().clone().requires_grad_()
+    sum((k_ref[:, :, :end] * v_ref[:, :, :end]).sum() for end in (24, 32, 48)).backward()
+    assert torch.equal(k.grad, k_ref.grad) and torch.equal(v.grad, v_ref.grad)
 
 
 def test_static_cache_gives_each_micro_batch_the_same_buffers_every_iteration():
