@@ -66,22 +66,45 @@ class RssSampler:
         self.peak = max(self.peak, rss_bytes())
 
 
+def gpt_config(opts, **extra):
+    """The benches' GPTConfig of `opts` (vocab, hidden, layers, heads, seq), `extra` its other fields."""
+    from megatron_ds.model import GPTConfig
+    return GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
+                     num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"], **extra)
+
+
+def bench_ds_config(opts, pipeline=None, **extra):
+    """The benches' ds_config: opts' micro-batch size and count, ZeRO-1, AdamW; `pipeline` its section."""
+    config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
+              "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, **extra}
+    return {**config, "pipeline": dict(pipeline)} if pipeline else config
+
+
+def random_batches(config, opts):
+    """batches(step): the step's opts["gas"] micro-batches of random tokens, ((tokens, positions), labels)."""
+    import torch
+    from megatron_ds.model import position_ids_like
+
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        for _ in range(opts["gas"]):
+            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
+            x = tokens[:, :-1].contiguous()
+            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
+    return batches
+
+
 def build(name, opts):
     import deepspeed
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
-    from megatron_ds.model import GPTConfig, gpt_layer_specs, gpt_loss
+    from megatron_ds.model import gpt_layer_specs, gpt_loss
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine, topology
     from megatron_ds.pipe.config import ConfigError
     from megatron_ds.schedules import ScheduleError
 
-    config = GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
-                       num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"],
-                       tensor_model_parallel_size=opts["tp"])
-    ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
-                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
-    if ENGINES[name]:
-        ds_config["pipeline"] = dict(ENGINES[name])
+    config = gpt_config(opts, tensor_model_parallel_size=opts["tp"])
+    ds_config = bench_ds_config(opts, ENGINES[name], gradient_clipping=1.0)
     if name == DUALPIPEV:
         if opts["tp"] > 1:
             return config, "DeepSpeed's DualPipeV takes no tensor parallelism here"
@@ -99,7 +122,6 @@ def build(name, opts):
 def worker(name, opts):
     import deepspeed
     import torch
-    from megatron_ds.model import position_ids_like
 
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.utils.logger.setLevel(logging.ERROR)
@@ -110,15 +132,7 @@ def worker(name, opts):
     if isinstance(engine, str):
         return {"na": engine}
     init_s = time.perf_counter() - start
-
-    def batches(step):
-        g = torch.Generator().manual_seed(step)
-        for _ in range(opts["gas"]):
-            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
-            x = tokens[:, :-1].contiguous()
-            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
-
-    times, losses, every = timed_iterations(engine, batches, opts)
+    times, losses, every = timed_iterations(engine, random_batches(config, opts), opts)
     return {"times": times, "losses": losses, "init_s": init_s, "memory": every, "dp": engine.dp_world_size}
 
 

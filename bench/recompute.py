@@ -32,6 +32,7 @@ import sys
 import time
 import types
 
+from bench.gpt_cpu import bench_ds_config, gpt_config as bench_gpt_config, random_batches
 from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
 
@@ -43,11 +44,8 @@ LABELS = {"none": "none", "selective": "selective", "full": "full uniform 1", "b
 
 
 def gpt_config(opts, mode="none"):
-    from megatron_ds.model import GPTConfig
-    return GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
-                     num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"],
-                     attention_dropout=opts["attention_dropout"], hidden_dropout=opts["hidden_dropout"],
-                     **MODES[mode])
+    return bench_gpt_config(opts, attention_dropout=opts["attention_dropout"], hidden_dropout=opts["hidden_dropout"],
+                            **MODES[mode])
 
 
 def worker(schedule, mode, opts):
@@ -55,25 +53,16 @@ def worker(schedule, mode, opts):
     import deepspeed
     import torch
     import torch.distributed as dist
-    from megatron_ds.model import position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.testing.saved_memory import SavedMemory
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     config = gpt_config(opts, mode)
-    ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
-                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9, "pipeline": {"schedule": schedule},
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    ds_config = bench_ds_config(opts, {"schedule": schedule})
     module = build_pipeline_module(config, ds_config, opts["pp"], seq_length=opts["seq"])
     engine = initialize_engine(module, ds_config, model_parameters=list(module.parameters()))
-
-    def batches(step):
-        g = torch.Generator().manual_seed(step)
-        for _ in range(opts["gas"]):
-            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
-            x = tokens[:, :-1].contiguous()
-            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
+    batches = random_batches(config, opts)
 
     engine.train_batch(batches(0))  # warm-up: optimizer state, p2p buffers
     meter = SavedMemory(exclude=list(module.parameters()))

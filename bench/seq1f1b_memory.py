@@ -20,7 +20,6 @@ with the ratio to 1F1B's on the same rank. Theory: rank r holds p-r micro-batche
 """
 import argparse
 import os
-import re
 import resource
 
 import torch
@@ -31,76 +30,6 @@ from bench.options import add_model_args
 MB = 2 ** 20
 
 
-class SavedTensorMeter:
-    """Live bytes of the storages autograd saves for backward, and their peak."""
-
-    def __init__(self, exclude=(), cache=None):
-        self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.cache = cache
-        self.live = {}  # storage pointer -> [references, bytes, kind]
-        self.now = self.peak = 0
-        self.by_kind = {"kv": 0, "mask": 0, "other": 0}
-        self.at_peak = dict(self.by_kind)
-
-    def _kind(self, ptr):
-        if self.cache is not None:
-            if ptr in {t.untyped_storage().data_ptr() for t in self.cache.kv_tensors()}:
-                return "kv"
-            if ptr in {t.untyped_storage().data_ptr() for t in self.cache.mask_tensors()}:
-                return "mask"
-        return "other"
-
-    def _kv_bytes(self):
-        return sum(t.untyped_storage().nbytes() for t in self.cache.kv_tensors()) if self.cache is not None else 0
-
-    def pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.exclude or t.device.type == "meta":
-            return t
-        kind = self._kind(ptr)
-        if kind == "kv":  # counted from the cache itself (its buffers, not the views saved of them)
-            self._update_peak()
-            return t
-        if ptr not in self.live:
-            self.live[ptr] = [0, t.untyped_storage().nbytes(), kind]
-            self.now += self.live[ptr][1]
-            self.by_kind[kind] += self.live[ptr][1]
-            self._update_peak()
-        self.live[ptr][0] += 1
-        return _Held(self, ptr, t)
-
-    def _update_peak(self):
-        kv = self._kv_bytes()
-        if self.now + kv > self.peak:
-            self.peak, self.at_peak = self.now + kv, dict(self.by_kind, kv=kv)
-
-    @staticmethod
-    def unpack(held):
-        return held.tensor if isinstance(held, _Held) else held
-
-    def release(self, ptr):
-        entry = self.live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self.live[ptr]
-            self.now -= entry[1]
-            self.by_kind[entry[2]] -= entry[1]
-
-
-class _Held:
-    """A saved tensor; autograd drops it when the graph is freed, which releases its bytes."""
-
-    def __init__(self, meter, ptr, tensor):
-        self.meter, self.ptr, self.tensor = meter, ptr, tensor
-
-    def __del__(self):
-        self.meter.release(self.ptr)
-
-
-def _status_kb(field):
-    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1))
-
-
 def rank_main(rank, args, pipeline, port, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(args.pp), LOCAL_WORLD_SIZE=str(args.pp), OMP_NUM_THREADS="1")
@@ -108,6 +37,7 @@ def rank_main(rank, args, pipeline, port, queue):
     import deepspeed
     from megatron_ds.model import GPTConfig, position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.testing.saved_memory import PeakRSS, SavedMemory
     deepspeed.init_distributed(dist_backend="gloo")
     config = GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
                        num_attention_heads=args.num_attention_heads, max_position_embeddings=args.seq_length)
@@ -125,14 +55,12 @@ def rank_main(rank, args, pipeline, port, queue):
             yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
 
     engine.train_batch(batches())  # warm-up: optimizer state, p2p buffers, allocator
-    meter = SavedTensorMeter(exclude=list(module.parameters()), cache=getattr(engine, "_kv", None))
-    rss_before = _status_kb("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
-    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+    meter = SavedMemory(exclude=list(module.parameters()), cache=getattr(engine, "_kv", None))
+    with PeakRSS() as rss, meter.recording():
         engine.train_batch(batches())
     queue.put((rank, dict(saved=meter.peak, kv=meter.at_peak["kv"], mask=meter.at_peak["mask"], left=meter.now,
                           rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                          rss_growth=(_status_kb("VmHWM") - rss_before) * 1024,
+                          rss_growth=rss.growth,
                           lengths=module.plan.segment_lengths)))
 
 

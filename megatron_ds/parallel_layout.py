@@ -10,19 +10,29 @@ class ParallelConfigError(UserError, ValueError):
     pass
 
 
-def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num_attention_heads,
-                          ffn_hidden_size, padded_vocab_size, num_key_value_heads=None,
-                          sequence_parallel=False):
-    """Raise ParallelConfigError unless TP x PP divides the world and the model splits over TP ranks."""
+def data_parallel_size(world_size: int, pipeline_parallel: int, tensor_parallel: int = 1) -> int:
+    """world / (TP x PP): the one home of the rule "TP x PP divides the world" (the flags, the pipeline's
+    topology and the tensor-parallel groups all ask here). Raise ParallelConfigError unless it does."""
     tp, pp = tensor_parallel, pipeline_parallel
-    if tp < 1 or pp < 1:
+    if pp < 1 or world_size % pp:
+        raise ParallelConfigError(f"--pipeline-model-parallel-size {pp} must divide the world size {world_size} "
+                                  "(the number of processes the launcher started)")
+    if tp < 1:
         raise ParallelConfigError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size {pp} "
                                   f"must be at least 1")
     if world_size % (tp * pp):
         raise ParallelConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
                                   f"{tp * pp} must divide the world size {world_size} (the data-parallel size is "
                                   f"world / (TP x PP))")
-    check_model_split(tp, num_attention_heads, ffn_hidden_size, padded_vocab_size, num_key_value_heads,
+    return world_size // (tp * pp)
+
+
+def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num_attention_heads,
+                          ffn_hidden_size, padded_vocab_size, num_key_value_heads=None,
+                          sequence_parallel=False):
+    """Raise ParallelConfigError unless TP x PP divides the world and the model splits over TP ranks."""
+    data_parallel_size(world_size, pipeline_parallel, tensor_parallel)
+    check_model_split(tensor_parallel, num_attention_heads, ffn_hidden_size, padded_vocab_size, num_key_value_heads,
                       sequence_parallel)
 
 
@@ -46,3 +56,21 @@ def check_model_split(tensor_parallel, num_attention_heads, ffn_hidden_size, pad
         if value is not None and value % tp:
             raise ParallelConfigError(f"{flag} ({value}) must be divisible by --tensor-model-parallel-size "
                                       f"({tp}): {why}")
+
+
+# -- the batch: global = micro-batch x accumulation steps x data-parallel size (the one home of that arithmetic:
+# the flags' merge with the ds_config, training/arguments._merge_batch, and a plan made from a ds_config alone,
+# pipe/plan.micro_batches_per_step)
+def global_batch_size(micro_batch: int, steps: int, data_parallel: int) -> int:
+    return micro_batch * steps * data_parallel
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, data_parallel: int) -> int | None:
+    """global / (micro x DP); None unless micro x DP divides the global batch."""
+    per_step = micro_batch * data_parallel
+    return None if global_batch % per_step else global_batch // per_step
+
+
+def micro_batch_size(global_batch: int, steps: int, data_parallel: int) -> int | None:
+    """global / (steps x DP); None unless steps x DP divides the global batch."""
+    return accumulation_steps(global_batch, steps, data_parallel)

@@ -4,22 +4,23 @@ Same arguments and return values as deepspeed.initialize. A PipelineModule and a
 "pipeline.schedule" names a schedule get our engine (pipe/foreign_engine.py) over the module's layers cut into
 the schedule's chunks (pipe/foreign.py); anything else goes to deepspeed.initialize untouched, DeepSpeed's
 own engine included. The module is built again for the chunks, so what was bound to its parameters is
-bound again to the new ones: `model_parameters` (the module's parameters), an optimizer object (one param
-group, rebuilt with its defaults); an lr scheduler object, bound to the old optimizer, cannot be, so a
-scheduler comes as a callable or from the ds_config.
+bound again to the new ones by parameter name: `model_parameters` (parameters or param groups), an optimizer
+object (rebuilt with its defaults and each param group's settings); an lr scheduler object, bound to the old
+optimizer, cannot be, so a scheduler comes as a callable or from the ds_config.
 """
 import copy
 import inspect
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from megatron_ds.pipe.build import initialize_engine
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.foreign import check_settings, chunked, partition_method, plan_for
+from megatron_ds.pipe.foreign import check_parameters, check_settings, chunked, partition_method, plan_for
 from megatron_ds.pipe.foreign_engine import ForeignScheduleEngine
 
 
@@ -40,7 +41,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           f"the model is a {type(model).__name__}")
     check_settings(settings, ds_config)
     plan = plan_for(model, ds_config, settings)
-    module = chunked(model, plan, partition_method(model, ds_config, plan.schedule.stages))
+    method = partition_method(model, ds_config, plan.schedule.stages)
+    if optimizer is not None or "optimizer" in ds_config:  # DeepSpeed builds one on every rank
+        check_parameters(model, plan, method)
+    module = chunked(model, plan, method)
     optimizer, model_parameters = _rebound(model, module, optimizer, model_parameters, lr_scheduler)
     engine = initialize_engine(module, ds_config, optimizer, lr_scheduler, model_parameters, settings,
                                engine_class=ForeignScheduleEngine, args=_without_config(args),
@@ -69,33 +73,68 @@ def _without_config(args):
 
 
 def _rebound(model, module, optimizer, model_parameters, lr_scheduler):
-    """The optimizer and model_parameters, bound to `module` (the rebuilt chunks) where they were to `model`."""
-    mine = {id(p) for p in model.parameters()}
-    new = [p for p in module.parameters() if p.requires_grad]
+    """The optimizer and model_parameters, bound to `module` (the rebuilt chunks) where they were to `model`.
+
+    A parameter is known by its name in the PipelineModule (DeepSpeed's: the global layer index, or
+    tied_modules.KEY), which the rebuilt chunks keep. Each rank's `model` holds its own stage's layers only,
+    and the chunks other layers, so the ranks exchange which names each of their groups holds: a rebuilt
+    parameter joins the group that holds its name on whichever rank built it, with that group's settings
+    (a parameter in no group stays out of the optimizer, as the user left it)."""
+    names = {id(p): n for n, p in model.named_parameters()}
     if model_parameters is not None:
         given = list(model_parameters)
-        if any(isinstance(g, dict) for g in given) or not all(id(p) in mine for p in given):
-            raise ConfigError("model_parameters: megatron_ds.initialize builds the PipelineModule's layers again for "
-                              "the schedule's chunks, and takes the module's own parameters (model.parameters()) "
-                              "only; for parameter groups pass optimizer=lambda params: ... or the ds_config's "
-                              '"optimizer"')
-        model_parameters = new
+        grouped = any(isinstance(g, dict) for g in given)
+        groups = _regrouped(given if grouped else [{"params": given}], names, module, "model_parameters")
+        model_parameters = groups if grouped else groups[0]["params"]
     if isinstance(optimizer, torch.optim.Optimizer):
-        if len(optimizer.param_groups) != 1 or not all(id(p) in mine for p in optimizer.param_groups[0]["params"]):
-            raise ConfigError("optimizer: megatron_ds.initialize builds the PipelineModule's layers again for the "
-                              "schedule's chunks and rebuilds an optimizer of one param group over them; pass "
-                              "optimizer=lambda params: ... for parameter groups")
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ConfigError("lr_scheduler: an lr scheduler object is bound to the optimizer, which megatron_ds."
                               "initialize rebuilds over the schedule's chunks; pass lr_scheduler=lambda optimizer: "
                               '... or the ds_config\'s "scheduler"')
-        optimizer = _rebuilt(optimizer, new)
+        optimizer = _rebuilt(optimizer, _regrouped(optimizer.param_groups, names, module, "optimizer"))
     return optimizer, model_parameters
 
 
-def _rebuilt(optimizer, params):
-    """An optimizer of `optimizer`'s class and settings over `params` (its defaults that its constructor takes:
-    AdamW's hold decoupled_weight_decay, which AdamW() does not)."""
+def _regrouped(groups, names, module, what):
+    """`groups` (param group dicts over the user's module, whose parameter names `names` gives by id) as the
+    same groups over `module`'s parameters, found by name across every rank's groups."""
+    local = []
+    for i, group in enumerate(groups):
+        params = [group["params"]] if torch.is_tensor(group["params"]) else list(group["params"])
+        unknown = [p for p in params if id(p) not in names]
+        if unknown:
+            raise ConfigError(f"{what}: group {i} holds {len(unknown)} tensor(s) that are not the PipelineModule's "
+                              "parameters; megatron_ds.initialize builds its layers again for the schedule's chunks "
+                              "and finds each parameter there by its name in the module")
+        settings = {k: v for k, v in group.items() if k != "params"}
+        local.append(([names[id(p)] for p in params], settings))
+    everyone = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    if len({len(rank) for rank in everyone}) > 1:
+        raise ConfigError(f"{what}: the ranks pass {sorted({len(rank) for rank in everyone})} parameter groups; "
+                          "every rank must pass the same groups (each over its own stage's parameters)")
+    where, settings = {}, []
+    for i in range(len(local)):
+        kinds = {repr(sorted(rank[i][1].items())) for rank in everyone}
+        if len(kinds) > 1:
+            raise ConfigError(f"{what}: parameter group {i} has other settings on other ranks: {sorted(kinds)}")
+        settings.append(local[i][1])
+        for rank in everyone:
+            for name in rank[i][0]:
+                if where.setdefault(name, i) != i:
+                    raise ConfigError(f"{what}: parameter {name!r} is in groups {where[name]} and {i}")
+    rebuilt = [{**s, "params": []} for s in settings]
+    for name, p in module.named_parameters():
+        if name in where and p.requires_grad:
+            rebuilt[where[name]]["params"].append(p)
+    return rebuilt
+
+
+def _rebuilt(optimizer, groups):
+    """An optimizer of `optimizer`'s class and settings over `groups` (param groups with their own settings; the
+    defaults that its constructor takes: AdamW's hold decoupled_weight_decay, which AdamW() does not)."""
     accepted = inspect.signature(type(optimizer)).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    return type(optimizer)(params, **{k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted})
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted})

@@ -14,30 +14,28 @@ pretrain_gpt.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from megatron_ds.schedules import CATALOG, Schedule, ScheduleError, build_schedule, simulate
 from megatron_ds.errors import UserError
+from megatron_ds.files import UnreadableFile, read_json
 from megatron_ds.gpt_config import GPTConfig
 from megatron_ds.pipe.config import pipeline_settings
 from megatron_ds.pipe.plan import segment_lengths
+from megatron_ds.schedules.catalog import KNOBS  # what a ds_config's "pipeline" section sets instead of the flags
 from megatron_ds.schedules.render import ascii_timeline, plot_timeline, summary_table
-
-KNOBS = ("virtual_stages", "seq_splits", "split_backward")  # what a ds_config's "pipeline" section sets instead
 
 
 def from_ds_config(args):
     """The schedule a run of ds_config `args.ds_config` runs for --pp and --micro-batches."""
-    given = [f"--{k.replace('_', '-')}" for k in KNOBS if getattr(args, k)]
+    given = [f"--{k.replace('_', '-')}" for k in KNOBS if getattr(args, k, None)]  # this tool has no --op-costs
     if given:
         raise ScheduleError(f"--ds-config: its \"pipeline\" section sets the schedule's knobs; "
                             f"leave out {', '.join(given)}")
-    with open(args.ds_config) as fh:
-        try:
-            ds_config = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ScheduleError(f"--ds-config {args.ds_config}: not JSON ({exc})") from None
+    try:
+        ds_config = read_json(args.ds_config, f"--ds-config {args.ds_config}")
+    except UnreadableFile as exc:
+        raise ScheduleError(str(exc)) from None
     settings = pipeline_settings(ds_config)
     if settings.stock:  # DeepSpeed's TrainSchedule
         return build_schedule("1f1b", args.pp, args.micro_batches)

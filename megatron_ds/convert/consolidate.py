@@ -17,6 +17,8 @@ missing; the file is written to a temporary name and renamed.
 import argparse
 import os
 
+from megatron_ds.files import write_atomic
+
 from . import ToolError
 from .cli import run_tool
 from .reference import load_checkpoint_model
@@ -34,17 +36,11 @@ def fp32_state_dict(model):
 
 def _save(state, path, safe_serialization):
     import torch
-    tmp = f"{os.path.join(os.path.dirname(path), '.' + os.path.basename(path))}.tmp-{os.getpid()}"
-    try:
-        if safe_serialization:
-            from safetensors.torch import save_file
-            save_file(state, tmp, metadata={"format": "pt"})
-        else:
-            torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    if safe_serialization:
+        from safetensors.torch import save_file
+        write_atomic(path, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    else:
+        write_atomic(path, lambda tmp: torch.save(state, tmp))
 
 
 def consolidate(load_dir, out_dir, tag=None, safe_serialization=False):

@@ -17,7 +17,7 @@ except ModuleNotFoundError as e:
     if e.name != "megatron_ds":
         raise
     print("zero_to_fp32.py: error: megatron_ds is not installed in this Python: run it with the Python of the "
-          "environment that trained (README: Installing the package)", file=sys.stderr)
+          "environment that trained (docs/INSTALL.md)", file=sys.stderr)
     sys.exit(2)
 
 if __name__ == "__main__":

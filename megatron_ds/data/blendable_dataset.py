@@ -13,6 +13,8 @@ import time
 import numpy as np
 from torch.utils.data import Dataset
 
+from megatron_ds.files import write_atomic
+
 from .dataset_utils import DataConfigError
 from .dist_utils import get_rank, print_rank_0
 from .helpers import build_blending_indices
@@ -66,7 +68,6 @@ def cached_blending_indices(weights, size, cache_dir=None):
     dataset_index, dataset_sample_index = build_blending_indices(weights, size)
     if get_rank() == 0:
         os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}.npz"
-        np.savez(tmp, dataset_index=dataset_index, dataset_sample_index=dataset_sample_index)
-        os.replace(tmp, path)
+        write_atomic(path, lambda tmp: np.savez(tmp, dataset_index=dataset_index,
+                                                dataset_sample_index=dataset_sample_index), suffix=".npz")
     return dataset_index, dataset_sample_index

@@ -13,6 +13,8 @@ import importlib.util
 import os
 import sys
 
+from megatron_ds.files import write_atomic
+
 # Modules whose "docstrings" are not prose, or which are tests and tooling.
 _SKIP_PREFIXES = ("test", "idlelib", "lib2to3", "ensurepip", "turtledemo", "this", "antigravity",
                   "__phello__", "pydoc_data", "sre_", "tkinter.test", "unittest.test", "ctypes.test")
@@ -110,20 +112,18 @@ def write_corpus(output, max_docs=None):
     out_dir = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(out_dir):
         raise FileNotFoundError(f"--output {output}: directory {out_dir} does not exist")
-    tmp = f"{output}.tmp-{os.getpid()}"
     docs = 0
-    try:
+
+    def write(tmp):
+        nonlocal docs
         with open(tmp, "w", encoding="utf-8") as f:
             for text in iter_documents():
                 if max_docs is not None and docs >= max_docs:
                     break
                 f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
                 docs += 1
-        os.replace(tmp, output)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+
+    write_atomic(output, write)
     return docs, os.path.getsize(output)
 
 

@@ -27,6 +27,8 @@ import time
 import numpy as np
 from torch.utils.data import Dataset
 
+from megatron_ds.files import write_atomic
+
 from .blendable_dataset import BlendableDataset
 from .dataset_utils import DataConfigError, get_datasets_weights_and_num_samples, get_train_valid_test_split_
 from .dist_utils import barrier, get_rank, print_rank_0
@@ -253,6 +255,4 @@ def _build_shuffle_idx(num_samples, total_size, rng):
 
 
 def _save_atomic(path, arr):
-    tmp = f"{path}.tmp-{os.getpid()}.npy"
-    np.save(tmp, arr, allow_pickle=False)
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: np.save(tmp, arr, allow_pickle=False), suffix=".npy")

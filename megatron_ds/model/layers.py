@@ -2,7 +2,7 @@
 
 A pipeline is the list [Embedding, TransformerLayer x L, FinalNorm, LM head (the
 Embedding again when tied, else LMHead)]; the single-process reference chains the
-same classes. The model families are options on these classes (see config.py).
+same classes. The model families are options on these classes (see megatron_ds/gpt_config.py).
 Each layer initialises itself from its own seed (config.seed + global layer
 index), so any partition into pipeline stages gives the same weights; with tensor
 parallelism (config.tensor_model_parallel_size) each rank draws the full matrices

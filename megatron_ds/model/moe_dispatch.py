@@ -11,7 +11,12 @@ and divides by the whole data-parallel size, which makes it the data-parallel me
 
 The groups sit in DeepSpeed's registry (deepspeed.utils.groups, named "ep_size_<e>"): consecutive
 data-parallel ranks of one stage and TP rank form an EP group, and ranks e apart an expert-data-parallel group.
+
+For tests and benchmarks only, the environment variable MEGATRON_DS_TEST_A2A_LATENCY_MS adds that many
+milliseconds to every all-to-all (a sleep after the collective, inside AllToAllTimes' interval): a stand-in for
+a slow network, so that CPU runs can show what overlapping the all-to-all hides (issue 40). No run setting.
 """
+import os
 import time
 
 import torch
@@ -50,14 +55,35 @@ class AllToAllTimes:
     intervals = None
 
 
+TEST_LATENCY_ENV = "MEGATRON_DS_TEST_A2A_LATENCY_MS"
+
+
+def added_latency() -> float:
+    """Seconds of the test-only latency every all-to-all takes on top of its transfer (0: unset)."""
+    text = os.environ.get(TEST_LATENCY_ENV, "").strip()
+    try:
+        ms = float(text) if text else 0.0
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:
+        raise RuntimeError(f"{TEST_LATENCY_ENV}={text!r}: give milliseconds >= 0 (a test-only latency)")
+    return ms / 1e3
+
+
 def _all_to_all(out, x, out_splits=None, in_splits=None, group=None):
+    latency = added_latency()
     if AllToAllTimes.intervals is None:
-        return dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        if latency:
+            time.sleep(latency)
+        return
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     sync()  # the queued compute is the op's, not the all-to-all's
     start = time.perf_counter()
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     sync()
+    if latency:
+        time.sleep(latency)
     AllToAllTimes.intervals.append((start, time.perf_counter()))
 
 

@@ -52,11 +52,6 @@ def rotate(q, k, cos, sin):
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-def apply_rope(q, k, theta, start):
-    """Rotate q and k (b, heads, s, head_dim) by the angles of positions start..start+s-1."""
-    return rotate(q, k, *rope_tables(q.shape[-1], theta, start, q.shape[-2], q.device, q.dtype))
-
-
 def alibi_slopes(num_heads):
     """The ALiBi paper's head slopes: a geometric sequence from 2^(-8/n); for a head count that is
     not a power of two, the closest power's slopes then every other slope of the next power's."""

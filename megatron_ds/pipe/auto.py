@@ -18,7 +18,8 @@ that a MoE layer's cost is told from a dense one's and the all-to-all stated on 
 (schedules/measurement.moe_costs). A choice that
 places the chunks as the module is cut is a schedule swap, done here; any other needs the module rebuilt, which the owner of the engine does
 (training/auto_schedule.py). Either way the engine reports the decision once, through its
-`on_auto_decision` hook (an AutoDecision).
+`on_auto_decision` hook (an AutoDecision). Under "auto_recompute" the recompute setting is chosen too
+(schedules/auto_recompute.py); another setting than the one the run was timed under is a rebuild.
 """
 from __future__ import annotations
 
@@ -35,12 +36,13 @@ import torch.distributed as dist
 from megatron_ds.model.layers import TransformerLayer
 from megatron_ds.model.moe import MoE
 from megatron_ds.model.moe_dispatch import AllToAllTimes
-from megatron_ds.schedules import auto
+from megatron_ds.schedules import auto, auto_recompute
 from megatron_ds.schedules import measurement
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
 
+from . import ds_internals as ds
 from .config import AUTO_KEYS
 from .partition import layer_flops
 
@@ -100,7 +102,8 @@ class AutoSwitch:
             decision = self.decide()
             eng.auto = None
             choice = decision["choice"]
-            alike = eng.plan.places_alike(choice["section"])
+            alike = (eng.plan.places_alike(choice["section"])  # and the layers recompute as they do (auto_recompute)
+                     and choice.get("recompute", self.auto_plan.recompute) == self.auto_plan.recompute)
             if alike:
                 eng.plan = eng.plan.switch(choice["section"], auto.schedule_maker(choice), self.auto_plan.cuts)
             if eng.on_auto_decision is not None:
@@ -150,9 +153,12 @@ class AutoSwitch:
                     self.auto_plan.head_layers, self.auto_plan.num_layers, eng.plan.schedule.stages))
             runs = traced_runs([g[3] for g in gathered], self.schedules)
             measured = measurement.calibrate(measured, eng.num_stages, runs, self.auto_plan.cuts)
+            knobs = self.auto_plan.knobs  # "auto_recompute": counted for this device's attention kernels
+            knobs = {"knobs": knobs.on_device(torch.device(eng.device).type == "cuda"),
+                     "running": auto_recompute.of_dict(self.auto_plan.recompute)} if knobs else {}
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
                                  self.auto_plan.budget, measured, self.auto_plan.cuts, vocab_parallel=vocab_parallel,
-                                 head_memory=self.auto_plan.head_memory)
+                                 head_memory=self.auto_plan.head_memory, **knobs)
             box[0]["start"] = eng.plan.schedule.name
             print(auto.describe(box[0]), flush=True)
         dist.broadcast_object_list(box, src=0)
@@ -169,14 +175,14 @@ def inside(intervals: list, start: float, end: float) -> float:
 def layer_kinds(module, experts: set) -> tuple:
     """Per virtual stage of `module` (its `parts`), a 0/1 per transformer layer it holds: 1 when that layer
     (its global index, MoE.layer_idx) is among `experts`. Every rank holds every layer's spec."""
-    specs = module._layer_specs
+    specs = ds.layer_specs(module)
     flags = [None if spec.typename is not TransformerLayer else int(spec.module_args[1] in experts) for spec in specs]
     return tuple(tuple(f for f in flags[a:b] if f is not None) for a, b in zip(module.parts, module.parts[1:]))
 
 
 def moe_flops(module, kinds: tuple) -> float:
     """A MoE layer's forward FLOPs over a dense layer's, from the model's sizes (1 when either is missing)."""
-    specs = [spec for spec in module._layer_specs if spec.typename is TransformerLayer]
+    specs = [spec for spec in ds.layer_specs(module) if spec.typename is TransformerLayer]
     if not specs:
         return 1.0
     flops = layer_flops(specs[0].module_args[0])[1:-2]  # the transformer layers'

@@ -21,6 +21,7 @@ from megatron_ds.model.documents import Packing
 from megatron_ds.model.layers import FinalNorm, TransformerLayer, compiled_loss, loss_function
 from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
+from megatron_ds.parallel_layout import data_parallel_size
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
 from .engine import ScheduleEngine
@@ -40,15 +41,10 @@ STOCK_DOCUMENTS = ('--reset-attention-mask (and --reset-position-ids under RoPE)
 
 def topology(pp: int, tp: int = 1):
     """DeepSpeed's (pipe, data) topology, or with tensor parallelism (pipe, data, model): TP fastest."""
-    world = dist.get_world_size()
-    if pp < 1 or world % pp:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} must divide the world size {world}")
+    dp = data_parallel_size(dist.get_world_size(), pp, tp)
     if tp == 1:
-        return PipeDataParallelTopology(num_pp=pp, num_dp=world // pp)
-    if world % (pp * tp):
-        raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must divide "
-                          f"the world size {world}")
-    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
+        return PipeDataParallelTopology(num_pp=pp, num_dp=dp)
+    return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
 
 
 def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activation_checkpoint_interval: int = 0,
@@ -91,7 +87,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
         if settings.auto:  # the engine needs its AutoPlan, which only make_plan hands out
             raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan.make_plan, pass it '
                              "here and its AutoPlan to initialize_engine")
-        plan = PipelinePlan.from_config(config, ds_config, pp, dist.get_world_size() // (pp * tp), seq_length,
+        plan = PipelinePlan.from_config(config, ds_config, pp, topo.get_dim("data"), seq_length,
                                         settings)
     parts = chunk_cost_bounds(settings.partition_method, config, plan.placement, settings.vocab_parallel)
     module = ChunkedPipelineModule(plan=plan, parts=parts, recompute=recompute, **common)

@@ -21,7 +21,7 @@ DEEPSPEED_KEYS = {"stages", "partition", "seed_layers", "activation_checkpoint_i
                   "pipe_partitioned", "grad_partitioned", "use_reentrant"}
 STOCK = "deepspeed"
 AUTO = "auto"  # measure, then switch to the fastest schedule that fits "memory_budget" (pipe/auto.py)
-AUTO_KEYS = ("memory_budget", "timers_start_iter", "timers_end_iter", "remeasure")
+AUTO_KEYS = ("memory_budget", "timers_start_iter", "timers_end_iter", "remeasure", "auto_recompute")
 
 
 class ConfigError(UserError, ValueError):
@@ -31,10 +31,10 @@ class ConfigError(UserError, ValueError):
 @dataclass
 class PipelineSettings:
     schedule: str = STOCK
-    virtual_stages: int = 1
-    seq_splits: int = 1
+    virtual_stages: int = KNOBS["virtual_stages"]  # the schedule knobs: unset as the catalogue's KNOBS say
+    seq_splits: int = KNOBS["seq_splits"]
     seq_split_method: str = "balanced"
-    split_backward: bool = False
+    split_backward: bool = KNOBS["split_backward"]
     post_validation: bool = False
     partition_method: str = "type:transformer"
     allow_padding_num_layers: bool = False
@@ -43,7 +43,8 @@ class PipelineSettings:
     timers_start_iter: int = 1     # "auto" times iterations [start, end) of this process, then switches
     timers_end_iter: int = 4
     remeasure: bool = False        # "auto" on --load: time again, though the checkpoint holds a valid choice
-    op_costs: Optional[list] = None  # zbv-half/zbv-min: build the op order for these TF, TB, TW of a layer
+    auto_recompute: bool = False   # "auto" chooses the recompute too: none, selective or full (schedules/auto_recompute.py)
+    op_costs: Optional[list] = KNOBS["op_costs"]  # zbv-half/zbv-min: the op order for these TF, TB, TW of a layer
     vocab_parallel: bool = False     # embedding and output layer sliced over the pipeline ranks by vocabulary
     compile_layers: Optional[bool] = None  # torch.compile each transformer layer, the final norm and the loss
     # (model/compile.py); None: compiles_layers
@@ -84,10 +85,12 @@ class PipelineSettings:
                                 "ramp-up is not offered with it")
         if self.file:
             return from_file.for_run(self.file, pp, micro_batches, segment_lengths)
-        return build_schedule(self.schedule, pp, micro_batches, virtual_stages=self.virtual_stages,
-                              seq_splits=self.seq_splits, split_backward=self.split_backward,
-                              segment_lengths=segment_lengths, op_costs=self.op_costs,
-                              vocab_parallel=self.vocab_parallel)
+        return build_schedule(self.schedule, pp, micro_batches, segment_lengths=segment_lengths,
+                              vocab_parallel=self.vocab_parallel, **self.knobs())
+
+    def knobs(self) -> dict:
+        """The section's schedule knobs (the catalogue's KNOBS), set or not."""
+        return {key: getattr(self, key) for key in KNOBS}
 
 
 def _int_at_least(section, key, minimum, default=None):
@@ -114,7 +117,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
-                "compile_layers", "cuda_graphs"):
+                "compile_layers", "cuda_graphs", "auto_recompute"):
         if key in section and not isinstance(section[key], bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     if section.get("cuda_graphs") and section.get("compile_layers") is False:
@@ -135,7 +138,7 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         virtual_stages=_int_at_least(section, "virtual_stages", 1),
         seq_splits=_int_at_least(section, "seq_splits", 1),
         seq_split_method=method,
-        split_backward=section.get("split_backward", False),
+        split_backward=section.get("split_backward", KNOBS["split_backward"]),
         post_validation=section.get("post_validation", False),
         partition_method=section.get("partition_method", "type:transformer"),
         allow_padding_num_layers=section.get("allow_padding_num_layers", False),
@@ -144,7 +147,8 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         timers_start_iter=_int_at_least(section, "timers_start_iter", 0, default=1),
         timers_end_iter=_int_at_least(section, "timers_end_iter", 1, default=4),
         remeasure=section.get("remeasure", False),
-        op_costs=section.get("op_costs"),
+        auto_recompute=section.get("auto_recompute", False),
+        op_costs=section.get("op_costs", KNOBS["op_costs"]),
         vocab_parallel=section.get("vocab_parallel", False),
         compile_layers=section.get("compile_layers"),
         cuda_graphs=section.get("cuda_graphs", False),
@@ -189,8 +193,7 @@ def _file_settings(section, schedule, method) -> PipelineSettings:
     """`"schedule": "file:PATH.json"`: the file read and proven runnable now, at start-up; its knobs come
     from the file (segment counts, chunks), so the section may not set them."""
     where = f'ds_config "pipeline.schedule" = {json.dumps(schedule)}'
-    knobs = [key for key in ("virtual_stages", "seq_splits", "split_backward", "op_costs", *AUTO_KEYS)
-             if key in section]
+    knobs = [key for key in (*KNOBS, *AUTO_KEYS) if key in section]
     if knobs:
         raise ConfigError(f"{where}: the file fixes the op order, chunks and segments; remove "
                           f"{', '.join(knobs)} from the section")

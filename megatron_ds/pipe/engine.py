@@ -3,7 +3,7 @@
 The schedule (pure data from megatron_ds.schedules) gives each rank its ordered
 ops; this engine interprets them. Activations and gradients live in per-(replica,
 stage, mb, seq) buffers; edges between ranks become isend/irecv pairs planned by
-p2p.MessagePlan, edges inside a rank are local hand-overs. Each chunk's forward
+messages.MessagePlan, edges inside a rank are local hand-overs. Each chunk's forward
 starts from a detached leaf, so every (stage, mb, seq) has its own autograd graph
 and B, W and BW can run in any order the schedule picks. Gradient reduction,
 ZeRO-1, clipping, the optimizer step and checkpoints are DeepSpeed's own.
@@ -22,6 +22,7 @@ from megatron_ds.model.weight_carriers import Carriers
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 
+from . import ds_internals as ds
 from . import instructions as ins
 from .activations import detached, input_grads, leaves
 from .auto import AutoSwitch
@@ -50,7 +51,8 @@ class ScheduleEngine(PipelineEngine):
     set_dataiterator, save_checkpoint (to record the layout), _take_model_step (post-validation's
     optimizer step, megatron_ds/pipe/post_validation.py), and _INSTRUCTION_MAP (DeepSpeed's own
     handlers for the step's reductions and optimizer step, ours for the ops; ReduceTiedGrads first sums
-    the sequence-parallel gradients over the TP group, see sequence_parallel.py)."""
+    the sequence-parallel gradients over the TP group, see sequence_parallel.py). The signatures they are
+    written against, and every other private of DeepSpeed's it touches: ds_internals.py."""
 
     def __init__(self, *args, plan, auto_plan=None, tracer=None, **kwargs):
         self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py); "auto" swaps in one placed alike
@@ -151,6 +153,15 @@ class ScheduleEngine(PipelineEngine):
         if self.packing.eod_mask_loss:
             self._scored = [int((labels >= 0).sum()) for _, labels in batches]
 
+    def micro_batch(self, mb):
+        """Micro-batch `mb` of this iteration, ((tokens, position_ids), labels), on the device."""
+        return self._batches[mb]
+
+    @property
+    def loss_masked(self):
+        """Whether this iteration's losses leave some tokens out (--eod-mask-loss: scored_tokens counts the rest)."""
+        return self._scored is not None
+
     def scored_tokens(self, mb):
         """The tokens whose loss micro-batch `mb` scores: a Seq1F1B segment's loss sum is divided by it."""
         _, labels = self._batches[mb]
@@ -239,7 +250,7 @@ class ScheduleEngine(PipelineEngine):
             self.vocab.hidden_out(op, out)
         elif stage == self.sched.loss_stage:
             loss = self._stage_loss(out, mb, seq)
-            self._loss_sum += loss.detach().float()
+            self.add_loss(loss)
             out = loss
         else:
             self._emit(op, out)
@@ -253,12 +264,12 @@ class ScheduleEngine(PipelineEngine):
         if stage == self.sched.loss_stage and self.vocab:
             root, grad = out, self.vocab.loss_input_grad(op, out)
         elif stage == self.sched.loss_stage:
-            root, grad = self._scale_loss(out), None
+            root, grad = self.scale_loss(out), None
         else:
             root, grad = out, self._take(op)
         # DeepSpeed's activation checkpoint recomputes through the module's forward_funcs: the active chunk's
         self.module.activate((replica, stage))
-        with self._engine_backward():
+        with ds.engine_backward(self):
             self._backward_pass(unit, kind, root, grad, x)
         if seq == 0:
             self._kv.free(((replica, stage), mb))  # segment 0 runs the micro-batch's last backward here
@@ -279,23 +290,19 @@ class ScheduleEngine(PipelineEngine):
     def _stage_loss(self, out, mb, seq):
         return self.module.loss_fn(out, self._labels(mb, seq))
 
-    @contextlib.contextmanager
-    def _engine_backward(self):
-        """Gradients computed here count as the engine's: DeepSpeed's post-backward hooks check the flag."""
-        self._running_engine_backward = True
-        try:
-            yield
-        finally:
-            self._running_engine_backward = False
-
     def _backward_done(self, op):
         if self._sync_after:
             self.module.replica_sync.after_backward(self._sync_after.get(op))
 
-    def _scale_loss(self, loss):
+    def scale_loss(self, loss):
+        """A micro-batch's loss as the step's loss counts it, to run backward from."""
         loss = loss / self.micro_batches  # the per-micro-batch mean, as DeepSpeed's GAS scaling
         scale = getattr(self.optimizer, "scale_if_loss", None)
         return scale(loss) if scale else loss
+
+    def add_loss(self, loss):
+        """Add a micro-batch's loss (or a segment's share of it) to the iteration's sum (_aggregate_total_loss)."""
+        self._loss_sum += loss.detach().float()
 
     def _exec_backward_op(self, replica, stage, mb, seq):
         with self._open_segment(replica, stage, mb, seq):  # for recomputation (activation checkpointing)
@@ -309,7 +316,7 @@ class ScheduleEngine(PipelineEngine):
         op = Op(Kind.W, replica, stage, mb, seq)
         self._post_ahead(op)
         self.module.activate((replica, stage))  # (as in B: a recomputation in W runs this chunk's layers)
-        with self._engine_backward():
+        with ds.engine_backward(self):
             WeightGradStore.drain(self._wgrad.pop((replica, stage, mb, seq)))
         self._backward_done(op)
 
@@ -322,7 +329,7 @@ class ScheduleEngine(PipelineEngine):
         if self.module.replica_sync:
             self.module.replica_sync.wait()
 
-    def _exec_finish_p2p(self):
+    def _exec_finish_iteration(self):
         leftovers = self.vocab.finish() if self.vocab else []
         self.p2p.finish()
         leftovers += [k for k in (*self._stash, *self._wgrad)] if self.module.training else []
@@ -374,13 +381,13 @@ class ScheduleEngine(PipelineEngine):
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
 
     _INSTRUCTION_MAP = through_tracer(with_sequence_parallel_reduction({
-        **PipelineEngine._INSTRUCTION_MAP,
+        **ds.instruction_map(PipelineEngine),
         ins.LoadMicroBatches: _exec_load_micro_batches,
         ins.ForwardOp: _exec_forward_op,
         ins.BackwardOp: _exec_backward_op,
         ins.BackwardInputOp: _exec_backward_input_op,
         ins.BackwardWeightOp: _exec_backward_weight_op,
-        ins.FinishP2P: _exec_finish_p2p,
+        ins.FinishIteration: _exec_finish_iteration,
         **{ins.KIND_TO_INSTRUCTION[kind]: vocab_handler(kind) for kind in VOCAB},
         ins.ReduceReplicaGrads: _exec_reduce_replica_grads,
     }))

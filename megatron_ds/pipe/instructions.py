@@ -53,8 +53,9 @@ class ReduceReplicaGrads(ds_schedule.PipeInstruction):
     """Finish the twin-chunk gradient all-reduces of a two-replica schedule."""
 
 
-class FinishP2P(ds_schedule.PipeInstruction):
-    """Wait for outstanding sends and check that every message was consumed."""
+class FinishIteration(ds_schedule.PipeInstruction):
+    """End of the op list: wait for outstanding sends, check that every message was consumed and that no
+    activation, deferred W or K/V cache was left behind, and drop the iteration's micro-batches."""
 
 
 KIND_TO_INSTRUCTION = {Kind.F: ForwardOp, Kind.BW: BackwardOp, Kind.B: BackwardInputOp, Kind.W: BackwardWeightOp,
@@ -74,7 +75,7 @@ class OpListSchedule(ds_schedule.PipeSchedule):
         yield [LoadMicroBatches()]
         for op in self.ops:
             yield [KIND_TO_INSTRUCTION[op.kind](replica=op.replica, stage=op.stage, mb=op.mb, seq=op.seq)]
-        yield [FinishP2P()]
+        yield [FinishIteration()]
         if self.train:
             yield [ReduceReplicaGrads(), ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(),
                    ds_schedule.OptimizerStep()]

@@ -75,10 +75,18 @@ class Shapes:
         return None if self.dynamic else self.edges.get(key[1:3])
 
     def gradient(self, key):
-        """The spec of GRAD message `key` (B(stage) to stage - 1): what this rank's F(stage - 1) sent."""
+        """The spec of GRAD message `key` (B(stage) to stage - 1): what this rank's F(stage - 1) sent (under
+        dynamic shapes, in this iteration: None until then, so that a receive posted ahead of that F waits for
+        it rather than take the last iteration's shape of the same micro-batch)."""
         _, replica, stage, mb, seq = key
         spec = self.sent.get((replica, stage - 1, mb, seq)) if self.dynamic else self.edges.get((replica, stage - 1))
         return None if spec is None else gradient_spec(spec)
+
+    def received(self, key):
+        """GRAD message `key` is posted: under dynamic shapes its activation's spec is spent."""
+        if self.dynamic:
+            _, replica, stage, mb, seq = key
+            del self.sent[(replica, stage - 1, mb, seq)]
 
 
 class _Works:
@@ -134,6 +142,8 @@ class LearnedP2P(P2P):
             dist.recv(words, peer)
             spec = decode(words)
             self.shapes.edges[key[1:3]] = spec
+        if key[0] == GRAD:
+            self.shapes.received(key)
         bufs = [torch.empty(shape, dtype=torch.uint8 if dtype is torch.bool else dtype, device=self.device)
                 for shape, dtype in spec[1]]
         return _Works([dist.irecv(buf, peer) for buf in bufs]), (spec, bufs)

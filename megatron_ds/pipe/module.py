@@ -11,6 +11,7 @@ import contextlib
 
 from deepspeed.pipe import PipelineModule
 
+from . import ds_internals as ds
 from .config import ConfigError
 from .recompute import chunk_groups, forward_in_groups, interval
 from .replicas import ReplicaSync
@@ -19,9 +20,9 @@ from .vocab_checkpoint import gather_whole, load_slice, save_head, with_whole_em
 
 def given_parts(module, parts, method):
     """`parts` as the module's layer bounds, once they are known to cover its layer list."""
-    if parts[-1] != len(module._layer_specs):
+    if parts[-1] != len(ds.layer_specs(module)):
         raise ConfigError(f"partition_method {method!r} cut {parts[-1]} pipeline layers, but the model has "
-                          f"{len(module._layer_specs)}: the cost methods need the GPT's layer list")
+                          f"{len(ds.layer_specs(module))}: the cost methods need the GPT's layer list")
     return list(parts)
 
 
@@ -34,7 +35,7 @@ class CostPartitionedPipelineModule(PipelineModule):
 
     def _partition_layers(self, method="uniform"):
         self.parts = given_parts(self, self.given_parts, method)
-        self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+        ds.set_bounds(self, start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
 
 
 class ChunkedPipelineModule(PipelineModule):
@@ -53,7 +54,7 @@ class ChunkedPipelineModule(PipelineModule):
         super().__init__(layers, **kwargs)
         self.replica_sync = None
         if len(self.placement) > 1:
-            self.replica_sync = ReplicaSync(self, self._grid)
+            self.replica_sync = ReplicaSync(self, ds.grid(self))
             self.replica_sync.broadcast_weights()
 
     @property
@@ -90,7 +91,7 @@ class ChunkedPipelineModule(PipelineModule):
     def _build(self):
         self.chunk_funcs, self.chunk_checkpointable, self.chunk_groups = {}, {}, {}
         for chunk in self.chunks:
-            self._set_bounds(*self.chunk_bounds[chunk])
+            ds.set_bounds(self, *self.chunk_bounds[chunk])
             self.forward_funcs = []
             super()._build()
             self.chunk_funcs[chunk] = self.forward_funcs
@@ -102,7 +103,7 @@ class ChunkedPipelineModule(PipelineModule):
         """Expose `chunk`'s layers as this module's forward pass."""
         self.active_chunk = chunk
         self.forward_funcs = self.chunk_funcs[chunk]
-        self._local_start, self._local_stop = self.chunk_bounds[chunk]
+        ds.set_bounds(self, *self.chunk_bounds[chunk])
         self.is_checkpointable_results = self.chunk_checkpointable.get(chunk, [])
 
     def _precompute_checkpointable_values(self):
@@ -125,27 +126,23 @@ class ChunkedPipelineModule(PipelineModule):
             if chunk[0] == 0:  # a checkpoint holds one copy of each layer
                 self.activate(chunk)
                 saving = (with_whole_embedding(self.forward_funcs[0], whole["wte"])
-                          if whole.get("wte") is not None and self._local_start == 0 else contextlib.nullcontext())
+                          if whole.get("wte") is not None and ds.local_start(self) == 0 else contextlib.nullcontext())
                 with saving:
                     super().save_state_dict(save_dir, checkpoint_engine, exclude_frozen_params)
-                if whole.get("head") is not None and self._local_stop == len(self._layer_specs):
+                if whole.get("head") is not None and ds.local_stop(self) == len(ds.layer_specs(self)):
                     save_head(self, save_dir, checkpoint_engine, whole["head"])
 
     def load_state_dir(self, load_dir, checkpoint_engine, strict=True):
         # The parent re-broadcasts tied weights after loading: a collective, so do it
         # once here rather than once per chunk.
         vocab = getattr(self, "vocab_slice", None)
-        self._synchronize_tied_weights = lambda: None
-        try:
+        with ds.tied_weight_sync_put_off(self):
             for chunk in self.chunks:
                 self.activate(chunk)
                 loading = (without_whole_embedding(self.forward_funcs[0]) if vocab is not None
-                           and self._local_start == 0 else contextlib.nullcontext())
+                           and ds.local_start(self) == 0 else contextlib.nullcontext())
                 with loading:
                     super().load_state_dir(load_dir, checkpoint_engine, strict)
-        finally:
-            del self._synchronize_tied_weights
-        self._synchronize_tied_weights()
         if vocab is not None:
             load_slice(self, load_dir)
         if self.replica_sync:

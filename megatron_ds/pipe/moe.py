@@ -17,6 +17,7 @@ from megatron_ds.model.moe_router import Router
 from megatron_ds.model.tensor_parallel import get_parallel_state
 from megatron_ds.moe_config import expert_parallel_problem
 
+from . import ds_internals as ds
 from .config import ConfigError
 from .moe_checkpoint import check_layer_writes, dense_checkpoint, whole_experts
 
@@ -43,25 +44,23 @@ def ensure_expert_parallel(config, topo):
     (collective: every rank, before the model is built; nothing without expert parallelism). `topo`: the
     pipeline's ProcessTopology. For each stage and TP rank, consecutive data-parallel ranks form an EP group
     and ranks EP apart an EDP group. DeepSpeed's own maker matches this without TP; with TP it would put
-    TP ranks, which route the same tokens, in one EDP group (deepspeed.utils.groups 0.19: members
-    _EXPERT_PARALLEL_GROUP, _EXPERT_DATA_PARALLEL_GROUP and their _RANKS, read by its ZeRO optimizer)."""
+    TP ranks, which route the same tokens, in one EDP group (DeepSpeed's registries, which its ZeRO optimizer
+    reads: ds_internals.expert_parallel_registries)."""
     moe = getattr(config, "moe", None)
     if moe is None or moe.expert_model_parallel_size == 1:
         return
-    from deepspeed.utils import groups  # lazy: DeepSpeed's group registry, for expert-parallel runs only
     ep, name = moe.expert_model_parallel_size, group_name(moe.expert_model_parallel_size)
     problem = expert_parallel_problem(ep, topo.get_dim("data"))
     if problem:
         raise ConfigError(problem)
-    if name in groups._EXPERT_PARALLEL_GROUP:
+    ep_groups, ep_ranks, edp_groups, edp_ranks = ds.expert_parallel_registries()
+    if name in ep_groups:
         return
     me = dist.get_rank()
     for lane in topo.get_axis_comm_lists("data"):  # one stage and TP rank's data-parallel ranks, in order
         for registry, ranks_registry, cut in (
-                (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_PARALLEL_GROUP_RANKS,
-                 [lane[i:i + ep] for i in range(0, len(lane), ep)]),
-                (groups._EXPERT_DATA_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS,
-                 [lane[j::ep] for j in range(ep)])):
+                (ep_groups, ep_ranks, [lane[i:i + ep] for i in range(0, len(lane), ep)]),
+                (edp_groups, edp_ranks, [lane[j::ep] for j in range(ep)])):
             for ranks in cut:
                 group = dist.new_group(ranks)
                 if me in ranks:

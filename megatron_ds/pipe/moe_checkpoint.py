@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_ds.model.moe import MoE, expert_of
 
+from . import ds_internals as ds
 from .config import ConfigError
 
 PREFIX = "experts."
@@ -45,7 +46,7 @@ def check_layer_writes(module):
 def layer_file_writer(grid) -> int:
     """The global rank that writes this rank's layer files: the same stage and TP rank, data-parallel replica 0
     (DeepSpeed's PipelineModule.save_state_dict)."""
-    topo = grid._topo
+    topo = ds.topology_of(grid)
     return topo.get_rank(**{**topo.get_coord(dist.get_rank())._asdict(), "data": 0})
 
 
@@ -112,22 +113,21 @@ def whole_experts(engine):
     if not layers:
         yield
         return
-    shapes = engine._get_zero_param_shapes  # DeepSpeed 0.19's engine method that lists them
-    engine._get_zero_param_shapes = lambda: with_every_expert(shapes(), layers[0].config.num_experts)
-    writer = layer_file_writer(engine.grid)
-    handles = []
-    for layer in layers:
-        if writer not in dist.get_process_group_ranks(layer.ep_group):
-            continue  # no rank of this EP group writes layer files
-        others = _gathered_experts(layer, writer)
-        if others:
-            handles.append(layer.register_state_dict_post_hook(functools.partial(_every_expert, others)))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        del engine._get_zero_param_shapes
+    num_experts = layers[0].config.num_experts
+    with ds.zero_param_shapes_as(engine, lambda shapes: with_every_expert(shapes, num_experts)):
+        writer = layer_file_writer(engine.grid)
+        handles = []
+        for layer in layers:
+            if writer not in dist.get_process_group_ranks(layer.ep_group):
+                continue  # no rank of this EP group writes layer files
+            others = _gathered_experts(layer, writer)
+            if others:
+                handles.append(layer.register_state_dict_post_hook(functools.partial(_every_expert, others)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 @contextlib.contextmanager

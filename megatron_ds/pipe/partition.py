@@ -27,6 +27,7 @@ import json
 import os
 from typing import Sequence
 
+from megatron_ds.files import UnreadableFile, read_json
 from megatron_ds.schedules.flops import layer_shapes, span_flops, vocab_size
 
 from .config import ConfigError
@@ -66,10 +67,9 @@ def _read_costs(spec: str, where: str) -> list:
         if not os.path.isfile(text):
             raise ConfigError(f'{where}: no file {text!r}; give "costs:[c0, c1, ...]" or "costs:FILE.json"')
         try:
-            with open(text) as fh:
-                data = json.load(fh)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{where}: cannot read {text!r} as JSON ({exc})") from None
+            data = read_json(text, f"{where}: {text!r}")
+        except UnreadableFile as exc:
+            raise ConfigError(str(exc)) from None
         return data.get("layer_costs") if isinstance(data, dict) else data
     try:
         return json.loads(text)

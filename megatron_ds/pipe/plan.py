@@ -13,8 +13,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from megatron_ds.parallel_layout import accumulation_steps, micro_batch_size
 from megatron_ds.schedules import Schedule, ScheduleError
-from megatron_ds.schedules import auto
+from megatron_ds.schedules import auto, auto_recompute
 from megatron_ds.schedules.catalog import KNOBS
 from megatron_ds.schedules.flops import layer_shape, vocab_size
 from megatron_ds.schedules.kinds import Kind
@@ -33,9 +34,13 @@ def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
     gas = ds_config.get("gradient_accumulation_steps")
     tbs = ds_config.get("train_batch_size")
     if mbs is None and tbs and gas:
-        mbs = tbs // (gas * dp)
+        mbs = micro_batch_size(tbs, gas, dp)
     if gas is None and tbs and mbs:
-        gas = tbs // (mbs * dp)
+        gas = accumulation_steps(tbs, mbs, dp)
+    if (mbs is None or gas is None) and tbs and (mbs or gas):
+        raise ConfigError(f"ds_config train_batch_size {tbs} is not a multiple of "
+                          + (f"train_micro_batch_size_per_gpu {mbs}" if mbs else f"gradient_accumulation_steps {gas}")
+                          + f" x the data-parallel size {dp}")
     if not mbs or not gas:
         raise ConfigError("ds_config needs two of train_batch_size, train_micro_batch_size_per_gpu and "
                           "gradient_accumulation_steps to run a pipeline schedule")
@@ -132,6 +137,8 @@ class AutoPlan:
     probe: dict | None = None
     head_layers: float = 0.0  # the head + loss's forward FLOPs in transformer layers' (pipe/partition.layer_flops)
     head_memory: float = 0.0  # a byte budget's: one micro-batch's logits in memory units (schedules/auto.logits_units)
+    knobs: auto_recompute.Knobs | None = None  # "auto_recompute": the recompute settings weighed too
+    recompute: dict | None = None  # then the setting the run starts (and is timed) under (auto_recompute.as_dict)
 
 
 def seq1f1b_cuts(settings: PipelineSettings, config, seq: int, keys=None) -> tuple:
@@ -168,16 +175,29 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
                 f'logits {logits:.3g} of them (estimates: schedules/auto.py)')
     cuts = seq1f1b_cuts(settings, config, seq, keys)
     space = dict(vocab_parallel=settings.vocab_parallel, head_memory=logits)
+    knobs = recompute = None
+    if settings.auto_recompute:
+        if getattr(config, "moe", None) is not None:
+            raise ConfigError('ds_config "pipeline.auto_recompute": true with a mixture of experts: the recompute '
+                              "model (schedules/recompute.layer_memory) counts dense layers; give the recompute "
+                              "flags yourself")
+        dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
+        knobs = auto_recompute.Knobs.of(config, seq, mbs, dtype, pp, unit)
     try:
-        start = auto.check_budget(budget, pp, gas, config.num_layers, cuts, **space)
+        if knobs:
+            start, setting, probe = auto_recompute.start(budget, pp, gas, config.num_layers, knobs, cuts, **space)
+            recompute = auto_recompute.as_dict(setting)
+        else:
+            start = auto.check_budget(budget, pp, gas, config.num_layers, cuts, **space)
+            probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts, **space)
     except ScheduleError as exc:
         in_bytes = f" (x {unit:.0f} bytes = {math.ceil(exc.smallest * unit)} bytes)" if unit else ""
         raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}{in_bytes}') from None
     concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
-    probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts, **space)
     flops = layer_flops(config)
     return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text,
-                              cuts, probe.section() if probe else None, flops[-1] / flops[1], space["head_memory"])
+                              cuts, probe.section() if probe else None, flops[-1] / flops[1], space["head_memory"],
+                              knobs, recompute)
 
 
 @dataclass(frozen=True)

@@ -207,7 +207,7 @@ class PostValidation:
     def _local_square_norm(self, gradients, params):
         opt = self.opt
         norms = []
-        grads = (g for g in gradients if not getattr(g, "_zero_padding", False))
+        grads = (g for g in gradients if not ZeroInternals.is_padding(g))
         for g, p in zip(grads, params):
             if hasattr(p, PIPE_REPLICATED) and p.ds_pipe_replicated:
                 continue

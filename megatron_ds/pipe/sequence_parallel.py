@@ -18,6 +18,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megatron_ds.model.tensor_parallel import get_parallel_state
 
+from . import ds_internals as ds
+
 
 def sequence_parallel_params(module):
     """The module's parameters whose gradient a TP rank holds a share of: marked `sequence_parallel` (a sequence
@@ -38,7 +40,7 @@ def reduce_sequence_parallel_grads(engine):
     if not params:
         return
     bf16 = engine.using_bf16_optimizer
-    grads = [g for g in ((getattr(p, "_hp_grad", None) if bf16 else p.grad) for p in params) if g is not None]
+    grads = [g for g in ((ds.fp32_grad(p) if bf16 else p.grad) for p in params) if g is not None]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
@@ -60,4 +62,4 @@ def with_sequence_parallel_reduction(instruction_map):
 
 class SequenceParallelPipelineEngine(PipelineEngine):
     """DeepSpeed's stock engine (TrainSchedule, 1F1B), plus the sequence-parallel gradient sum."""
-    _INSTRUCTION_MAP = with_sequence_parallel_reduction(PipelineEngine._INSTRUCTION_MAP)
+    _INSTRUCTION_MAP = with_sequence_parallel_reduction(ds.instruction_map(PipelineEngine))

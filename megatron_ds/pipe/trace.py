@@ -33,16 +33,18 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.dualpipev import DualPipeVEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from megatron_ds.files import write_atomic
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import COMPUTE, FORMAT, P2P, STEP, THREADS, chrome_header, trace_path
 
+from . import ds_internals as ds
 from .instructions import INSTRUCTION_TO_KIND
 from .sequence_parallel import SequenceParallelPipelineEngine
 
 # Instruction class name -> op kind, for our instructions and DeepSpeed's.
 COMPUTE_KINDS = {**INSTRUCTION_TO_KIND, "ForwardPass": Kind.F, "BackwardPass": Kind.BW}
-P2P_INSTRUCTIONS = {"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P", "FinishP2P"}
+P2P_INSTRUCTIONS = {"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P", "FinishIteration"}
 
 
 class Tracer:
@@ -202,10 +204,7 @@ class IterationTrace:
         doc = self.to_chrome(step)
         os.makedirs(trace_dir, exist_ok=True)
         path = trace_path(trace_dir, step, doc["otherData"]["rank"])
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as fh:
-            json.dump(doc, fh, separators=(",", ":"))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(doc, separators=(",", ":")), fsync=False)
         return path
 
 
@@ -213,7 +212,7 @@ class IterationTrace:
 def _traced(base):
     """`base`, one of DeepSpeed's own engine classes, unchanged but for the tracer."""
     class Traced(base):
-        _INSTRUCTION_MAP = through_tracer(base._INSTRUCTION_MAP)
+        _INSTRUCTION_MAP = through_tracer(ds.instruction_map(base))
 
         def __init__(self, *args, tracer: Tracer, **kwargs):
             self.tracer = tracer

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_ds.model.tensor_parallel import comm
 from megatron_ds.model.vocab_slices import whole_name
+from . import ds_internals as ds
 from .zero_internals import ZeroInternals
 
 WTE, HEAD = "wte.weight", "weight"  # the keys of layer 0's and of the output layer's files
@@ -32,7 +33,7 @@ WTE, HEAD = "wte.weight", "weight"  # the keys of layer 0's and of the output la
 
 def head_layer(module) -> int:
     """The output layer's global index: one past the vocabulary-parallel layer list (L+2)."""
-    return len(module._layer_specs)
+    return len(ds.layer_specs(module))
 
 
 def gather_whole(module) -> dict:
@@ -42,8 +43,8 @@ def gather_whole(module) -> dict:
     rows j TP + t of p TP in order (vocab_range), so pipeline rank j's TP group joins block j and the
     writer joins the blocks. A collective of data-parallel replica 0's model-parallel group, gathered to
     the writers alone (the whole matrices may be large)."""
-    grid, vocab = module._grid, module.vocab_slice
-    writers = {"wte": module.stage_owner(0), "head": module.stage_owner(len(module._layer_specs) - 1)}
+    grid, vocab = ds.grid(module), module.vocab_slice
+    writers = {"wte": module.stage_owner(0), "head": module.stage_owner(len(ds.layer_specs(module)) - 1)}
     whole = dict.fromkeys(writers)
     if grid.data_parallel_id != 0:
         return whole
@@ -90,13 +91,13 @@ def without_whole_embedding(layer0):
 
 
 def layer_path(module, ckpt_dir, idx):
-    return module.ckpt_layer_path(ckpt_dir, idx - module._local_start)  # DeepSpeed's name for global layer idx
+    return module.ckpt_layer_path(ckpt_dir, idx - ds.local_start(module))  # DeepSpeed's name for global layer idx
 
 
 def tp_layer_path(module, ckpt_dir, idx, t):
     """TP rank t's file of global layer idx (DeepSpeed's name: the rank representation of this rank's
     TP rank t peer, '' without TP)."""
-    topo = module._grid._topo
+    topo = ds.topology_of(ds.grid(module))
     coord = topo.get_coord(module.global_rank)._asdict()
     repr_ = topo.get_rank_repr(rank=topo.get_rank(**{**coord, "model": t})) if "model" in coord else ""
     return os.path.join(ckpt_dir, f"layer_{idx:02d}" + (f"-{repr_}" if repr_ else "") + "-model_states.pt")
@@ -112,7 +113,7 @@ def load_slice(module, load_dir):
     (TP file t: rows [t V/TP, (t+1) V/TP), V/TP = p slices)."""
     vocab = module.vocab_slice
     tp, start, end = comm.world_size(vocab.group), vocab.start, vocab.end
-    per = (end - start) * module._grid.get_pipe_parallel_world_size()  # rows of one TP rank's file
+    per = (end - start) * ds.grid(module).get_pipe_parallel_world_size()  # rows of one TP rank's file
     files = [(vocab.wte, 0, WTE)] + ([(vocab.head, head_layer(module), HEAD)] if vocab.head is not None else [])
     with torch.no_grad():
         for param, idx, key in files:

@@ -65,22 +65,22 @@ class VocabPasses:
 
     # -- data --------------------------------------------------------------------------------------
     def _tokens(self, op):
-        (tokens, _), _ = self.engine._batches[op.mb]
-        return tokens[:, self.engine.plan.segment(op.seq)]  # on the device already (engine._on_device)
+        (tokens, _), _ = self.engine.micro_batch(op.mb)
+        return tokens[:, self.engine.plan.segment(op.seq)]  # on the device already
 
     def _labels(self, op):
         """(this segment's labels, the scored token count of its whole micro-batch: a segment's losses are
         divided by it, so they add up to the micro-batch's mean)."""
-        _, labels = self.engine._batches[op.mb]
+        _, labels = self.engine.micro_batch(op.mb)
         return labels[:, self.engine.plan.segment(op.seq)], self.engine.scored_tokens(op.mb)
 
     def _grad_loss(self, op):
         """d(the step's loss) / d(one token's loss): the engine's loss scaling of a mean token loss; per token
         under --eod-mask-loss (0 for a token not scored)."""
         labels, tokens = self._labels(op)
-        if self.engine._scored is not None:
-            return self.engine._scale_loss((labels >= 0).float() / tokens)
-        return self.engine._scale_loss(torch.tensor(1.0 / tokens, dtype=torch.float32, device=self.engine.device))
+        if self.engine.loss_masked:
+            return self.engine.scale_loss((labels >= 0).float() / tokens)
+        return self.engine.scale_loss(torch.tensor(1.0 / tokens, dtype=torch.float32, device=self.engine.device))
 
     # -- the vocabulary ops ------------------------------------------------------------------------
     def run(self, op):
@@ -157,7 +157,7 @@ class VocabPasses:
             on_loss_rank = self.rank == self.sched.rank_of(op.replica, self.sched.loss_stage)
             if on_loss_rank:
                 labels, tokens = self._labels(op)
-                self.engine._loss_sum += loss.masked_fill(labels < 0, 0.0).sum().detach() / tokens
+                self.engine.add_loss(loss.masked_fill(labels < 0, 0.0).sum() / tokens)
             entry = self.merged[unit] = [loss, alphas, 2 if on_loss_rank and self.train else 1]
         entry[2] -= 1
         if entry[2] == 0:

@@ -14,6 +14,7 @@ class ZeroInternals:
                "_load_global_state")
     ATTRIBUTES = ("_global_grad_norm", "_hp_optimizer_states_linked")
     PARAM_ATTRIBUTES = ("_hp_mapping",)  # set on each bit16 parameter by DeepSpeed's hp-param linking
+    TENSOR_ATTRIBUTES = ("_zero_padding",)  # set on the padding gradients of a partition
 
     def __init__(self, opt):
         self.opt = opt
@@ -47,6 +48,11 @@ class ZeroInternals:
     def load_global_state(self, state_dict):
         """The loss scaler and clipping settings of a saved shard (the same on every shard)."""
         self.opt._load_global_state(state_dict)
+
+    @staticmethod
+    def is_padding(grad) -> bool:
+        """Whether `grad` is padding ZeRO added to a partition (no parameter's gradient)."""
+        return getattr(grad, "_zero_padding", False)
 
     @staticmethod
     def hp_mapping(param):

@@ -26,6 +26,12 @@ A mixture of experts is costed layer by layer (measurement.moe_costs: a MoE laye
 one's, each candidate's stages charged the layers it holds) and its expert-parallel all-to-all is a named
 quantity on the critical path of the MoE layers' F and B (ModelCosts.all_to_all); `describe` states both and
 the all-to-all's share of the chosen step.
+
+Overlap (issue 40; `overlap=True` to `rank` and `decide`): each candidate that has an overlapped order
+(catalog: `takes("overlap")`) is weighed with it too ("overlap=True" in its knobs), its units paying the host
+time of their pieces (ModelCosts.piece_host). It is chosen only where its simulation is faster than every
+plain candidate that fits; with no all-to-all there is nothing to hide and no overlapped order is weighed.
+`overlap_verdict` says which way it went and why, for the log line.
 """
 from __future__ import annotations
 
@@ -111,8 +117,9 @@ def peak_memory(schedule: Schedule, head_memory: float = 0.0) -> float:
 
 
 def memory_table(pp: int, m: int, num_layers: int, cuts: tuple = (), *, vocab_parallel: bool = False,
-                 head_memory: float = 0.0) -> list[tuple[Candidate, float]]:
-    return [(c, peak_memory(s, head_memory))
+                 head_memory: float = 0.0, peak=None) -> list[tuple[Candidate, float]]:
+    """`peak(schedule, head_memory)`: a schedule's peak memory (None: peak_memory; auto_recompute: a setting's)."""
+    return [(c, (peak or peak_memory)(s, head_memory))
             for c, s in candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)]
 
 
@@ -155,14 +162,14 @@ def check_budget(budget: float, pp: int, m: int, num_layers: int, cuts: tuple = 
 
 
 def probe(start: Candidate, budget: float, pp: int, m: int, num_layers: int, cuts: tuple = (), *,
-          vocab_parallel: bool = False, head_memory: float = 0.0) -> Candidate | None:
+          vocab_parallel: bool = False, head_memory: float = 0.0, peak=None) -> Candidate | None:
     """A Seq1F1B B/W schedule placed as the linear `start` whose ops are another size, that fits the
     budget (the most segments): the timing window alternates the two so that each op's fixed time
-    can be told from its per-token time (`separate`). None: no such schedule."""
+    can be told from its per-token time (`separate`). None: no such schedule. `peak`: memory_table's."""
     if not linear(dict(candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel))[start]):
         return None
     own = dict(start.knobs).get("seq_splits", 1)
-    table = memory_table(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel, head_memory=head_memory)
+    table = memory_table(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel, head_memory=head_memory, peak=peak)
     fits = [c for c, mem in table if mem <= budget + EPS and c.schedule == "seq1f1b"
             and dict(c.knobs).get("split_backward") and dict(c.knobs)["seq_splits"] != own]
     return max(fits, key=lambda c: dict(c.knobs)["seq_splits"], default=None)
@@ -221,22 +228,80 @@ def costed(pp: int, m: int, num_layers: int, costs: ModelCosts,
     return out
 
 
+def overlapped(pp: int, m: int, num_layers: int, pool: list) -> list[tuple[Candidate, Schedule, None]]:
+    """The overlapped orders of the catalogued candidates in `pool` that have one (the same knobs, and
+    "overlap": True)."""
+    out = []
+    for cand, _, args in pool:
+        if args is not None or cand.schedule not in takes("overlap"):
+            continue
+        knobs = dict(cand.knobs)
+        try:
+            schedule = build_schedule(cand.schedule, pp, m, overlap=True, **knobs)
+        except ScheduleError:
+            continue
+        if runs(schedule, num_layers):
+            out.append((Candidate(cand.schedule, tuple(sorted({**knobs, "overlap": True}.items()))), schedule, None))
+    return out
+
+
+def has_all_to_all(costs: ModelCosts) -> bool:
+    return any(x > 0 for t in costs.all_to_all for x in t)
+
+
 def rank(pp: int, m: int, num_layers: int, budget: float, costs: ModelCosts, p2p: float = 0.0,
-         search: bool = False, cuts: tuple = (), vocab_parallel: bool = False) -> list[dict]:
-    """Every candidate that fits, fastest first: {candidate, makespan, memory, search, all_to_all};
-    `search` adds zb_search's schedules (its "search" entry: zb_search's arguments but pp and m). The
-    memory counts `costs.head_memory`; all_to_all is the most time one rank spends in it (MoE)."""
+         search: bool = False, cuts: tuple = (), vocab_parallel: bool = False, knobs=None,
+         overlap: bool = False) -> list[dict]:
+    """Every candidate that fits, fastest first: {candidate, makespan, memory, search, all_to_all, recompute,
+    overlap, hidden, host}; `search` adds zb_search's schedules (its "search" entry: zb_search's arguments but
+    pp and m). The memory counts `costs.head_memory`; all_to_all is the most time one rank spends in it (MoE),
+    hidden the most one rank's overlapped units hide of it and host what their pieces cost there. `knobs`
+    (auto_recompute.Knobs): each candidate under each recompute setting, "recompute" naming it (else None).
+    `overlap`: the overlapped orders too, where the model has an all-to-all to hide (equal times: plain first)."""
     pool = [(c, s, None) for c, s in candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)]
+    if overlap and has_all_to_all(costs) and not vocab_parallel:
+        pool += overlapped(pp, m, num_layers, pool)
     pool += costed(pp, m, num_layers, costs, vocab_parallel)
     pool += searched(pp, m, budget, costs, vocab_parallel) if search else []
     shares = {c.k: c.costs for c in cuts}
     rows = []
     for cand, schedule, args in pool:
-        res = evaluate(schedule, costs, p2p_latency=p2p, seq_costs=shares.get(schedule.seq_splits))
-        if res.peak_memory_max <= budget + EPS:
-            rows.append({"candidate": cand, "makespan": res.makespan, "memory": res.peak_memory_max, "search": args,
-                         "all_to_all": max(res.all_to_all)})
-    return sorted(rows, key=lambda r: (r["makespan"], r["memory"], r["search"] is not None))
+        sim = dict(p2p_latency=p2p, seq_costs=shares.get(schedule.seq_splits))
+        results = ([(r, *knobs.evaluate(schedule, costs, r, **sim)) for r in knobs.settings] if knobs else
+                   [(None, res, res.peak_memory_max) for res in [evaluate(schedule, costs, **sim)]])
+        for recompute, res, memory in results:
+            if memory <= budget + EPS:
+                busiest = max(range(pp), key=lambda r: res.all_to_all_hidden[r])
+                rows.append({"candidate": cand, "makespan": res.makespan, "memory": memory, "search": args,
+                             "all_to_all": max(res.all_to_all), "recompute": recompute,
+                             "overlap": bool(schedule.overlap), "hidden": res.all_to_all_hidden[busiest],
+                             "host": res.overlap_host[busiest]})
+    return sorted(rows, key=lambda r: (r["makespan"], r["memory"], r["search"] is not None, r["overlap"]))
+
+
+def overlap_verdict(rows: list, costs: ModelCosts, budget: float) -> dict:
+    """Whether the choice (rows[0] of `rank(..., overlap=True)`) overlaps, and why, as JSON-able data:
+    {"overlap": bool, "why": text}. Yes only where an overlapped order fits and simulates faster than every
+    plain one; the text names both, the all-to-all its units hide and what their pieces' host time costs."""
+    if not has_all_to_all(costs):
+        return {"overlap": False, "why": "no all-to-all to hide (no expert parallelism), so no overlapped order "
+                                         "was weighed"}
+    plain = next((r for r in rows if not r["overlap"]), None)
+    over = next((r for r in rows if r["overlap"]), None)
+    ms = lambda t: f"{t * 1e3:.1f} ms"  # noqa: E731
+    host = f"{costs.piece_host * 1e3:.3f} ms of host time per piece"
+    if over is None:
+        return {"overlap": False, "why": f"no overlapped order fits the memory budget {budget:g}"}
+    gain = f"hides {ms(over['hidden'])} of all-to-all on its busiest rank for {ms(over['host'])} of its pieces' host time"
+    if plain is None or over["makespan"] < plain["makespan"] - EPS:
+        against = f"against {plain['candidate'].label} {ms(plain['makespan'])}" if plain else "(no plain order fits)"
+        return {"overlap": True, "why": f"{over['candidate'].label} {ms(over['makespan'])} {against}: it {gain} "
+                                        f"({host})"}
+    cause = ("its pieces' host time outweighs what it hides" if over["host"] >= over["hidden"] else
+             "what it hides does not pay for the pairing's waits and its order")
+    return {"overlap": False, "why": f"the fastest overlapped order, {over['candidate'].label}, "
+                                     f"{ms(over['makespan'])} against {plain['candidate'].label} "
+                                     f"{ms(plain['makespan'])}: it {gain} ({host}); {cause}"}
 
 
 def schedule_maker(choice: dict):
@@ -246,17 +311,26 @@ def schedule_maker(choice: dict):
 
 
 def decide(pp: int, m: int, num_layers: int, budget: float, measured: Measured, cuts: tuple = (), *,
-           vocab_parallel: bool = False, head_memory: float = 0.0) -> dict:
-    """The choice as plain JSON-able data (what rank 0 broadcasts)."""
-    costs = dataclasses.replace(model_costs(measured, pp), head_memory=head_memory)
+           vocab_parallel: bool = False, head_memory: float = 0.0, knobs=None, running=None,
+           overlap: bool = False) -> dict:
+    """The choice as plain JSON-able data (what rank 0 broadcasts). `knobs` (auto_recompute.Knobs): the
+    recompute setting is chosen too (the entries' "recompute"), the times measured under `running`'s.
+    `overlap`: the overlapped orders are candidates too (their pieces' host time measured.piece_host), and
+    the decision's "overlap" says whether the choice overlaps and why (overlap_verdict)."""
+    costs = dataclasses.replace(model_costs(measured, pp), head_memory=head_memory, piece_host=measured.piece_host)
+    if knobs:
+        costs = knobs.unrecomputed(costs, running)
     linear = len(measured.f) == pp  # searched schedules are linear: a swap from a linear start
-    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear, cuts=cuts, vocab_parallel=vocab_parallel)
+    rows = rank(pp, m, num_layers, budget, costs, measured.p2p, search=linear, cuts=cuts, vocab_parallel=vocab_parallel,
+                knobs=knobs, overlap=overlap)
 
     def entry(row):
         section = {"schedule": "zb-h1"} if row["search"] else row["candidate"].section()  # zb-h1's placement
-        return {"label": row["candidate"].label, "section": section, "search": row["search"],
-                "makespan": row["makespan"], "memory": row["memory"], "all_to_all": row["all_to_all"]}
-    return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None,
+        out = {"label": row["candidate"].label, "section": section, "search": row["search"],
+               "makespan": row["makespan"], "memory": row["memory"], "all_to_all": row["all_to_all"]}
+        return {**out, **knobs.entry(row["recompute"], rows)} if knobs else out
+    verdict = {"overlap": overlap_verdict(rows, costs, budget)} if overlap else {}
+    return {"choice": entry(rows[0]), "runner_up": entry(rows[1]) if len(rows) > 1 else None, **verdict,
             "budget": budget, "costs": {"tf": costs.tf, "tb": costs.tb, "tw": costs.tw, "embed": list(costs.embed),
                                         "head": list(costs.head), "p2p": measured.p2p,
                                         "op_overhead": list(costs.op_overhead), "op_sizes": list(measured.op_sizes),
@@ -274,7 +348,8 @@ def describe(decision: dict) -> str:
     logits = f", a micro-batch's logits {k['head_memory']:.3g} of it" if k.get("head_memory") else ""
     line = (f"auto schedule: {c['label']}{vocab} (simulated makespan {c['makespan'] * 1e3:.1f} ms, peak memory "
             f"{c['memory']:g} of budget {decision['budget']:g}{logits})")
-    line += (f"; runner-up {r['label']} ({r['makespan'] * 1e3:.1f} ms, memory {r['memory']:g})" if r
+    under = f" under recompute {r['recompute_label']}" if r and "recompute_label" in r else ""  # auto_recompute
+    line += (f"; runner-up {r['label']}{under} ({r['makespan'] * 1e3:.1f} ms, memory {r['memory']:g})" if r
              else "; no runner-up fits")
     return line + (f"; measured per 1F1B stage TF={k['tf'] * 1e3:.2f} TB={k['tb'] * 1e3:.2f} "
                    f"TW={k['tw'] * 1e3:.2f} ms, embedding F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['embed'])} ms, "
@@ -285,7 +360,7 @@ def describe(decision: dict) -> str:
                    + f", fixed per op F/B/W={'/'.join(f'{x * 1e3:.2f}' for x in k['op_overhead'])} ms "
                    f"(micro-batches timed {' and '.join('whole' if n == 1 else f'in {n} segments' for n in k['op_sizes'])}; "
                    f"{k['op_residual'] * 1e3:.2f} ms of it from the traced makespans), "
-                   f"p2p {k['p2p'] * 1e3:.3f} ms")
+                   f"p2p {k['p2p'] * 1e3:.3f} ms") + recompute_why(c) + overlap_why(decision)
 
 
 def moe_costs(costs: dict, choice: dict) -> str:
@@ -303,6 +378,24 @@ def moe_costs(costs: dict, choice: dict) -> str:
     share = choice.get("all_to_all", 0.0) / choice["makespan"] if choice["makespan"] > 0 else 0.0
     return text + (f", all-to-all per MoE layer F/B={ms(comm[moe])} ms ({share:.1%} of the chosen step on its "
                    "busiest rank)")
+
+
+def overlap_why(decision: dict) -> str:
+    """The log line's part on overlapped units (decide's "overlap"), empty when they were not weighed."""
+    verdict = decision.get("overlap")
+    if not verdict:
+        return ""
+    return f"; overlap of the all-to-all: {'yes' if verdict['overlap'] else 'no'}, {verdict['why']}"
+
+
+def recompute_why(choice: dict) -> str:
+    """The log line's part on the recompute setting "auto" chose (auto_recompute), empty when it chose none."""
+    if "recompute" not in choice:
+        return ""
+    best = choice["recompute_options"]
+    text = "; ".join(f"{label}: {b['label']} {b['makespan'] * 1e3:.1f} ms" if b else f"{label}: nothing fits"
+                     for label, b in best.items())
+    return f"; recompute {choice['recompute_label']}, the fastest that fits (the fastest under each: {text})"
 
 
 BYTE_UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}

@@ -45,11 +45,21 @@ class ScheduleSpec:
     # vocab_parallel: None (cannot carry the vocabulary passes) or the schedule's other orders the
     # passes may be placed in (generators/vocab.py weighs them against its own order)
     vocab_orders: Optional[Callable[..., list]] = lambda pp, m, **knobs: []
+    # overlap (issue 40): None, or the generator (same knobs) of the order whose forwards and backwards of
+    # other micro-batches run as overlapped units (Schedule.overlap), each one's all-to-all behind the other
+    overlapped: Optional[Callable[..., Schedule]] = None
 
-    def knobs(self, virtual_stages: int = 1, seq_splits: int = 1, split_backward: bool = False,
-              segment_lengths=None, op_costs=None) -> dict:
-        """The generator's keyword arguments; refuses a knob this schedule does not take.
+    def knobs(self, segment_lengths=None, **given) -> dict:
+        """The generator's keyword arguments from the KNOBS `given` (the others unset); refuses a knob this
+        schedule does not take, and one that is not a knob.
         `segment_lengths` (tokens per segment) go with seq_splits: Seq1F1B caps its order by them."""
+        unknown = [key for key in given if key not in KNOBS]
+        if unknown:
+            raise ScheduleError(f"{self.name}: {', '.join(unknown)} is not a schedule knob "
+                                f"(they are {', '.join(KNOBS)})")
+        given = {**KNOBS, **given}
+        virtual_stages, seq_splits = given["virtual_stages"], given["seq_splits"]
+        split_backward, op_costs = given["split_backward"], given["op_costs"]
         out = {}
         if self.virtual_stages == ANY:
             out["virtual_stages"] = virtual_stages
@@ -113,6 +123,12 @@ def _interleaved(pp: int, m: int, virtual_stages: int) -> Schedule:
     return interleaved.interleaved(pp, m, virtual_stages)
 
 
+def _interleaved_overlapped(pp: int, m: int, virtual_stages: int) -> Schedule:
+    if virtual_stages == 1:
+        return basic.one_f_one_b_overlapped(pp, m, name="interleaved")
+    return interleaved.interleaved_overlapped(pp, m, virtual_stages)
+
+
 def _check_interleaved(pp, m, v, k):
     if v > 1:
         interleaved.check_rounds(pp, m, v)
@@ -125,8 +141,9 @@ def _check_seq1f1b(pp, m, v, k):
 
 CATALOG: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("gpipe", basic.gpipe),
-    ScheduleSpec("1f1b", basic.one_f_one_b_schedule),
-    ScheduleSpec("interleaved", _interleaved, virtual_stages=ANY, check=_check_interleaved),
+    ScheduleSpec("1f1b", basic.one_f_one_b_schedule, overlapped=basic.one_f_one_b_overlapped),
+    ScheduleSpec("interleaved", _interleaved, virtual_stages=ANY, check=_check_interleaved,
+                 overlapped=_interleaved_overlapped),
     ScheduleSpec("zb-h1", zero_bubble.zb_h1, split_backward=ALWAYS),
     ScheduleSpec("zb-h2", zero_bubble.zb_h2, split_backward=ALWAYS),
     ScheduleSpec("zbv", zbv.zbv, virtual_stages=2, split_backward=ALWAYS),
@@ -141,21 +158,27 @@ CATALOG: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
     ScheduleSpec("zbv-min", lambda pp, m, op_costs=None: vshape.zbv_memory(pp, m, "min", op_costs),
                  virtual_stages=2, split_backward=ALWAYS, op_costs=True,
                  vocab_orders=lambda pp, m, op_costs=None: vshape.roomier_orders(pp, m, "min", op_costs)),
-    ScheduleSpec("dualpipev", dualpipev.dualpipev, virtual_stages=2, split_backward=ALWAYS),
+    ScheduleSpec("dualpipev", dualpipev.dualpipev, virtual_stages=2, split_backward=ALWAYS,
+                 overlapped=lambda pp, m: dualpipev.dualpipev(pp, m, overlap=True)),
 )}
 
 
+# Whether a spec takes each knob of KNOBS, and vocab_parallel, as a choice (takes; a test holds the keys to KNOBS)
+TAKES: dict[str, Callable[[ScheduleSpec], bool]] = {
+    "virtual_stages": lambda s: s.virtual_stages == ANY,
+    "seq_splits": lambda s: s.seq_splits,
+    "split_backward": lambda s: s.split_backward == OPTIONAL,
+    "op_costs": lambda s: s.op_costs,
+    "vocab_parallel": lambda s: s.vocab_orders is not None,
+    "overlap": lambda s: s.overlapped is not None,
+}
+
+
 def takes(knob: str) -> list[str]:
-    """Names of the schedules for which `knob` is a choice."""
-    if knob == "virtual_stages":
-        return [s.name for s in CATALOG.values() if s.virtual_stages == ANY]
-    if knob == "seq_splits":
-        return [s.name for s in CATALOG.values() if s.seq_splits]
-    if knob == "op_costs":
-        return [s.name for s in CATALOG.values() if s.op_costs]
-    if knob == "vocab_parallel":
-        return [s.name for s in CATALOG.values() if s.vocab_orders is not None]
-    return [s.name for s in CATALOG.values() if s.split_backward == OPTIONAL]
+    """Names of the schedules for which `knob` is a choice; ValueError for a name that is no knob."""
+    if knob not in TAKES:
+        raise ValueError(f"{knob!r} is not a schedule knob (they are {', '.join(TAKES)})")
+    return [s.name for s in CATALOG.values() if TAKES[knob](s)]
 
 
 def lookup(name: str) -> ScheduleSpec:
@@ -165,21 +188,24 @@ def lookup(name: str) -> ScheduleSpec:
     return CATALOG[name]
 
 
-def build_schedule(name: str, pp: int, micro_batches: int, *, virtual_stages: int = 1,
-                   seq_splits: int = 1, split_backward: bool = False, segment_lengths=None,
-                   op_costs=None, vocab_parallel: bool = False) -> Schedule:
-    """Look the schedule up, check the settings, generate the per-rank op lists (with the vocabulary
-    passes placed on every rank when `vocab_parallel`), validate them."""
+def build_schedule(name: str, pp: int, micro_batches: int, *, segment_lengths=None, vocab_parallel: bool = False,
+                   overlap: bool = False, **given) -> Schedule:
+    """Look the schedule up, check the settings (`given`: KNOBS, the others unset), generate the per-rank op
+    lists (with the vocabulary passes placed on every rank when `vocab_parallel`; the overlapped order, whose
+    units Schedule.overlap names, when `overlap`), validate them."""
     spec = lookup(name)
+    virtual_stages = given.get("virtual_stages", KNOBS["virtual_stages"])
+    seq_splits = given.get("seq_splits", KNOBS["seq_splits"])
     for key, val in (("pp", pp), ("micro_batches", micro_batches), ("virtual_stages", virtual_stages),
                      ("seq_splits", seq_splits)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ScheduleError(f"{name} needs a positive integer {key} ({key}={val!r})")
-    knobs = spec.knobs(virtual_stages, seq_splits, split_backward, segment_lengths, op_costs)
+    knobs = spec.knobs(segment_lengths, **given)
     check_vocab_parallel(spec, vocab_parallel)
+    check_overlap(spec, overlap, vocab_parallel)
     if spec.check:
         spec.check(pp, micro_batches, virtual_stages, seq_splits)
-    schedule = spec.generate(pp, micro_batches, **knobs)
+    schedule = (spec.overlapped if overlap else spec.generate)(pp, micro_batches, **knobs)
     if vocab_parallel:
         others = spec.vocab_orders(pp, micro_batches, **{k: v for k, v in knobs.items() if k == "op_costs"})
         schedule = vocab.add_vocab_passes(schedule, others=others)
@@ -193,3 +219,14 @@ def check_vocab_parallel(spec: ScheduleSpec, vocab_parallel) -> None:
     if vocab_parallel and spec.vocab_orders is None:
         raise ScheduleError(f"{spec.name} does not take vocab_parallel=True: {spec.name} cannot carry the "
                             f"vocabulary passes; vocabulary parallelism applies to {', '.join(takes('vocab_parallel'))}")
+
+
+def check_overlap(spec: ScheduleSpec, overlap, vocab_parallel: bool = False) -> None:
+    if not isinstance(overlap, bool):
+        raise ScheduleError(f"overlap={overlap!r}: must be true or false")
+    if overlap and spec.overlapped is None:
+        raise ScheduleError(f"{spec.name} does not take overlap=True: it has no overlapped order; overlapped "
+                            f"forward-and-backward units apply to {', '.join(takes('overlap'))}")
+    if overlap and vocab_parallel:
+        raise ScheduleError(f"{spec.name} does not take overlap=True with vocab_parallel=True: the vocabulary "
+                            "passes are not placed around overlapped units yet")

@@ -31,6 +31,9 @@ def _schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-parallel", action="store_true",
                    help='every rank runs the vocabulary passes EF, S, T, EW on its 1/p of the vocabulary '
                         '(ds_config "pipeline.vocab_parallel")')
+    p.add_argument("--overlap", action="store_true",
+                   help="the overlapped order: forwards and backwards of other micro-batches as overlapped units, "
+                        "each one's all-to-all hidden behind the other's compute (1f1b, interleaved, dualpipev)")
 
 
 def _cost_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +63,16 @@ def _triple(text: str) -> tuple:
     return vals
 
 
+def _pair(text: str) -> tuple:
+    try:
+        vals = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 2 or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: give two non-negative numbers F,B")
+    return vals
+
+
 def _segment_lengths(args):
     """Token counts of the segments, as pipe/plan.py cuts them (None without --seq-length)."""
     if args.seq_length is None or args.seq_splits == 1:
@@ -79,7 +92,7 @@ def _build(args) -> object:
     return build_schedule(args.schedule, args.pp, args.micro_batches,
                           virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
                           split_backward=args.split_backward, segment_lengths=_segment_lengths(args),
-                          op_costs=args.op_costs, vocab_parallel=args.vocab_parallel)
+                          op_costs=args.op_costs, vocab_parallel=args.vocab_parallel, overlap=args.overlap)
 
 
 def _export(args) -> None:
@@ -99,7 +112,8 @@ def _show(args) -> None:
     if sched.segment_lengths:  # a segment costs its FLOPs (bench/layer_costs.py), else its tokens
         seq_costs = (segment_costs(sched.segment_lengths, args.hidden_size, args.ffn_hidden_size)
                      if args.hidden_size else list(sched.segment_lengths))
-    res = evaluate(sched, costs, p2p_latency=args.p2p_latency, seq_costs=seq_costs)
+    moe = {"all_to_all": args.all_to_all, "overlap_host": args.overlap_host} if args.all_to_all else {}
+    res = evaluate(sched, costs, p2p_latency=args.p2p_latency, seq_costs=seq_costs, **moe)
     print(ascii_timeline(res, width=args.width))
     print()
     print(summary_table(res))
@@ -132,6 +146,11 @@ def parser() -> argparse.ArgumentParser:
     _cost_args(show)
     _model_cost_args(show)
     show.add_argument("--width", type=int, default=None, help="columns of the timeline")
+    show.add_argument("--all-to-all", type=_pair, default=None, metavar="F,B",
+                      help="a MoE model's all-to-all inside one 1F1B stage's F and B (BW) ops, on top of --tf/--tb")
+    show.add_argument("--overlap-host", type=float, default=0.0, metavar="H",
+                      help="with --overlap: host time one side of an overlapped unit adds on one 1F1B stage "
+                           "(its pieces' launches and waits)")
     show.add_argument("--plot", metavar="PATH", help="also draw the timeline to PATH (.png or .svg; matplotlib)")
     show.set_defaults(run=_show)
     cmp_ = sub.add_parser("compare", help="every schedule's makespan, bubble and memory")

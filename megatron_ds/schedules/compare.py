@@ -62,7 +62,7 @@ def _built(name: str, pp: int, m: int, knobs: tuple):
     return build_schedule(name, pp, m, **dict(knobs))
 
 
-TIME_VS_1F1B = "time/1f1b (lower is better)"  # the README's tables read the same way
+TIME_VS_1F1B = "time/1f1b (lower is better)"  # docs/PERFORMANCE.md's tables read the same way
 
 
 def format_table(rows: list[dict], title: str = "") -> str:

@@ -24,6 +24,11 @@ communication, kept apart from the compute because overlapping it (issue 40) wou
 on the critical path of the F and B ops for now, as the runtime runs it inside the layer. `layer_memory`
 gives each layer's activations (any unit: only their ratios count), so a stage of MoE layers holds more
 than one of dense layers.
+
+Overlapped units (issue 40): `piece_host` is the host time one piece of an overlapped unit costs beyond the plain
+op (each launch, stream event and wait the piece-by-piece run adds): a MoE layer runs as PIECES_MOE pieces per
+side (attention, dispatch, experts, combine; backward the reverse), a dense layer as one, so a unit pays
+piece_host times the pieces of both its stages (`overlap_host_per_stage`; simulate's `overlap_host`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from .ir import Schedule
 from .simulate import SimResult, simulate
 
 Triple = tuple[float, float, float]
+PIECES_MOE = 4   # a MoE layer's pieces per side of an overlapped unit: attention, dispatch, experts, combine
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class ModelCosts:
     layers: tuple = ()                # per transformer layer, its (F, B, W) when they differ (MoE); (): all alike
     all_to_all: tuple = ()            # per transformer layer, (F, B) of its expert-parallel all-to-all; (): none
     layer_memory: tuple = ()          # per transformer layer, its activations (relative); (): all alike
+    piece_host: float = 0.0           # host time per piece of an overlapped unit (PIECES_MOE a MoE layer, 1 dense)
 
     @classmethod
     def of_layers(cls, layers, pp: int, **kwargs) -> "ModelCosts":
@@ -73,6 +80,21 @@ class ModelCosts:
             return None
         cut = stage_layers(len(self.all_to_all), schedule.stages)
         return tuple([sum(self.all_to_all[j][i] for j in held) for held in cut] for i in range(2))
+
+    def pieces_per_stage(self, schedule: Schedule) -> list[int]:
+        """The pieces one side of an overlapped unit runs on each stage: PIECES_MOE per layer with an
+        all-to-all, one per other layer (without per-layer costs: one per stage)."""
+        if self.all_to_all:
+            per = [PIECES_MOE if any(t) else 1 for t in self.all_to_all]
+        elif self.layers:
+            per = [1] * len(self.layers)
+        else:
+            return [1] * schedule.stages
+        return [sum(per[j] for j in held) for held in stage_layers(len(per), schedule.stages)]
+
+    def overlap_host_per_stage(self, schedule: Schedule) -> list[float]:
+        """simulate()'s overlap_host: what one side of an overlapped unit adds on each stage."""
+        return [self.piece_host * n for n in self.pieces_per_stage(schedule)]
 
     def stage_memory(self, schedule: Schedule) -> list[float] | None:
         """Each stage's activations over an even share's (simulate's stage_memory); None: all alike."""
@@ -101,7 +123,7 @@ class ModelCosts:
         layers = tuple(tuple(t + (e + h) / len(self.layers) for t, e, h in zip(layer, self.embed, self.head))
                        for layer in self.layers)
         return ModelCosts(*spread, op_overhead=self.op_overhead, layers=layers, all_to_all=self.all_to_all,
-                          layer_memory=self.layer_memory)
+                          layer_memory=self.layer_memory, piece_host=self.piece_host)
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -120,5 +142,7 @@ def evaluate(schedule: Schedule, costs: ModelCosts, **kwargs) -> SimResult:
     moe = {"all_to_all": costs.all_to_all_per_stage(schedule)} if costs.all_to_all else {}
     if costs.layer_memory and kwargs.get("act_size") is None:
         moe["stage_memory"] = costs.stage_memory(schedule)
+    if costs.piece_host and schedule.overlap:
+        moe["overlap_host"] = costs.overlap_host_per_stage(schedule)
     return simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead,
                     head_memory=costs.head_memory, **vocab, **moe, **kwargs)

@@ -3,7 +3,9 @@ the JSON export format of DESIGN.md, proven runnable before any process group st
 
 ds_config `"pipeline": {"schedule": "file:PATH.json"}` names one. The file fixes everything a
 generator's knobs would (pp, micro-batches, chunks and their placement, segments); the run's
-flags must agree with it, since nothing can re-plan a written order for another shape.
+flags must agree with it, since nothing can re-plan a written order for another shape. A file's "overlap"
+(overlapped forward-and-backward units, SCHEDULES.md) is validated with the rest; an executor that does not
+overlap them runs its two ops one after the other, the same schedule.
 """
 from __future__ import annotations
 

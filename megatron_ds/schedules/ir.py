@@ -83,6 +83,14 @@ class Schedule:
     ranks: list[list[Op]] = field(default_factory=list)
     segment_lengths: list[int] | None = None  # tokens of each sequence segment, when the generator was told
     vocab_parallel: bool = False  # every rank runs the vocabulary passes (EF, S, T, EW) on its slice
+    # Overlapped units (issue 40): per rank, the positions i at which op i (a forward) and op i+1 (a backward of
+    # another unit), or the reverse, run as one unit, each one's all-to-all hidden behind the other's compute.
+    # None: no op runs overlapped. An executor that runs the two one after the other runs the same schedule.
+    overlap: list[list[int]] | None = None
+
+    def __post_init__(self):
+        if self.overlap is not None and not any(self.overlap):  # no unit: the same schedule as without the field
+            self.overlap = None
 
     @property
     def loss_stage(self) -> int:
@@ -111,6 +119,29 @@ class Schedule:
             text += f".{op.seq}"
         return text + "'" * self.chunk_index(rank, op)
 
+    def paired_at(self, rank: int) -> frozenset:
+        """The positions of `rank`'s list where an overlapped unit starts (its two ops: i and i+1)."""
+        if not self.overlap or rank >= len(self.overlap):
+            return frozenset()
+        return frozenset(self.overlap[rank])
+
+    def units(self, rank: int) -> list[tuple[Op, ...]]:
+        """`rank`'s list as it runs: one op, or the two ops of an overlapped unit, in list order."""
+        lst, starts = self.ranks[rank], self.paired_at(rank)
+        out, i = [], 0
+        while i < len(lst):
+            n = 2 if i in starts and i + 1 < len(lst) else 1
+            out.append(tuple(lst[i:i + n]))
+            i += n
+        return out
+
+    def pairs(self) -> Iterator[tuple[int, Op, Op]]:
+        """(rank, first op, second op) of every overlapped unit."""
+        for r in range(len(self.ranks)):
+            for unit in self.units(r):
+                if len(unit) == 2:
+                    yield r, unit[0], unit[1]
+
     def ops(self) -> Iterator[tuple[int, int, Op]]:
         """(rank, position, op) for every op of every rank."""
         for r, lst in enumerate(self.ranks):
@@ -131,6 +162,8 @@ class Schedule:
             head["segment_lengths"] = list(self.segment_lengths)
         if self.vocab_parallel:
             head["vocab_parallel"] = True
+        if self.overlap and any(self.overlap):
+            head["overlap"] = [sorted(row) for row in self.overlap]
         return {**head, "placement": [list(row) for row in self.placement],
                 "ranks": [[op.to_dict() for op in lst] for lst in self.ranks]}
 
@@ -160,6 +193,11 @@ class Schedule:
             raise ScheduleError(f"schedule JSON lacks key(s) {', '.join(missing)}")
         if not isinstance(d.get("vocab_parallel", False), bool):
             raise ScheduleError(f"schedule JSON vocab_parallel={d['vocab_parallel']!r}: must be true or false")
+        overlap = d.get("overlap")
+        if overlap is not None and not (isinstance(overlap, list) and all(
+                isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in row)
+                for row in overlap)):
+            raise ScheduleError(f"schedule JSON overlap={overlap!r}: must be one list of op positions per rank")
         return cls(name=str(d["schedule"]), pp=int(d["pp"]), micro_batches=int(d["micro_batches"]),
                    replicas=int(d["replicas"]), stages=int(d["stages"]),
                    seq_splits=int(d["seq_splits"]),
@@ -167,7 +205,8 @@ class Schedule:
                    ranks=[[Op.from_dict(o) for o in lst] for lst in d["ranks"]],
                    segment_lengths=None if d.get("segment_lengths") is None
                    else [int(n) for n in d["segment_lengths"]],
-                   vocab_parallel=bool(d.get("vocab_parallel", False)))
+                   vocab_parallel=bool(d.get("vocab_parallel", False)),
+                   overlap=None if overlap is None else [list(row) for row in overlap])
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
@@ -181,8 +220,10 @@ class Schedule:
 
 
 def order_text(schedule: Schedule, ranks: Iterable[int] | None = None) -> str:
-    """Per-rank op order, one line per rank ("rank0: F0 F1 BW0 ..."), labels as op_label."""
+    """Per-rank op order, one line per rank ("rank0: F0 F1 BW0 ..."; "F3+BW1" an overlapped unit), labels as
+    op_label."""
     lines = []
-    for r in (range(schedule.pp) if ranks is None else ranks):
-        lines.append(f"rank{r}: " + " ".join(schedule.op_label(r, op) for op in schedule.ranks[r]))
+    for r in (range(schedule.pp) if ranks is None else ranks):  # an overlapped unit: its two labels joined by "+"
+        lines.append(f"rank{r}: " + " ".join("+".join(schedule.op_label(r, op) for op in unit)
+                                             for unit in schedule.units(r)))
     return "\n".join(lines)

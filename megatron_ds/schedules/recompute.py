@@ -254,5 +254,7 @@ def evaluate(schedule: Schedule, costs: ModelCosts, recompute: Recompute, memory
     sizes, transient = act_size(schedule, num_layers, memory, recompute)
     vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
     comm = {"all_to_all": costs.all_to_all_per_stage(schedule)} if costs.all_to_all else {}
+    if costs.piece_host and schedule.overlap:  # overlapped units' pieces (issue 40), as costs.evaluate
+        comm["overlap_host"] = costs.overlap_host_per_stage(schedule)
     return simulate(schedule, f, b, w, op_overhead=costs.op_overhead, head_memory=costs.head_memory,
                     act_size=sizes, transient=transient, **vocab, **comm, **kwargs)

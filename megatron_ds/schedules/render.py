@@ -4,7 +4,9 @@ traced run's measured timeline over its simulation). Colours come from the op ki
 
 Labels are Schedule.op_label's: kind and micro-batch (".q" segment when the sequence is
 split), one prime per earlier chunk of the same replica on the rank (ZB-V's and BitPipe's
-second leg: F3'), lower-case letters for replica 1 of a bidirectional schedule.
+second leg: F3'), lower-case letters for replica 1 of a bidirectional schedule. An overlapped
+unit (Schedule.overlap) is one ASCII bar labelled "F7+BW3'", and in the pictures its forward
+fills the upper half of the rank's row and its backward the lower half, over the unit's span.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ from .timeline import RankTrace, measure, op_of, to_schedule
 
 
 def ascii_timeline(result: SimResult, width: int | None = None, max_width: int = 400) -> str:
-    """One row per rank; an op is '|' + label padded with '-' to its length, idle is ' '."""
+    """One row per rank; an op is '|' + label padded with '-' to its length, idle is ' '; an overlapped
+    unit is one bar labelled with both ops ("F7+BW3'")."""
     s = result.schedule
-    labels = {(r, op): s.op_label(r, op) for r, _, op in s.ops()}
+    units = [s.units(r) for r in range(s.pp)]
+    labels = {(r, unit): "+".join(s.op_label(r, op) for op in unit) for r in range(s.pp) for unit in units[r]}
     durations = [result.end[op] - result.start[op] for _, _, op in s.ops()]
     shortest = min((d for d in durations if d > 0), default=1.0)
     t0 = min(result.start.values())
@@ -27,12 +31,12 @@ def ascii_timeline(result: SimResult, width: int | None = None, max_width: int =
         width = min(max_width, max(1, round(result.makespan * per_unit)))
     scale = width / result.makespan if result.makespan > 0 else 1.0
     rows = []
-    for r, ops in enumerate(s.ranks):
+    for r in range(s.pp):
         cells = [" "] * width
-        for op in ops:
-            a = round((result.start[op] - t0) * scale)
-            b = max(a + 1, round((result.end[op] - t0) * scale))
-            text = ("|" + labels[r, op])[: b - a].ljust(b - a, "-")
+        for unit in units[r]:
+            a = round((result.start[unit[0]] - t0) * scale)
+            b = max(a + 1, round((result.end[unit[0]] - t0) * scale))
+            text = ("|" + labels[r, unit])[: b - a].ljust(b - a, "-")
             cells[a:b] = list(text)
         rows.append(f"rank{r:<3d}" + "".join(cells[:width]).rstrip())
     return "\n".join(rows)
@@ -74,9 +78,21 @@ def _bar(ax, row, start, end, fill, *, height=0.8, hatch=None, text=None, min_te
         ax.text((start + end) / 2, row, text, ha="center", va="center", fontsize=fontsize)
 
 
-def _op_bar(ax, schedule, rank, op, start, end, text, min_text, fontsize=7):
-    _bar(ax, rank, start, end, colour(schedule, rank, op), hatch="//" if op.replica == 1 else None,
-         text=text, min_text=min_text, fontsize=fontsize)
+def _op_bar(ax, schedule, rank, op, start, end, text, min_text, fontsize=7, half=0):
+    """An op's bar on the rank's row; `half` -1 or 1: the upper or lower half of the row (an overlapped unit
+    draws its forward above its backward over the unit's span)."""
+    _bar(ax, rank + 0.2 * half, start, end, colour(schedule, rank, op), height=0.4 if half else 0.8,
+         hatch="//" if op.replica == 1 else None, text=text, min_text=min_text, fontsize=fontsize)
+
+
+def halves(schedule: Schedule, rank: int) -> dict:
+    """op -> -1 (upper half) or 1 (lower) for the ops of `rank`'s overlapped units: the forward above."""
+    out = {}
+    for unit in schedule.units(rank):
+        if len(unit) == 2:
+            for op in unit:
+                out[op] = -1 if op.kind is Kind.F else 1
+    return out
 
 
 def _legend(fig, schedule, extra=()):
@@ -105,9 +121,10 @@ def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str
     fig, ax = plt.subplots(figsize=(fig_w, 0.6 * s.pp + 1.6), layout="constrained")
     min_text = 0.25 * result.makespan / (fig_w * 6)
     for r, ops in enumerate(s.ranks):
+        half = halves(s, r)
         for op in ops:
             text = str(op.mb) + (f".{op.seq}" if s.seq_splits > 1 else "")
-            _op_bar(ax, s, r, op, result.start[op] - t0, result.end[op] - t0, text, min_text)
+            _op_bar(ax, s, r, op, result.start[op] - t0, result.end[op] - t0, text, min_text, half=half.get(op, 0))
     _rank_axis(ax, [f"rank {r}" for r in range(s.pp)])
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time")
@@ -115,7 +132,8 @@ def plot_timeline(result: SimResult, path: str, title: str | None = None) -> str
     ax.set_title(title or f"{s.name}: p={s.pp} m={s.micro_batches}"
                  + (f" k={s.seq_splits}" if s.seq_splits > 1 else "")
                  + f"  makespan {result.makespan:g}  bubble {result.bubble_ratio:.3f}"
-                 + "  (darker = later chunk on the rank)")
+                 + "  (darker = later chunk on the rank" + ("; half bars: F&B unit" if s.overlap else "")
+                 + ")")
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -141,8 +159,9 @@ def plot_measured(traces: list[RankTrace], sim: SimResult, path: str, title: str
             if e["cat"] == "compute":
                 op = op_of(e)
                 stage_id = t.meta["stage_id"]
-                _bar(top, row, a, b, colour(sched, stage_id, op), hatch="//" if op.replica else None,
-                     text=e["name"].rstrip("'"), min_text=min_text, fontsize=6)
+                half = (-1 if op.kind is Kind.F else 1) if e["args"].get("overlapped") else 0
+                _bar(top, row + 0.2 * half, a, b, colour(sched, stage_id, op), hatch="//" if op.replica else None,
+                     height=0.4 if half else 0.8, text=e["name"].rstrip("'"), min_text=min_text, fontsize=6)
             else:
                 _bar(top, row + 0.3, a, b, P2P_COLOUR if e["cat"] == "p2p" else STEP_COLOUR, height=0.2)
     _rank_axis(top, [f"rank {t.rank}" for t in traces])
@@ -151,9 +170,10 @@ def plot_measured(traces: list[RankTrace], sim: SimResult, path: str, title: str
                             f"bubble {measured.bubble_ratio:.3f}"), fontsize=9)
     s0 = min(sim.start.values())
     for r, ops in enumerate(sched.ranks):
+        half = halves(sched, r)
         for op in ops:
             _op_bar(bottom, sched, r, op, (sim.start[op] - s0) * ms, (sim.end[op] - s0) * ms,
-                    sched.op_label(r, op).rstrip("'"), min_text, fontsize=6)
+                    sched.op_label(r, op).rstrip("'"), min_text, fontsize=6, half=half.get(op, 0))
     _rank_axis(bottom, [f"rank {r}" for r in range(sched.pp)])
     bottom.set_title(f"simulated, same op order: makespan {sim.makespan * ms:.0f} ms, bubble {sim.bubble_ratio:.3f}",
                      fontsize=9)

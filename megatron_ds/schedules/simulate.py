@@ -29,6 +29,15 @@ that overlaps it with other work (issue 40) can take it off the ops instead. `st
 the activations of each stage of a replica over an even share's (1: the stage holds 1/S of the
 model's; a stage of MoE layers holds more than one of dense layers). `transient` (op -> memory) is what an op
 holds only while it runs, on top of the level before it: a recomputed layer's activations in B (recompute.py).
+
+An overlapped unit (Schedule.overlap: a forward and a backward of two other units, DualPipe's overlapped chunk)
+starts when both ops' inputs are there and ends, for both, after
+    c_F + c_B + max(0, a_F - c_B) + max(0, a_B - c_F) + h_F + h_B
+where c is an op's compute (with its fixed time), a its all-to-all and h the host time the unit's pieces add on
+its stage (`overlap_host`, per side, as tf): each side's all-to-all runs while the other side computes and only
+what the other's compute cannot cover stays exposed. SimResult.all_to_all_hidden is what that hid per rank,
+SimResult.overlap_host what the pieces cost. Its peak memory counts the forward's allocation before the
+backward's release.
 """
 from __future__ import annotations
 
@@ -60,6 +69,8 @@ class SimResult:
     p2p_messages: int            # cross-rank edges (activations down + gradients up)
     p2p_sent: list[int]          # messages sent per rank
     all_to_all: list[float] = field(default_factory=list)  # per rank, time in its ops' all-to-all (within busy)
+    all_to_all_hidden: list[float] = field(default_factory=list)  # per rank, of it hidden in overlapped units
+    overlap_host: list[float] = field(default_factory=list)   # per rank, host time its overlapped units add
 
     @property
     def peak_memory_max(self) -> float:
@@ -72,38 +83,53 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
              op_overhead: tuple = (0.0, 0.0, 0.0), head: tuple = (0.0, 0.0, 0.0),
              embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0, all_to_all: tuple | None = None,
              stage_memory: Sequence[float] | None = None,
-             transient: Callable[[Op], float] | None = None) -> SimResult:
+             transient: Callable[[Op], float] | None = None, overlap_host: Cost = 0.0) -> SimResult:
     if check:
         validate(schedule)
     comm = _comm_fn(schedule, all_to_all, seq_costs)
     compute = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, {"head": head, "embed": embed})
     duration = compute if all_to_all is None else lambda op: compute(op) + comm(op)  # synchronous: the op waits
     index = UnitIndex(schedule)
+    host = _per_stage(overlap_host, schedule, "overlap_host")
+    units = [schedule.units(r) for r in range(schedule.pp)]
+    hidden = [0.0] * schedule.pp
+    hosted = [0.0] * schedule.pp
+
+    def unit_time(r: int, unit: tuple) -> float:
+        if len(unit) == 1:
+            return duration(unit[0])
+        (a, b), (ca, cb), (xa, xb) = unit, (compute(op) for op in unit), (comm(op) for op in unit)
+        hidden[r] += min(xa, cb) + min(xb, ca)   # each side's all-to-all behind the other side's compute
+        hosted[r] += host[a.stage] + host[b.stage]
+        return ca + cb + max(0.0, xa - cb) + max(0.0, xb - ca) + host[a.stage] + host[b.stage]
+
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
     sent = [0] * schedule.pp
     pos = [0] * schedule.pp
     clock = [0.0] * schedule.pp
-    remaining = schedule.num_ops()
-    # Start times depend only on dependencies and the previous op of the same rank, so any
-    # order of visiting the ranks gives the same result.
+    remaining = sum(len(u) for u in units)
+    # Start times depend only on dependencies and the previous unit of the same rank, so any
+    # order of visiting the ranks gives the same result. An overlapped unit starts when both its
+    # ops' inputs are there, and both end when it ends (each side's last piece ends near the end).
     while remaining:
         progressed = False
-        for r, lst in enumerate(schedule.ranks):
-            while pos[r] < len(lst):
-                op = lst[pos[r]]
-                deps = index.deps(op)
-                if any(d not in end for d in deps):
+        for r in range(schedule.pp):
+            while pos[r] < len(units[r]):
+                unit = units[r][pos[r]]
+                deps = [(d, op) for op in unit for d in index.deps(op)]
+                if any(d not in end for d, _ in deps):
                     break
                 t = clock[r]
-                for d in deps:
+                for d, op in deps:
                     if index.is_message(d, op):
                         t = max(t, end[d] + p2p_latency)
                         sent[index.where[d][0]] += 1
                     else:
                         t = max(t, end[d])
-                start[op] = t
-                end[op] = clock[r] = t + duration(op)
+                stop = clock[r] = t + unit_time(r, unit)
+                for op in unit:
+                    start[op], end[op] = t, stop
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
@@ -112,6 +138,7 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
     result = _summarize(schedule, start, end, sent, _memory_fn(schedule, act_size, head_memory, stage_memory),
                         transient)
     result.all_to_all = [sum(comm(op) for op in ops) for ops in schedule.ranks]
+    result.all_to_all_hidden, result.overlap_host = hidden, hosted
     return result
 
 
@@ -223,18 +250,22 @@ def _summarize(schedule, start, end, sent, delta, transient=None) -> SimResult:
     t0 = min(start.values())
     makespan = max(end.values()) - t0
     busy, bubble, own, peak = [], [], [], []
-    for lst in schedule.ranks:
-        work = sum(end[op] - start[op] for op in lst)
+    for r, lst in enumerate(schedule.ranks):
+        units = schedule.units(r)
+        work = sum(end[u[0]] - start[u[0]] for u in units)   # an overlapped unit's span counts once
         busy.append(work)
         bubble.append((makespan - work) / makespan if makespan > 0 else 0.0)
         span = (end[lst[-1]] - start[lst[0]]) if lst else 0.0
         own.append((span - work) / span if span > 0 else 0.0)
         level = top = 0.0
-        for op in lst:
+        for unit in units:
             if transient is not None:
-                top = max(top, level + transient(op))
-            level += delta(op)
-            top = max(top, level)
+                top = max(top, level + max(transient(op) for op in unit))
+            # inside an overlapped unit the forward's pieces allocate while the backward's free: count the
+            # allocations first (the unit's peak can reach them both)
+            for d in sorted(delta(op) for op in unit)[::-1]:
+                level += d
+                top = max(top, level)
         peak.append(top)
     return SimResult(schedule=schedule, start=start, end=end, makespan=makespan, busy=busy,
                      bubble=bubble, bubble_ratio=max(bubble), own_bubble=own, peak_memory=peak,

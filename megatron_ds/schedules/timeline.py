@@ -4,7 +4,9 @@ Schedule the ranks ran (for the simulator and the pictures).
 
 Each file is a JSON object: "ph": "X" events with pid = global rank and times in microseconds,
 on three threads per rank (0 compute, 1 p2p, 2 step); "otherData" holds the run's metadata
-(FORMAT). A compute event's args name its op (kind, replica, stage, mb, seq).
+(FORMAT). A compute event's args name its op (kind, replica, stage, mb, seq). The two ops of an overlapped
+unit (Schedule.overlap) are two compute events, in the rank's list order, each spanning the whole unit, with
+args "overlapped": true (absent on every other op: readers take its absence as false).
 """
 from __future__ import annotations
 
@@ -63,6 +65,26 @@ class RankTrace:
 
     def compute_ops(self) -> list[tuple[Op, float, float]]:
         return [(op_of(e), e["ts"], e["ts"] + e["dur"]) for e in self.of("compute")]
+
+    def overlap_positions(self) -> list[int]:
+        """The positions in compute_ops where an overlapped unit starts: flagged events, two by two."""
+        flags = [bool(e["args"].get("overlapped")) for e in self.of("compute")]
+        out, i = [], 0
+        while i < len(flags) - 1:
+            if flags[i] and flags[i + 1]:
+                out.append(i)
+                i += 2
+            else:
+                i += 1
+        return out
+
+    def busy(self) -> float:
+        """Compute time: the union of the compute events' spans (an overlapped unit's two events count once)."""
+        total, reach = 0.0, float("-inf")
+        for _, s, e in sorted(self.compute_ops(), key=lambda x: x[1]):
+            total += max(0.0, e - max(s, reach))
+            reach = max(reach, e)
+        return total
 
 
 def load_iteration(trace_dir: str, step: int | None = None) -> list[RankTrace]:
@@ -135,7 +157,7 @@ def measure(traces: list[RankTrace]) -> Measured:
     start = min(s for lst in ops for _, s, _ in lst)
     end = max(e for lst in ops for _, _, e in lst)
     makespan = end - start
-    busy = [sum(e - s for _, s, e in lst) for lst in ops]
+    busy = [t.busy() for t in traces]
     span = (max(e["ts"] + e["dur"] for t in traces for e in t.events)
             - min(e["ts"] for t in traces for e in t.events))
     return Measured(makespan, busy, [(makespan - b) / makespan for b in busy], span)
@@ -146,16 +168,19 @@ def to_schedule(traces: list[RankTrace]) -> Schedule:
     pipe = first_pipeline(traces)
     m = pipe[0].meta
     ranks = [[op for op, _, _ in t.compute_ops()] for t in pipe]
+    overlap = [t.overlap_positions() for t in pipe]
     return Schedule(m["schedule"], m["pp"], m["micro_batches"], m["replicas"], m["stages"], m["seq_splits"],
-                    [list(row) for row in m["placement"]], ranks)
+                    [list(row) for row in m["placement"]], ranks, overlap=overlap if any(overlap) else None)
 
 
 def median_costs(traces: list[RankTrace]) -> dict:
-    """Median measured duration per op kind, scaled to one 1F1B stage (DESIGN.md's TF, TB, TW)."""
+    """Median measured duration per op kind, scaled to one 1F1B stage (DESIGN.md's TF, TB, TW); the ops of
+    overlapped units (whose events span both) are left out."""
     m = traces[0].meta
     scale = m["stages"] / m["pp"] * m["seq_splits"]
     durs = {}
     for t in traces:
-        for op, s, e in t.compute_ops():
-            durs.setdefault(op.kind, []).append(e - s)
+        for e in t.of("compute"):
+            if not e["args"].get("overlapped"):
+                durs.setdefault(op_of(e).kind, []).append(e["dur"])
     return {k: statistics.median(v) * scale for k, v in durs.items()}

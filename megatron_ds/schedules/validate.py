@@ -5,7 +5,7 @@ from collections import Counter
 
 from .deps import UnitIndex
 from .ir import Schedule, ScheduleError
-from .kinds import B, BW, COMPLETE, F, VOCAB, W
+from .kinds import ACT, B, BW, COMPLETE, F, GRAD, VOCAB, W
 
 
 def validate(schedule: Schedule) -> None:
@@ -14,6 +14,7 @@ def validate(schedule: Schedule) -> None:
     _check_ops(schedule)
     _check_complete(schedule)
     index = UnitIndex(schedule)
+    _check_overlap(schedule, index)
     _check_local_order(schedule, index)
     _check_no_deadlock(schedule, index)
 
@@ -110,30 +111,58 @@ def _check_local_order(s: Schedule, index: UnitIndex) -> None:
                 raise ScheduleError(f"rank {r} runs {op} (op #{i}) before its dependency {dep} (op #{di})")
 
 
+def _check_overlap(s: Schedule, index: UnitIndex) -> None:
+    """An overlapped unit is a forward and a backward (B or BW) of two other units, next to each other in
+    the rank's list; each op is in one unit at most. Neither may wait for the other (each side's
+    dependencies must all be met before the unit starts: the deadlock check walks units)."""
+    if s.overlap is None:
+        return
+    if len(s.overlap) != s.pp:
+        raise ScheduleError(f"overlap has {len(s.overlap)} rows for pp={s.pp} (one list of positions per rank)")
+    for r, row in enumerate(s.overlap):
+        lst, seen = s.ranks[r], set()
+        for i in sorted(row):
+            where = f"overlap: rank {r} position {i}"
+            if not 0 <= i < len(lst) - 1:
+                raise ScheduleError(f"{where} names no pair of ops (the rank runs {len(lst)} ops; a unit is "
+                                    "ops i and i+1)")
+            if i in seen or i - 1 in seen:
+                raise ScheduleError(f"{where}: op #{i} is already in the unit at position {i if i in seen else i - 1} "
+                                    "(an op runs in one overlapped unit at most)")
+            seen.add(i)
+            a, b = lst[i], lst[i + 1]
+            if {a.kind.traits.consumes, b.kind.traits.consumes} != {ACT, GRAD}:  # F, and B or BW
+                raise ScheduleError(f"{where}: {a} and {b} are no forward and backward (an overlapped unit is "
+                                    "one F and one B or BW)")
+            if b in index.deps(a) or a in index.deps(b):
+                raise ScheduleError(f"{where}: {a} and {b} depend on each other (an overlapped unit runs the "
+                                    "forward and backward of two independent units)")
+
+
 def _check_no_deadlock(s: Schedule, index: UnitIndex) -> None:
+    units = [s.units(r) for r in range(s.pp)]
     pos = [0] * s.pp
     done: set = set()
-    remaining = s.num_ops()
+    remaining = sum(len(u) for u in units)
     while remaining:
         progressed = False
         for r in range(s.pp):
-            lst = s.ranks[r]
-            while pos[r] < len(lst) and all(d in done for d in index.deps(lst[pos[r]])):
-                done.add(lst[pos[r]])
+            # an overlapped unit starts when every dependency of both its ops is met
+            while pos[r] < len(units[r]) and all(d in done for op in units[r][pos[r]] for d in index.deps(op)):
+                done.update(units[r][pos[r]])
                 pos[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise ScheduleError("deadlock: " + _describe_cycle(s, index, pos, done))
+            raise ScheduleError("deadlock: " + _describe_cycle(s, index, units, pos, done))
 
 
-def _describe_cycle(s: Schedule, index: UnitIndex, pos: list[int], done: set) -> str:
+def _describe_cycle(s: Schedule, index: UnitIndex, units: list, pos: list[int], done: set) -> str:
     def waits(r: int):
-        op = s.ranks[r][pos[r]]
-        dep = next(d for d in index.deps(op) if d not in done)
+        op, dep = next((op, d) for op in units[r][pos[r]] for d in index.deps(op) if d not in done)
         return op, dep, index.where[dep][0]
 
-    start = next(r for r in range(s.pp) if pos[r] < len(s.ranks[r]))
+    start = next(r for r in range(s.pp) if pos[r] < len(units[r]))
     seen: list[int] = []
     r = start
     while r not in seen:

@@ -12,8 +12,14 @@ saves through the hooks too, so the peak includes what a recomputed layer holds 
         loss = model(x).sum()
         loss.backward()
     meter.peak
+
+A Seq1F1B run's K/V cache (`cache`, model/kv_cache.SegmentKVCache) is counted from the cache itself: its buffers
+at their full length whenever anything is saved (the views saved of them add nothing), its masks as "mask";
+`at_peak` splits the peak into those kinds. `PeakRSS` is the process's side: its resident memory's high-water
+mark over a stretch of code (Linux), which also sees what no autograd node keeps (transient buffers).
 """
 import contextlib
+import re
 
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import CheckpointFunction
@@ -23,19 +29,43 @@ from megatron_ds.model.linear import WeightGradStore
 
 class SavedMemory:
 
-    def __init__(self, exclude=()):
+    def __init__(self, exclude=(), cache=None):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.live = {}  # storage pointer -> [keepers, bytes]
+        self.cache = cache
+        self.live = {}  # storage pointer -> [keepers, bytes, kind]
         self.now = self.peak = 0
+        self.by_kind = {"kv": 0, "mask": 0, "other": 0}
+        self.at_peak = dict(self.by_kind)
+
+    def _kind(self, ptr):
+        if self.cache is not None:
+            if ptr in {t.untyped_storage().data_ptr() for t in self.cache.kv_tensors()}:
+                return "kv"
+            if ptr in {t.untyped_storage().data_ptr() for t in self.cache.mask_tensors()}:
+                return "mask"
+        return "other"
+
+    def _kv_bytes(self):
+        return sum(t.untyped_storage().nbytes() for t in self.cache.kv_tensors()) if self.cache is not None else 0
+
+    def _update_peak(self):
+        kv = self._kv_bytes()
+        if self.now + kv > self.peak:
+            self.peak, self.at_peak = self.now + kv, dict(self.by_kind, kv=kv)
 
     def pack(self, tensor):
         ptr = tensor.untyped_storage().data_ptr()
         if ptr in self.exclude or tensor.device.type == "meta":
             return tensor
+        kind = self._kind(ptr)
+        if kind == "kv":  # counted from the cache itself (its buffers, not the views saved of them)
+            self._update_peak()
+            return tensor
         if ptr not in self.live:
-            self.live[ptr] = [0, tensor.untyped_storage().nbytes()]
+            self.live[ptr] = [0, tensor.untyped_storage().nbytes(), kind]
             self.now += self.live[ptr][1]
-            self.peak = max(self.peak, self.now)
+            self.by_kind[kind] += self.live[ptr][1]
+            self._update_peak()
         self.live[ptr][0] += 1
         return _Kept(self, ptr, tensor)
 
@@ -49,9 +79,11 @@ class SavedMemory:
         if entry[0] == 0:
             del self.live[ptr]
             self.now -= entry[1]
+            self.by_kind[entry[2]] -= entry[1]
 
     def reset_peak(self):
         self.peak = self.now
+        self.at_peak = dict(self.by_kind)
 
     @contextlib.contextmanager
     def recording(self):
@@ -106,3 +138,26 @@ class _Kept:
 
     def __del__(self):
         self.meter.release(self.ptr)
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+)", f.read()).group(1)) * 1024
+
+
+class PeakRSS:
+    """`with PeakRSS() as rss:` ... `rss.growth`: the bytes the process's resident set rose to above where it stood
+    on entry (VmHWM reset to VmRSS through /proc/self/clear_refs), `rss.peak` its high-water mark. Large tensors
+    follow the RSS only when the allocator returns them to the system: set MALLOC_MMAP_THRESHOLD_ (64 KiB) in
+    the environment of a fresh process."""
+
+    def __enter__(self):
+        self.before = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = _status_kb("VmHWM")
+        self.growth = self.peak - self.before
+        return False

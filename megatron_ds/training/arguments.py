@@ -17,6 +17,8 @@ import json
 import os
 
 from megatron_ds.data.tokenizer import gpt2_files
+from megatron_ds.files import UnreadableFile, read_json
+from megatron_ds.parallel_layout import ParallelConfigError, accumulation_steps, data_parallel_size, global_batch_size
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
@@ -226,7 +228,8 @@ def validate_args(args):
     if args.use_liger_kernel:  # after the config's own rules: a flag conflict before the machine's lacks
         check_liger()
     _check_parallel(args)
-    args.data_parallel_size = args.world_size // (args.pipeline_model_parallel_size * args.tensor_model_parallel_size)
+    args.data_parallel_size = data_parallel_size(args.world_size, args.pipeline_model_parallel_size,
+                                                 args.tensor_model_parallel_size)
     check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, ds_config))
     apply_universal(args, args.ds_config, _err)
@@ -259,9 +262,6 @@ def _check_model(args):
               "max_position_embeddings", "micro_batch_size", "global_batch_size", "train_iters",
               "train_samples", "log_interval", "eval_interval", "save_interval", "exit_interval",
               "checkpoint_num_layers", "make_vocab_size_divisible_by")
-    if args.hidden_size % args.num_attention_heads:
-        _err(f"--hidden-size {args.hidden_size} must be divisible by --num-attention-heads "
-             f"{args.num_attention_heads}")
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         _err(f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length {args.seq_length}")
     for name in ("hidden_dropout", "attention_dropout"):
@@ -275,9 +275,10 @@ def _check_model(args):
 
 def _check_parallel(args):
     pp = args.pipeline_model_parallel_size
-    if pp < 1 or args.world_size % pp:
-        _err(f"--pipeline-model-parallel-size {pp} must divide the world size {args.world_size} "
-             "(the number of processes the launcher started)")
+    try:
+        data_parallel_size(args.world_size, pp)  # TP x PP against the world: check_parallel_args, below
+    except ParallelConfigError as e:
+        raise ArgumentsError(str(e)) from None
     if args.num_layers < pp:
         _err(f"--num-layers {args.num_layers} is smaller than --pipeline-model-parallel-size {pp}: "
              "every pipeline stage needs at least one transformer layer")
@@ -290,10 +291,9 @@ def read_ds_config(path):
     if not os.path.isfile(path):
         _err(f"--deepspeed_config {path}: file not found")
     try:
-        with open(path) as f:
-            config = json.load(f)
-    except json.JSONDecodeError as e:
-        _err(f"--deepspeed_config {path}: not valid JSON: {e}")
+        config = read_json(path, f"--deepspeed_config {path}")
+    except UnreadableFile as e:
+        raise ArgumentsError(str(e)) from None
     if not isinstance(config, dict):
         _err(f"--deepspeed_config {path}: must hold a JSON object")
     return config
@@ -345,18 +345,18 @@ def _merge_batch(args, cfg, src):
         _err("--micro-batch-size is required (or ds_config \"train_micro_batch_size_per_gpu\")")
     cfg_gbs, cfg_gas = cfg.get("train_batch_size"), cfg.get("gradient_accumulation_steps")
     if cfg_gbs is None and cfg_gas is not None:
-        cfg_gbs = cfg_gas * mbs * dp
+        cfg_gbs = global_batch_size(mbs, cfg_gas, dp)
     gbs = args.global_batch_size
     if gbs is not None and cfg_gbs is not None and gbs != cfg_gbs:
         via = ("train_batch_size" if "train_batch_size" in cfg
                else f"gradient_accumulation_steps x micro-batch x data-parallel = {cfg_gas} x {mbs} x {dp}")
         _err(f"--global-batch-size {gbs} disagrees with ds_config \"{via}\" = {cfg_gbs} in {src}")
-    gbs = gbs if gbs is not None else (cfg_gbs if cfg_gbs is not None else mbs * dp)
-    if gbs % (mbs * dp):
+    gbs = gbs if gbs is not None else (cfg_gbs if cfg_gbs is not None else global_batch_size(mbs, 1, dp))
+    gas = accumulation_steps(gbs, mbs, dp)
+    if gas is None:
         _err(f"global batch size {gbs} is not divisible by micro-batch size {mbs} x data-parallel size {dp} "
              f"(world {args.world_size} / (pipeline {args.pipeline_model_parallel_size} x tensor "
              f"{args.tensor_model_parallel_size}))")
-    gas = gbs // (mbs * dp)
     if cfg_gas is not None and cfg_gas != gas:
         _err(f"ds_config \"gradient_accumulation_steps\" = {cfg_gas} in {src} disagrees with global batch "
              f"{gbs} / (micro-batch {mbs} x data-parallel {dp}) = {gas}")
@@ -398,14 +398,15 @@ def _merge_precision(args, cfg, src):
     return on["bf16"], on["fp16"]
 
 
-def _check_schedule_over_rampup(args, settings, batch_sizes, step):
+def _check_schedule_over_rampup(args, settings, batch_sizes):
     """The engine plans its schedule anew for each micro-batch count: every count of the ramp must be one
     the schedule can run (bitpipe and interleaved need multiples of the pipeline size)."""
     for gbs in batch_sizes:
+        gas = accumulation_steps(gbs, args.micro_batch_size, args.data_parallel_size)
         try:
-            settings.build_schedule(args.pipeline_model_parallel_size, gbs // step)
+            settings.build_schedule(args.pipeline_model_parallel_size, gas)
         except ScheduleError as exc:
-            _err(f"--rampup-batch-size passes global batch {gbs} = {gbs // step} micro-batches per pipeline, "
+            _err(f"--rampup-batch-size passes global batch {gbs} = {gas} micro-batches per pipeline, "
                  f"which schedule {settings.schedule!r} cannot run: {exc}")
 
 
@@ -421,7 +422,7 @@ def _rampup(args):
         _err(f"--rampup-batch-size {' '.join(args.rampup_batch_size)}: three integers START INCREMENT SAMPLES")
     if args.train_iters is not None:
         _err("--rampup-batch-size needs sample-based training (--train-samples), as in Megatron")
-    step = args.micro_batch_size * args.data_parallel_size
+    step = global_batch_size(args.micro_batch_size, 1, args.data_parallel_size)
     if start <= 0 or inc <= 0 or samples <= 0:
         _err(f"--rampup-batch-size {start} {inc} {samples}: all three must be positive")
     if start > args.global_batch_size:
@@ -433,7 +434,7 @@ def _rampup(args):
         _err(f"--rampup-batch-size start {start} and increment {inc} must be multiples of micro-batch "
              f"{args.micro_batch_size} x data-parallel {args.data_parallel_size} = {step}")
     if not args.pipeline_settings.stock:
-        _check_schedule_over_rampup(args, args.pipeline_settings, range(start, args.global_batch_size + 1, inc), step)
+        _check_schedule_over_rampup(args, args.pipeline_settings, range(start, args.global_batch_size + 1, inc))
     return [start, inc, samples]
 
 

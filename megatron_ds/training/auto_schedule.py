@@ -24,7 +24,6 @@ of the plan after the build) and times nothing. Otherwise it times again and say
 something differs, "remeasure": true, --finetune, or a universal checkpoint (another layout). A
 checkpoint saved before the timed iterations ended holds no decision: the run times as a new one.
 """
-import json
 import math
 import os
 import shutil
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ds.data.dist_utils import print_rank_0
+from megatron_ds.files import read_json
 from megatron_ds.pipe.auto import chosen_ds_config
 from megatron_ds.pipe.config import pipeline_settings
 from megatron_ds.schedules import auto
@@ -41,7 +41,7 @@ from megatron_ds.schedules.flops import vocab_size
 
 from . import timeouts
 from .checkpointing import LoadPlan, read_latest_tag, restore
-from .fork_flags import run_plan
+from .fork_flags import run_plan, use_recompute
 from .initialize import get_rng_state, set_rng_state
 from .model_setup import model_config, setup_model_and_optimizer
 from .moe_args import moe_flags
@@ -58,9 +58,9 @@ WHAT = {
     "sequence_parallel": "--sequence-parallel", "recompute": "activation checkpointing interval",
     "dtype": "precision", "device": "device", "candidates": "candidate schedules",
     "cuts": "Seq1F1B segment lengths", "vocab_size": "padded vocabulary",
-    "vocab_parallel": '"vocab_parallel"', "moe": "the mixture-of-experts flags",
+    "vocab_parallel": '"vocab_parallel"', "moe": "the mixture-of-experts flags", "auto_recompute": '"auto_recompute"',
 }
-UNSAVED = {"vocab_parallel": False, "moe": "none"}  # what a record saved before the key existed meant
+UNSAVED = {"vocab_parallel": False, "moe": "none", "auto_recompute": False}  # what a record saved before the key existed meant
 
 
 def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: int = 0) -> dict:
@@ -78,7 +78,7 @@ def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: in
             "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, auto_plan.num_layers,
                                                                       auto_plan.cuts, vocab_parallel=vocab_parallel)),
             "cuts": [list(c.lengths) for c in auto_plan.cuts], "vocab_size": vocab_size(config),
-            "vocab_parallel": vocab_parallel,
+            "vocab_parallel": vocab_parallel, "auto_recompute": plan.settings.auto_recompute,
             "moe": " ".join(moe_flags(getattr(config, "moe", None))) or "none"}  # experts, sizes and EP set the times
 
 
@@ -107,11 +107,7 @@ def read_record(step_dir: str):
     path = os.path.join(step_dir, NAME)
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path) as f:
-            record = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} cannot be read ({exc})") from None
+    record = read_json(path)  # UnreadableFile, a ValueError
     if not isinstance(record, dict) or record.get("format") != FORMAT or not all(
             k in record for k in ("iteration", "decided_at", "key", "decision")):
         raise ValueError(f"{path} is not a format-{FORMAT} auto schedule record")
@@ -197,10 +193,13 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def use_ds_config(args, ds_config: dict) -> None:
-    """The chosen schedule's ds_config, its "pipeline" section and plan, for the build that follows."""
+def use_ds_config(args, ds_config: dict, decision: dict) -> None:
+    """The chosen schedule's ds_config, its "pipeline" section and plan, and the recompute setting it chose
+    ("auto_recompute"), for the build that follows."""
     args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
     run_plan(args)
+    if "recompute" in decision["choice"]:
+        use_recompute(args, decision["choice"]["recompute"])
 
 
 def prepare(args):
@@ -224,7 +223,7 @@ def prepare(args):
     if line:
         print_rank_0(line)
     if record is not None:
-        use_ds_config(args, chosen_ds_config(args.ds_config, record["decision"]))
+        use_ds_config(args, chosen_ds_config(args.ds_config, record["decision"]), record["decision"])
     return AutoSchedule(key, record)
 
 
@@ -268,8 +267,10 @@ def switch_engine(engine, decision: dict, build, save_dir=None):
         if dist.get_rank() == 0:
             shutil.rmtree(folder, ignore_errors=True)
     if dist.get_rank() == 0:
+        why = "another chunk placement" + (f" or recompute setting: recompute {decision['choice']['recompute_label']}"
+                                           if "recompute" in decision["choice"] else "")
         print(f"auto schedule: switched from {decision['start']} to {decision['choice']['label']} "
-              "through a checkpoint (another chunk placement)", flush=True)
+              f"through a checkpoint ({why})", flush=True)
     return new
 
 
@@ -278,7 +279,7 @@ def rebuild_trainer_engine(trainer, decision: dict) -> None:
     args = trainer.args
 
     def build(ds_config):
-        use_ds_config(args, ds_config)
+        use_ds_config(args, ds_config, decision)
         engine, trainer.lr_scheduler = setup_model_and_optimizer(args)
         return engine
 

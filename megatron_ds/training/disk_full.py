@@ -18,6 +18,7 @@ import os
 import shutil
 
 from megatron_ds.errors import UserError, print_error
+from megatron_ds.files import write_atomic
 
 from .errors import ArgumentsError
 
@@ -159,18 +160,13 @@ def write_text(path, text):
     """`text` into `path` through a temporary file and an atomic rename; out of room: recorded."""
     if failed():
         return False
-    tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open_for_write(tmp) as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, text, opener=open_for_write)
         return True
     except OSError as e:
         if not is_out_of_room(e):
             raise
-        _record(tmp, len(text.encode()), e)  # the name without ".tmp-PID" in the message
+        _record(f"{path}.tmp-{os.getpid()}", len(text.encode()), e)  # the name without ".tmp-PID" in the message
         return False
 
 

@@ -1,7 +1,7 @@
 """The research forks' and Megatron-LM's flags, as aliases of ds_config "pipeline" keys and our flags.
 
 A user of sail-sg zero-bubble, BitPipe, thunlp Seq1F1B, Megatron-DeepSpeed or Megatron-LM keeps the launch
-line: each flag here writes the ds_config key it stands for (the README's migration table lists them). A flag
+line: each flag here writes the ds_config key it stands for (docs/MIGRATION.md's table lists them). A flag
 and a ds_config key that disagree stop the run with one message naming both, as the batch sizes do. A flag
 nobody knows gets one line naming the closest known flag, or the ds_config key that replaces it.
 
@@ -89,7 +89,7 @@ def unknown_flag_lines(parser, rest):
 
 
 def add_fork_args(parser):
-    g = parser.add_argument_group("aliases: research forks, Megatron-LM, Megatron-DeepSpeed (README: Migrating)")
+    g = parser.add_argument_group("aliases: research forks, Megatron-LM, Megatron-DeepSpeed (docs/MIGRATION.md)")
     g.add_argument("--enable-zero-bubble", action="store_true",
                    help='sail-sg: ZB-H1, or ZB-H2 with --zero-bubble-max-pending-backward 2p ("pipeline.schedule")')
     g.add_argument("--zero-bubble-max-pending-backward", type=int, default=None,
@@ -300,6 +300,11 @@ def _apply_recompute(args, pipe):
     problem = recompute.problem()
     if problem:
         _err(problem)
+    given = "--recompute-granularity" if granularity else "--checkpoint-activations" if args.checkpoint_activations \
+        else None
+    if pipe.section.get("auto_recompute") and given:
+        _err(f'{given} with ds_config "pipeline.auto_recompute": true, which chooses the recompute itself (none, '
+             "selective or full); give one of them")
     if granularity is None:
         return
     if granularity == "selective" and args.checkpoint_activations:
@@ -326,6 +331,16 @@ def run_plan(args):
     args.pipeline_plan, args.auto_plan = make_plan(args.gpt_config, args.ds_config, args.pipeline_model_parallel_size,
                                                    args.data_parallel_size, args.seq_length, args.pipeline_settings,
                                                    document_keys(args))
+    if args.auto_plan is not None and args.auto_plan.recompute is not None:  # "auto_recompute": its start's
+        use_recompute(args, args.auto_plan.recompute)
+
+
+def use_recompute(args, recompute: dict) -> None:
+    """The run's GPTConfig with the recompute setting "auto" chose (schedules/auto_recompute.as_dict's form)."""
+    args.gpt_config = dataclasses.replace(args.gpt_config, recompute_granularity=recompute["granularity"],
+                                          recompute_method=recompute["method"],
+                                          recompute_num_layers=recompute["num_layers"])
+    args.checkpoint_activations = recompute["granularity"] == "full"  # the MFU's FLOPs count the recomputation
 
 
 def check_schedule_shape(args):

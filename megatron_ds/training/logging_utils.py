@@ -6,12 +6,16 @@ TensorBoard writer live on the last rank (last pipeline stage, which computes
 the loss); messages about setup come from rank 0.
 """
 import json
+import logging
 import math
 import os
+import shutil
+import socket
 import sys
 import time
 
 from megatron_ds.data.dist_utils import print_rank_0, rank_and_world
+from megatron_ds.files import write_atomic
 from megatron_ds.schedules.flops import model_flops_per_sequence
 
 from .device_peak import this_device_peak
@@ -208,12 +212,7 @@ def cut_metrics(path, iteration):
             kept.append(line)
     if len(kept) == len(lines):
         return 0
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, "".join(kept))
     return len(lines) - len(kept)
 
 
@@ -260,8 +259,6 @@ class CodeCarbon:
             print_rank_0("WARNING: --codecarbon-dir given but codecarbon is not installed; no emissions tracking")
             return
         os.makedirs(directory, exist_ok=True)
-        import logging
-        import socket
         logging.getLogger("codecarbon").setLevel(logging.ERROR)  # its start-up chatter, once per node
         host = socket.gethostname()
         try:
@@ -328,6 +325,5 @@ def progress_bar(total, initial):
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return None
-    import shutil
     width = shutil.get_terminal_size((100, 20)).columns or 100  # a pty may report 0 columns
     return tqdm(total=total, initial=initial, unit="it", ncols=min(width, 120), leave=False)

@@ -18,6 +18,7 @@ import os
 import zlib
 
 from megatron_ds.data.dist_utils import print_rank_0
+from megatron_ds.files import UnreadableFile, read_json, write_atomic
 
 from . import disk_full
 from .rank_share import from_rank0, gather, share
@@ -58,14 +59,9 @@ def write_manifest(step_dir):
     for part in gather(mine):
         entries.update(part)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        path = os.path.join(step_dir, NAME)
-        tmp = f"{path}.tmp-{os.getpid()}"
         text = json.dumps({"format": FORMAT, "files": dict(sorted(entries.items()))}, indent=0)
-        with disk_full.open_for_write(tmp) as f:  # an out-of-room error names the file and its size
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        # disk_full's opener: an out-of-room error names the file and its size
+        write_atomic(os.path.join(step_dir, NAME), text, opener=disk_full.open_for_write)
     return entries
 
 
@@ -92,10 +88,9 @@ def verify_manifest(step_dir, skip=lambda rel: False, warn_missing=True):
     manifest = None
     if present:
         try:
-            with open(path) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as e:
-            manifest = {"error": f"{NAME} cannot be read: {e}"}
+            manifest = read_json(path, NAME)
+        except UnreadableFile as e:
+            manifest = {"error": str(e)}
     problems = []
     if manifest is not None and "error" in manifest:
         problems.append(manifest["error"])

@@ -7,12 +7,13 @@ BLOOM:  --position-embedding-type alibi --embed-layernorm
 Qwen3:  LLaMA's + --qk-layernorm (+ --kv-channels D where the head size is not hidden / heads, as Qwen3-32B's
         and Qwen3-30B-A3B's 128); Mixtral: LLaMA's + --num-experts N (moe_args.py); Qwen3-MoE: Qwen3's + experts
 
-The flag checks here name the alias a user gave; GPTConfig (torch-free, megatron_ds/gpt_config.py)
-checks the same rules again when parse_args builds the run's one config (run_gpt_config).
+The flag checks here resolve the aliases (and refuse two that disagree); the model's rules (head counts,
+head size, RoPE) live in GPTConfig alone (torch-free, megatron_ds/gpt_config.config_problem), which
+checks them when parse_args builds the run's one config (run_gpt_config).
 """
 import dataclasses
 
-from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig, head_size_text
+from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfig
 
 from .document_args import FLAGS as DOCUMENT_FLAGS
 from .errors import ArgumentsError
@@ -76,20 +77,9 @@ def validate_model_args(args):
         args.num_key_value_heads = args.num_query_groups
     if args.num_key_value_heads is not None and args.num_key_value_heads < 1:
         raise ArgumentsError(f"--num-key-value-heads must be positive, got {args.num_key_value_heads}")
-    kv = args.num_key_value_heads = args.num_key_value_heads or args.num_attention_heads
-    if args.num_attention_heads % kv:
-        raise ArgumentsError(f"--num-attention-heads {args.num_attention_heads} must be divisible by "
-                             f"--num-key-value-heads {kv}: each K/V head serves a whole group of query heads")
-    if args.kv_channels is not None and args.kv_channels < 1:
-        raise ArgumentsError(f"--kv-channels (the head size) must be positive, got {args.kv_channels}")
+    args.num_key_value_heads = args.num_key_value_heads or args.num_attention_heads
     if args.kv_channels is not None and args.kv_channels * args.num_attention_heads == args.hidden_size:
         args.kv_channels = None  # the default head size: saved and compared as the flag left out (GPTConfig's)
-    if args.position_embedding_type == "rope":
-        if (args.kv_channels or args.hidden_size // args.num_attention_heads) % 2:
-            raise ArgumentsError(f"--position-embedding-type rope rotates pairs of channels: the head size "
-                                 f"({head_size_text(args)}) must be even")
-        if not args.rope_theta > 0:
-            raise ArgumentsError(f"--rope-theta must be positive, got {args.rope_theta}")
 
 
 def check_liger():

@@ -8,6 +8,7 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
 from megatron_ds.pipe.moe import optimizer_param_groups
 from megatron_ds.schedules import simulate
+from megatron_ds.schedules.recompute import Recompute
 
 from .learning_rates import AnnealingLR
 
@@ -78,6 +79,9 @@ def engine_line(engine, settings, plan, auto_plan=None, config=None):
     sched, more = plan.schedule, []
     if auto_plan is not None:
         more.append(f"memory_budget {auto_plan.budget_text}; starts on {plan.settings.schedule}")
+    if config is not None and (config.recompute_granularity or (auto_plan is not None and auto_plan.knobs)):
+        more.append(f"recompute {Recompute.of(config).label}" + (" (auto_recompute: the least under which a start-up "
+                                                                 "schedule fits)" if auto_plan is not None else ""))
     if sched.seq_splits > 1:
         more.append(f"seq_splits {sched.seq_splits}, segment lengths {list(plan.segment_lengths)} tokens")
     if plan.settings.vocab_parallel:

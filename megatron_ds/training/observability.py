@@ -22,6 +22,8 @@ import os
 import sys
 import warnings
 
+from megatron_ds.files import write_atomic
+
 from .errors import ArgumentsError
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
@@ -121,8 +123,6 @@ class Profile:
             return
         self.prof.stop()
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        tmp = f"{self.path}.tmp{os.getpid()}.json"
-        self.prof.export_chrome_trace(tmp)
-        os.replace(tmp, self.path)
+        write_atomic(self.path, self.prof.export_chrome_trace, suffix=".json")
         self.prof, self.active = None, False
         print(f"profile of iterations {self.start + 1}-{self.end} written to {self.path}", flush=True)

@@ -14,6 +14,7 @@ import os
 import sys
 
 from megatron_ds.errors import print_error
+from megatron_ds.pipe import ds_internals
 
 from .errors import ArgumentsError
 
@@ -73,7 +74,7 @@ def _op():
     where = f"at iteration {engine.global_steps + 1}"
     running = getattr(getattr(engine, "tracer", None), "running", None)
     if running is None:  # DeepSpeed's own engine: its instruction, no micro-batch
-        instr = getattr(getattr(engine, "_exec_instr", None), "__name__", None)
+        instr = ds_internals.running_instruction(engine)
         return f"in {instr} {where}" if instr else where
     name, kw = running
     if name not in KINDS:

@@ -14,6 +14,8 @@ zero_to_fp32.py beside it, which is ours now) is removed.
 import os
 import stat
 
+from megatron_ds.pipe import ds_internals
+
 from . import disk_full
 
 NAME = "zero_to_fp32.py"
@@ -23,11 +25,11 @@ EXECUTABLE = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 
 
 def _not_deepspeeds(save_path):
-    """DeepSpeed's _copy_recovery_script, turned off: `write` puts ours there."""
+    """DeepSpeed's copy of its recovery script, turned off: `write` puts ours there."""
 
 
 def take_over(engine):
-    engine._copy_recovery_script = _not_deepspeeds
+    ds_internals.replace_recovery_script(engine, _not_deepspeeds)
 
 
 def _imports_zero_to_fp32(path):

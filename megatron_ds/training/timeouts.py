@@ -19,7 +19,6 @@ operation to complete"). `install` therefore
 The wrappers replace the attributes of torch.distributed before DeepSpeed's backend is built (it keeps
 references to some of them), and cost one Python call per collective.
 """
-import datetime
 import functools
 import inspect
 import os
@@ -229,7 +228,3 @@ def install(timeout, grace=None):
     grace = grace if grace is not None else max(30.0, 0.25 * timeout.total_seconds())
     rank_of = lambda: dist.get_rank() if dist.is_initialized() else os.environ.get("RANK", "?")  # noqa: E731
     threading.Thread(target=_watchdog, args=(grace, rank_of), name="collective-watchdog", daemon=True).start()
-
-
-def timeout_of(args):
-    return datetime.timedelta(minutes=args.distributed_timeout_minutes)

@@ -22,6 +22,7 @@ checkpoint; otherwise one message that names the conversion command, exit code 2
 """
 import glob
 import os
+import sys
 
 SLICE_ATTR = "vocab_slice"  # model/vocab_slices.ATTR (that module needs torch; this one is read at parse time)
 LATEST = "latest_universal"  # DeepSpeed's name: written by ds_to_universal, read by engine.load_checkpoint
@@ -149,7 +150,6 @@ def convert(argv=None) -> int:
     """DeepSpeed's ds_to_universal on --input_folder (its arguments), then the vocabulary slices merged.
     Returns the exit code: 2, with one line on stderr, for a folder that holds no readable step."""
     # lazy: DeepSpeed, torch and the engine; the flag checks in this module run at parse time, torch-free
-    import sys
     from deepspeed.checkpoint import ds_to_universal
     from megatron_ds.pipe.engine import saved_layout
     from . import safe_load

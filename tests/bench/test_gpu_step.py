@@ -1,11 +1,10 @@
 """bench/gpu_step.py at toy size on CPU (structure, not timings: CI keeps it working), and the host work
 per iteration it counts (torch.profiler, aten operators dispatched, PP=1): an eager Seq1F1B k=4 step
-dispatches about 4x the operators of the eager unsplit step; with compiled layers (and final norm) it must
-stay at most 1.5x, the issue's goal. Measured 1.19x (5861 / 4929) with a 2-layer toy model since the
-loss compiles too (1.29x since the K/V cache runs inside the compiled layer, 1.42x before); what is left
-is the embedding, head and optimizer, not compiled, which run per segment. The test holds it at 1.25x:
-it fails if the count grows, or if any of our steps reads a tensor into Python (.item(), float(t): a host synchronisation on
-CUDA) more often than DeepSpeed's engine does. One process."""
+dispatches about 4x the operators of the eager unsplit step; with compiled layers, final norm and loss it must
+stay at most 1.5x: 1.19x (5861 / 4929) with a 2-layer toy model, what is left being the embedding, head and
+optimizer, not compiled, which run per segment. The test holds it at 1.25x: it fails if the count grows, or if
+any of our steps reads a tensor into Python (.item(), float(t): a host synchronisation on CUDA) more often than
+DeepSpeed's engine does. One process."""
 from megatron_ds.testing.launcher import run_ranks
 
 ARGS = ["--toy", "--count-ops", "--iterations", "1", "--warmup", "1"]

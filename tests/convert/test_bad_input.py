@@ -137,7 +137,7 @@ def test_output_folder_must_be_new(tmp_path, hf_dir, ckpt, capsys):
 
 
 def test_output_parent_folders_are_made_as_mkdir_p_would(tmp_path, hf_dir, ckpt, capsys):
-    """The README's `--output runs/export/hf` in a fresh clone: the missing parents are made when the folder
+    """docs/CHECKPOINTS.md's `--output runs/export/hf` in a fresh clone: the missing parents are made when the folder
     is written, not before (a failed run leaves none); a parent that is a file is refused up front."""
     assert tool(EXPORT, "--load", ckpt, "--output", tmp_path / "runs" / "export" / "hf") == 0
     assert (tmp_path / "runs" / "export" / "hf" / "config.json").is_file()

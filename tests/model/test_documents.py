@@ -70,15 +70,15 @@ def test_positions_and_labels_follow_megatron():
     assert Packing.of(config()) is None
 
 
-def documents_alone(model, text):
+def documents_alone(model, text, eod=EOD):
     """(summed loss, scored tokens) of every document of `text` computed on its own: its tokens from its first
     to its EOD as the sequence, positions from 0, the prediction at its EOD not scored."""
     total, count = 0.0, 0
     for row in text:
-        ends = [i for i in range(len(row) - 1) if row[i] == EOD]
+        ends = [i for i in range(len(row) - 1) if row[i] == eod]
         for start, end in zip([0] + [e + 1 for e in ends], ends + [len(row) - 1]):
             inputs, labels = row[start:end + 1][:len(row) - 1 - start], row[start + 1:end + 2]
-            labels = labels.masked_fill(inputs == EOD, IGNORE)
+            labels = labels.masked_fill(inputs == eod, IGNORE)
             if len(inputs) and (labels != IGNORE).any():
                 logits = model(inputs[None])[0]
                 total += F.cross_entropy(logits.float(), labels, reduction="sum", ignore_index=IGNORE).item()

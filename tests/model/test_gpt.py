@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from megatron_ds.model import GPTConfig, GPTModel, WeightGradStore, gpt_loss
+from megatron_ds.model.positions import rope_tables, rotate
 
 
 def tiny_config(**kw):
@@ -105,11 +106,15 @@ def test_families_by_options():
     assert tiny_config(qk_layernorm=True).family is None  # Qwen3's per-head norms come with LLaMA's layout
 
 
+def rope(q, k, theta):
+    """q and k (b, heads, s, head_dim) rotated by the angles of positions 0..s-1, as the layer's tables do."""
+    return rotate(q, k, *rope_tables(q.shape[-1], theta, 0, q.shape[-2], q.device, q.dtype))
+
+
 def test_qk_layernorm_normalises_each_query_and_key_head_before_rope():
     """--qk-layernorm: q and k of every head RMS-normalised over head_dim (one weight vector per layer for all
     heads), then rotated; against the attention computed by hand."""
     import torch.nn.functional as F
-    from megatron_ds.model.positions import apply_rope
     cfg = tiny_config(**FAMILIES["qwen3"])
     attn = GPTModel(cfg).layers[0].attn
     assert attn.q_norm.weight.shape == attn.k_norm.weight.shape == (cfg.head_dim,)
@@ -121,7 +126,7 @@ def test_qk_layernorm_normalises_each_query_and_key_head_before_rope():
     heads = lambda t: t.view(2, 6, -1, cfg.head_dim)  # noqa: E731
     rms = lambda t, w: t / t.pow(2).mean(-1, keepdim=True).add(cfg.layernorm_epsilon).sqrt() * w  # noqa: E731
     q, k = rms(heads(q), attn.q_norm.weight).transpose(1, 2), rms(heads(k), attn.k_norm.weight).transpose(1, 2)
-    q, k = apply_rope(q, k, cfg.rope_theta, 0)
+    q, k = rope(q, k, cfg.rope_theta)
     k, v = (t.repeat_interleave(2, dim=1) for t in (k, heads(v).transpose(1, 2)))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, 6, 32)
     with torch.no_grad():
@@ -133,7 +138,6 @@ def test_kv_channels_set_the_head_size_and_the_attention_widths():
     the 64 back to 32, the per-head norms are 16 wide, and the scores are scaled by 1/sqrt(16); against the
     attention computed by hand. The TP split's sections (model/universal_info.py) are those widths."""
     import torch.nn.functional as F
-    from megatron_ds.model.positions import apply_rope
     from megatron_ds.model.universal_info import layer_parameters, universal_checkpoint_info
     from deepspeed.checkpoint import constants as C
     cfg = tiny_config(**FAMILIES["qwen3-kv16"])
@@ -147,7 +151,7 @@ def test_kv_channels_set_the_head_size_and_the_attention_widths():
     heads = lambda t: t.view(2, 6, -1, 16)  # noqa: E731
     rms = lambda t, w: t / t.pow(2).mean(-1, keepdim=True).add(cfg.layernorm_epsilon).sqrt() * w  # noqa: E731
     q, k = rms(heads(q), attn.q_norm.weight).transpose(1, 2), rms(heads(k), attn.k_norm.weight).transpose(1, 2)
-    q, k = apply_rope(q, k, cfg.rope_theta, 0)
+    q, k = rope(q, k, cfg.rope_theta)
     k, v = (t.repeat_interleave(2, dim=1) for t in (k, heads(v).transpose(1, 2)))
     scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
     y = (scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 6, 64)

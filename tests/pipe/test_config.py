@@ -101,15 +101,15 @@ def test_sequence_parallel_sends_stock_activations_whole():
         sequence_parallel_ds_config({"pipeline": {"grad_partitioned": True}})
 
 
-def test_every_pipeline_key_is_documented_in_readme_and_design():
-    """The ds_config "pipeline" keys of PipelineSettings each have a row in README.md's and docs/DESIGN.md's
+def test_every_pipeline_key_is_documented_in_training_and_design():
+    """The ds_config "pipeline" keys of PipelineSettings each have a row in docs/TRAINING.md's and docs/DESIGN.md's
     key tables (a row may name several keys)."""
     import pathlib
     import re
 
     from megatron_ds.pipe.config import PipelineSettings
     root = pathlib.Path(__file__).resolve().parents[2]
-    for doc in ("README.md", "docs/DESIGN.md"):
+    for doc in ("docs/TRAINING.md", "docs/DESIGN.md"):
         rows = [line.split("|")[1] for line in (root / doc).read_text().splitlines() if line.startswith("| `")]
         documented = {key for cell in rows for key in re.findall(r"`(\w+)`", cell)}
         missing = sorted(set(PipelineSettings.__dataclass_fields__) - documented)

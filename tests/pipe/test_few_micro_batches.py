@@ -45,7 +45,7 @@ def check(pp, m, layers, sections, **kw):
 @pytest.mark.parametrize("pp,m", [(2, 1), (4, 1), (4, 2), (4, 3)])
 def test_every_schedule_trains_few_micro_batches(pp, m):
     sections = runnable(SECTIONS, pp, m)
-    assert {"schedule": "bitpipe"} in sections  # BitPipe takes any count (README: batch-size ramp-up)
+    assert {"schedule": "bitpipe"} in sections  # BitPipe takes any count (docs/TRAINING.md: batch-size ramp-up)
     check(pp, m, 2 * pp, sections)
 
 

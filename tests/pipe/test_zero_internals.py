@@ -13,4 +13,4 @@ def test_every_private_deepspeed_member_the_package_uses_exists():
                          f"(read from {ZeroInternals.DEEPSPEED_VERSION})")
     source = inspect.getsource(DeepSpeedZeroOptimizer)
     assert all(f"self.{a} =" in source for a in ZeroInternals.ATTRIBUTES)
-    assert all(f".{a} = " in source for a in ZeroInternals.PARAM_ATTRIBUTES)
+    assert all(f".{a} = " in source for a in ZeroInternals.PARAM_ATTRIBUTES + ZeroInternals.TENSOR_ATTRIBUTES)

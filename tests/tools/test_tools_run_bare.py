@@ -15,10 +15,12 @@ TOOLS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "t
                if not p.endswith("__init__.py"))
 
 
-def test_the_readme_names_tools_that_exist():
-    with open(os.path.join(ROOT, "README.md")) as fh:
-        readme = fh.read()
-    named = set(re.findall(r"(?<![\w/])tools/[a-z_/]+\.py", readme))  # not the placeholder tools/NAME.py
+def test_the_docs_name_tools_that_exist():
+    text = ""
+    for path in [os.path.join(ROOT, "README.md")] + glob.glob(os.path.join(ROOT, "docs", "*.md")):
+        with open(path) as fh:
+            text += fh.read()
+    named = set(re.findall(r"(?<![\w/])tools/[a-z_/]+\.py", text))  # not the placeholder tools/NAME.py
     assert named and named <= set(TOOLS), named - set(TOOLS)
 
 

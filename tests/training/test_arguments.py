@@ -10,11 +10,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
         "--merge-file", __file__]
 
 
-@pytest.fixture(autouse=True)
-def _corpus_files(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus{ext}").write_bytes(b"")
+pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.py
 
 
 def test_missing_data_files(tmp_path):

@@ -17,11 +17,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"
 FLAGS = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
 
 
-@pytest.fixture(autouse=True)
-def _corpus_files(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus{ext}").write_bytes(b"")
+pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.py
 
 
 def parse(*extra, pipeline=None, tmp_path=None):
@@ -105,7 +101,28 @@ def test_pretrain_trains_packed_documents(tmp_path):
               "pipeline": {"schedule": "seq1f1b", "seq_splits": 2}}
     (tmp_path / "ds.json").write_text(json.dumps(config))
     records, out = launch(tmp_path, "seq1f1b", *FLAGS, "--seq-length", "64", "--position-embedding-type", "rope",
-                          ds_config=tmp_path / "ds.json", hard=("--train-iters", "4"))
+                          "--save", str(tmp_path / "save"), ds_config=tmp_path / "ds.json", hard=("--train-iters", "4"))
     assert ("packed documents ending at token 50256: positions restart, attention within documents, "
             "EOD predictions not scored") in out
     assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]
+    # the offline tools' model of the checkpoint (tools/evaluate_gpt.py, generate_samples_gpt.py) reads documents
+    # as the run trained: its perplexity of a packed stream is each document's scored alone
+    import dataclasses
+    import torch
+    from megatron_ds.convert.reference import load_checkpoint_model
+    from megatron_ds.inference.perplexity import evaluate_stream
+    from megatron_ds.model import GPTModel
+    from tests.model.test_documents import documents_alone
+    model, _, _ = load_checkpoint_model(str(tmp_path / "save"))
+    packing = model.packing
+    assert (packing.eod, packing.reset_position_ids, packing.reset_attention_mask, packing.eod_mask_loss) == \
+        (50256, True, True, True)
+    alone = GPTModel(dataclasses.replace(model.config, reset_position_ids=False, reset_attention_mask=False,
+                                         eod_mask_loss=False)).eval()
+    alone.load_state_dict(model.state_dict())
+    stream = torch.randint(0, 50000, (60,), generator=torch.Generator().manual_seed(0))
+    stream[[9, 10, 30]] = 50256
+    with torch.no_grad():
+        total, count = documents_alone(alone, stream[None], eod=50256)
+        got = evaluate_stream(model, stream.tolist(), 59)
+    assert got["tokens"] == count and abs(got["loss"] - total / count) <= 1e-5, (got, total / count)

@@ -19,11 +19,7 @@ BASE = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "2"
         "--pipeline-model-parallel-size", "2"]
 
 
-@pytest.fixture(autouse=True)
-def _corpus_files(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus{ext}").write_bytes(b"")
+pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.py
 
 
 def parse(*extra, ds=None, base=BASE):

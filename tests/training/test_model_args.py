@@ -17,11 +17,7 @@ LLAMA = ["--normalization", "rmsnorm", "--swiglu", "--position-embedding-type", 
          "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--ffn-hidden-size", "48"]
 
 
-@pytest.fixture(autouse=True)
-def _corpus_files(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    for ext in (".bin", ".idx"):
-        (tmp_path / f"corpus{ext}").write_bytes(b"")
+pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.py
 
 
 def config(*extra):
@@ -114,7 +110,7 @@ def test_swiglu_default_ffn_size_is_megatrons():
 
 
 @pytest.mark.parametrize("extra,needle", [
-    (["--num-key-value-heads", "3"], "--num-attention-heads 4 must be divisible by --num-key-value-heads 3"),
+    (["--num-key-value-heads", "3"], "--num-attention-heads (4) must be divisible by --num-key-value-heads (3)"),
     (["--group-query-attention"], "--group-query-attention needs --num-query-groups"),
     (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
     (["--group-query-attention", "--num-query-groups", "2", "--num-key-value-heads", "1"],
@@ -124,7 +120,7 @@ def test_swiglu_default_ffn_size_is_megatrons():
     (["--position-embedding-type", "rope", "--hidden-size", "36", "--num-attention-heads", "4"],
      "head size"),
     (["--position-embedding-type", "rope", "--rope-theta", "0"], "--rope-theta must be positive"),
-    (["--kv-channels", "0"], "--kv-channels (the head size) must be positive, got 0"),
+    (["--kv-channels", "0"], "--kv-channels (the head size) must be a positive whole number, got 0"),
     (["--position-embedding-type", "rope", "--kv-channels", "7"],
      "rotates pairs of channels: the head size (--kv-channels 7) must be even"),
 ])
@@ -140,7 +136,7 @@ def test_bad_model_flags_exit_2_with_one_message():
                           capture_output=True, text=True, timeout=600, env=child_env(root))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "pretrain_gpt.py: error: --num-attention-heads 4 must be divisible by --num-key-value-heads 3: "
+        "pretrain_gpt.py: error: --num-attention-heads (4) must be divisible by --num-key-value-heads (3): "
         "each K/V head serves a whole group of query heads"]
     proc = subprocess.run([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, "--normalization", "batchnorm"],
                           capture_output=True, text=True, timeout=600, env=child_env(root))
@@ -149,7 +145,7 @@ def test_bad_model_flags_exit_2_with_one_message():
                           capture_output=True, text=True, timeout=600, env=child_env(root))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "pretrain_gpt.py: error: --kv-channels (the head size) must be positive, got -4"]
+        "pretrain_gpt.py: error: --kv-channels (the head size) must be a positive whole number, got -4"]
 
 
 def test_one_gpt_config_from_the_flags_at_parse_time():

@@ -74,6 +74,6 @@ def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
     assert f"simulated makespan {makespan:g}" in line({"schedule": f"file:{path}"})
     stock = engine_line("PipelineEngine", pipeline_settings({}), None)
     assert stock == "> pipeline engine: PipelineEngine, schedule deepspeed"
-    auto = line({"schedule": "auto", "memory_budget": "1GiB"})  # the README's "Choosing a schedule" says it is logged
+    auto = line({"schedule": "auto", "memory_budget": "1GiB"})  # docs/TRAINING.md's "Choosing a schedule" says it is logged
     assert auto.startswith("> pipeline engine: ScheduleEngine, schedule auto; memory_budget \"1GiB\" = ")
     assert "micro-batches of" in auto and "; starts on zb-h1" in auto

@@ -1,6 +1,6 @@
-"""Every shipped ds_configs/*.json trains through the README's training command and fits the quickstart.
+"""Every shipped ds_configs/*.json trains through the training command of docs/TRAINING.md and fits the quickstart.
 
-The README command is read from README.md itself; the test changes only the sizes that make it cheap
+The command is read from docs/TRAINING.md itself; the test changes only the sizes that make it cheap
 (2 iterations, 1 warm-up iteration, 2 ranks = pipeline 2 x data 1, one eval iteration) and the paths.
 One launch of 2 ranks runs the configs one after the other (a fresh process group each), instead of one
 launch per config.
@@ -23,11 +23,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "ds_configs").glob("*.json"))
 
 
-def readme_command():
-    """The argv after pretrain_gpt.py of the README's torchrun example."""
-    text = (ROOT / "README.md").read_text()
+def training_command():
+    """The argv after pretrain_gpt.py of docs/TRAINING.md's torchrun example."""
+    text = (ROOT / "docs" / "TRAINING.md").read_text()
     match = re.search(r"torchrun [^\n]*pretrain_gpt\.py \\\n((?:[^\n]*\\\n)*[^\n]*\n)", text)
-    assert match, "README.md lost its torchrun training command"
+    assert match, "docs/TRAINING.md lost its torchrun training command"
     return shlex.split(match.group(1).replace("\\\n", " "))
 
 
@@ -92,11 +92,11 @@ def check_observability(run):
 
 
 @pytest.mark.timeout(1800)  # ten trainings of two iterations in one launch on a loaded 2-core machine
-def test_every_shipped_ds_config_trains_through_the_readme_command(tmp_path):
+def test_every_shipped_ds_config_trains_through_the_training_command(tmp_path):
     from megatron_ds.data.tokenizer import default_gpt2_files
     vocab, merges = default_gpt2_files()
     corpus = write_corpus(str(tmp_path / "corpus"), num_docs=120)
-    base = readme_command()
+    base = training_command()
     assert base.count("--deepspeed_config") == 1
     argvs, metrics = [], []
     for path in CONFIGS:

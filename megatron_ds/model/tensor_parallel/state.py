@@ -10,18 +10,16 @@ flags over; `get_tensor_model_parallel_*` is the tensor-parallel group alone.
 import torch.distributed as dist
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-from megatron_ds.parallel_layout import ParallelConfigError
+from megatron_ds.parallel_layout import data_parallel_size
 
 
 class ParallelState:
 
     def __init__(self, pipeline_parallel=1, tensor_parallel=1):
         """Collective: every rank of the default group must build it, with the same sizes."""
-        world = dist.get_world_size()
-        if world % (pipeline_parallel * tensor_parallel):
-            raise ParallelConfigError(f"TP {tensor_parallel} x PP {pipeline_parallel} must divide the world size {world}")
-        self.topology = PipeModelDataParallelTopology(num_pp=pipeline_parallel, num_mp=tensor_parallel,
-                                                      num_dp=world // (pipeline_parallel * tensor_parallel))
+        self.topology = PipeModelDataParallelTopology(
+            num_pp=pipeline_parallel, num_mp=tensor_parallel,
+            num_dp=data_parallel_size(dist.get_world_size(), pipeline_parallel, tensor_parallel))
         self.global_rank = dist.get_rank()
         self.coord = self.topology.get_coord(self.global_rank)
         axis_lists = {axis: self.topology.get_axis_comm_lists(axis) for axis in ("pipe", "data", "model")}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Sequence
 
-from ..kinds import B, BW, W
+from ..kinds import ACT, B, BW, GRAD, W
 from ..ir import Op
 
 
@@ -51,3 +51,28 @@ def units(mbs: Sequence[int], k: int, *, reverse_seq: bool = False) -> list[tupl
     (or k-1..0 for backwards, whose gradients flow from later segments to earlier ones)."""
     segs = range(k - 1, -1, -1) if reverse_seq else range(k)
     return [(mb, q) for mb in mbs for q in segs]
+
+
+def paired_one_f_one_b(forwards: Sequence[Op], backwards: Sequence[Op], warmup: int) -> tuple[list[Op], list[int]]:
+    """one_f_one_b, and the positions of its steady state's (forward, backward) pairs, each to run as one
+    overlapped unit (Megatron's combined 1F1B). `warmup` must leave the paired ops independent: a rank's
+    warm-up two forwards longer than the next rank's lets each unit wait for that rank's unit of the
+    same step and its own unit two steps back, as plain 1F1B's steady state waits for one op."""
+    out = one_f_one_b(forwards, backwards, warmup)
+    return out, overlap_positions(out, zip(out[min(warmup, len(forwards))::2],
+                                           out[min(warmup, len(forwards)) + 1::2]))
+
+
+def overlap_positions(ops: Sequence[Op], pairs) -> list[int]:
+    """The positions i of `ops` where (ops[i], ops[i+1]) is one of `pairs` and is a forward with a backward
+    (Schedule.overlap's row); a pair whose ops are not next to each other is left out."""
+    wanted = {(a, b) for a, b in pairs}
+    out, i = [], 0
+    while i < len(ops) - 1:
+        a, b = ops[i], ops[i + 1]
+        if (a, b) in wanted and {a.kind.traits.consumes, b.kind.traits.consumes} == {ACT, GRAD}:
+            out.append(i)
+            i += 2
+        else:
+            i += 1
+    return out

@@ -5,8 +5,9 @@ Placement as ZB-V: rank r holds stage r (phase 0, activations flow down the rank
 reference's eight steps:
   1. 2(p-r-1) phase-0 forwards;  2. r+1 pairs (F0, F1);  3. p-r-1 times (B1, W, F1);
   4. m-2p+r+1 times (F0, BW1, F1, BW0), the steady state (the reference overlaps each F with
-     the backward beside it, which this IR runs one after the other);
-  5. p-r-1 times (BW1, F1, BW0);  6. r+1 pairs of phase-1 and phase-0 backwards, the second
+     the backward beside it: with `overlap`, overlapped units (F0, BW1) and (F1, BW0), but the last
+     rank's first (F0, BW1), which the reference runs apart to shorten the bubble);
+  5. p-r-1 times (BW1, F1, BW0), (F1, BW0) overlapped;  6. r+1 pairs of phase-1 and phase-0 backwards, the second
      half of them split into B and W;  7. p-r-1 times (W, B0);  8. the remaining W's.
 A W runs the oldest deferred weight gradient of the rank (the reference's FIFO
 WeightGradStore). DeepSpeed's DualPipeVSchedule runs the same steps without the split: every
@@ -20,13 +21,19 @@ from collections import deque
 
 from ..ir import Op, Schedule
 from .. import placement
+from .common import overlap_positions
 
 
-def _rank_ops(pp: int, m: int, rank: int) -> list[Op]:
+def _rank_ops(pp: int, m: int, rank: int, pairs: list | None = None) -> list[Op]:
+    """Rank `rank`'s ops; `pairs` (a list) receives the (forward, backward) pairs the reference overlaps."""
     stage = (rank, 2 * pp - 1 - rank)
     count = {"F": [0, 0], "B": [0, 0]}
     held: deque[Op] = deque()
     out: list[Op] = []
+    pairs = [] if pairs is None else pairs
+
+    def paired() -> None:  # the last two ops, a forward and a backward: one overlapped chunk of the reference
+        pairs.append((out[-2], out[-1]))
 
     def forward(phase: int) -> None:
         out.append(Op("F", 0, stage[phase], count["F"][phase]))
@@ -51,15 +58,19 @@ def _rank_ops(pp: int, m: int, rank: int) -> list[Op]:
         backward(1, split=True)
         weight()
         forward(1)
-    for _ in range(m - 2 * pp + rank + 1):
+    for i in range(m - 2 * pp + rank + 1):
         forward(0)
         backward(1)
+        if i > 0 or rank < pp - 1:  # the last rank runs its first two apart, to shorten the bubble (reference)
+            paired()
         forward(1)
         backward(0)
+        paired()
     for _ in range(pp - rank - 1):
         backward(1)
         forward(1)
         backward(0)
+        paired()
     split, steps = False, rank + 1
     for i in range(steps):
         if i == steps // 2 and rank % 2 == 1:
@@ -76,7 +87,15 @@ def _rank_ops(pp: int, m: int, rank: int) -> list[Op]:
     return out
 
 
-def dualpipev(pp: int, m: int) -> Schedule:
+def dualpipev(pp: int, m: int, overlap: bool = False) -> Schedule:
+    """`overlap`: the reference's overlapped chunks (each steady-state forward with the backward beside it,
+    steps 4 and 5) as overlapped units; the op order is the same."""
     n = max(m, 2 * pp)
-    ranks = [[op for op in _rank_ops(pp, n, r) if op.mb < m] for r in range(pp)]
-    return Schedule("dualpipev", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks)
+    ranks, rows = [], []
+    for r in range(pp):
+        pairs: list = []
+        ops = [op for op in _rank_ops(pp, n, r, pairs) if op.mb < m]
+        ranks.append(ops)
+        rows.append(overlap_positions(ops, pairs))
+    return Schedule("dualpipev", pp, m, 1, 2 * pp, 1, placement.v_shape(pp), ranks,
+                    overlap=rows if overlap else None)

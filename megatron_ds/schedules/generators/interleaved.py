@@ -15,7 +15,7 @@ from typing import Sequence
 from ..kinds import BW, F, Kind
 from ..ir import Op, Schedule, ScheduleError
 from .. import placement
-from .common import one_f_one_b
+from .common import one_f_one_b, paired_one_f_one_b
 
 
 def group_size(pp: int, m: int) -> int:
@@ -67,3 +67,18 @@ def interleaved(pp: int, m: int, v: int, *, k: int = 1, name: str = "interleaved
         warmup = 2 * (pp - 1 - r) + (v - 1) * g + (k - 1)
         ranks.append(one_f_one_b(fwd, bwd, warmup))
     return Schedule(name, pp, m, 1, v * pp, k, placement.interleaved(pp, v), ranks)
+
+
+def interleaved_overlapped(pp: int, m: int, v: int, name: str = "interleaved") -> Schedule:
+    """Interleaved 1F1B with its steady state's (forward, backward) pairs as overlapped units (Megatron's
+    combined 1F1B for the virtual pipeline): one more warm-up forward than `interleaved`, as Megatron adds,
+    so that no unit pairs a chunk's forward with that chunk's backward of the same micro-batch."""
+    g = group_size(pp, m)
+    units = [(mb, 0) for mb in range(m)]
+    ranks, overlap = [], []
+    for r in range(pp):
+        fwd, bwd = chunk_orders(pp, v, r, units, units, group=g)
+        ops, pairs = paired_one_f_one_b(fwd, bwd, 2 * (pp - 1 - r) + (v - 1) * g + 1)
+        ranks.append(ops)
+        overlap.append(pairs)
+    return Schedule(name, pp, m, 1, v * pp, 1, placement.interleaved(pp, v), ranks, overlap=overlap)

@@ -1,0 +1,54 @@
+"""The test-only all-to-all latency (MEGATRON_DS_TEST_A2A_LATENCY_MS, issue 40): every all-to-all of the
+dispatch takes that much longer, inside AllToAllTimes' interval, with its data unchanged; a bad value is one
+line. The collective is replaced by a copy here (one process, no group)."""
+import time
+
+import pytest
+import torch
+
+from megatron_ds.model import moe_dispatch
+from megatron_ds.model.moe_dispatch import TEST_LATENCY_ENV, AllToAllTimes, added_latency
+
+
+@pytest.fixture
+def collective(monkeypatch):
+    """dist.all_to_all_single as one rank's: out = x; the calls are counted."""
+    calls = []
+
+    def all_to_all_single(out, x, out_splits=None, in_splits=None, group=None):
+        calls.append(time.perf_counter())
+        out.copy_(x)
+    monkeypatch.setattr(moe_dispatch.dist, "all_to_all_single", all_to_all_single)
+    return calls
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_latency_is_added_after_the_collective_and_inside_the_timed_interval(monkeypatch, collective, timed):
+    monkeypatch.setenv(TEST_LATENCY_ENV, "30")
+    monkeypatch.setattr(AllToAllTimes, "intervals", [] if timed else None)
+    x = torch.arange(12.0).view(6, 2)
+    out = torch.empty_like(x)
+    start = time.perf_counter()
+    moe_dispatch._all_to_all(out, x, [6], [6])
+    took = time.perf_counter() - start
+    assert torch.equal(out, x) and len(collective) == 1
+    assert took >= 0.030 and time.perf_counter() - collective[0] >= 0.030  # the sleep follows the collective
+    if timed:
+        (begin, end), = AllToAllTimes.intervals
+        assert begin <= collective[0] and end - begin >= 0.030
+
+
+def test_unset_or_zero_adds_nothing(monkeypatch):
+    monkeypatch.delenv(TEST_LATENCY_ENV, raising=False)
+    assert added_latency() == 0.0
+    monkeypatch.setenv(TEST_LATENCY_ENV, "0")
+    assert added_latency() == 0.0
+    monkeypatch.setenv(TEST_LATENCY_ENV, "2.5")
+    assert added_latency() == 0.0025
+
+
+@pytest.mark.parametrize("value", ["fast", "-1", "nan"])
+def test_a_bad_latency_is_one_line(monkeypatch, value):
+    monkeypatch.setenv(TEST_LATENCY_ENV, value)
+    with pytest.raises(RuntimeError, match=f"{TEST_LATENCY_ENV}=.*milliseconds >= 0"):
+        added_latency()
