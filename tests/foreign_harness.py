@@ -103,12 +103,22 @@ def conv_norm():
                 section={"partition_method": "uniform"})
 
 
+def dynamic():
+    """The Linear/Tanh stack over sequences whose length changes from micro-batch to micro-batch
+    (PipelineModule(dynamic_shape=True): every message carries its shape)."""
+    return {**linear_tanh(), "dynamic_shape": True}
+
+
 MODELS = {"linear_tanh": linear_tanh, "tied": tied, "conv_norm": conv_norm}
+EXTRA = {"dynamic": dynamic}  # run in some cases only
 
 
 def micro_batch(model, step, index):
     """Micro-batch `index` of optimizer step `step` of `model`'s data (same on every rank)."""
     g = torch.Generator().manual_seed(1000 * step + index)
+    if model == "dynamic":
+        length = 1 + (step + index) % 3
+        return torch.randn(MBS, length, WIDTH, generator=g), torch.randn(MBS, length, WIDTH, generator=g)
     if model == "linear_tanh":
         return torch.randn(MBS, WIDTH, generator=g), torch.randn(MBS, WIDTH, generator=g)
     if model == "tied":
@@ -123,9 +133,18 @@ def optimizer(params):
     return torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)
 
 
-def reference_run(model, n, steps, clip=0.0):
-    """Single process: each step's loss (mean over the n micro-batches), weights after `steps`, the eval loss."""
-    spec = MODELS[model]()
+def grouped(named):
+    """Two param groups of (name, parameter) pairs: weights as optimizer() sets them, biases without weight
+    decay at twice the learning rate."""
+    named = list(named)
+    return [{"params": [p for n, p in named if not n.endswith("bias")]},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0, "lr": 2 * LR}]
+
+
+def reference_run(model, n, steps, clip=0.0, groups=False):
+    """Single process: each step's loss (mean over the n micro-batches), weights after `steps`, the eval loss;
+    `groups`: the optimizer over grouped()'s param groups."""
+    spec = {**MODELS, **EXTRA}[model]()
     layers, tied_modules, calls = {}, {}, []
     for idx, layer in enumerate(spec["layers"]):
         if isinstance(layer, TiedLayerSpec):
@@ -138,7 +157,7 @@ def reference_run(model, n, steps, clip=0.0):
             calls.append(layer)
     named = {(idx, name): p for idx, m in layers.items() for name, p in m.named_parameters()}
     named.update({("tied", key, name): p for key, m in tied_modules.items() for name, p in m.named_parameters()})
-    opt = optimizer(list(named.values()))
+    opt = optimizer(grouped((k[-1], p) for k, p in named.items()) if groups else list(named.values()))
 
     def forward(x):
         for call in calls:
@@ -178,34 +197,42 @@ def weight_key(name):
     return (int(head), rest)
 
 
-def rank_runs(pp, gas, steps, cases):
-    """Per-rank side: for each (model, pipeline section, clip, ZeRO stage) in `cases` build the user's
-    PipelineModule, pass it to megatron_ds.initialize with an optimizer object over its parameters (which it
-    rebinds to the chunks' own), train `steps` steps, evaluate once."""
+def _distributed():
     import deepspeed
     import torch.distributed as dist
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
+    return dist
+
+
+def build_engine(model, pp, gas, pipeline, zero=1, clip=0.0, groups=False):
+    """`model`'s PipelineModule as its user builds it, through megatron_ds.initialize with an optimizer object
+    over its parameters (which it rebinds to the chunks' own; `groups`: over grouped()'s param groups): our
+    engine when `pipeline` names a schedule, DeepSpeed's own (its PipelineModule, cut its own way) when it
+    names none."""
     import megatron_ds
     from deepspeed.pipe import PipelineModule
+    dist = _distributed()
+    spec = {**MODELS, **EXTRA}[model]()
+    user = PipelineModule(layers=spec["layers"], num_stages=pp, loss_fn=spec["loss_fn"],
+                          partition_method=spec["partition_method"], dynamic_shape=spec.get("dynamic_shape", False))
+    section = {**spec.get("section", {}), **pipeline} if pipeline.get("schedule") else dict(pipeline)
+    config = ds_config(gas, dist.get_world_size() // pp, section, zero, clip)
+    params = grouped(user.named_parameters()) if groups else user.parameters()
+    return megatron_ds.initialize(model=user, optimizer=optimizer(params), config=config)[0]
+
+
+def rank_runs(pp, gas, steps, cases):
+    """Per-rank side: for each (model, pipeline section, clip, ZeRO stage[, param groups]) in `cases` build the
+    engine (build_engine), train `steps` steps, evaluate once."""
     out = []
-    for model, pipeline, clip, zero in cases:
-        dp = dist.get_world_size() // pp
-        spec = MODELS[model]()
-        user = PipelineModule(layers=spec["layers"], num_stages=pp, loss_fn=spec["loss_fn"],
-                              partition_method=spec["partition_method"])
-        section = {**spec.get("section", {}), **pipeline}
-        engine, _, _, _ = megatron_ds.initialize(model=user, optimizer=optimizer(user.parameters()),
-                                                 config=ds_config(gas, dp, section, zero, clip))
+    for model, pipeline, clip, zero, *groups in cases:
+        engine = build_engine(model, pp, gas, pipeline, zero, clip, groups=bool(groups and groups[0]))
+        losses = [_train(engine, model, gas, step) for step in range(steps)]
         dp_rank = engine.grid.get_data_parallel_rank()
-        losses = []
-        for step in range(steps):
-            batches = iter([micro_batch(model, step, dp_rank * gas + j) for j in range(gas)])
-            losses.append(float(engine.train_batch(batches)))
         eval_loss = float(engine.eval_batch(iter([micro_batch(model, EVAL_STEP, dp_rank * gas + j)
                                                   for j in range(gas)])))
-        weights = {weight_key(n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
-        out.append(dict(losses=losses, eval_loss=eval_loss, weights=weights, engine=type(engine).__name__,
+        out.append(dict(losses=losses, eval_loss=eval_loss, weights=_weights(engine), engine=type(engine).__name__,
                         parts=list(engine.module.parts), first=engine.is_first_stage(), last=engine.is_last_stage(),
                         weights_in_w=engine.weights_in_w, whole=sorted(cause for _, cause in engine._said)))
     return out
@@ -239,20 +266,8 @@ def checkpoint_round_trip(model, pp, gas, schedule, save_dir):
     and save; load that into our engine again. Returns each phase's weights ({key: tensor} of this rank) and losses."""
     import os
 
-    import deepspeed
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="gloo")
-    import megatron_ds
-    from deepspeed.pipe import PipelineModule
-
     def engine(ours):
-        spec = MODELS[model]()
-        user = PipelineModule(layers=spec["layers"], num_stages=pp, loss_fn=spec["loss_fn"],
-                              partition_method=spec["partition_method"])
-        pipeline = {**spec.get("section", {}), "schedule": schedule} if ours else {}  # none: DeepSpeed's engine
-        return megatron_ds.initialize(model=user, optimizer=optimizer(user.parameters()),
-                                      config=ds_config(gas, dist.get_world_size() // pp, pipeline))[0]
+        return build_engine(model, pp, gas, {"schedule": schedule} if ours else {})  # none: DeepSpeed's engine
 
     out = {}
     first = engine(ours=True)
@@ -294,3 +309,45 @@ def _evaluations(engine, model, gas):
     results["outputs"] = plain(engine.eval_batch(data(), compute_loss=False))
     results["logits"] = plain(engine.eval_batch(data(), return_logits=True))
     return results
+
+
+def refusals_without_parameters(schedules):
+    """Per-rank side: a PipelineModule whose layers after the first are parameter-free, cut uniformly over 2
+    ranks, under each of `schedules`: the ConfigError megatron_ds.initialize raises on this rank (None: none)."""
+    import megatron_ds
+    from deepspeed.pipe import PipelineModule
+
+    from megatron_ds.pipe.config import ConfigError
+    dist = _distributed()
+    out = []
+    for schedule in schedules:
+        user = PipelineModule(layers=[SeededLinear(WIDTH, WIDTH, 1), torch.nn.Tanh(), torch.nn.Tanh(), torch.nn.Tanh()],
+                              num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        try:
+            megatron_ds.initialize(model=user, optimizer=optimizer,  # rank 1 could not build one over its stage
+                                   config=ds_config(4, 1, {"schedule": schedule, "partition_method": "uniform"}))
+            out.append(None)
+        except ConfigError as exc:
+            out.append(str(exc))
+    dist.barrier()  # rank 0 holds the store: it leaves last
+    return out
+
+
+def outputs_without_loss(schedules):
+    """Per-rank side: a PipelineModule without a loss_fn (its last layer's one output is the loss, as DeepSpeed
+    takes it) and placeholder labels (0), evaluated under each of `schedules`: eval_batch's value on this rank,
+    and the single-process forward's mean over the micro-batches."""
+    import megatron_ds
+    from deepspeed.pipe import PipelineModule
+    _distributed()
+    layers = [SeededLinear(WIDTH, WIDTH, 400 + i) for i in range(3)] + [SeededLinear(WIDTH, 1, 403)]
+    data = [(torch.randn(1, WIDTH, generator=torch.Generator().manual_seed(i)), 0) for i in range(4)]
+    with torch.no_grad():
+        reference = torch.stack([torch.nn.Sequential(*layers)(x) for x, _ in data]).mean(0)
+    out = []
+    for schedule in schedules:
+        user = PipelineModule(layers=layers, num_stages=2, partition_method="uniform")
+        config = {**ds_config(4, 1, {"schedule": schedule}), "train_batch_size": 4, "train_micro_batch_size_per_gpu": 1}
+        engine = megatron_ds.initialize(model=user, optimizer=optimizer, config=config)[0]
+        out.append(engine.eval_batch(iter(data)).detach().clone())
+    return out, reference

@@ -19,6 +19,7 @@ from deepspeed.runtime.pipe.module import LayerSpec
 
 from megatron_ds.schedules import ScheduleError
 
+from . import ds_internals as ds
 from .config import ConfigError
 from .module import ChunkedPipelineModule
 from .plan import PipelinePlan, micro_batches_per_step
@@ -64,7 +65,7 @@ def plan_for(module, ds_config, settings):
                           "topology has a tensor-parallel axis (\"model\") of size "
                           f"{topology.get_dim('model')}, which megatron_ds.initialize does not run yet")
     pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
-    mbs, gas = micro_batches_per_step(ds_config, dp)
+    mbs, gas = micro_batches_per_step(_deepspeed_batch(ds_config), dp)
     try:
         schedule = settings.build_schedule(pp, gas)
     except ScheduleError as exc:
@@ -72,12 +73,21 @@ def plan_for(module, ds_config, settings):
     if schedule.seq_splits > 1 or schedule.vocab_parallel:  # a schedule file may carry them
         check_settings(dataclasses.replace(settings, seq_splits=schedule.seq_splits,
                                            vocab_parallel=schedule.vocab_parallel), ds_config)
-    layers = len(module._layer_specs)
+    layers = len(ds.layer_specs(module))
     if layers < schedule.stages:
         raise ConfigError(f"schedule {settings.schedule!r} cuts the model into {schedule.stages} virtual stages; "
                           f"the PipelineModule has {layers} layers")
     # seq_length and hidden_size give the GPT's message shape; these messages learn theirs (pipe/learned_p2p.py)
     return PipelinePlan(settings, pp, mbs, gas, seq_length=0, hidden_size=0)
+
+
+def _deepspeed_batch(ds_config):
+    """DeepSpeed's reading of a ds_config that gives one batch key: train_batch_size alone, or the micro-batch size
+    alone, is one micro-batch a step (gradient_accumulation_steps 1)."""
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    if [k for k in keys if ds_config.get(k)] in (["train_batch_size"], ["train_micro_batch_size_per_gpu"]):
+        return {**ds_config, "gradient_accumulation_steps": 1}
+    return ds_config
 
 
 def partition_method(module, ds_config, stages):
@@ -88,7 +98,7 @@ def partition_method(module, ds_config, stages):
     if "partition_method" in section:
         return section["partition_method"]
     names = []
-    for layer in module._layer_specs:
+    for layer in ds.layer_specs(module):
         if isinstance(layer, (LayerSpec, torch.nn.Module)):
             name = layer.typename.__name__ if isinstance(layer, LayerSpec) else type(layer).__name__
             names += [name] if name not in names else []
@@ -109,24 +119,40 @@ def partition_method(module, ds_config, stages):
 
 
 def _cut(module, method, stages):
-    """DeepSpeed's partition of `module`'s layers into `stages` by `method` (its PipelineModule._partition_layers,
+    """DeepSpeed's partition of `module`'s layers into `stages` by `method` (its PipelineModule's partition,
     without the log)."""
     if method == "uniform":
-        parts = ds_utils.partition_uniform(num_items=len(module._layer_specs), num_parts=stages)
+        parts = ds_utils.partition_uniform(num_items=len(ds.layer_specs(module)), num_parts=stages)
     elif method == "parameters":
-        parts = ds_utils.partition_balanced(weights=module._count_layer_params(), num_parts=stages)
+        parts = ds_utils.partition_balanced(weights=ds.layer_parameter_counts(module), num_parts=stages)
     else:
-        weights = [0] * len(module._layer_specs)
-        for idx in module._find_layer_type(method.split(":", 1)[1]):
+        weights = [0] * len(ds.layer_specs(module))
+        for idx in ds.layers_of_type(module, method.split(":", 1)[1]):
             weights[idx] = 1
         parts = ds_utils.partition_balanced(weights=weights, num_parts=stages)
     return [int(b) for b in parts]
 
 
+def check_parameters(module, plan, method):
+    """Every pipeline rank's stages hold a trainable parameter: DeepSpeed builds each rank's optimizer over its
+    own, and stops a rank that has none ("optimizer got an empty parameter list") while the others wait. One
+    ConfigError, the same on every rank (from the layer specs, no collective), names the rank and its stages."""
+    counts = ds.layer_parameter_counts(module)
+    parts = _cut(module, method, plan.schedule.stages)
+    for rank in range(plan.schedule.pp):
+        stages = sorted({stage for _, stage in plan.schedule.chunks_on(rank)})
+        if all(sum(counts[parts[s]:parts[s + 1]]) == 0 for s in stages):
+            layers = ", ".join(f"{parts[s]}-{parts[s + 1] - 1}" for s in stages)
+            raise ConfigError(f"schedule {plan.settings.schedule!r}: pipeline rank {rank} holds stage(s) {stages} "
+                              f"(layers {layers} of partition_method {method!r}, bounds {parts}), which have no "
+                              "trainable parameters, and DeepSpeed's optimizer needs some on every rank; give those "
+                              'layers parameters or cut the layers otherwise ("pipeline.partition_method")')
+
+
 def chunked(module, plan, method):
     """`module`'s layers built again as the chunks `plan` places on this rank."""
     chunked_module = ChunkedPipelineModule(
-        layers=module._layer_specs, plan=plan, loss_fn=module.loss_fn, topology=module.topology(),
+        layers=ds.layer_specs(module), plan=plan, loss_fn=module.loss_fn, topology=module.topology(),
         seed_layers=module.seed_layers, seed_fn=module.seed_fn, base_seed=module.base_seed,
         partition_method=method, activation_checkpoint_interval=module.activation_checkpoint_interval,
         activation_checkpoint_func=module.activation_checkpoint_func,

@@ -12,11 +12,13 @@ the first / the loss stage, which a V schedule puts on one rank), reset_activati
 import functools
 
 import torch
-from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from megatron_ds.model.linear import WeightGradStore
 from megatron_ds.schedules.kinds import Kind
 
+from . import ds_internals as ds
+from . import instructions as ins
 from .activations import detached, floating
 from .autograd_split import Split
 from .config import ConfigError
@@ -44,14 +46,32 @@ def on_device(tensors, device, requires_grad=False):
     return tuple(on_device(t, device, requires_grad) for t in tensors)
 
 
+def labels_on_device(labels, device):
+    """Labels as DeepSpeed loads them: a tensor or a tuple/list of tensors on `device`, anything else (a
+    placeholder such as 0 for a model without a loss) as given."""
+    return on_device(labels, device) if torch.is_tensor(labels) or isinstance(labels, (tuple, list)) else labels
+
+
+def _resetting_checkpoint_buffers(handler):
+    """`handler` (a forward op's), then, in evaluation, DeepSpeed's contiguous activation-checkpoint buffers
+    emptied, as its engine does after every evaluation forward: no backward frees them there."""
+    def run(engine, **kwargs):
+        handler(engine, **kwargs)
+        if not engine.module.training:
+            ds_checkpointing.reset()
+    return run
+
+
 class ForeignScheduleEngine(ScheduleEngine):
+    _INSTRUCTION_MAP = {**ds.instruction_map(ScheduleEngine),
+                        ins.ForwardOp: _resetting_checkpoint_buffers(ds.instruction_map(ScheduleEngine)[ins.ForwardOp])}
 
     def __init__(self, *args, **kwargs):
         self._placed = False  # DeepSpeed's __init__ pairs its warm-up sends by stage id: its own answers until then
         super().__init__(*args, **kwargs)
         self._shapes = Shapes(dynamic=self.module.dynamic_shape)
         self._chunk_params = {c: chunk_parameters(self.module, c) for c in self.module.chunks}
-        self._compute_loss, self._outputs, self._said = True, None, set()
+        self._computes_loss, self._outputs, self._said = True, None, set()
         self.weights_in_w = 0  # parameter gradients B ops have left to their W ops (through autograd), so far
         chunks = self.plan.schedule.chunks_on(self.stage_id)
         self._first = any(stage == 0 for _, stage in chunks)
@@ -82,21 +102,21 @@ class ForeignScheduleEngine(ScheduleEngine):
         if self.batch_fn:
             batch = self.batch_fn(batch)
         # reentrant activation checkpointing needs the first stage's inputs to ask for gradients (DeepSpeed's rule)
-        return (on_device(batch[0], self.device, self.module.training and self._reentrant_activation_checkpointing()),
-                on_device(batch[1], self.device))
+        needs_grad = self.module.training and ds.reentrant_activation_checkpointing(self)
+        return on_device(batch[0], self.device, needs_grad), labels_on_device(batch[1], self.device)
 
     def _inputs(self, mb, seq):
         return self._batches[mb][0]
 
     def _stage_loss(self, out, mb, seq):
-        computed = self._compute_loss and self.module.loss_fn is not None
+        computed = self._computes_loss and self.module.loss_fn is not None
         result = self.module.loss_fn(out, self._labels(mb, seq)) if computed else out  # or the model's own loss
         if self._outputs is not None:  # evaluation keeps each micro-batch's loss (or output) and output
             self._outputs[mb] = (detached(result), detached(out))
-        if self._compute_loss and not (torch.is_tensor(result) and result.numel() == 1):
+        if self._computes_loss and not (torch.is_tensor(result) and result.numel() == 1):
             raise TypeError(f"the loss must be a tensor of one element, got {type(result).__name__}"
                             + (f" of shape {tuple(result.shape)}" if torch.is_tensor(result) else ""))
-        return result.reshape(()) if self._compute_loss else torch.zeros((), device=self.device)
+        return result.reshape(()) if self._computes_loss else torch.zeros((), device=self.device)
 
     # -- backward --------------------------------------------------------------------------------
     def _backward_pass(self, unit, kind, root, grad, x):
@@ -142,7 +162,7 @@ class ForeignScheduleEngine(ScheduleEngine):
         if self.plan.schedule.replicas > 1 and (return_logits or not compute_loss or reduce_output != "avg"):
             raise ConfigError(f"schedule {self.plan.settings.schedule!r} runs two pipelines whose last stages sit on "
                               "two ranks: eval_batch returns the mean loss only")
-        self._compute_loss, self._outputs = compute_loss, {}
+        self._computes_loss, self._outputs = compute_loss, {}
         self.module.eval()
         train_iterator = self.data_iterator
         self.set_dataiterator(data_iter)
@@ -154,14 +174,14 @@ class ForeignScheduleEngine(ScheduleEngine):
         finally:
             self.set_dataiterator(train_iterator)
             self.module.train()
-            outputs, self._outputs, self._compute_loss = self._outputs, None, True
+            outputs, self._outputs, self._computes_loss = self._outputs, None, True
         if mean is not None and not return_logits:
             return mean
         result = logits = None
         if self._last:
             ordered = [outputs[mb] for mb in sorted(outputs)]
             logits = ordered[-1][1]
-            result = mean if mean is not None else PipelineEngine._reduce_outputs(
+            result = mean if mean is not None else ds.reduce_outputs(
                 self, [loss for loss, _ in ordered], reduce=reduce_output, micro_batches=micro_batches)
         return (result, logits) if return_logits else result
 

@@ -31,19 +31,28 @@ def test_what_a_foreign_layer_cannot_run_is_refused_in_one_line():
 
 
 def test_the_optimizer_and_model_parameters_are_bound_to_the_rebuilt_layers():
+    """By parameter name (one process here: the ranks' exchange of names is the launch's, test_foreign_engine)."""
     user, rebuilt = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
     optimizer = torch.optim.AdamW(user.parameters(), lr=0.5, betas=(0.8, 0.9))
     new, params = _rebound(user, rebuilt, optimizer, user.parameters(), None)
     assert [id(p) for p in params] == [id(p) for p in rebuilt.parameters()]
     assert [id(p) for p in new.param_groups[0]["params"]] == [id(p) for p in rebuilt.parameters()]
     assert type(new) is torch.optim.AdamW and new.defaults["lr"] == 0.5 and new.defaults["betas"] == (0.8, 0.9)
-    with pytest.raises(ConfigError, match="optimizer=lambda params"):
-        _rebound(user, rebuilt, torch.optim.SGD([{"params": [user.weight]}, {"params": [user.bias]}], lr=1), None,
-                 None)
+    # parameter groups, each with its settings, in the optimizer and in model_parameters; a parameter in no group
+    # stays out
+    sgd = torch.optim.SGD([{"params": [user.bias], "lr": 0.1}, {"params": [user.weight], "weight_decay": 0.0}],
+                          lr=1.0, weight_decay=0.5)
+    groups = [{"params": [user.weight], "name": "w"}, {"params": [], "name": "empty"}]
+    new, params = _rebound(user, rebuilt, sgd, groups, None)
+    assert [[id(p) for p in g["params"]] for g in new.param_groups] == [[id(rebuilt.bias)], [id(rebuilt.weight)]]
+    assert [(g["lr"], g["weight_decay"]) for g in new.param_groups] == [(0.1, 0.5), (1.0, 0.0)]
+    assert params == [{"name": "w", "params": [rebuilt.weight]}, {"name": "empty", "params": []}]
     with pytest.raises(ConfigError, match="lr_scheduler=lambda optimizer"):
         _rebound(user, rebuilt, optimizer, None, torch.optim.lr_scheduler.StepLR(optimizer, 1))
-    with pytest.raises(ConfigError, match="model_parameters"):
+    with pytest.raises(ConfigError, match="model_parameters: group 0 holds 1 tensor"):
         _rebound(user, rebuilt, None, [torch.nn.Parameter(torch.zeros(1))], None)
+    with pytest.raises(ConfigError, match="in groups 0 and 1"):
+        _rebound(user, rebuilt, None, [{"params": [user.weight]}, {"params": [user.weight]}], None)
 
 
 def test_message_metadata_round_trips_and_gradients_keep_the_floating_tensors():
@@ -56,3 +65,12 @@ def test_message_metadata_round_trips_and_gradients_keep_the_floating_tensors():
     assert decode(encode(spec_of(torch.zeros(7)))) == (True, (((7,), torch.float32),))
     with pytest.raises(TypeError, match="a tensor or a tuple of tensors"):
         spec_of((torch.zeros(1), 3))
+
+
+def test_one_batch_key_is_one_micro_batch_a_step_as_deepspeed_reads_it():
+    from megatron_ds.pipe.foreign import _deepspeed_batch
+    from megatron_ds.pipe.plan import micro_batches_per_step
+    assert micro_batches_per_step(_deepspeed_batch({"train_batch_size": 8}), 2) == (4, 1)
+    assert micro_batches_per_step(_deepspeed_batch({"train_micro_batch_size_per_gpu": 3}), 2) == (3, 1)
+    given = {"train_batch_size": 8, "gradient_accumulation_steps": 2}
+    assert _deepspeed_batch(given) is given and micro_batches_per_step(given, 2) == (2, 2)
