@@ -100,6 +100,9 @@ def parse_args(argv=None):
         validate_model_args(args)
     except ArgumentsError as exc:
         parser.error(str(exc))
+    from megatron_ds.gpt_config import config_problem
+    if config_problem(args):  # the model's own rules (head counts, head size, RoPE), by flag name
+        parser.error(config_problem(args))
     args.num_layers = args.num_layers or args.pp
     args.micro_batches = args.micro_batches or 2 * args.pp
     args.tensor_model_parallel_size = 1

@@ -9,6 +9,7 @@ cannot slip through unnoticed).
 import argparse
 import dataclasses
 
+from megatron_ds.gpt_config import config_problem
 from megatron_ds.training.arguments import build_parser
 from megatron_ds.training.errors import ArgumentsError
 from megatron_ds.training.model_args import (MODEL_FAMILY_ARGS, gpt_config_from_args, model_family_flags,
@@ -78,6 +79,8 @@ def parse_flags(flags):
         validate_model_args(args)  # resolves the family flags' aliases, as pretrain_gpt.py does
     except ArgumentsError as e:
         raise ToolError(f"the flags {' '.join(flags)}: {e}") from None
+    if config_problem(args):  # the model's own rules, which pretrain_gpt.py checks as it builds the config
+        raise ToolError(f"the flags {' '.join(flags)}: {config_problem(args)}")
     return args
 
 
