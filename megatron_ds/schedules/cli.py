@@ -53,24 +53,22 @@ def _model_cost_args(p: argparse.ArgumentParser) -> None:
                    help="what one micro-batch's logits hold, in one stage's activations of one micro-batch")
 
 
-def _triple(text: str) -> tuple:
-    try:
-        vals = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 3 or any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: give three non-negative numbers F,B,W")
-    return vals
+def _costs(names: str):
+    """An argparse type: len(names) non-negative numbers, comma-separated (names "F,B,W": three)."""
+    count, words = names.count(",") + 1, {2: "two", 3: "three"}
+
+    def parse(text: str) -> tuple:
+        try:
+            vals = tuple(float(x) for x in text.split(","))
+        except ValueError:
+            vals = ()
+        if len(vals) != count or any(v < 0 for v in vals):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {words[count]} non-negative numbers {names}")
+        return vals
+    return parse
 
 
-def _pair(text: str) -> tuple:
-    try:
-        vals = tuple(float(x) for x in text.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 2 or any(v < 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"{text!r}: give two non-negative numbers F,B")
-    return vals
+_triple, _pair = _costs("F,B,W"), _costs("F,B")
 
 
 def _segment_lengths(args):
