@@ -55,8 +55,8 @@ import time
 
 from bench.moe_costs import layer_names, measure_all_to_all, moe_config, moe_layers, single_process
 from megatron_ds.schedules.costs import ModelCosts
-from megatron_ds.training.model_args import add_model_args, validate_model_args
-from megatron_ds.training.moe_args import add_moe_args, validate_moe_args
+from megatron_ds.training.config.model_args import add_model_args, validate_model_args
+from megatron_ds.training.config.moe_args import add_moe_args, validate_moe_args
 
 
 def build_parser():
@@ -95,7 +95,7 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    from megatron_ds.training.arguments import ArgumentsError
+    from megatron_ds.training.config.arguments import ArgumentsError
     try:
         validate_model_args(args)
     except ArgumentsError as exc:
@@ -145,7 +145,7 @@ def setup(args, vocab_size=64):
     """(GPTConfig, device, dtype) of the model the flags describe."""
     import torch
     from megatron_ds.model import GPTConfig
-    from megatron_ds.training.model_args import MODEL_FAMILY_ARGS
+    from megatron_ds.training.config.model_args import MODEL_FAMILY_ARGS
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32

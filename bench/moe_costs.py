@@ -1,6 +1,6 @@
 """A MoE layer's costs for bench/layer_costs.py: which layers have experts, and the all-to-all over gloo.
 
-The MoE flags are pretrain_gpt.py's (training/moe_args.py parses and checks them: --num-experts,
+The MoE flags are pretrain_gpt.py's (training/config/moe_args.py parses and checks them: --num-experts,
 --moe-router-topk, --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size, --moe-layer-freq,
 --expert-model-parallel-size, ...). bench/layer_costs.py times the first MoE layer and the first dense one
 in one process, with every expert local: the router and the experts at the routed token count (each token
@@ -23,7 +23,7 @@ import statistics
 
 def moe_config(args):
     """The run's MoEConfig (None: a dense model), the flags read as pretrain_gpt.py reads them."""
-    from megatron_ds.training.moe_args import moe_config_from_args
+    from megatron_ds.training.config.moe_args import moe_config_from_args
     return moe_config_from_args(args)
 
 

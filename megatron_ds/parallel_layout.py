@@ -59,7 +59,7 @@ def check_model_split(tensor_parallel, num_attention_heads, ffn_hidden_size, pad
 
 
 # -- the batch: global = micro-batch x accumulation steps x data-parallel size (the one home of that arithmetic:
-# the flags' merge with the ds_config, training/arguments._merge_batch, and a plan made from a ds_config alone,
+# the flags' merge with the ds_config, training/config/arguments._merge_batch, and a plan made from a ds_config alone,
 # pipe/plan.micro_batches_per_step)
 def global_batch_size(micro_batch: int, steps: int, data_parallel: int) -> int:
     return micro_batch * steps * data_parallel

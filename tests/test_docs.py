@@ -17,7 +17,9 @@ def tree():
     """(subpackages, top-level modules, training modules) of megatron_ds/, as DESIGN.md's layout names them."""
     packages = {p.name + "/" for p in PKG.iterdir() if (p / "__init__.py").is_file()}
     top = {p.name for p in PKG.glob("*.py") if p.name != "__init__.py"}
-    training = {p.name for p in (PKG / "training").glob("*.py") if p.name != "__init__.py"}
+    training = {str(p.relative_to(PKG / "training")) for p in (PKG / "training").rglob("*.py")
+                if p.name != "__init__.py"}
+    training |= {str(p.parent.relative_to(PKG / "training")) + "/" for p in (PKG / "training").glob("*/__init__.py")}
     return packages, top, training
 
 
@@ -44,9 +46,11 @@ def layout_entries(doc):
 
 def design_listed():
     """(packages, top-level modules, training modules) DESIGN.md's layout names: `megatron_ds/` at indent 0,
-    its packages and modules at 2, training's modules at 4."""
+    its packages and modules at 2, training's modules and subpackages at 4, a subpackage's modules at 6 (as
+    `config/arguments.py`)."""
     packages, top, training = set(), set(), set()
     inside = in_training = False
+    sub = ""
     for indent, names in layout_entries("docs/DESIGN.md"):
         if indent == 0:
             inside, in_training = names[0] == "megatron_ds/", False
@@ -54,7 +58,8 @@ def design_listed():
         if indent == 2:
             in_training = names[0] == "training/"
         elif in_training:
-            training.update(names)
+            sub = names[0] if indent == 4 and names[0].endswith("/") else sub if indent == 6 else ""
+            training.update(n if indent == 4 else sub + n for n in names)
             continue
         if inside:
             packages.update(n for n in names if n.endswith("/"))

@@ -5,11 +5,11 @@ import pytest
 
 from megatron_ds.errors import UserError
 
-ERRORS = [("megatron_ds.training.arguments", "ArgumentsError"), ("megatron_ds.pipe.config", "ConfigError"),
+ERRORS = [("megatron_ds.training.config.arguments", "ArgumentsError"), ("megatron_ds.pipe.config", "ConfigError"),
           ("megatron_ds.schedules", "ScheduleError"), ("megatron_ds.data.tokenizer", "TokenizerError"),
           ("megatron_ds.data.dataset_utils", "DataConfigError"),
           ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),
-          ("megatron_ds.training.checkpointing", "CheckpointError"),
+          ("megatron_ds.training.checkpoint.save_load", "CheckpointError"),
           ("megatron_ds.data.preprocessing", "PreprocessError"), ("megatron_ds.convert", "ToolError"),
           ("megatron_ds.parallel_layout", "ParallelConfigError")]
 

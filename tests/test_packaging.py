@@ -43,7 +43,7 @@ def test_wheel_installs_and_imports_from_another_folder(tmp_path):
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    where = _run(str(python), "-c", "import megatron_ds.training.checkpointing as c; print(c.__file__)",
+    where = _run(str(python), "-c", "import megatron_ds.training.checkpoint.save_load as c; print(c.__file__)",
                  cwd=elsewhere)
     assert where.splitlines()[-1].startswith(purelib), where  # (DeepSpeed prints a warning first)
     for script in SCRIPTS:

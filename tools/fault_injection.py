@@ -23,7 +23,7 @@ own exit code is seen (torchrun would SIGTERM the rest after the first).
 |          | resume from each of those                                 | losses bit-equal to an uninterrupted run  |
 | unsafe   | checkpoint files, an index cache: pickles creating a file | payload never runs; exit 2 naming each    |
 
-The launching helpers are shared with tests/training/test_faults.py.
+The launching helpers are shared with tests/training/faults/test_faults.py.
 """
 import argparse
 import importlib.util

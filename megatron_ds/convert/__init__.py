@@ -1,4 +1,4 @@
-"""Conversion of checkpoints (not the checkpoint policy: training/checkpointing.py): a megatron_ds (DeepSpeed
+"""Conversion of checkpoints (not the checkpoint policy: training/checkpoint/save_load.py): a megatron_ds (DeepSpeed
 pipeline) checkpoint <-> a Hugging Face folder, and the single-process reference model loaded from a
 checkpoint (generation, evaluation).
 

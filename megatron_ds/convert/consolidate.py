@@ -2,16 +2,16 @@
 
 DeepSpeed copies its zero_to_fp32.py into every save folder; it unpickles with weights_only=False and
 cannot read a pipeline checkpoint of ours. Ours takes its place (convert/zero_to_fp32.py, written there by
-training/recovery_script.py) with the same usage, and calls `main` here:
+training/checkpoint/recovery_script.py) with the same usage, and calls `main` here:
 
     python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [--safe_serialization] [-t TAG]
 
 OUTPUT_DIR/pytorch_model.bin (model.safetensors with --safe_serialization) is the state dict of the
 single-process megatron_ds.model.GPTModel (`GPTModel(config).load_state_dict` takes it), every floating
 tensor in fp32: the layer files' weights (tensor-parallel shards merged), read weights-only
-(training/safe_load.py) after the manifest's sizes and CRC-32s (reference.py). A bf16 or fp16 run saves its
+(training/checkpoint/safe_load.py) after the manifest's sizes and CRC-32s (reference.py). A bf16 or fp16 run saves its
 layer files in that dtype; their values are written in fp32 (the fp32 master weights live in the ZeRO shards,
-which `python -m megatron_ds.training.universal` writes whole). OUTPUT_DIR and its parents are made when
+which `python -m megatron_ds.training.checkpoint.universal` writes whole). OUTPUT_DIR and its parents are made when
 missing; the file is written to a temporary name and renamed.
 """
 import argparse
@@ -58,7 +58,7 @@ def consolidate(load_dir, out_dir, tag=None, safe_serialization=False):
     _save(state, path, safe_serialization)
     note = "" if saved == torch.float32 else (
         f"; the checkpoint holds {str(saved).replace('torch.', '')} weights, written here in fp32 (the fp32 "
-        "master weights are in the ZeRO shards: python -m megatron_ds.training.universal writes them whole)")
+        "master weights are in the ZeRO shards: python -m megatron_ds.training.checkpoint.universal writes them whole)")
     print(f"wrote {path}: {len(state)} tensors in fp32, the state dict of megatron_ds.model.GPTModel, "
           f"from {load_dir} (iteration {iteration}){note}", flush=True)
     return path

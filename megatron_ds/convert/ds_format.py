@@ -1,6 +1,6 @@
 """Reading and writing the weights of a megatron_ds checkpoint, outside any process group.
 
-A checkpoint is DeepSpeed's pipeline layout (see megatron_ds/training/checkpointing.py):
+A checkpoint is DeepSpeed's pipeline layout (see megatron_ds/training/checkpoint/save_load.py):
 SAVE/latest names the tag; SAVE/TAG/layer_XX-model_states.pt holds global layer XX's
 state dict (one file per layer whatever the schedule, pipeline size, data-parallel
 size or BitPipe replica count: data-parallel rank 0 of replica 0 writes it), and
@@ -15,10 +15,10 @@ import os
 import re
 from collections import OrderedDict
 
-from megatron_ds.training import safe_load
+from megatron_ds.training.checkpoint import safe_load
 from megatron_ds.training.errors import CheckpointError
-from megatron_ds.training.manifest import verify_manifest, write_manifest
-from megatron_ds.training.universal import read_tag
+from megatron_ds.training.checkpoint.manifest import verify_manifest, write_manifest
+from megatron_ds.training.checkpoint.universal import read_tag
 
 from . import ToolError
 
@@ -152,7 +152,7 @@ def write_checkpoint(out_dir, params_by_layer, args, tag="global_step0"):
     such files differs from the pipeline size; the layer files do the rest."""
     import deepspeed
     import torch
-    from megatron_ds.training.checkpointing import CHECKPOINT_VERSION  # lazy: DeepSpeed
+    from megatron_ds.training.checkpoint.save_load import CHECKPOINT_VERSION  # lazy: DeepSpeed
     tag_dir = os.path.join(out_dir, tag)
     os.makedirs(tag_dir)
     by_layer = {}
@@ -164,7 +164,7 @@ def write_checkpoint(out_dir, params_by_layer, args, tag="global_step0"):
         "module": None, "buffer_names": [], "optimizer": None, "param_shapes": None, "lr_scheduler": None,
         "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": 0, "global_samples": 0,
         "dp_world_size": 1, "mp_world_size": 1, "ds_version": deepspeed.__version__,
-        # our client state (checkpointing.save_checkpoint's keys)
+        # our client state (training/checkpoint/save_load.save_checkpoint's keys)
         "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "consumed_train_samples": 0,
         "consumed_valid_samples": 0, "tokens": 0, "args": args,
         "checkpoint_info": {"padded_vocab_size": args.padded_vocab_size},

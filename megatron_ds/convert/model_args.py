@@ -10,9 +10,9 @@ import argparse
 import dataclasses
 
 from megatron_ds.gpt_config import config_problem
-from megatron_ds.training.arguments import build_parser
+from megatron_ds.training.config.arguments import build_parser
 from megatron_ds.training.errors import ArgumentsError
-from megatron_ds.training.model_args import (MODEL_FAMILY_ARGS, gpt_config_from_args, model_family_flags,
+from megatron_ds.training.config.model_args import (MODEL_FAMILY_ARGS, gpt_config_from_args, model_family_flags,
                                              validate_model_args)
 
 from . import ToolError
@@ -55,7 +55,7 @@ def _flag(actions, name, value):
 def config_flags(config, seq_length):
     """pretrain_gpt.py flags that build `config` (with the tokenizer's padded vocabulary): the sizes and
     dropouts always, the other GPT-2 options where they differ from the flags' defaults, then the family
-    options and the experts (training.model_args.model_family_flags)."""
+    options and the experts (training.config.model_args.model_family_flags)."""
     actions = _actions()
     flags = ["--seq-length", str(seq_length)]
     for name in _ALWAYS:

@@ -4,7 +4,7 @@
     python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [--safe_serialization] [-t TAG]
 
 e.g. `python zero_to_fp32.py . out/` in the --save folder: every save writes this file there in place of
-DeepSpeed's script of the same name and usage (megatron_ds/training/recovery_script.py). OUTPUT_DIR gets
+DeepSpeed's script of the same name and usage (megatron_ds/training/checkpoint/recovery_script.py). OUTPUT_DIR gets
 pytorch_model.bin (or model.safetensors): the state dict of megatron_ds.model.GPTModel, fp32, from the step
 `latest` names (or TAG). For a Hugging Face folder: tools/checkpoint/export_hf.py. The work is done by the
 installed megatron_ds (megatron_ds/convert/consolidate.py), so run it with the Python that trained.

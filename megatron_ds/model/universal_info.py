@@ -112,7 +112,7 @@ def universal_checkpoint_info(config, padded_vocab_size, vocab_parallel=False):
     is the TP size the checkpoint is saved with). `vocab_parallel`: the step's optimizer shards hold
     vocabulary slices (model/vocab_slices.py) under names every pipeline rank shares; the patterns
     name them so, and mark them pipeline-replicated, so that DeepSpeed's converter extracts pipeline
-    rank 0's alone instead of writing every rank's over one another: training/universal.py's
+    rank 0's alone instead of writing every rank's over one another: training/checkpoint/universal.py's
     converter then puts the whole parameters in their place."""
     tp = config.tensor_model_parallel_size
     renamed = vocab_parallel_names(config) if vocab_parallel else {}

@@ -101,7 +101,7 @@ def normal_rows(shape: tuple, start: int, end: int, std: float, generator: torch
 def whole_names(config: GPTConfig) -> dict:
     """How this layout's parameter names read in the layout without vocabulary parallelism (gpt_layer_specs
     under DeepSpeed's PipelineModule), which is how the optimizer state is matched across layouts
-    (training/zero_relayout.py): "slices" {slice parameter: the whole one it is rows of}, "prefixes" {prefix:
+    (training/checkpoint/relayout.py): "slices" {slice parameter: the whole one it is rows of}, "prefixes" {prefix:
     its replacement} (tied, layer 0 is a tied module there). Plain data: checkpoints record it."""
     if config.tied_head:
         tied = f"tied_modules.{TIED_KEY}."

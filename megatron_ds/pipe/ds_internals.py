@@ -46,7 +46,7 @@ CALLED = {
         "_reduce_outputs": "(self, outputs, reduce='avg', reduce_dp=True, micro_batches=None)",
         "_reentrant_activation_checkpointing": "(self)",
         "_get_zero_param_shapes": "(self)",  # replaced for a save (moe_checkpoint.py)
-        "_copy_recovery_script": "(self, save_path)",  # replaced (training/recovery_script.py)
+        "_copy_recovery_script": "(self, save_path)",  # replaced (training/checkpoint/recovery_script.py)
     },
     MODULE: {
         "_set_bounds": "(self, start=None, stop=None)",

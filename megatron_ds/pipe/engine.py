@@ -374,7 +374,7 @@ class ScheduleEngine(PipelineEngine):
 
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
-        """Records the layout; what loads under another one is decided by training/checkpointing.py. Under
+        """Records the layout; what loads under another one is decided by training/checkpoint/save_load.py. Under
         vocabulary parallelism the layer files hold the whole matrices (pipe/vocab_checkpoint.py)."""
         state = dict(client_state or {})
         state[LAYOUT_KEY] = pipeline_layout(self)

@@ -7,7 +7,7 @@ converter read it unchanged. A save gathers the other EP ranks' experts to the r
 file (data-parallel replica 0 of its stage and TP rank); a load keeps this rank's experts of the file
 (model/moe.MoE drops the others). The ZeRO-1 shards name each expert's optimizer state by its global name,
 cut over its expert-data-parallel group: a resume under the same layout loads them as DeepSpeed saved them,
-one under another EP size re-cuts them by name (training/zero_relayout.py), as for any other layout change.
+one under another EP size re-cuts them by name (training/checkpoint/relayout.py), as for any other layout change.
 
 DeepSpeed's own MoE checkpoint (taken when `has_moe_layers` is set: expert files by EP rank, `expp_rank_`
 optimizer files, expert shapes missing from the model states) is kept out: around a save and a load the
@@ -93,7 +93,7 @@ def with_every_expert(group_shapes, num_experts):
     """DeepSpeed's PARAM_SHAPES ([{name: shape}] per optimizer group, in the model states that replica 0
     writes) with the experts the other EP ranks hold added to their group: DeepSpeed's universal converter
     merges the parameters these name (their fragments are in every rank's ZeRO shards). Their order matters
-    only to DeepSpeed's zero_to_fp32.py, which training/recovery_script.py replaces."""
+    only to DeepSpeed's zero_to_fp32.py, which training/checkpoint/recovery_script.py replaces."""
     out = []
     for shapes in group_shapes:
         shapes = collections.OrderedDict(shapes)

@@ -1,7 +1,7 @@
 """The plan of one pipeline run (pure data, no torch): which schedule, where its chunks sit, the
 micro-batch shape and the Seq1F1B segment lengths.
 
-It is made once per run, at parse time (training/fork_flags.check_schedule_shape; pipe/build.py
+It is made once per run, at parse time (training/config/pipeline.check_schedule_shape; pipe/build.py
 makes it only for callers without a parse), and the same object goes to ChunkedPipelineModule
 (which cuts the layers by its placement) and to ScheduleEngine (which runs its op lists). It is
 frozen: an "auto" switch is a new plan, placed alike, that the engine holds from then on. Every

@@ -74,7 +74,7 @@ class Tracer:
             listener(current)
 
     def instruction(self, name, fn, engine, kwargs):
-        # kept when the instruction raises: an out-of-memory report names the op (training/out_of_memory.py)
+        # kept when the instruction raises: an out-of-memory report names the op (training/faults/out_of_memory.py)
         self.running = (name, kwargs)
         if torch.autograd._profiler_enabled():  # --profile: the op's name above its kernels in torch.profiler
             with torch.profiler.record_function(profile_label(name, engine, kwargs)):

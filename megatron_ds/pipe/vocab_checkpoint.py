@@ -8,7 +8,7 @@ VocabParallelEmbedding and output layer split them. A save gathers the slices ov
 group (each TP group its pipeline rank's block, then the blocks over the pipeline group: row order);
 a load cuts each rank's rows from the one or two TP files that hold them, whichever layout wrote them.
 
-A universal checkpoint (training/universal.py) names the whole parameters as the layout without
+A universal checkpoint (training/checkpoint/universal.py) names the whole parameters as the layout without
 vocabulary parallelism does: under `universal_names` DeepSpeed's universal loader reads each renamed
 parameter's folder under its whole name, and each slice cuts its rows from the whole one's fp32
 weights and Adam moments. DeepSpeed 0.19 members used there (checked on upgrade): the ZeRO optimizer's

@@ -6,7 +6,7 @@ AutoDecision); the loop then logs it and, when the chosen schedule places the ch
 rebuilds the engine through a checkpoint (`switch_engine`).
 
 Every checkpoint saved once the run has decided holds the decision:
-SAVE/global_stepN/auto_schedule.json, handed to the checkpoint writer (training/checkpointing.py
+SAVE/global_stepN/auto_schedule.json, handed to the checkpoint writer (training/checkpoint/save_load.py
 writes it on rank 0, temp file and rename, before the manifest and `latest` name the step). A file
 beside DeepSpeed's, not DeepSpeed's client state: the choice fixes how the module is cut into
 chunks, so it is needed before the module is built, and the client state comes back from
@@ -39,13 +39,13 @@ from megatron_ds.pipe.config import pipeline_settings
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.flops import vocab_size
 
-from . import timeouts
-from .checkpointing import LoadPlan, read_latest_tag, restore
-from .fork_flags import run_plan, use_recompute
+from .faults import timeouts
+from .checkpoint.save_load import LoadPlan, read_latest_tag, restore
+from .config.pipeline import run_plan, use_recompute
 from .initialize import get_rng_state, set_rng_state
 from .model_setup import model_config, setup_model_and_optimizer
-from .moe_args import moe_flags
-from .nonfinite import NanGuard
+from .config.moe_args import moe_flags
+from .faults.nonfinite import NanGuard
 
 NAME = "auto_schedule.json"
 FORMAT = 1
@@ -231,7 +231,7 @@ def prepare(args):
 # When the chosen schedule places the chunks differently (pipe/auto.py swaps in place otherwise): the
 # engine saves a DeepSpeed checkpoint to a temporary folder, the caller builds the module, optimizer and
 # engine of the chosen schedule, and the checkpoint loads into it as a resume under another layout does
-# (training/checkpointing.py: weights, lr schedule and step counters as saved, the ZeRO-1 optimizer
+# (training/checkpoint/save_load.py: weights, lr schedule and step counters as saved, the ZeRO-1 optimizer
 # state re-cut parameter by parameter), so training goes on with the same numbers. The RNG states are
 # put back after the build (building a module draws from them). The folder must be visible to every
 # rank: under --save when there is one, else the system's temporary folder (one node).

@@ -1,5 +1,5 @@
 """The training layer's bad-input errors, in a module of their own: the flag checks (arguments.py and
-the modules it calls) and the checkpoint code (checkpointing.py, manifest.py, the conversion tools)
+the modules it calls) and the checkpoint code (checkpoint/save_load.py, checkpoint/manifest.py, the conversion tools)
 raise them without importing the modules that orchestrate them."""
 from megatron_ds.errors import UserError
 

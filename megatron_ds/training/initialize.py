@@ -23,7 +23,7 @@ import random
 import socket
 import subprocess
 
-from . import timeouts
+from .faults import timeouts
 from .errors import ArgumentsError
 
 

@@ -19,12 +19,12 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error, record_for_launcher
 
-from . import exit_signal, out_of_memory, timeouts
-from .arguments import ArgumentsError, parse_args, print_args
-from .document_args import eod_token
-from .nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
-from .observability import Profile, apply_log_level, tidy_output
-from .parallel_args import rank_coordinates
+from .faults import exit_signal, out_of_memory, timeouts
+from .config.arguments import ArgumentsError, parse_args, print_args
+from .config.document_args import eod_token
+from .faults.nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
+from .config.observability import Profile, apply_log_level, tidy_output
+from .config.parallel_args import rank_coordinates
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
                             mfu, print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
 
@@ -90,7 +90,7 @@ class Trainer:
         return gbs
 
     def save(self):
-        from .checkpointing import save_checkpoint  # lazy: DeepSpeed loads after the flags are checked
+        from .checkpoint.save_load import save_checkpoint  # lazy: DeepSpeed loads after the flags are checked
         if not self.args.save or self.last_saved == self.iteration:
             return
         self.timers.start("save-checkpoint")
@@ -280,7 +280,7 @@ def pretrain(args):
     from megatron_ds.data.tokenizer import build_tokenizer
     from megatron_ds.model.tensor_parallel import model_parallel_manual_seed
     from . import auto_schedule
-    from .checkpointing import load_checkpoint
+    from .checkpoint.save_load import load_checkpoint
     from .initialize import initialize_distributed, set_random_seed, set_rng_state
     from .model_setup import setup_model_and_optimizer
 

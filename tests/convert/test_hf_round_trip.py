@@ -177,7 +177,7 @@ def test_import_round_trip_and_finetune(runs, tmp_path):
     assert "successfully loaded checkpoint from" in out
     from megatron_ds.data.samplers import build_datasets
     from megatron_ds.data.tokenizer import build_tokenizer
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.training.config.arguments import parse_args
     args = parse_args(flags + run + ["--deepspeed_config", str(tmp_path / "finetune.json")], env={"WORLD_SIZE": "2"})
     build_tokenizer(args)
     train_ds, _, _ = build_datasets(args)

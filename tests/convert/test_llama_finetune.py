@@ -16,7 +16,7 @@ MBS, GBS, ITERS = 2, 8, 3
 
 def _run_args(flags, run, ds_config):
     from megatron_ds.data.tokenizer import build_tokenizer
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.training.config.arguments import parse_args
     args = parse_args(flags + run + ["--deepspeed_config", ds_config], env={"WORLD_SIZE": "2"})
     build_tokenizer(args)
     return args

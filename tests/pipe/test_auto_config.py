@@ -111,7 +111,7 @@ def test_too_small_budget():
 
 
 def parse(tmp_path, monkeypatch, *extra, length=("--train-iters", "10")):
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.training.config.arguments import parse_args
     monkeypatch.chdir(tmp_path)
     for ext in (".bin", ".idx"):
         (tmp_path / f"corpus{ext}").write_bytes(b"")
@@ -131,7 +131,7 @@ def test_fork_flags_set_the_timers(tmp_path, monkeypatch):
 
 
 def test_rampup_is_refused(tmp_path, monkeypatch):
-    from megatron_ds.training.arguments import ArgumentsError
+    from megatron_ds.training.config.arguments import ArgumentsError
     with pytest.raises(ArgumentsError, match="a batch-size ramp-up is not offered with it"):
         parse(tmp_path, monkeypatch, "--rampup-batch-size", "4", "2", "16", length=("--train-samples", "64"))
 

@@ -11,7 +11,7 @@ from megatron_ds.schedules import placement
 from megatron_ds.schedules import auto as auto_choice
 from megatron_ds.schedules.catalog import ALWAYS, ANY
 from megatron_ds.testing.launcher import run_ranks
-from megatron_ds.training.arguments import ArgumentsError, parse_args
+from megatron_ds.training.config.arguments import ArgumentsError, parse_args
 from tests.gpt_harness import assert_matches_reference, engine_rank_run, reference_run, tiny_config
 
 

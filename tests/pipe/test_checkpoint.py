@@ -41,7 +41,7 @@ def train_and_save(save_dir, schedule):
 
 def load_and_continue(save_dir, optimizer):
     """Load under 1f1b at PP=4 as checkpointing's plan says, eval, take the third step, eval."""
-    from megatron_ds.training.checkpointing import LoadPlan, restore
+    from megatron_ds.training.checkpoint.save_load import LoadPlan, restore
     engine, config = _engine(4, {"schedule": "1f1b"})
     before = _eval(engine, config)
     restore(engine, save_dir, "step2", LoadPlan(optimizer, progress=True, reason="test"))

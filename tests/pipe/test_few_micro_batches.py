@@ -1,7 +1,7 @@
 """The smallest micro-batch counts (1 .. p, as a batch-size ramp-up starts) under every schedule: a count the
 schedule builds trains exactly as the single-process reference (loss, first-step gradients, weights after
 2 steps, eval loss); a count it does not build is a ScheduleError, which start-up turns into one line
-(training/arguments._check_schedule_over_rampup). BitPipe at m <= p/2 leaves its up replica idle: it hung."""
+(training/config/arguments._check_schedule_over_rampup). BitPipe at m <= p/2 leaves its up replica idle: it hung."""
 import pytest
 
 from megatron_ds.pipe.config import pipeline_settings

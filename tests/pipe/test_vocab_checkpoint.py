@@ -1,7 +1,7 @@
-"""Checkpoints of the vocabulary-parallel layout (pipe/vocab_checkpoint.py, training/zero_relayout.py).
+"""Checkpoints of the vocabulary-parallel layout (pipe/vocab_checkpoint.py, training/checkpoint/relayout.py).
 
 Each case trains 2 steps under one layout, saves, takes 2 more steps (the uninterrupted run), then a
-fresh engine under another layout loads the checkpoint as training/checkpointing.plan_load says and
+fresh engine under another layout loads the checkpoint as training/checkpoint/save_load.plan_load says and
 takes the same 2 steps: their losses and every weight after them (the vocabulary slices gathered into
 whole matrices) equal the uninterrupted run's within 1e-5 fp32, so the weights, Adam's moments and fp32
 masters (re-cut by name when vocabulary parallelism switches on or off, or the pipeline size changes)
@@ -9,7 +9,7 @@ and the step count all came back. VP->VP, VP->non-VP and non-VP->VP, tied (GPT-2
 at PP=2 x DP=2 and PP=4, and at PP=2 x TP=2 (each TP rank's layer file holds its rows [t V/TP,
 (t+1) V/TP) as without vocabulary parallelism; the slices of rank (j, t) are rows j TP + t of p TP), in
 one launch of 4 ranks; a control resumes with a fresh Adam and differs.
-In the same launch, four steps go through the universal checkpoint (training/universal.convert, on
+In the same launch, four steps go through the universal checkpoint (training/checkpoint/universal.convert, on
 rank 0): a VP step resumes without VP at another pipeline and data-parallel size, a tied VP step under
 VP at another pipeline size, a non-VP step under VP, a PP=2 x TP=2 VP step without VP at TP=1 x DP=2,
 each as exactly as the cases above.
@@ -83,12 +83,12 @@ def save_then_step(root, name, model, lay):
     and after them."""
     from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
     from megatron_ds.model.universal_info import universal_checkpoint_info
-    from megatron_ds.training import checkpoint_engine
+    from megatron_ds.training.checkpoint import engine as checkpoint_engine
     engine, config = _engine(model, lay)
     for step in range(2):
         _step(engine, config, step)
     checkpoint_engine.install(engine)
-    info = universal_checkpoint_info(config, config.vocab_size, vocab_parallel=lay["vp"])  # as checkpointing.py saves
+    info = universal_checkpoint_info(config, config.vocab_size, vocab_parallel=lay["vp"])  # as training/checkpoint/save_load.py saves
     engine.save_checkpoint(os.path.join(root, name), tag=TAG, client_state={UNIVERSAL_CHECKPOINT_INFO: info})
     at_save = _weights(engine, config)
     losses = [_step(engine, config, step) for step in AFTER]
@@ -99,7 +99,7 @@ def load_then_step(root, name, model, lay, optimizer, universal=False):
     """Load as plan_load says (`optimizer` False: as under --no-load-optim; `universal`: the converted
     folder, as under --universal-checkpoint), the same two steps."""
     from megatron_ds.pipe.engine import pipeline_layout, saved_layout
-    from megatron_ds.training.checkpointing import plan_load, read_saved_state, restore
+    from megatron_ds.training.checkpoint.save_load import plan_load, read_saved_state, restore
     engine, config = _engine(model, lay, universal)
     load_dir, tag = os.path.join(root, name), TAG + ("_universal" if universal else "")
     plan = plan_load(saved_layout(read_saved_state(load_dir, tag)), pipeline_layout(engine), finetune=False,
@@ -113,7 +113,7 @@ def load_then_step(root, name, model, lay, optimizer, universal=False):
 def rank_side(root):
     import deepspeed
     import torch.distributed as dist
-    from megatron_ds.training.universal import convert
+    from megatron_ds.training.checkpoint.universal import convert
     deepspeed.init_distributed(dist_backend="gloo")
     saved = {name: save_then_step(root, name, model, before) for name, model, before, _, _ in CASES + UNIVERSAL}
     if dist.get_rank() == 0:
@@ -207,7 +207,7 @@ def test_universal_info_names_the_slices_as_pipeline_replicated_vocabulary():
     """DeepSpeed's ds_to_universal keys the fragments it extracts by parameter name alone, so every pipeline
     rank's vocab_slice.wte would land on the others': a vocabulary-parallel step's universal_checkpoint_info
     names the slices (and, tied, layer 0's parameters) as that layout does and marks them pipeline-replicated,
-    so the converter takes rank 0's alone, which training/universal.merge_vocab_slices replaces."""
+    so the converter takes rank 0's alone, which training/checkpoint/universal.merge_vocab_slices replaces."""
     from deepspeed.checkpoint import constants as C
     from megatron_ds.model.universal_info import universal_checkpoint_info
     for model, slices in (({}, ["wte"]), (LLAMA, ["wte", "head"])):
@@ -224,11 +224,11 @@ def test_universal_info_names_the_slices_as_pipeline_replicated_vocabulary():
 def test_a_folder_of_deepspeeds_converter_alone_is_refused(tmp_path):
     """A VP step converted by ds_to_universal alone holds a slice for the whole embedding: one message
     naming our converter."""
-    from megatron_ds.training.universal import check_universal_folder
+    from megatron_ds.training.checkpoint.universal import check_universal_folder
     (tmp_path / "global_step3_universal" / "zero" / "vocab_slice.wte").mkdir(parents=True)
     (tmp_path / "global_step3_universal" / "zero" / "optimizer_state.pt").write_bytes(b"")
     (tmp_path / "latest_universal").write_text("global_step3_universal")
     msg = check_universal_folder(str(tmp_path))
     assert "one pipeline rank's vocabulary slice" in msg
-    assert (f"python -m megatron_ds.training.universal --input_folder {tmp_path}/global_step3 "
+    assert (f"python -m megatron_ds.training.checkpoint.universal --input_folder {tmp_path}/global_step3 "
             f"--output_folder {tmp_path}/global_step3_universal") in msg

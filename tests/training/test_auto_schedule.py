@@ -15,7 +15,7 @@ from megatron_ds.schedules import auto
 from megatron_ds.pipe.auto import AutoDecision
 from megatron_ds.training.auto_schedule import (FORMAT, NAME, AutoSchedule, differences, read_record, resume_choice,
                                                 run_key)
-from megatron_ds.training.checkpointing import write_step_file
+from megatron_ds.training.checkpoint.save_load import write_step_file
 
 SIZES = SimpleNamespace(num_layers=8, hidden_size=32, ffn_hidden_size=128, max_position_embeddings=16,
                         num_attention_heads=4)

@@ -10,7 +10,7 @@ def _parse_and_build(folder, pipeline):
     import deepspeed
 
     from megatron_ds.pipe import plan as plan_module
-    from megatron_ds.training.arguments import parse_args
+    from megatron_ds.training.config.arguments import parse_args
     from megatron_ds.training.model_setup import setup_model_and_optimizer
 
     made = []

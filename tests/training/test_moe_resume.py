@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_ds.testing.corpus import write_corpus
-from tests.training.test_universal_checkpoint import _convert, _side_by_side, assert_same_tensors, captured
+from tests.training.checkpoint.test_universal_checkpoint import _convert, _side_by_side, assert_same_tensors, captured
 
 SAVE_AT, ITERS = 3, 6
 MODEL = ("--num-layers", "2", "--num-attention-heads", "2", "--swiglu", "--ffn-hidden-size", "32",

@@ -2,7 +2,7 @@
 BitPipe at PP=2: two replicas), 4 iterations saved every 2, then restarted from global_step2 to 4 (as a run
 killed after iteration 4's log lines and before its save would be).
 
-- SAVE/zero_to_fp32.py is ours (training/recovery_script.py), not DeepSpeed's copy (which unpickles with
+- SAVE/zero_to_fp32.py is ours (training/checkpoint/recovery_script.py), not DeepSpeed's copy (which unpickles with
   weights_only=False and fails on our checkpoints): `python zero_to_fp32.py . OUT` run in the folder writes
   the step's weights as one fp32 state dict (pytorch_model.bin, or model.safetensors), equal to the layer
   files' tensors; a layer file that would run code is refused with one line and exit code 2, its payload
@@ -58,7 +58,7 @@ def _layer_files(step):
     """{GPTModel state-dict name: tensor} read straight from the step's layer files (weights-only)."""
     from megatron_ds.convert.model_args import config_from_args, with_defaults
     from megatron_ds.model import GPTModel
-    from megatron_ds.training import safe_load
+    from megatron_ds.training.checkpoint import safe_load
     args = with_defaults(safe_load.load(str(step / "mp_rank_00_model_states.pt"))["args"])
     model = GPTModel(config_from_args(args))
     full = {id(p): name for name, p in model.named_parameters()}

@@ -16,7 +16,7 @@ import pytest
 
 from megatron_ds.testing.corpus import write_corpus
 from megatron_ds.testing.launcher import run_ranks
-from megatron_ds.training.arguments import parse_args
+from megatron_ds.training.config.arguments import parse_args
 from megatron_ds.training.initialize import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

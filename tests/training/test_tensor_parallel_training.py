@@ -91,8 +91,8 @@ def test_bad_layout_exits_2_at_once(tmp_path, extra, world, message):
 
 
 def test_batch_arithmetic_counts_data_parallel_as_world_over_tp_pp(tmp_path):
-    from megatron_ds.training.arguments import parse_args
-    from megatron_ds.training.parallel_args import rank_coordinates
+    from megatron_ds.training.config.arguments import parse_args
+    from megatron_ds.training.config.parallel_args import rank_coordinates
     write_corpus(str(tmp_path / "corpus"))
     args = parse_args([*MODEL, "--data-path", str(tmp_path / "corpus"), "--vocab-file", __file__, "--merge-file",
                        __file__, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
@@ -105,7 +105,7 @@ def test_batch_arithmetic_counts_data_parallel_as_world_over_tp_pp(tmp_path):
 
 
 def test_sequence_parallel_refuses_partitioned_stock_activations(tmp_path):
-    from megatron_ds.training.arguments import ArgumentsError, parse_args
+    from megatron_ds.training.config.arguments import ArgumentsError, parse_args
     write_corpus(str(tmp_path / "corpus"))
     (tmp_path / "ds.json").write_text(json.dumps({"pipeline": {"pipe_partitioned": True}}))
     flags = [*MODEL, "--data-path", str(tmp_path / "corpus"), "--vocab-file", __file__, "--merge-file", __file__,

@@ -1,0 +1,53 @@
+"""The run's pipeline plan, made at parse time: the named schedule's rules on the flags (ZeRO stage,
+micro-batches, layers per virtual stage, Seq1F1B segments) checked with the same code the model build runs,
+a fraction of a second in, not 30 s; and the plan again for the schedule "auto" chose."""
+import dataclasses
+
+from megatron_ds.pipe.config import ConfigError
+from megatron_ds.pipe.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
+from megatron_ds.pipe.plan import make_plan
+
+from ..errors import ArgumentsError
+from .document_args import document_keys
+
+
+def run_plan(args):
+    """args.pipeline_plan and args.auto_plan (an "auto" run's, else None): pipe/plan.make_plan from the flags
+    and the "pipeline" section (at parse time, and for the schedule "auto" chose); under a document mask
+    Seq1F1B's balanced cut weighs the corpus's documents (document_args.document_keys)."""
+    args.pipeline_plan, args.auto_plan = make_plan(args.gpt_config, args.ds_config, args.pipeline_model_parallel_size,
+                                                   args.data_parallel_size, args.seq_length, args.pipeline_settings,
+                                                   document_keys(args))
+    if args.auto_plan is not None and args.auto_plan.recompute is not None:  # "auto_recompute": its start's
+        use_recompute(args, args.auto_plan.recompute)
+
+
+def use_recompute(args, recompute: dict) -> None:
+    """The run's GPTConfig with the recompute setting "auto" chose (schedules/auto_recompute.as_dict's form)."""
+    args.gpt_config = dataclasses.replace(args.gpt_config, recompute_granularity=recompute["granularity"],
+                                          recompute_method=recompute["method"],
+                                          recompute_num_layers=recompute["num_layers"])
+    args.checkpoint_activations = recompute["granularity"] == "full"  # the MFU's FLOPs count the recomputation
+
+
+def check_schedule_shape(args):
+    """The named schedule's rules on the flags (ZeRO stage, micro-batches, layers per virtual stage, Seq1F1B
+    segments): args.pipeline_plan (and args.auto_plan), made here before any rank starts (it is torch-free)
+    and handed to the model build (None under DeepSpeed's engine)."""
+    settings = args.pipeline_settings  # the "pipeline" section, parsed once (merge_ds_config); passed down from here
+    args.pipeline_plan = args.auto_plan = None
+    if settings.stock and not is_cost_method(settings.partition_method):
+        return
+    sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
+    try:
+        if settings.stock:
+            stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)
+            return
+        run_plan(args)
+        chunk_cost_bounds(settings.partition_method, sizes, args.pipeline_plan.placement,  # the build cuts again
+                          settings.vocab_parallel)
+    except ConfigError as exc:
+        how = (f" (micro-batches per step = --global-batch-size {args.global_batch_size} / (--micro-batch-size "
+               f"{args.micro_batch_size} x data-parallel {args.data_parallel_size}))" if "micro_batches" in str(exc)
+               else "")
+        raise ArgumentsError(f"{exc}{how}") from None
