@@ -79,9 +79,9 @@ def _check_vocab(args, vocab_size, hf_dir, flags):
             tokenizer = build_tokenizer(args)
     except TokenizerError as e:
         raise ToolError(f"{where} does not fit the tokenizer flags {' '.join(flags)}: {e}") from None
-    if args.padded_vocab_size != vocab_size:
+    if tokenizer.padded_vocab_size != vocab_size:
         raise ToolError(f"{where} does not fit the tokenizer flags {' '.join(flags)}: the tokenizer has "
-                        f"{tokenizer.vocab_size} tokens, padded to {args.padded_vocab_size}; the embedding "
+                        f"{tokenizer.vocab_size} tokens, padded to {tokenizer.padded_vocab_size}; the embedding "
                         "must have exactly the padded vocabulary")
 
 
@@ -97,10 +97,11 @@ def import_hf(hf_dir, out_dir, seq_length=None, tokenizer_flags=()):
     check_tok, final_tok = _tokenizer_flags(hf_dir, out_dir, config.vocab_size, tokenizer_flags)
     args = parse_flags(model_flags + check_tok)
     _check_vocab(args, config.vocab_size, hf_dir, check_tok)
+    args.padded_vocab_size = config.vocab_size  # the tokenizer pads to exactly it (_check_vocab)
     check_flags_rebuild(model_flags + check_tok, args, config)
     flags = model_flags + final_tok + ["--load", out_dir, "--finetune"]
     saved = parse_flags(model_flags + final_tok)
-    saved.padded_vocab_size = args.padded_vocab_size
+    saved.padded_vocab_size = config.vocab_size
     line = shlex.join(flags)
     with staged_folder(out_dir) as tmp:
         if final_tok != check_tok:

@@ -38,7 +38,7 @@ def checkpoint_tokenizer(args):
     except TokenizerError as e:
         raise ToolError(f"the checkpoint's tokenizer: {e} (give the files with --vocab-file/--merge-file "
                         "or --tokenizer-name-or-path)") from None
-    if probe.padded_vocab_size != args.padded_vocab_size:
-        raise ToolError(f"the tokenizer pads to {probe.padded_vocab_size} tokens, the checkpoint's embedding has "
+    if tokenizer.padded_vocab_size != args.padded_vocab_size:
+        raise ToolError(f"the tokenizer pads to {tokenizer.padded_vocab_size} tokens, the checkpoint's embedding has "
                         f"{args.padded_vocab_size}: not the tokenizer the run used")
     return tokenizer

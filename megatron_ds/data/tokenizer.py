@@ -54,7 +54,7 @@ def gpt2_files(vocab_file, merge_file):
 
 
 def build_tokenizer(args):
-    """Build the tokenizer `args` names and set args.padded_vocab_size."""
+    """The tokenizer `args` names, with `padded_vocab_size`: its vocabulary as the embedding pads it."""
     tokenizer_type = getattr(args, "tokenizer_type", None) or "GPT2BPETokenizer"
     rank = getattr(args, "rank", 0) or 0
     if rank == 0:
@@ -72,7 +72,7 @@ def build_tokenizer(args):
     else:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported "
                              f"(choose GPT2BPETokenizer or PretrainedFromHF)")
-    args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
+    tokenizer.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer
 
 

@@ -35,17 +35,15 @@ import torch.distributed as dist
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.files import read_json
 from megatron_ds.pipe.auto import chosen_ds_config
-from megatron_ds.pipe.config import pipeline_settings
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.flops import vocab_size
 
-from .faults import timeouts
 from .checkpoint.save_load import LoadPlan, read_latest_tag, restore
-from .config.pipeline import run_plan, use_recompute
+from .config.moe_args import moe_flags
+from .config.pipeline import with_choice
+from .faults import timeouts
 from .initialize import get_rng_state, set_rng_state
 from .model_setup import model_config, setup_model_and_optimizer
-from .config.moe_args import moe_flags
-from .faults.nonfinite import NanGuard
 
 NAME = "auto_schedule.json"
 FORMAT = 1
@@ -176,42 +174,30 @@ class AutoSchedule:
             "decision": self.decision}
         return [(NAME, record)]
 
-    def take(self, trainer):
-        """Log the reported decision; rebuild the trainer's engine when it places the chunks otherwise.
-        Returns the engine to train on."""
-        self._settle(trainer.iteration)
+    def take(self, iteration: int, tb):
+        """The reported decision (pipe/auto.AutoDecision), logged to TensorBoard; its owner rebuilds the
+        engine (rebuild) when it places the chunks otherwise (`report.rebuild`)."""
+        self._settle(iteration)
         report, self.reported = self.reported, None
-        if trainer.tb.writer is not None:
-            trainer.tb.writer.add_text("auto-schedule", auto.describe(report.decision), trainer.iteration)
-        if report.rebuild:
-            rebuild_trainer_engine(trainer, report.decision)
-            trainer.nan_guard = NanGuard(trainer.args, trainer.engine, lambda: trainer.iteration + 1)
-        return trainer.engine
+        if tb.writer is not None:
+            tb.writer.add_text("auto-schedule", auto.describe(report.decision), iteration)
+        return report
 
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def use_ds_config(args, ds_config: dict, decision: dict) -> None:
-    """The chosen schedule's ds_config, its "pipeline" section and plan, and the recompute setting it chose
-    ("auto_recompute"), for the build that follows."""
-    args.ds_config, args.pipeline_settings = ds_config, pipeline_settings(ds_config)
-    run_plan(args)
-    if "recompute" in decision["choice"]:
-        use_recompute(args, decision["choice"]["recompute"])
-
-
 def prepare(args):
-    """Before the model is built: None unless "schedule": "auto"; else its AutoSchedule, and when --load
-    holds a decision still valid, args.ds_config / pipeline_settings / pipeline_plan select the chosen schedule."""
+    """Before the model is built: (the run's settings, None) unless "schedule": "auto"; else its AutoSchedule,
+    and when --load holds a decision still valid, the settings of the chosen schedule (config/pipeline.with_choice)."""
     settings = args.pipeline_settings
     if not settings.auto:
-        return None
+        return args, None
     key = run_key(args.pipeline_plan, args.auto_plan, model_config(args), args.ds_config, device_name(),
                   args.activation_checkpoint_interval)
     if not args.load:
-        return AutoSchedule(key)
+        return args, AutoSchedule(key)
     box = [(None, None)]
     if dist.get_rank() == 0:  # one reading for all: every rank must build the same schedule
         tag = read_latest_tag(args.load, args.universal_checkpoint)
@@ -223,8 +209,8 @@ def prepare(args):
     if line:
         print_rank_0(line)
     if record is not None:
-        use_ds_config(args, chosen_ds_config(args.ds_config, record["decision"]), record["decision"])
-    return AutoSchedule(key, record)
+        args = with_choice(args, chosen_ds_config(args.ds_config, record["decision"]), record["decision"])
+    return args, AutoSchedule(key, record)
 
 
 # -- switching through a checkpoint ---------------------------------------------------------------
@@ -274,15 +260,16 @@ def switch_engine(engine, decision: dict, build, save_dir=None):
     return new
 
 
-def rebuild_trainer_engine(trainer, decision: dict) -> None:
-    """switch_engine for the pretraining loop: the new engine, lr schedule and settings go to `trainer`."""
-    args = trainer.args
+def rebuild(args, engine, decision: dict):
+    """switch_engine for the pretraining loop: (the run's settings under the choice, the new engine, its lr
+    schedule), for the loop's Trainer to take."""
+    built = {}
 
     def build(ds_config):
-        use_ds_config(args, ds_config, decision)
-        engine, trainer.lr_scheduler = setup_model_and_optimizer(args)
-        return engine
+        built["args"] = with_choice(args, ds_config, decision)
+        new, built["lr_scheduler"] = setup_model_and_optimizer(built["args"])
+        return new
 
-    trainer.engine = switch_engine(trainer.engine, decision, build, args.save)
-    timeouts.label_groups(trainer.engine.grid, trainer.engine.module)
-    trainer.current_gbs = None  # the new engine takes the batch size of the ramp-up again
+    engine = switch_engine(engine, decision, build, args.save)
+    timeouts.label_groups(engine.grid, engine.module)
+    return built["args"], engine, built["lr_scheduler"]

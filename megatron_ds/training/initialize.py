@@ -140,12 +140,10 @@ def set_cpu_threads(rank, env=None):
 
 
 def initialize_distributed(args):
-    """Start the process group; returns (rank, world_size, local_rank). Sets args.device."""
+    """Start the process group; returns the run's settings with what it learned: rank, world size (parse_args
+    read the environment before the SLURM mapping), local rank and backend."""
     import torch
     rank, world, local_rank = set_launcher_env(args.local_rank)
-    if world != args.world_size:  # parse_args read the environment before the SLURM mapping
-        args.world_size = world
-    args.rank, args.local_rank = rank, local_rank
     cuda = torch.cuda.is_available()
     backend = args.distributed_backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
@@ -153,7 +151,6 @@ def initialize_distributed(args):
     if args.fp16 and not cuda:
         raise ArgumentsError("fp16 (--fp16 / ds_config fp16.enabled) needs a GPU: DeepSpeed's CPU accelerator "
                              "has no fp16; use --bf16 or fp32 on CPU")
-    args.distributed_backend = backend
     if cuda:
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     else:
@@ -172,7 +169,7 @@ def initialize_distributed(args):
                                    verbose=rank == 0)
     if rank == 0:
         print(f"> torch.distributed: backend {torch.distributed.get_backend()}, world size {world}", flush=True)
-    return rank, world, local_rank
+    return args.replace(rank=rank, world_size=world, local_rank=local_rank, distributed_backend=backend)
 
 
 def elastic_store(env, world_size, timeout):

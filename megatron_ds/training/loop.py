@@ -19,12 +19,12 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
 from megatron_ds.errors import UserError, print_error, record_for_launcher
 
-from .faults import exit_signal, out_of_memory, timeouts
 from .config.arguments import ArgumentsError, parse_args, print_args
 from .config.document_args import eod_token
-from .faults.nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .config.observability import Profile, apply_log_level, tidy_output
 from .config.parallel_args import rank_coordinates
+from .faults import exit_signal, out_of_memory, timeouts
+from .faults.nonfinite import EXIT_CODE as NONFINITE_EXIT_CODE, NanGuard, NonFiniteStop
 from .logging_utils import (CodeCarbon, MetricsFile, TensorBoard, Timers, is_last_rank, iteration_line,
                             mfu, print_rank_last, progress_bar, tflops, validation_block, write_loss_curve)
 
@@ -193,7 +193,8 @@ class Trainer:
             if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                 self.save()
             if self.auto is not None and self.auto.reported is not None:
-                engine = self.auto.take(self)
+                self._take_auto_decision()
+                args, engine = self.args, self.engine
             exit_reason = self._should_exit() or self.nan_guard.stop_reason()
             if exit_reason:
                 break
@@ -202,6 +203,17 @@ class Trainer:
             bar.close()
         self.bar = None
         return exit_reason
+
+    def _take_auto_decision(self):
+        """"auto"'s decision: logged; where it places the chunks otherwise, the run's settings, engine and lr
+        schedule of the chosen schedule (rebuilt through a checkpoint) replace this trainer's."""
+        from . import auto_schedule  # lazy: as in pretrain (torch); only a run under "auto" gets here
+        report = self.auto.take(self.iteration, self.tb)
+        if not report.rebuild:
+            return
+        self.args, self.engine, self.lr_scheduler = auto_schedule.rebuild(self.args, self.engine, report.decision)
+        self.nan_guard = NanGuard(self.args, self.engine, lambda: self.iteration + 1)
+        self.current_gbs = None  # the new engine takes the batch size of the ramp-up again
 
     def _router_metrics(self, engine, interval):
         """A MoE step's router losses (summed over the interval, logged as its mean beside the lm loss, as
@@ -289,21 +301,23 @@ def pretrain(args):
     # kernel. The gradients are right (tests/pipe compares every one with the single-process reference).
     warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel was not registered")
     verbose = apply_log_level(args, args.rank)
-    rank, _, _ = initialize_distributed(args)
+    args = initialize_distributed(args)
+    rank = args.rank
     codecarbon = CodeCarbon(args.codecarbon_dir, args.codecarbon_country_iso_code, args.local_rank)
     pipeline_rank, _, tensor_rank = rank_coordinates(args, rank)
     seed = set_random_seed(args.seed, pipeline_rank)
     # dropout inside split regions (heads) draws from a stream per tensor rank
     model_parallel_manual_seed(seed, tensor_rank)
-    tokenizer = build_tokenizer(args)  # sets args.padded_vocab_size
-    args.eod_token = eod_token(tokenizer, args)  # packed documents end at it (None without their flags)
+    tokenizer = build_tokenizer(args)
+    args = args.replace(padded_vocab_size=tokenizer.padded_vocab_size)
+    args = args.replace(eod_token=eod_token(tokenizer, args))  # packed documents end at it (None without their flags)
     if rank == 0 and verbose:
         print_args(args)
     # data first: it is cheap, and a bad corpus should fail before minutes of model building
     train_ds, valid_ds, test_ds = build_datasets(args)
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
-    auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
+    args, auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
     engine, lr_scheduler = setup_model_and_optimizer(args)
     if auto:
         auto.attach(engine)

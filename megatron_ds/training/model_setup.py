@@ -46,7 +46,6 @@ def model_config(args):
 def setup_model_and_optimizer(args):
     print_rank_0("> building GPT model ...")
     config = model_config(args)
-    args.ffn_hidden_size = config.ffn_hidden_size
     module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
                                    activation_checkpoint_interval=args.activation_checkpoint_interval,
                                    seq_length=args.seq_length, settings=args.pipeline_settings,

@@ -57,8 +57,7 @@ def _args(**kw):
 def test_build_tokenizer_pads_the_vocabulary_like_megatron(gpt2_files):
     vocab, merges = gpt2_files
     args = _args(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges)
-    build_tokenizer(args)
-    assert args.padded_vocab_size == 50304  # default: multiple of 128
+    assert build_tokenizer(args).padded_vocab_size == 50304  # default: multiple of 128
     for divisible, tp, expected in ((128, 2, 50432), (1, 1, 50257), (64, 1, 50304), (1000, 1, 51000)):
         a = _args(make_vocab_size_divisible_by=divisible, tensor_model_parallel_size=tp)
         assert vocab_size_with_padding(50257, a) == expected
@@ -92,7 +91,7 @@ def test_pretrained_from_hf_loads_a_local_directory(tmp_path, gpt2_files, gpt2_t
     PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>").save_pretrained(str(tmp_path))
     args = _args(tokenizer_type="PretrainedFromHF", tokenizer_name_or_path=str(tmp_path))
     tok = build_tokenizer(args)
-    assert tok.vocab_size == 50257 and tok.eod == 50256 and args.padded_vocab_size == 50304
+    assert tok.vocab_size == 50257 and tok.eod == 50256 and tok.padded_vocab_size == 50304
     text = "Hello, my dog is cute"
     assert tok.tokenize(text) == gpt2_tokenizer.tokenize(text) == [15496, 11, 616, 3290, 318, 13779]
     assert tok.detokenize(tok.tokenize(text)) == text

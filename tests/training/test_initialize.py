@@ -64,10 +64,11 @@ def test_srun_local_world_size_from_the_tasks_per_node():
 
 RANK_SCRIPT = """
 import argparse, os, torch
+from megatron_ds.training.config.run_config import RunConfig
 from megatron_ds.training.initialize import initialize_distributed
-args = argparse.Namespace(local_rank=None, world_size=2, distributed_backend=None, fp16=False,
-                          distributed_timeout_minutes=2)
-rank, _, _ = initialize_distributed(args)
+args = RunConfig.freeze(argparse.Namespace(rank=0, local_rank=None, world_size=2, distributed_backend=None, fp16=False,
+                                           distributed_timeout_minutes=2))
+rank = initialize_distributed(args).rank
 print(f"rank {rank} threads {torch.get_num_threads()} OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS')}", flush=True)
 """
 

@@ -32,7 +32,7 @@ def _parse_and_build(folder, pipeline):
                        "--merge-file", "ds.json", "--micro-batch-size", "1", "--deepspeed_config", "ds.json"])
     parsed = len(made)
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    args.padded_vocab_size = 64  # the tokenizer's, which the "flops" cut weighs at build time
+    args = args.replace(padded_vocab_size=64)  # the tokenizer's, which the "flops" cut weighs at build time
     engine, _ = setup_model_and_optimizer(args)
     return parsed, len(made), engine.plan is args.pipeline_plan, engine.module.plan is args.pipeline_plan, \
         list(engine.module.parts)

@@ -19,7 +19,7 @@ from megatron_ds.pipe import ds_internals
 from ..faults import disk_full
 
 NAME = "zero_to_fp32.py"
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "convert", NAME)
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "convert", NAME)
 DEEPSPEEDS_OTHER = "zero_to_torch.py"
 EXECUTABLE = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 

@@ -69,22 +69,23 @@ def check_universal_folder(load_dir):
     return ""
 
 
-def apply_universal(args, ds_config, err):
-    """Merge --universal-checkpoint with ds_config "checkpoint.load_universal" (both written back)
-    and check the folder; `err` raises the ArgumentsError."""
+def apply_universal(args, ds_config, err) -> bool:
+    """--universal-checkpoint merged with ds_config "checkpoint.load_universal" (the ds_config takes the merged
+    value; the flag's, returned, is the parser's to write) and the folder checked; `err` raises the ArgumentsError."""
     section = ds_config.get("checkpoint") or {}
     key = section.get("load_universal")
     if args.universal_checkpoint and key is False:
         err(f"--universal-checkpoint disagrees with ds_config \"checkpoint\": {{\"load_universal\": false}} in "
             f"{args.deepspeed_config}; give one of them")
-    args.universal_checkpoint = bool(args.universal_checkpoint or key)
-    if args.universal_checkpoint:
+    universal = bool(args.universal_checkpoint or key)
+    if universal:
         ds_config["checkpoint"] = {**section, "load_universal": True}
         if not args.load:
             err("--universal-checkpoint (ds_config \"checkpoint.load_universal\") needs --load")
         problem = check_universal_folder(args.load)
         if problem:
             err(problem)
+    return universal
 
 
 BUFFERS_KEY = "persistent_buffers"  # in the client state of every mp_rank_XX_model_states.pt

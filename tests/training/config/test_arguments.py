@@ -166,8 +166,16 @@ def test_parse_args_writes_only_declared_attributes(extra, aliases):
     assert aliases <= written
 
 
+def _is_args(node):
+    """`args`, or an object's `.args` (self.args, trainer.args)."""
+    import ast
+    return (isinstance(node, ast.Name) and node.id == "args") or (isinstance(node, ast.Attribute)
+                                                                   and node.attr == "args")
+
+
 def _attributes_written(path):
-    """(name, line) of every `args.NAME = ...` (tuple targets too) and setattr(args, "NAME", ...) in a file."""
+    """(name, line) of every `args.NAME = ...` or `self.args.NAME = ...` (tuple targets too) and
+    setattr(args, "NAME", ...) in a file."""
     import ast
     tree = ast.parse(open(path).read(), path)
     for node in ast.walk(tree):
@@ -175,30 +183,28 @@ def _attributes_written(path):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
                 for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
-                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "args":
+                    if isinstance(t, ast.Attribute) and _is_args(t.value):
                         yield t.attr, node.lineno
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr"
-              and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"):
+              and _is_args(node.args[0])):
             yield getattr(node.args[1], "value", "<computed>"), node.lineno
 
 
 def test_every_attribute_written_onto_args_is_declared():
-    """Source scan: the training path (megatron_ds/training/, the tokenizer) writes only DERIVED and
-    DERIVED_AT_START; the rest of the package (checkpoint tools reading a saved Namespace) writes only
-    those or flags."""
+    """Source scan: the flag-parsing package (megatron_ds/training/config/) writes only DERIVED; the conversion
+    tools, which complete a checkpoint's saved Namespace, write only those, flags and what a run learns at start.
+    Every other module writes nothing (tests/training/config/test_run_config.py)."""
     import glob
     import os
     import megatron_ds
-    from megatron_ds.training.config.arguments import DERIVED, DERIVED_AT_START, build_parser
+    from megatron_ds.training.config.arguments import DERIVED, build_parser
+    from megatron_ds.training.config.run_config import LEARNED_AT_START
     root = os.path.dirname(megatron_ds.__file__)
-    declared = set(DERIVED) | set(DERIVED_AT_START)
     flags = {action.dest for action in build_parser()._actions}
-    strict = {os.path.join(root, "data", "tokenizer.py")} | set(glob.glob(os.path.join(root, "training", "*.py")))
+    allowed = {"training/config": set(DERIVED), "convert": set(DERIVED) | flags | set(LEARNED_AT_START)}
     undeclared = []
-    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
-        if os.path.relpath(path, root).startswith(os.path.join("data", "preprocessing", "")):  # its own parser
-            continue
-        allowed = declared if path in strict else declared | flags
-        undeclared += [f"{os.path.relpath(path, root)}:{line} args.{name}"
-                       for name, line in _attributes_written(path) if name not in allowed]
-    assert undeclared == [], "declare these in megatron_ds/training/config/arguments.py DERIVED / DERIVED_AT_START"
+    for folder, names in allowed.items():
+        for path in glob.glob(os.path.join(root, folder, "*.py")):
+            undeclared += [f"{os.path.relpath(path, root)}:{line} args.{name}"
+                           for name, line in _attributes_written(path) if name not in names]
+    assert undeclared == [], "declare these in megatron_ds/training/config/arguments.py DERIVED"

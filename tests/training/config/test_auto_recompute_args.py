@@ -59,11 +59,11 @@ def test_a_decision_s_recompute_is_the_rebuild_s_and_the_resume_s():
     """What the rebuild after the decision and a resume from its auto_schedule.json build: the chosen schedule's
     ds_config (the "auto" keys dropped) and the chosen setting in the run's GPTConfig."""
     from megatron_ds.pipe.auto import chosen_ds_config
-    from megatron_ds.training.auto_schedule import use_ds_config
+    from megatron_ds.training.config.pipeline import with_choice
     args = parse()
     decision = {"choice": {"section": {"schedule": "bitpipe"},
                            "recompute": {"granularity": "selective", "method": None, "num_layers": None}}}
-    use_ds_config(args, chosen_ds_config(args.ds_config, decision), decision)
+    args = with_choice(args, chosen_ds_config(args.ds_config, decision), decision)
     assert args.ds_config["pipeline"] == {"schedule": "bitpipe"} and args.auto_plan is None
     assert args.pipeline_plan.schedule.name == "bitpipe"
     assert (args.gpt_config.recompute_granularity, args.checkpoint_activations) == ("selective", False)

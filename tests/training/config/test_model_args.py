@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.
 
 def config(*extra):
     args = parse_args(BASE + list(extra), env={"WORLD_SIZE": "1", "RANK": "0"})
-    args.padded_vocab_size = 128  # set by the tokenizer at start-up
+    args = args.replace(padded_vocab_size=128)  # the tokenizer's, at start-up
     return gpt_config_from_args(args)
 
 
