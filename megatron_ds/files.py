@@ -3,7 +3,7 @@
 Every temporary-file-and-rename writer of the package goes through write_atomic (but the indexed dataset's
 builder, which streams its .bin while it builds and renames it with its .idx, and the folder renames of
 convert/staging.py and training/checkpoint/universal.py); the JSON readers of the run's files (ds_config, costs, the
-manifest, "auto"'s record) through read_json.
+manifest, "auto"'s record, op traces, a Hugging Face weight index) through read_json.
 """
 import contextlib
 import json

@@ -1,6 +1,7 @@
 """Reading a local Hugging Face model folder: config.json and the weights (safetensors or .bin, sharded or not)."""
-import json
 import os
+
+from megatron_ds.files import UnreadableFile, read_json
 
 from . import ToolError
 
@@ -38,8 +39,10 @@ def read_weights(hf_dir):
             continue
         if not name.endswith(".index.json"):
             return _load_file(path)
-        with open(path) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            shards = sorted(set(read_json(path)["weight_map"].values()))
+        except (UnreadableFile, KeyError, TypeError, AttributeError) as exc:
+            raise ToolError(f"{path}: not a weight index with a \"weight_map\" ({exc})") from None
         sd = {}
         for shard in shards:
             sd.update(_load_file(os.path.join(hf_dir, shard)))

@@ -11,11 +11,12 @@ args "overlapped": true (absent on every other op: readers take its absence as f
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import statistics
 from dataclasses import dataclass
+
+from megatron_ds.files import read_json
 
 from .ir import Op, Schedule
 
@@ -100,10 +101,7 @@ def load_iteration(trace_dir: str, step: int | None = None) -> list[RankTrace]:
     paths = sorted(glob.glob(os.path.join(trace_dir, f"step{step:06d}_rank*.json")))
     if not paths:
         raise FileNotFoundError(f"no trace files for step {step} in {trace_dir}")
-    docs = []
-    for path in paths:
-        with open(path) as fh:
-            docs.append(json.load(fh))
+    docs = [read_json(path, f"trace file {path}") for path in paths]
     one_host = len({d["otherData"]["host"] for d in docs}) == 1
     first = min(d["otherData"]["origin_perf_counter"] for d in docs)
     traces = []

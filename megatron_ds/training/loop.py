@@ -49,6 +49,29 @@ def evaluate(engine, data_iterator, eval_iters):
     return total / max(1, eval_iters)
 
 
+class Cadence:
+    """When the loop saves and evaluates: each owns its interval, and neither runs twice for one iteration.
+    A save is due every --save-interval iterations and at the end (`last`); a run resumed from its own --save
+    folder already has its first iteration on disk; a save skipped for lack of room (--keep-training-on-disk-full)
+    is tried again at the next one. Validation is due every --eval-interval iterations and at the end,
+    unless it just ran."""
+
+    def __init__(self, args, iteration, validates: bool):
+        self.save_dir, self.save_interval = args.save, args.save_interval
+        self.validates, self.eval_interval = validates, args.eval_interval
+        same_dir = args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
+        self.last_saved = iteration if same_dir and iteration > 0 else None
+        self.last_evaluated = None
+
+    def save_due(self, step: int, last: bool = False) -> bool:
+        every = bool(self.save_interval) and step % self.save_interval == 0
+        return bool(self.save_dir) and self.last_saved != step and (last or every)
+
+    def eval_due(self, step: int, last: bool = False) -> bool:
+        every = bool(self.eval_interval) and step % self.eval_interval == 0
+        return self.validates and self.last_evaluated != step and (last or every)
+
+
 class Trainer:
 
     def __init__(self, args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds, codecarbon=None):
@@ -61,6 +84,7 @@ class Trainer:
         self.valid_ds, self.test_ds = valid_ds, test_ds
         self.valid_iter = (MicroBatchIterator(valid_ds, self.consumed_valid, args, self.dp_rank)
                            if valid_ds is not None and args.eval_iters > 0 else None)
+        self.cadence = Cadence(args, self.iteration, validates=self.valid_iter is not None)
         self.timers = Timers()
         self.tb = TensorBoard(args)
         self.metrics = MetricsFile(args.metrics_file, self.iteration if args.load and not args.finetune else None)
@@ -68,9 +92,6 @@ class Trainer:
         self.train_points, self.valid_points = [], []
         self.bar = None
         self.current_gbs = None
-        # a run resumed from its own --save directory already has this iteration on disk
-        same_dir = args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
-        self.last_saved = self.iteration if same_dir and self.iteration > 0 else None
         self.start_time = time.time()
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
         self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
@@ -89,17 +110,27 @@ class Trainer:
             self.current_gbs = gbs
         return gbs
 
-    def save(self):
+    def maybe_save(self, last=False):
+        """Save this iteration if the cadence says so (every --save-interval, and at the end: `last`)."""
         from .checkpoint.save_load import save_checkpoint  # lazy: DeepSpeed loads after the flags are checked
-        if not self.args.save or self.last_saved == self.iteration:
+        if not self.cadence.save_due(self.iteration, last):
             return
         self.timers.start("save-checkpoint")
         saved = save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
                                 self.auto.checkpoint_files(self.iteration) if self.auto else ())
         self.timers.stop("save-checkpoint")
         if saved:  # not saved for lack of room (--keep-training-on-disk-full): the next save tries again
-            self.last_saved = self.iteration
+            self.cadence.last_saved = self.iteration
         self.codecarbon.flush()
+
+    def maybe_validate(self, prefix, last=False):
+        """Validate on --eval-iters batches if the cadence says so (every --eval-interval, and at the end)."""
+        if not self.cadence.eval_due(self.iteration, last):
+            return
+        loss, used = self.evaluate_and_print(prefix, self.valid_iter, self.args.eval_iters)
+        self.consumed_valid += used
+        self.valid_points.append((self.iteration, loss))
+        self.cadence.last_evaluated = self.iteration
 
     def evaluate_and_print(self, prefix, data_iterator, eval_iters, tb_prefix="lm-loss-validation"):
         self.timers.start("evaluate")
@@ -184,14 +215,8 @@ class Trainer:
             if self.iteration % args.log_interval == 0:
                 self._log(interval, gbs, lr, grad_norm, loss_scale, bar)
                 interval = {"loss": 0.0, "count": 0, "nan": 0, "skipped": 0, "time": 0.0, "iters": 0}
-            if (self.valid_iter is not None and args.eval_interval
-                    and self.iteration % args.eval_interval == 0):
-                loss_v, used = self.evaluate_and_print(f"iteration {self.iteration}", self.valid_iter,
-                                                       args.eval_iters)
-                self.consumed_valid += used
-                self.valid_points.append((self.iteration, loss_v))
-            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                self.save()
+            self.maybe_validate(f"iteration {self.iteration}")
+            self.maybe_save()
             if self.auto is not None and self.auto.reported is not None:
                 self._take_auto_decision()
                 args, engine = self.args, self.engine
@@ -261,12 +286,7 @@ class Trainer:
 
     def finish(self):
         args = self.args
-        just_evaluated = self.valid_points and self.valid_points[-1][0] == self.iteration  # and printed: not twice
-        if self.valid_iter is not None and not just_evaluated:
-            loss_v, used = self.evaluate_and_print("the end of training for val data", self.valid_iter,
-                                                   args.eval_iters)
-            self.consumed_valid += used
-            self.valid_points.append((self.iteration, loss_v))
+        self.maybe_validate("the end of training for val data", last=True)
         if self.test_ds is not None and args.eval_iters > 0:
             test_iter = MicroBatchIterator(self.test_ds, 0, args, self.dp_rank)
             self.evaluate_and_print("the end of training for test data", test_iter, args.eval_iters,
@@ -340,8 +360,7 @@ def pretrain(args):
     print_rank_0(f"[after model, optimizer, data and checkpoint are ready] {time.time() - start:.1f} s")
     try:
         exit_reason = trainer.train()
-        if args.save:
-            trainer.save()
+        trainer.maybe_save(last=True)
         if exit_reason:
             print_rank_0(exit_reason)
         else:
