@@ -12,9 +12,16 @@ and divides by the whole data-parallel size, which makes it the data-parallel me
 The groups sit in DeepSpeed's registry (deepspeed.utils.groups, named "ep_size_<e>"): consecutive
 data-parallel ranks of one stage and TP rank form an EP group, and ranks e apart an expert-data-parallel group.
 
-For tests and benchmarks only, the environment variable MEGATRON_DS_TEST_A2A_LATENCY_MS adds that many
-milliseconds to every all-to-all (a sleep after the collective, inside AllToAllTimes' interval): a stand-in for
-a slow network, so that CPU runs can show what overlapping the all-to-all hides (issue 40). No run setting.
+Inside an overlapped unit (pipe/overlap.py: the forward of one micro-batch and the backward of another, issue 40)
+each all-to-all is issued asynchronously and, while it is in flight, `InFlight.meanwhile` runs the unit's other
+side until that side issues its own or ends; then this side waits on its handle. Outside a unit (and while
+AllToAllTimes times them) the collective blocks as before.
+
+For tests and benchmarks only, the environment variable MEGATRON_DS_TEST_A2A_LATENCY_MS makes every all-to-all
+that many milliseconds slower: a stand-in for a slow network, so that CPU runs can show what overlapping the
+all-to-all hides. A blocking one sleeps it after the collective (inside AllToAllTimes' interval); an issued one
+is complete no earlier than its issue time plus it, so its wait sleeps only what the other side's work left
+(`AddedLatency` counts what was slept). No run setting.
 """
 import os
 import time
@@ -55,6 +62,13 @@ class AllToAllTimes:
     intervals = None
 
 
+class InFlight:
+    """What runs while an all-to-all is in flight: `meanwhile()`, set by the runtime around an overlapped unit
+    (pipe/overlap.py), runs the unit's other side and returns when this side is due again; None: nothing, the
+    collective blocks."""
+    meanwhile = None
+
+
 TEST_LATENCY_ENV = "MEGATRON_DS_TEST_A2A_LATENCY_MS"
 
 
@@ -70,21 +84,41 @@ def added_latency() -> float:
     return ms / 1e3
 
 
+class AddedLatency:
+    """The test-only latency's account, in seconds summed over this process's all-to-alls: `added` (the latency
+    each took on), `slept` (what its waits really slept: all of it when blocking, what was left of it at the wait
+    when issued). added - slept is what overlapped work hid."""
+    added = 0.0
+    slept = 0.0
+
+    @classmethod
+    def sleep_until(cls, due: float, latency: float):
+        left = due - time.perf_counter()
+        cls.added += latency
+        if left > 0:
+            time.sleep(left)
+            cls.slept += left
+
+
 def _all_to_all(out, x, out_splits=None, in_splits=None, group=None):
     latency = added_latency()
-    if AllToAllTimes.intervals is None:
+    if AllToAllTimes.intervals is not None:
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+        sync()  # the queued compute is the op's, not the all-to-all's
+        start = time.perf_counter()
         dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-        if latency:
-            time.sleep(latency)
-        return
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    sync()  # the queued compute is the op's, not the all-to-all's
-    start = time.perf_counter()
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-    sync()
-    if latency:
-        time.sleep(latency)
-    AllToAllTimes.intervals.append((start, time.perf_counter()))
+        sync()
+        AddedLatency.sleep_until(time.perf_counter() + latency, latency)
+        AllToAllTimes.intervals.append((start, time.perf_counter()))
+    elif InFlight.meanwhile is None:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        AddedLatency.sleep_until(time.perf_counter() + latency, latency)
+    else:  # gloo's asynchronous work on CPU, NCCL's stream on a GPU; the other side runs meanwhile
+        work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+        due = time.perf_counter() + latency
+        InFlight.meanwhile()
+        work.wait()
+        AddedLatency.sleep_until(due, latency)
 
 
 class _AllToAll(torch.autograd.Function):

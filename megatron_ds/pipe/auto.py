@@ -15,7 +15,11 @@ timed too, per slice, and give the embedding's and the head's costs. A mixture o
 expert-parallel all-to-all that ran inside an F or B op (model/moe_dispatch.AllToAllTimes times every one)
 is taken out of the op's time and kept apart, and rank 0 learns which layers of each stage have experts, so
 that a MoE layer's cost is told from a dense one's and the all-to-all stated on its own
-(schedules/measurement.moe_costs). A choice that
+(schedules/measurement.moe_costs). Where the all-to-all runs (expert parallelism > 1), rank 0 weighs the
+overlapped orders too (schedules/auto.decide's `overlap`, issue 40), their pieces paying the host time
+`piece_host` measured on each expert-parallel rank after the window (the runtime's switching between a unit's
+sides, timed alone); a MoE model without it is weighed as well, so that the log line says why not (no all-to-all
+to hide). A choice that
 places the chunks as the module is cut is a schedule swap, done here; any other needs the module rebuilt, which the owner of the engine does
 (training/auto_schedule.py). Either way the engine reports the decision once, through its
 `on_auto_decision` hook (an AutoDecision). Under "auto_recompute" the recompute setting is chosen too
@@ -35,9 +39,10 @@ import torch.distributed as dist
 
 from megatron_ds.model.layers import TransformerLayer
 from megatron_ds.model.moe import MoE
-from megatron_ds.model.moe_dispatch import AllToAllTimes
+from megatron_ds.model.moe_dispatch import AllToAllTimes, InFlight
 from megatron_ds.schedules import auto, auto_recompute
 from megatron_ds.schedules import measurement
+from megatron_ds.schedules.costs import PIECES_MOE
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
@@ -47,6 +52,8 @@ from .config import AUTO_KEYS
 from .partition import layer_flops
 
 PING_REPEATS = 5
+PIECE_REPEATS = 21  # piece_host's samples (a median: a loaded CPU's outliers)
+A2A_PER_MOE_LAYER = (3, 2)  # all-to-alls a MoE layer issues in its forward and its backward (model/moe_dispatch.py)
 TIMED = frozenset({Kind.F, Kind.B, Kind.W} | VOCAB)  # the op kinds whose times the decision takes
 VOCAB_NAMES = frozenset(k.name for k in VOCAB)
 
@@ -136,18 +143,22 @@ class AutoSwitch:
         eng = self.engine
         medians = {key: statistics.median(v) for key, v in self.times.items()}
         comm = {key: statistics.median(v) for key, v in self.comm.items()}
-        ping = ping_pong(eng, eng.plan.activation_shape, eng._dtype, eng.device)
         gap = statistics.median(self.gaps) if self.gaps else 0.0
         traced = (socket.gethostname(), eng.grid.get_data_parallel_rank(), self.ops)
-        experts = {m.layer_idx for m in eng.module.modules() if isinstance(m, MoE)}
+        moe = [m for m in eng.module.modules() if isinstance(m, MoE)]
+        experts = {m.layer_idx for m in moe}
+        host = piece_host(eng._overlap()) if moe and moe[0].ep_group else None
+        ping = ping_pong(eng, eng.plan.activation_shape, eng._dtype, eng.device)
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((medians, ping, gap, traced, comm, experts), gathered, dst=0)
+        dist.gather_object((medians, ping, gap, traced, comm, experts, host), gathered, dst=0)
         box = [None]
         if dist.get_rank() == 0:
             vocab_parallel = eng.plan.settings.vocab_parallel
             measured = merge([g[:4] for g in gathered], eng.plan.schedule.stages, self.schedules)
-            measured = with_experts(measured, eng.module, set().union(*(g[5] for g in gathered)),
-                                    [g[4] for g in gathered])
+            moe_layers = set().union(*(g[5] for g in gathered))
+            measured = with_experts(measured, eng.module, moe_layers, [g[4] for g in gathered])
+            hosts = [g[6] for g in gathered if g[6] is not None]
+            measured = dataclasses.replace(measured, piece_host=statistics.median(hosts) if hosts else 0.0)
             if not vocab_parallel:  # else the head is no part of the loss stage
                 measured = dataclasses.replace(measured, head_share=measurement.head_share(
                     self.auto_plan.head_layers, self.auto_plan.num_layers, eng.plan.schedule.stages))
@@ -156,6 +167,8 @@ class AutoSwitch:
             knobs = self.auto_plan.knobs  # "auto_recompute": counted for this device's attention kernels
             knobs = {"knobs": knobs.on_device(torch.device(eng.device).type == "cuda"),
                      "running": auto_recompute.of_dict(self.auto_plan.recompute)} if knobs else {}
+            if moe_layers and not vocab_parallel:  # weighed, or told why not (no all-to-all)
+                knobs["overlap"] = True
             box[0] = self.choose(eng.num_stages, eng.plan.micro_batches, self.auto_plan.num_layers,
                                  self.auto_plan.budget, measured, self.auto_plan.cuts, vocab_parallel=vocab_parallel,
                                  head_memory=self.auto_plan.head_memory, **knobs)
@@ -273,6 +286,27 @@ def traced_runs(traced: list, schedules: list) -> list:
             for schedule, timed in replica_iterations(traced, schedules) if timed]
 
 
+def piece_host(runner, repeats: int = PIECE_REPEATS) -> float:
+    """Seconds of host time one piece of an overlapped unit adds (ModelCosts.piece_host), on this rank: the
+    runtime's own switching timed with nothing else in it. The window runs a plain start-up schedule, no unit, so a
+    unit cannot be timed against its two ops; instead `runner` (the engine's pipe/overlap.OverlapRunner) runs a
+    unit whose sides do no work but hand the baton over where a MoE layer's all-to-alls are issued (3 in the
+    forward: counts, rows, combine; 2 in the backward), each hand-over swapping the sides' process-wide state and
+    waking the other thread, as a real unit does; the median of `repeats` such units, over the pieces a MoE
+    layer's unit runs in the simulator (2 x PIECES_MOE), is the time per piece."""
+    def side(hand_overs):
+        def run():
+            for _ in range(hand_overs):
+                InFlight.meanwhile()
+        return run
+    forward, backward, times = side(A2A_PER_MOE_LAYER[0]), side(A2A_PER_MOE_LAYER[1]), []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.run(forward, backward, backward_first=False)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (2 * PIECES_MOE)
+
+
 def ping_pong(engine, shape, dtype, device, repeats: int = PING_REPEATS) -> list:
     """One-way times of an activation message between pipeline neighbours (r, r+1), even pairs
     first, then odd ones: every rank is in at most one pair at a time. The leader keeps them."""
@@ -293,6 +327,15 @@ def ping_pong(engine, shape, dtype, device, repeats: int = PING_REPEATS) -> list
                 dist.recv(buf, peer)
                 dist.send(buf, peer)
     return times
+
+
+def candidate_labels(pp: int, m: int, num_layers: int, cuts: tuple, vocab_parallel: bool, moe) -> list:
+    """The labels of the catalogued candidates "auto" weighs for this run (a resumed decision is reused only
+    under the same ones): with expert parallelism (MoEConfig `moe`) the overlapped orders too."""
+    pool = [(c, s, None) for c, s in auto.candidates(pp, m, num_layers, cuts, vocab_parallel=vocab_parallel)]
+    if moe is not None and moe.expert_model_parallel_size > 1 and not vocab_parallel:
+        pool += auto.overlapped(pp, m, num_layers, pool)
+    return sorted(c.label for c, _, _ in pool)
 
 
 def chosen_ds_config(ds_config: dict, decision: dict) -> dict:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from megatron_ds.errors import UserError
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule, from_file
-from megatron_ds.schedules.catalog import KNOBS, check_vocab_parallel
+from megatron_ds.schedules.catalog import KNOBS, check_vocab_parallel, takes
 from megatron_ds.schedules.auto import parse_bytes
 
 from .ds_keys import unknown_keys_line
@@ -49,6 +49,7 @@ class PipelineSettings:
     compile_layers: Optional[bool] = None  # torch.compile each transformer layer, the final norm and the loss
     # (model/compile.py); None: compiles_layers
     cuda_graphs: bool = False      # the compiled layers replayed as CUDA graphs (inductor's cudagraph trees)
+    overlap: bool = False          # the schedule's overlapped order (a file's: it has units), run as units (overlap.py)
 
     def compiles_layers(self, cuda: bool, splits_ops: bool) -> bool:
         """Whether the layers run compiled: as "compile_layers" says, else the default measured to pay
@@ -59,10 +60,10 @@ class PipelineSettings:
         leave a layer one graph (the K/V cache runs in it, the deferred weight GEMMs leave it through
         carriers: model/weight_carriers.py), which on CPU costs less host time than eager, but is not
         yet timed on a GPU: off until it is. "cuda_graphs" asks for them compiled on CUDA whatever
-        the schedule."""
+        the schedule. Overlapped units run eager (check_overlap)."""
         if self.compile_layers is not None:
             return self.compile_layers
-        return cuda and (self.cuda_graphs or not splits_ops)
+        return cuda and not self.overlap and (self.cuda_graphs or not splits_ops)
 
     @property
     def stock(self):
@@ -86,7 +87,7 @@ class PipelineSettings:
         if self.file:
             return from_file.for_run(self.file, pp, micro_batches, segment_lengths)
         return build_schedule(self.schedule, pp, micro_batches, segment_lengths=segment_lengths,
-                              vocab_parallel=self.vocab_parallel, **self.knobs())
+                              vocab_parallel=self.vocab_parallel, overlap=self.overlap, **self.knobs())
 
     def knobs(self) -> dict:
         """The section's schedule knobs (the catalogue's KNOBS), set or not."""
@@ -117,7 +118,7 @@ def pipeline_settings(ds_config: dict) -> PipelineSettings:
     if method not in ("balanced", "even"):
         raise ConfigError(f'ds_config "pipeline.seq_split_method" = {method!r}: must be "balanced" or "even"')
     for key in ("split_backward", "post_validation", "allow_padding_num_layers", "remeasure", "vocab_parallel",
-                "compile_layers", "cuda_graphs", "auto_recompute"):
+                "compile_layers", "cuda_graphs", "auto_recompute", "overlap"):
         if key in section and not isinstance(section[key], bool):
             raise ConfigError(f'ds_config "pipeline.{key}" = {section[key]!r}: must be true or false')
     if section.get("cuda_graphs") and section.get("compile_layers") is False:
@@ -152,6 +153,7 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
         vocab_parallel=section.get("vocab_parallel", False),
         compile_layers=section.get("compile_layers"),
         cuda_graphs=section.get("cuda_graphs", False),
+        overlap=section.get("overlap", False),
     )
     if fixed:
         settings = dataclasses.replace(settings, **fixed)
@@ -175,6 +177,8 @@ def _checked(section, schedule, method, **fixed) -> PipelineSettings:
                           "DeepSpeed's own engine validates before it steps")
     if settings.vocab_parallel:
         _check_vocab_parallel(settings)
+    if settings.overlap and not settings.file:  # a file's units: _file_settings
+        check_overlap(settings)
     method = settings.partition_method
     if not isinstance(method, str) or (method not in ("uniform", "parameters", "flops")
                                        and not method.startswith(("type:", "costs:", "layout:"))):
@@ -193,7 +197,7 @@ def _file_settings(section, schedule, method) -> PipelineSettings:
     """`"schedule": "file:PATH.json"`: the file read and proven runnable now, at start-up; its knobs come
     from the file (segment counts, chunks), so the section may not set them."""
     where = f'ds_config "pipeline.schedule" = {json.dumps(schedule)}'
-    knobs = [key for key in (*KNOBS, *AUTO_KEYS) if key in section]
+    knobs = [key for key in (*KNOBS, *AUTO_KEYS, "overlap") if key in section]
     if knobs:
         raise ConfigError(f"{where}: the file fixes the op order, chunks and segments; remove "
                           f"{', '.join(knobs)} from the section")
@@ -201,8 +205,14 @@ def _file_settings(section, schedule, method) -> PipelineSettings:
         loaded = from_file.load(schedule[len(from_file.PREFIX):])
     except ScheduleError as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    return _checked(section, schedule, method, seq_splits=loaded.seq_splits,
-                    virtual_stages=max(1, loaded.stages // loaded.pp))
+    settings = _checked(section, schedule, method, seq_splits=loaded.seq_splits,
+                        virtual_stages=max(1, loaded.stages // loaded.pp), overlap=bool(loaded.overlap))
+    if loaded.overlap:
+        if loaded.seq_splits > 1:  # the two ops of a unit would share the layers' K/V cache slots (model/kv_cache.py)
+            raise ConfigError(f"{where}: the file has overlapped units and sequence segments; the engine runs units "
+                              "without segments so far")
+        check_overlap(settings, f"{where} (its overlapped units)")
+    return settings
 
 
 def sequence_parallel_ds_config(ds_config: dict) -> dict:
@@ -239,6 +249,19 @@ def _check_vocab_parallel(settings):
         raise ConfigError(f"{key} with \"schedule\": {json.dumps(settings.schedule)}: the engine runs the vocabulary "
                           f"passes under the named schedules {', '.join(VOCAB_PARALLEL_ENGINE)} so far; python -m "
                           "megatron_ds.schedules show/export/compare --vocab-parallel simulate any schedule")
+
+
+def check_overlap(settings, key='ds_config "pipeline.overlap" = true'):
+    """`"overlap": true`, or a schedule file with overlapped units: run as units (pipe/overlap.py)."""
+    if not settings.file and settings.schedule not in takes("overlap"):
+        raise ConfigError(f"{key} with \"schedule\": {json.dumps(settings.schedule)}: overlapped forward-and-backward "
+                          f"units are built for {', '.join(takes('overlap'))} (\"auto\" weighs them itself)")
+    if settings.vocab_parallel:
+        raise ConfigError(f'{key} with "vocab_parallel": true: the vocabulary passes are not placed around '
+                          "overlapped units yet; leave one of them out")
+    if settings.compile_layers or settings.cuda_graphs:
+        raise ConfigError(f'{key} with "{"cuda_graphs" if settings.cuda_graphs else "compile_layers"}": true: '
+                          "overlapped units run their layers eagerly so far; leave one of them out")
 
 
 # The schedules whose vocabulary-parallel runs equal the single-process reference (tests/pipe/test_vocab_engine.py).

@@ -27,6 +27,7 @@ from . import instructions as ins
 from .activations import detached, input_grads, leaves
 from .auto import AutoSwitch
 from .messages import incoming_key, message_key, outgoing
+from .overlap import OverlapRunner, side_state
 from .p2p import P2P
 from .post_validation import PostValidation
 from .replicas import idle_chunks
@@ -78,6 +79,7 @@ class ScheduleEngine(PipelineEngine):
         self.auto = AutoSwitch(self, auto_plan) if auto_plan else None  # "schedule": "auto", until it decides
         self.vocab = VocabPasses(self) if plan.settings.vocab_parallel else None  # the vocabulary slice's passes
         self.on_auto_decision = None  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
+        self._overlap_runner = None  # runs overlapped units (pipe/overlap.py), made at the first
 
     def train_batch(self, data_iter=None):
         if self.auto is None:
@@ -101,7 +103,8 @@ class ScheduleEngine(PipelineEngine):
         if self.vocab:
             self.vocab.start(program.schedule, ops, train)
         self._loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train)
+        paired = program.schedule.paired_at(self.stage_id) if train else frozenset()  # evaluation runs forwards alone
+        return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train, paired=paired)
 
     def _new_p2p(self, messages):
         """This iteration's P2P (a user's own PipelineModule's learns its shapes: pipe/learned_p2p.py)."""
@@ -234,50 +237,90 @@ class ScheduleEngine(PipelineEngine):
     # -- compute ---------------------------------------------------------------------------------
     def _exec_forward_op(self, replica, stage, mb, seq):
         op = Op(Kind.F, replica, stage, mb, seq)
+        x = self._forward_input(op)
+        self._forward_output(op, x, self._forward_compute(op, x))
+
+    def _forward_input(self, op):
         self._post_ahead(op)
-        if stage == 0 and self.vocab:
-            x = (self.vocab.embedding_sum(op).requires_grad_(self.module.training), self._inputs(mb, seq)[1])
-        elif stage == 0:
-            x = self._inputs(mb, seq)
-        else:
-            x = leaves(self._take(op), self.module.training)
+        if op.stage == 0 and self.vocab:
+            return self.vocab.embedding_sum(op).requires_grad_(self.module.training), self._inputs(op.mb, op.seq)[1]
+        if op.stage == 0:
+            return self._inputs(op.mb, op.seq)
+        return leaves(self._take(op), self.module.training)
+
+    def _forward_compute(self, op, x):
+        """The chunk's output, or on the loss stage the loss (under vocabulary parallelism: the hidden output)."""
+        replica, stage, mb, seq = op.unit
         with self._open_segment(replica, stage, mb, seq), self._carry_weight_grads((replica, stage), seq):
             out = self.module.chunk_forward((replica, stage), x)
         if not self.module.training and seq == self.sched.seq_splits - 1:
             self._kv.free(((replica, stage), mb))
-        unit = (replica, stage, mb, seq)
-        if stage == self.sched.loss_stage and self.vocab:  # the loss comes of every rank's S pass
+        if stage == self.sched.loss_stage and not self.vocab:
+            return self._stage_loss(out, mb, seq)
+        return out
+
+    def _forward_output(self, op, x, out):
+        if op.stage == self.sched.loss_stage and self.vocab:  # the loss comes of every rank's S pass
             self.vocab.hidden_out(op, out)
-        elif stage == self.sched.loss_stage:
-            loss = self._stage_loss(out, mb, seq)
-            self.add_loss(loss)
-            out = loss
+        elif op.stage == self.sched.loss_stage:
+            self.add_loss(out)
         else:
             self._emit(op, out)
         if self.module.training:
-            self._stash[unit] = (x, out)
+            self._stash[op.unit] = (x, out)
 
     def _backward(self, replica, stage, mb, seq, kind):
-        unit, op = (replica, stage, mb, seq), Op(kind, replica, stage, mb, seq)
+        op = Op(kind, replica, stage, mb, seq)
+        x, root, grad = self._backward_input(op)
+        self._backward_compute(op, x, root, grad)
+        self._backward_output(op, x)
+
+    def _backward_input(self, op):
+        """(the chunk's input leaves, the root to run backward from, its gradient: None at the loss)."""
         self._post_ahead(op)
-        x, out = self._stash.pop(unit)
-        if stage == self.sched.loss_stage and self.vocab:
-            root, grad = out, self.vocab.loss_input_grad(op, out)
-        elif stage == self.sched.loss_stage:
-            root, grad = self.scale_loss(out), None
-        else:
-            root, grad = out, self._take(op)
+        x, out = self._stash.pop(op.unit)
+        if op.stage == self.sched.loss_stage and self.vocab:
+            return x, out, self.vocab.loss_input_grad(op, out)
+        if op.stage == self.sched.loss_stage:
+            return x, self.scale_loss(out), None
+        return x, out, self._take(op)
+
+    def _backward_compute(self, op, x, root, grad):
         # DeepSpeed's activation checkpoint recomputes through the module's forward_funcs: the active chunk's
-        self.module.activate((replica, stage))
+        self.module.activate((op.replica, op.stage))
         with ds.engine_backward(self):
-            self._backward_pass(unit, kind, root, grad, x)
-        if seq == 0:
-            self._kv.free(((replica, stage), mb))  # segment 0 runs the micro-batch's last backward here
-        if stage > 0:
+            self._backward_pass(op.unit, op.kind, root, grad, x)
+
+    def _backward_output(self, op, x):
+        if op.seq == 0:
+            self._kv.free(((op.replica, op.stage), op.mb))  # segment 0 runs the micro-batch's last backward here
+        if op.stage > 0:
             self._emit(op, input_grads(x))
         elif self.vocab:
             self.vocab.embedding_grad_out(op, x[0].grad)
         self._backward_done(op)
+
+    def _exec_overlapped_ops(self, ops):
+        """An overlapped unit (pipe/overlap.py): both ops' inputs taken first, the F computed here and the B or
+        BW on the unit's second thread, each one's all-to-all in flight while the other computes, both outputs
+        handed on after, in list order (the validator proves that neither op needs the other's)."""
+        inputs = [self._forward_input(op) if op.kind is Kind.F else self._backward_input(op) for op in ops]
+        (f, x), (b, (bx, root, grad)) = sorted(zip(ops, inputs), key=lambda pair: pair[0].kind is not Kind.F)
+
+        def backward():
+            with self._open_segment(*b.unit):  # for recomputation (activation checkpointing)
+                self._backward_compute(b, bx, root, grad)
+        out = self._overlap().run(lambda: self._forward_compute(f, x), backward, backward_first=ops[0] is b)
+        for op in ops:
+            if op is f:
+                self._forward_output(f, x, out)
+            else:
+                self._backward_output(b, bx)
+
+    def _overlap(self):
+        if self._overlap_runner is None:
+            self._overlap_runner = OverlapRunner(*side_state(self.module), self.device)
+        return self._overlap_runner
 
     def _backward_pass(self, unit, kind, root, grad, x):
         """BW, or B with the linears' weight GEMMs queued for the W of `unit` (model/linear.py)."""
@@ -387,6 +430,7 @@ class ScheduleEngine(PipelineEngine):
         ins.BackwardOp: _exec_backward_op,
         ins.BackwardInputOp: _exec_backward_input_op,
         ins.BackwardWeightOp: _exec_backward_weight_op,
+        ins.OverlappedOps: _exec_overlapped_ops,
         ins.FinishIteration: _exec_finish_iteration,
         **{ins.KIND_TO_INSTRUCTION[kind]: vocab_handler(kind) for kind in VOCAB},
         ins.ReduceReplicaGrads: _exec_reduce_replica_grads,

@@ -1,7 +1,8 @@
-"""A schedule's op lists as a DeepSpeed PipeSchedule: one instruction per IR op.
+"""A schedule's op lists as a DeepSpeed PipeSchedule: one instruction per IR op, or per overlapped unit.
 
 The op kinds become instructions the engine maps to handlers, the way DeepSpeed's
-TrainSchedule yields ForwardPass/BackwardPass; the usual ReduceTiedGrads,
+TrainSchedule yields ForwardPass/BackwardPass; the two ops of an overlapped unit
+(Schedule.overlap) become one OverlappedOps; the usual ReduceTiedGrads,
 ReduceGrads and OptimizerStep close a training step.
 """
 from deepspeed.runtime.pipe import schedule as ds_schedule
@@ -49,6 +50,10 @@ class EmbeddingSliceWeightOp(OpInstruction):
     """EW: this rank's embedding rows' weight gradient."""
 
 
+class OverlappedOps(ds_schedule.PipeInstruction):
+    """An overlapped unit (pipe/overlap.py): kwarg `ops`, its two ops (an F and a B or BW) in list order."""
+
+
 class ReduceReplicaGrads(ds_schedule.PipeInstruction):
     """Finish the twin-chunk gradient all-reduces of a two-replica schedule."""
 
@@ -65,16 +70,24 @@ INSTRUCTION_TO_KIND = {cls.__name__: kind for kind, cls in KIND_TO_INSTRUCTION.i
 
 
 class OpListSchedule(ds_schedule.PipeSchedule):
-    """One rank's op list; `train` appends the gradient reduction and the optimizer step."""
+    """One rank's op list; `paired`: the positions where an overlapped unit of two ops starts; `train` appends the
+    gradient reduction and the optimizer step."""
 
-    def __init__(self, ops, micro_batches, stages, stage_id, train=True):
+    def __init__(self, ops, micro_batches, stages, stage_id, train=True, paired=frozenset()):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
-        self.ops, self.train = ops, train
+        self.ops, self.train, self.paired = ops, train, paired
 
     def steps(self):
         yield [LoadMicroBatches()]
-        for op in self.ops:
+        i = 0
+        while i < len(self.ops):
+            if i in self.paired:
+                yield [OverlappedOps(ops=(self.ops[i], self.ops[i + 1]))]
+                i += 2
+                continue
+            op = self.ops[i]
             yield [KIND_TO_INSTRUCTION[op.kind](replica=op.replica, stage=op.stage, mb=op.mb, seq=op.seq)]
+            i += 1
         yield [FinishIteration()]
         if self.train:
             yield [ReduceReplicaGrads(), ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(),

@@ -267,7 +267,8 @@ class PipelinePlan:
         return self._schedules[m]
 
     def _settings_for(self, section: dict) -> PipelineSettings:
-        return dataclasses.replace(self.settings, **{**KNOBS, **section})
+        # a section names the whole schedule: a knob (or "overlap") it leaves out is unset
+        return dataclasses.replace(self.settings, **{**KNOBS, "overlap": False, **section})
 
     def places_alike(self, section: dict) -> bool:
         """Whether the schedule `section` names places the chunks as this plan's does."""

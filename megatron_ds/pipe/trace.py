@@ -14,7 +14,9 @@ are kept as well: when every file comes from one host, `load_iteration` aligns t
 the shared monotonic clock instead (exact, no barrier skew).
 
 A compute op's event starts when its input has arrived: a receive the op waits on is its own
-"p2p" event, so compute events show the work and p2p events the waiting.
+"p2p" event, so compute events show the work and p2p events the waiting. Each op of an overlapped
+unit (OverlappedOps) is a compute event spanning the unit, its args "overlapped": true
+(schedules/timeline.py reads the units back).
 
 The seam: an engine class routes its instruction map through `through_tracer` once, at class
 definition, and brackets `_exec_schedule` with `self.tracer.iteration(self)`. Its tracer
@@ -39,11 +41,12 @@ from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import COMPUTE, FORMAT, P2P, STEP, THREADS, chrome_header, trace_path
 
 from . import ds_internals as ds
-from .instructions import INSTRUCTION_TO_KIND
+from .instructions import INSTRUCTION_TO_KIND, OverlappedOps
 from .sequence_parallel import SequenceParallelPipelineEngine
 
 # Instruction class name -> op kind, for our instructions and DeepSpeed's.
 COMPUTE_KINDS = {**INSTRUCTION_TO_KIND, "ForwardPass": Kind.F, "BackwardPass": Kind.BW}
+OVERLAPPED = OverlappedOps.__name__
 P2P_INSTRUCTIONS = {"SendActivation", "RecvActivation", "SendGrad", "RecvGrad", "CommitP2P", "FinishIteration"}
 
 
@@ -100,8 +103,11 @@ class Tracer:
 
 
 def profile_label(name, engine, kwargs) -> str:
-    """A schedule op as its traces name it ("F3", "B1.2" ...), else the instruction's class name."""
+    """A schedule op as its traces name it ("F3", "B1.2" ..., an overlapped unit "F3+BW1"), else the instruction's
+    class name."""
     kind, sched = COMPUTE_KINDS.get(name), getattr(engine, "sched", None)
+    if name == OVERLAPPED and sched is not None:
+        return "+".join(sched.op_label(engine.stage_id, op) for op in kwargs["ops"])
     if kind is None or "stage" not in kwargs or sched is None:
         return name
     op = Op(kind, kwargs["replica"], kwargs["stage"], kwargs["mb"], kwargs.get("seq", 0))
@@ -140,7 +146,12 @@ class IterationTrace:
 
     def instruction(self, name, kwargs, start, end):
         kind = COMPUTE_KINDS.get(name)
-        if kind is not None:
+        if name == OVERLAPPED:
+            start = start if self.resume is None else max(start, self.resume)
+            for op in kwargs["ops"]:
+                label, args = self._op(op.kind, {"replica": op.replica, "stage": op.stage, "mb": op.mb, "seq": op.seq})
+                self.events.append((label, COMPUTE, start, end, {**args, "overlapped": True}))
+        elif kind is not None:
             if self.resume is not None:
                 start = max(start, self.resume)
             label, args = self._op(kind, kwargs)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.files import read_json
-from megatron_ds.pipe.auto import chosen_ds_config
+from megatron_ds.pipe.auto import candidate_labels, chosen_ds_config
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.flops import vocab_size
 
@@ -73,8 +73,8 @@ def run_key(plan, auto_plan, config, ds_config: dict, device: str, recompute: in
             "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
             "recompute": recompute,
             "dtype": dtype, "device": device,
-            "candidates": sorted(c.label for c, _ in auto.candidates(plan.pp, plan.micro_batches, auto_plan.num_layers,
-                                                                      auto_plan.cuts, vocab_parallel=vocab_parallel)),
+            "candidates": candidate_labels(plan.pp, plan.micro_batches, auto_plan.num_layers, auto_plan.cuts,
+                                           vocab_parallel, getattr(config, "moe", None)),
             "cuts": [list(c.lengths) for c in auto_plan.cuts], "vocab_size": vocab_size(config),
             "vocab_parallel": vocab_parallel, "auto_recompute": plan.settings.auto_recompute,
             "moe": " ".join(moe_flags(getattr(config, "moe", None))) or "none"}  # experts, sizes and EP set the times

@@ -1,13 +1,14 @@
 """The test-only all-to-all latency (MEGATRON_DS_TEST_A2A_LATENCY_MS, issue 40): every all-to-all of the
-dispatch takes that much longer, inside AllToAllTimes' interval, with its data unchanged; a bad value is one
-line. The collective is replaced by a copy here (one process, no group)."""
+dispatch takes that much longer, inside AllToAllTimes' interval, with its data unchanged; issued inside an
+overlapped unit it is a deadline, which the other side's work counts towards; a bad value is one line. The
+collective is replaced by a copy here (one process, no group)."""
 import time
 
 import pytest
 import torch
 
 from megatron_ds.model import moe_dispatch
-from megatron_ds.model.moe_dispatch import TEST_LATENCY_ENV, AllToAllTimes, added_latency
+from megatron_ds.model.moe_dispatch import TEST_LATENCY_ENV, AddedLatency, AllToAllTimes, InFlight, added_latency
 
 
 @pytest.fixture
@@ -52,3 +53,32 @@ def test_a_bad_latency_is_one_line(monkeypatch, value):
     monkeypatch.setenv(TEST_LATENCY_ENV, value)
     with pytest.raises(RuntimeError, match=f"{TEST_LATENCY_ENV}=.*milliseconds >= 0"):
         added_latency()
+
+
+def test_an_issued_all_to_all_sleeps_only_what_the_other_side_left(monkeypatch):
+    """Issued, 40 ms of the other side's work, then waited: about 10 of the 50 ms slept; blocking: all 50."""
+    monkeypatch.setenv(TEST_LATENCY_ENV, "50")
+    monkeypatch.setattr(AddedLatency, "added", 0.0)
+    monkeypatch.setattr(AddedLatency, "slept", 0.0)
+    issued, waited = [], []
+
+    class Work:
+        def wait(self):
+            waited.append(time.perf_counter())
+
+    def all_to_all_single(out, x, out_splits=None, in_splits=None, group=None, async_op=False):
+        out.copy_(x)
+        issued.append(async_op)
+        return Work() if async_op else None
+    monkeypatch.setattr(moe_dispatch.dist, "all_to_all_single", all_to_all_single)
+    x = torch.arange(6.0)
+    out = torch.empty_like(x)
+    monkeypatch.setattr(InFlight, "meanwhile", lambda: time.sleep(0.040))
+    start = time.perf_counter()
+    moe_dispatch._all_to_all(out, x)
+    assert torch.equal(out, x) and issued == [True] and waited[0] - start >= 0.040  # waited after the other side
+    assert AddedLatency.added == pytest.approx(0.050) and AddedLatency.slept < 0.012
+    assert time.perf_counter() - start >= 0.050  # never complete before its deadline
+    monkeypatch.setattr(InFlight, "meanwhile", None)
+    moe_dispatch._all_to_all(out, x)
+    assert issued == [True, False] and AddedLatency.slept > 0.045

@@ -50,9 +50,9 @@ def forcing(label):
     """A rank-0 decision that ranks the candidates as usual, then picks `label`."""
     from megatron_ds.schedules import auto
 
-    def choose(pp, m, layers, budget, measured, cuts, vocab_parallel=False, head_memory=0.0):
+    def choose(pp, m, layers, budget, measured, cuts, vocab_parallel=False, head_memory=0.0, overlap=False):
         decision = auto.decide(pp, m, layers, budget, measured, cuts, vocab_parallel=vocab_parallel,
-                               head_memory=head_memory)
+                               head_memory=head_memory, overlap=overlap)  # a MoE model's verdict (pipe/auto.py)
         costs = dataclasses.replace(auto.model_costs(measured, pp), head_memory=head_memory)
         rows = auto.rank(pp, m, layers, budget, costs, measured.p2p, search=True, cuts=cuts,
                          vocab_parallel=vocab_parallel)

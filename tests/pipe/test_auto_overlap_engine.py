@@ -1,0 +1,125 @@
+"""`"schedule": "auto"` and overlapped units (issue 40) on ScheduleEngine, PP=2 x DP=2.
+
+A MoE GPT with expert parallelism 2 (tests/pipe/test_moe_engine.py's softmax model) under the test-only latency
+knob (model/moe_dispatch.py: every all-to-all LATENCY_MS more, a large share of the step): "auto" weighs the
+overlapped orders, its pieces' host time measured (pipe/auto.piece_host), chooses one (the decision's verdict
+says yes and why, its section carries "overlap": true, the engine then runs a schedule with units), and the run
+trains equal to the chosen schedule run by hand from the first step (losses, eval loss and weights after
+STEPS steps, fp32 1e-5), both equal to the single-process reference. The same model without expert parallelism
+and no latency has no all-to-all: "auto" does not choose an overlapped order and its verdict says why.
+piece_host itself: a small positive number of seconds, the runtime's switching between a unit's sides."""
+import math
+import os
+
+import pytest
+
+from megatron_ds.testing.launcher import run_ranks
+from tests.gpt_harness import reference_run, tiny_config
+from tests.pipe.test_moe_engine import LR, MODELS, assert_expert_parallel_matches, with_expert_parallel
+
+PP, DP, GAS, LAYERS, STEPS = 2, 2, 4, 4, 4
+BUDGET = 8  # every candidate fits at pp=2, m=4, the overlapped 1f1b (4 units on rank 0) too
+# ms per all-to-all: a MoE layer runs 3 in its forward and 2 in its backward, 2 MoE layers per stage; here the
+# all-to-all was about 30 % of the chosen step (the decision's log line: 32 %, 1f1b overlap=True chosen)
+LATENCY_MS = 3.0
+CASES = [("ep2", 2, LATENCY_MS), ("no_ep", 1, 0.0)]  # (name, expert parallelism, latency knob)
+
+
+def auto_then_by_hand(cases):
+    """Per case: the "auto" run (its decision, whether the engine ended on units, losses, weights, eval loss) and,
+    with expert parallelism, the chosen section's run by hand (tests/gpt_harness.engine_rank_run)."""
+    import deepspeed
+    from megatron_ds.model.moe_dispatch import TEST_LATENCY_ENV
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.training.auto_schedule import switch_engine
+    from tests.gpt_harness import (EVAL_STEP, ds_config, engine_rank_run, layer_key, micro_batch, optimizer_for,
+                                   whole_tensors)
+    deepspeed.init_distributed(dist_backend="gloo")
+    out = []
+    for _, ep, latency in cases:
+        os.environ[TEST_LATENCY_ENV] = str(latency)
+        model = with_expert_parallel("softmax", ep)
+        config = tiny_config(LAYERS, **model)
+
+        def build(cfg):
+            plan, auto_plan = make_plan(config, cfg, PP, DP)
+            module = build_pipeline_module(config, cfg, PP, plan=plan)
+            return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR),
+                                     auto_plan=auto_plan)
+
+        pipeline = {"schedule": "auto", "memory_budget": BUDGET, "timers_start_iter": 0, "timers_end_iter": 2}
+        engine = build(ds_config(PP, DP, GAS, pipeline=pipeline, lr=LR))
+        reports, losses = [], []
+        engine.on_auto_decision = reports.append
+        dp_rank = engine.grid.get_data_parallel_rank()
+        for step in range(STEPS):
+            batches = iter([micro_batch(step, dp_rank * GAS + j) for j in range(GAS)])
+            losses.append(float(engine.train_batch(batches)))
+            if len(reports) == 1 and reports[0].rebuild and step == 1:
+                engine = switch_engine(engine, reports[0].decision, build)
+        weights = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        weights = whole_tensors(engine, config, weights)
+        eval_loss = float(engine.eval_batch(iter([micro_batch(EVAL_STEP, dp_rank * GAS + j) for j in range(GAS)])))
+        decision = reports[0].decision
+        run = dict(decision=decision, units=bool(engine.plan.schedule.overlap), losses=losses, weights=weights,
+                   eval_loss=eval_loss, reports=len(reports))
+        hand = None
+        if ep > 1:  # the chosen schedule from the first step, as a user would ask for it
+            hand = engine_rank_run(PP, GAS, STEPS, decision["choice"]["section"], num_layers=LAYERS, lr=LR, model=model)
+        out.append((run, hand))
+    os.environ.pop(TEST_LATENCY_ENV, None)
+    return out
+
+
+def test_auto_chooses_overlap_where_the_all_to_all_is_large_and_trains_as_by_hand():
+    per_rank = run_ranks(PP * DP, auto_then_by_hand, CASES, timeout=1200)
+    for i, (name, ep, _) in enumerate(CASES):
+        runs = [r[i][0] for r in per_rank]
+        decision = runs[0]["decision"]
+        assert all(r["decision"] == decision and r["reports"] == 1 for r in runs)  # rank 0's, broadcast once
+        verdict, section = decision["overlap"], decision["choice"]["section"]
+        if ep == 1:  # no all-to-all: nothing to hide, no overlapped order weighed
+            assert not verdict["overlap"] and "no all-to-all" in verdict["why"], verdict
+            assert "overlap" not in section and not any(r["units"] for r in runs), section
+            continue
+        comm = decision["costs"]["all_to_all"]
+        assert comm and min(max(t) for t in comm) > 0  # every layer is a MoE layer here, each with its all-to-all
+        assert verdict["overlap"] and verdict["why"].startswith(decision["choice"]["label"]), verdict
+        assert section.get("overlap") is True and all(r["units"] for r in runs), section
+        hands = [r[i][1] for r in per_rank]
+        for run, hand in zip(runs, hands):
+            assert max(abs(a - b) for a, b in zip(run["losses"], hand["losses"])) <= 1e-5, (run["losses"], hand["losses"])
+            assert abs(run["eval_loss"] - hand["eval_loss"]) <= 1e-5
+            assert run["weights"] and set(run["weights"]) <= set(hand["weights"])
+            for key, w in run["weights"].items():
+                diff = (w - hand["weights"][key]).abs().max().item()
+                assert diff <= 1e-5, f"{name}: weight {key} after {STEPS} steps, auto against by hand: {diff:.3g}"
+        ref = reference_run(tiny_config(LAYERS, **MODELS["softmax"]), DP, GAS, STEPS, lr=LR)  # one process: no EP
+        assert_expert_parallel_matches(hands, ref, DP)
+
+
+def test_piece_host_is_a_small_positive_time_and_leaves_no_unit_open():
+    """The runtime's switching alone (pipe/overlap.OverlapRunner): each side hands the baton over where a MoE layer
+    issues its all-to-alls, the state swapped at each hand-over counted (here a counter the two sides share)."""
+    from megatron_ds.model.moe_dispatch import InFlight
+    from megatron_ds.pipe.auto import A2A_PER_MOE_LAYER, PIECE_REPEATS, piece_host
+    from megatron_ds.pipe.overlap import OverlapRunner
+    swaps = []
+    t = piece_host(OverlapRunner(lambda: None, lambda state: swaps.append(state)))
+    assert math.isfinite(t) and 0 < t < 0.05, t  # thread switches, not a step
+    # each unit: a hand-over per all-to-all and back, the backward side's end: the baton passed at least that often
+    assert len(swaps) >= PIECE_REPEATS * sum(A2A_PER_MOE_LAYER) and InFlight.meanwhile is None
+
+
+@pytest.mark.parametrize("ep, vocab, weighed", [(2, False, True), (1, False, False), (2, True, False)])
+def test_a_resumed_decision_counts_the_overlapped_candidates_where_they_are_weighed(ep, vocab, weighed):
+    """training/auto_schedule.run_key's "candidates": the overlapped orders join them with expert parallelism
+    (so a decision made before they were weighed is timed again), never otherwise."""
+    from megatron_ds.pipe import auto as pipe_auto
+    moe = with_expert_parallel("softmax", ep)["moe"]
+    labels = pipe_auto.candidate_labels(2, 4, 4, (), vocab, moe)
+    overlapped = {label for label in labels if "overlap=True" in label}
+    assert overlapped == ({"1f1b overlap=True", "dualpipev overlap=True", "interleaved overlap=True virtual_stages=2"}
+                          if weighed else set()), overlapped
+    assert set(labels) - overlapped == set(pipe_auto.candidate_labels(2, 4, 4, (), vocab, None))
