@@ -96,14 +96,14 @@ class AutoSwitch:
         eng.tracer.listener = self.record if timed else None
         AllToAllTimes.intervals = [] if timed else None
         if probing:
-            eng.plan = eng.plan.switch(self.auto_plan.probe, cuts=self.auto_plan.cuts)
+            eng.use_plan(eng.plan.switch(self.auto_plan.probe, cuts=self.auto_plan.cuts))
         try:
             loss = run()
         finally:
             eng.tracer.listener = None
             AllToAllTimes.intervals = None
             if probing:
-                eng.plan = eng.plan.switch(self.start_section, cuts=self.auto_plan.cuts)
+                eng.use_plan(eng.plan.switch(self.start_section, cuts=self.auto_plan.cuts))
         self.calls += 1
         if self.calls == end:
             decision = self.decide()
@@ -112,7 +112,7 @@ class AutoSwitch:
             alike = (eng.plan.places_alike(choice["section"])  # and the layers recompute as they do (auto_recompute)
                      and choice.get("recompute", self.auto_plan.recompute) == self.auto_plan.recompute)
             if alike:
-                eng.plan = eng.plan.switch(choice["section"], auto.schedule_maker(choice), self.auto_plan.cuts)
+                eng.use_plan(eng.plan.switch(choice["section"], auto.schedule_maker(choice), self.auto_plan.cuts))
             if eng.on_auto_decision is not None:
                 eng.on_auto_decision(AutoDecision(decision, rebuild=not alike))
         return loss

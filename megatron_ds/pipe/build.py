@@ -128,14 +128,17 @@ def _with_router_step(factory):
 
 
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
-                      settings=None, auto_plan=None, engine_class=ScheduleEngine, **initialize_kwargs):
-    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds.
+                      settings=None, auto_plan=None, engine_class=ScheduleEngine, on_auto_decision=None,
+                      **initialize_kwargs):
+    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds, and
+    `on_auto_decision` its owner's hook, called once with the AutoDecision (pipe/auto.py).
     `engine_class`: the ScheduleEngine (sub)class a chunked module gets (a user's own PipelineModule's:
     pipe/foreign_engine.py); `initialize_kwargs`: more of deepspeed.initialize's arguments (training_data...)."""
     tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
     sequence_parallel = bool(sequence_parallel_params(module))  # gradient shares to sum over the TP group
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any
-        factory = functools.partial(engine_class, plan=module.plan, auto_plan=auto_plan, tracer=tracer)
+        factory = functools.partial(engine_class, plan=module.plan, auto_plan=auto_plan, tracer=tracer,
+                                    on_auto_decision=on_auto_decision)
     else:  # the stock engine: DeepSpeed's own, or with the sequence-parallel gradient sum
         if on_sequence_shards(module):
             ds_config = sequence_parallel_ds_config(ds_config)

@@ -55,7 +55,7 @@ class ScheduleEngine(PipelineEngine):
     the sequence-parallel gradients over the TP group, see sequence_parallel.py). The signatures they are
     written against, and every other private of DeepSpeed's it touches: ds_internals.py."""
 
-    def __init__(self, *args, plan, auto_plan=None, tracer=None, **kwargs):
+    def __init__(self, *args, plan, auto_plan=None, tracer=None, on_auto_decision=None, **kwargs):
         self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py); "auto" swaps in one placed alike
         self.tracer = tracer or Tracer()
         super().__init__(*args, **kwargs)
@@ -78,8 +78,16 @@ class ScheduleEngine(PipelineEngine):
                                  if plan.settings.post_validation else None)
         self.auto = AutoSwitch(self, auto_plan) if auto_plan else None  # "schedule": "auto", until it decides
         self.vocab = VocabPasses(self) if plan.settings.vocab_parallel else None  # the vocabulary slice's passes
-        self.on_auto_decision = None  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
+        self.on_auto_decision = on_auto_decision  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
         self._overlap_runner = None  # runs overlapped units (pipe/overlap.py), made at the first
+
+    def use_plan(self, plan) -> None:
+        """Run `plan` from the next iteration: another schedule ("auto"'s probe, its choice) over the chunks as
+        the module is cut; a plan placing them otherwise needs the module rebuilt (training/auto_schedule.py)."""
+        if [list(row) for row in plan.placement] != [list(row) for row in self.plan.placement]:
+            raise RuntimeError(f"a plan placing the chunks {plan.placement} on an engine whose module is cut for "
+                               f"{self.plan.placement}: rebuild the module for it")
+        self.plan = plan
 
     def train_batch(self, data_iter=None):
         if self.auto is None:

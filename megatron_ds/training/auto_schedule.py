@@ -149,15 +149,15 @@ class AutoSchedule:
         self.decided_at = record["decided_at"] if record else None
         self.reported = None  # the engine's AutoDecision, until the loop takes it
 
-    def attach(self, engine) -> None:
-        """After the build: the engine's hook; a searched choice runs on zb-h1's placement, which the
-        ds_config built: switch its op order."""
-        engine.on_auto_decision = self._report
+    def resume_search(self, engine) -> None:
+        """After the build: a resumed searched choice runs on zb-h1's placement, which the ds_config built:
+        switch its op order."""
         if self.decision is not None and self.decision["choice"].get("search"):
             choice = self.decision["choice"]
-            engine.plan = engine.plan.switch(choice["section"], auto.schedule_maker(choice))
+            engine.use_plan(engine.plan.switch(choice["section"], auto.schedule_maker(choice)))
 
-    def _report(self, report) -> None:
+    def report(self, report) -> None:
+        """The engine's hook (given to it at build time: model_setup.setup_model_and_optimizer)."""
         self.reported = report
 
     def _settle(self, iteration: int) -> None:

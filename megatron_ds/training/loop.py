@@ -338,9 +338,9 @@ def pretrain(args):
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
     args, auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
-    engine, lr_scheduler = setup_model_and_optimizer(args)
+    engine, lr_scheduler = setup_model_and_optimizer(args, on_auto_decision=auto.report if auto else None)
     if auto:
-        auto.attach(engine)
+        auto.resume_search(engine)
     timeouts.label_groups(engine.grid, engine.module)
     out_of_memory.watch(args, engine)
     params = sum(p.numel() for p in engine.module.parameters())

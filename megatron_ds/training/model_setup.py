@@ -43,7 +43,8 @@ def model_config(args):
                                eod_token=getattr(args, "eod_token", None))
 
 
-def setup_model_and_optimizer(args):
+def setup_model_and_optimizer(args, on_auto_decision=None):
+    """(engine, lr schedule); `on_auto_decision`: an "auto" run's hook (auto_schedule.AutoSchedule.report)."""
     print_rank_0("> building GPT model ...")
     config = model_config(args)
     module = build_pipeline_module(config, args.ds_config, args.pipeline_model_parallel_size,
@@ -57,7 +58,8 @@ def setup_model_and_optimizer(args):
                                use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
                                override_lr_scheduler=args.override_lr_scheduler)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                               settings=args.pipeline_settings, auto_plan=args.auto_plan)
+                               settings=args.pipeline_settings, auto_plan=args.auto_plan,
+                               on_auto_decision=on_auto_decision)
     print_rank_0(engine_line(type(engine).__name__, args.pipeline_settings, args.pipeline_plan, args.auto_plan,
                              config))
     return engine, lr_scheduler

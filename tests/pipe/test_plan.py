@@ -133,3 +133,17 @@ def test_vocab_parallel_plan_loads_data_everywhere_and_refuses_what_it_cannot_ru
     plain.write_text(build_schedule("1f1b", 4, 8).to_json())
     with pytest.raises(ConfigError, match="the file has no vocabulary passes .* export it with them"):
         plan_for({"schedule": f"file:{plain}", "vocab_parallel": True})
+
+
+def test_the_engine_installs_only_a_plan_placed_as_its_module():
+    """ScheduleEngine.use_plan: "auto"'s probe and its choice swap in when they place the chunks alike; another
+    placement would run a schedule over chunks the module does not hold, so it is refused."""
+    from megatron_ds.pipe.engine import ScheduleEngine
+    engine = SimpleNamespace(plan=plan_for({"schedule": "zb-h1"}))
+    h2 = engine.plan.switch({"schedule": "zb-h2"})
+    ScheduleEngine.use_plan(engine, h2)
+    assert engine.plan is h2
+    zbv = plan_for({"schedule": "zbv"})
+    with pytest.raises(RuntimeError, match=r"rebuild the module"):
+        ScheduleEngine.use_plan(engine, zbv)
+    assert engine.plan is h2

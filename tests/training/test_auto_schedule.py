@@ -150,7 +150,8 @@ def test_searched_choice_is_switched_after_the_build():
     assert plan.schedule.name == "zb-h1" and auto_plan is None
     holder = AutoSchedule({}, {"decision": dec, "decided_at": 4})
     engine = SimpleNamespace(plan=plan)
-    holder.attach(engine)
+    engine.use_plan = lambda new: setattr(engine, "plan", new)  # the placement check: test_use_plan_* (pipe)
+    holder.resume_search(engine)
     want = auto.zb_search(PP, M, **choice["search"])
     assert engine.plan.schedule.name == choice["label"] and engine.plan.schedule.ranks == want.ranks
     assert plan.schedule.name == "zb-h1"  # the build's plan is not changed: the engine holds a new one
@@ -160,8 +161,7 @@ def test_the_trainer_saves_the_decision_in_force(tmp_path):
     """The engine reports through its hook; the checkpoint of the iteration that ended then and every later
     one hold the decision (decided at that iteration), and the file reads back."""
     holder = AutoSchedule({"pp": 2})
-    engine = SimpleNamespace(on_auto_decision=None)
-    holder.attach(engine)
+    engine = SimpleNamespace(on_auto_decision=holder.report)  # given to the engine at build time
     assert holder.checkpoint_files(1) == [(NAME, None)]  # before the decision: nothing to save (a stale file goes)
     engine.on_auto_decision(AutoDecision(dec := decision(), rebuild=False))
     assert holder.checkpoint_files(2)[0][1]["decided_at"] == 2
