@@ -9,7 +9,8 @@ activation its receiver sent, in their order.
 
 A receive is posted ahead of its op (messages.lookahead) only when its shapes are known: posting one whose
 metadata has not come would wait for a send that may depend on the op in between. The first iteration's
-receives are therefore posted when their op needs them; every later one (static shapes) ahead, as ours.
+receives are therefore posted when their op needs them; every later one (static shapes) ahead, as ours, and on
+gloo all of them at the iteration's start (P2P.post_all: gloo moves a message only once its receive is posted).
 Boolean tensors travel as uint8 (NCCL refuses bool).
 """
 import torch

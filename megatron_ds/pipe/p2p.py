@@ -37,6 +37,15 @@ class P2P:
             self.pending_recv[nxt] = posted
             self.posted_upto[src] += 1
 
+    def post_all(self):
+        """Post the irecv of every message of the iteration whose shape is known, each sender's in its order, so
+        that each moves as soon as its sender sends it. Only for a backend on which a posted receive holds up no
+        send (gloo): NCCL runs a pair's sends and receives in order on one stream, where a receive posted far
+        ahead would stall the sends behind it."""
+        for (src, dst), keys in self.plan.sends.items():
+            if dst == self.rank and keys:
+                self.post(keys[-1], block=False)
+
     def _irecv(self, key, src, block):
         """(work, buffer) of the posted receive of `key`; None where it must wait to learn its shape and
         may not (the plan's shapes are known: it never must)."""

@@ -6,7 +6,9 @@ model, whole sequence). An op of a schedule with S stages per replica costs p/S 
 sequence segment its share of the micro-batch (1/k, or seq_costs normalized). A cost given as
 a list is per stage of the replica and used as is (to model e.g. a heavier loss stage).
 `op_overhead` (F, B, W) is a fixed time every op pays whatever its size (launches, the runtime's
-own work): it is what makes many small ops (segments, chunks) dearer than their share.
+own work): it is what makes many small ops (segments, chunks) dearer than their share. A BW op costs
+tb + tw, unless `tbw` gives its own time (as tf): a fused backward measured apart from a split one, which
+costs more where the split is autograd's (pipe/autograd_split.py).
 
 Activation memory, in units of one micro-batch's activations on one 1F1B stage: F holds M_B
 until the input-gradient backward, which keeps M_W of it for W; BW frees all of it. A sequence
@@ -83,11 +85,12 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
              op_overhead: tuple = (0.0, 0.0, 0.0), head: tuple = (0.0, 0.0, 0.0),
              embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0, all_to_all: tuple | None = None,
              stage_memory: Sequence[float] | None = None,
-             transient: Callable[[Op], float] | None = None, overlap_host: Cost = 0.0) -> SimResult:
+             transient: Callable[[Op], float] | None = None, overlap_host: Cost = 0.0,
+             tbw: Cost | None = None) -> SimResult:
     if check:
         validate(schedule)
     comm = _comm_fn(schedule, all_to_all, seq_costs)
-    compute = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, {"head": head, "embed": embed})
+    compute = _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, {"head": head, "embed": embed}, tbw)
     duration = compute if all_to_all is None else lambda op: compute(op) + comm(op)  # synchronous: the op waits
     index = UnitIndex(schedule)
     host = _per_stage(overlap_host, schedule, "overlap_host")
@@ -162,13 +165,15 @@ def _seq_shares(schedule: Schedule, seq_costs: Sequence[float] | None) -> list[f
     return [c / total for c in seq_costs]
 
 
-def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, vocab: dict) -> Callable[[Op], float]:
+def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, vocab: dict, tbw=None) -> Callable[[Op], float]:
     f = _per_stage(tf, schedule, "tf")
     b = _per_stage(tb, schedule, "tb")
     w = _per_stage(tw, schedule, "tw")
     share = _seq_shares(schedule, seq_costs)
     base = {kind: [cf * x + cb * y + cw * z for x, y, z in zip(f, b, w)]
             for kind in Kind for cf, cb, cw in [kind.traits.cost]}
+    if tbw is not None:
+        base[Kind.BW] = _per_stage(tbw, schedule, "tbw")
     for kind in Kind:  # a vocabulary slice: 1/p of its layer, on every rank alike
         if kind.traits.vocab:
             layer = vocab[kind.traits.vocab]

@@ -1,12 +1,16 @@
 """What megatron_ds.initialize refuses for a user's own PipelineModule (pipe/foreign.check_settings, one line
 naming what a layer would need), what it rebinds to the rebuilt layers (user_pipeline._rebound), and the
-metadata of learned message shapes (pipe/learned_p2p.py); one process, no launch."""
+metadata of learned message shapes and which receives are posted at an iteration's start (pipe/learned_p2p.py);
+one process, no launch."""
 import pytest
 import torch
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.foreign import check_settings
-from megatron_ds.pipe.learned_p2p import decode, encode, gradient_spec, spec_of
+from megatron_ds.pipe import learned_p2p
+from megatron_ds.pipe.learned_p2p import LearnedP2P, Shapes, decode, encode, gradient_spec, spec_of
+from megatron_ds.pipe.messages import MessagePlan
+from megatron_ds.schedules import build_schedule
 from megatron_ds.user_pipeline import _rebound
 
 
@@ -65,6 +69,26 @@ def test_message_metadata_round_trips_and_gradients_keep_the_floating_tensors():
     assert decode(encode(spec_of(torch.zeros(7)))) == (True, (((7,), torch.float32),))
     with pytest.raises(TypeError, match="a tensor or a tuple of tensors"):
         spec_of((torch.zeros(1), 3))
+
+
+def test_every_receive_of_known_shape_is_posted_at_the_start_in_each_senders_order(monkeypatch):
+    """post_all (gloo): every message to this rank whose shape is known is received from the start, so it moves
+    as soon as it is sent; none before its shape is (the first iteration, dynamic_shape), which its op posts."""
+    posted = []
+    monkeypatch.setattr(learned_p2p.dist, "irecv", lambda buf, peer: posted.append((tuple(buf.shape), peer)))
+    sched = build_schedule("zbv", 2, 4)
+    plan = MessagePlan(sched, sched.ranks)
+    spec = (True, (((2, 3), torch.float32),))
+    shapes = Shapes()
+    p2p = LearnedP2P(plan, 1, lambda r: r, shapes, "cpu")
+    p2p.post_all()  # the first iteration: no shape known yet
+    assert posted == [] and not p2p.pending_recv
+    shapes.edges.update({(0, 0): spec, (0, 2): spec})  # what the first iteration learned: stage 0's and 2's sends
+    p2p.post_all()
+    assert list(p2p.pending_recv) == plan.sends[(0, 1)] and posted == [((2, 3), 0)] * len(plan.sends[(0, 1)])
+    dynamic = LearnedP2P(plan, 1, lambda r: r, Shapes(dynamic=True), "cpu")
+    dynamic.post_all()
+    assert not dynamic.pending_recv
 
 
 def test_one_batch_key_is_one_micro_batch_a_step_as_deepspeed_reads_it():

@@ -82,6 +82,17 @@ def test_op_overhead_is_paid_per_op_whatever_its_size():
     assert [split.end[op] - split.start[op] for op in split.schedule.ranks[0]] == [1.0, 1.25, 1.5]
 
 
+def test_a_fused_backward_may_cost_its_own_time():
+    # dualpipev runs fused BW ops beside split B and W ones: measured apart, BW costs tbw, not tb + tw
+    s = build_schedule("dualpipev", 2, 4)
+    kinds = {op.kind for ops in s.ranks for op in ops}
+    assert {"B", "W", "BW"} <= kinds
+    own = simulate(s, tf=1, tb=1, tw=1, tbw=1.5)
+    assert {own.end[op] - own.start[op] for ops in s.ranks for op in ops if op.kind == "BW"} == {0.75}  # p/S of it
+    assert own.makespan < simulate(s, tf=1, tb=1, tw=1).makespan
+    assert simulate(s, tf=1, tb=1, tw=1, tbw=2).makespan == simulate(s, tf=1, tb=1, tw=1).makespan
+
+
 def test_segments_hold_their_tokens_share_of_memory():
     # 1 rank, k=2 segments of 12 and 4 tokens: both forwards held, 0.75 + 0.25 at the peak
     known = build_schedule("seq1f1b", 1, 1, seq_splits=2, segment_lengths=[12, 4])
