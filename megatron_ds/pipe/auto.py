@@ -1,6 +1,6 @@
 """The engine side of `"schedule": "auto"`: time the ops, decide on rank 0, broadcast, switch.
 
-The run starts on the schedule pipe/plan.start_auto picked (one that splits B and W and fits the
+The run starts on the schedule pipe/auto_start.start_auto picked (one that splits B and W and fits the
 budget). During this process's training iterations [timers_start_iter, timers_end_iter) the
 engine's tracer hands every recorded iteration here (no files are written unless trace_dir is
 set): each compute op's time, from when its input had arrived to its end, and the runtime's time

@@ -81,7 +81,7 @@ class PipelineSettings:
     def build_schedule(self, pp, micro_batches, segment_lengths=None):
         """This section's schedule for `pp` ranks and `micro_batches` (ScheduleError when impossible);
         Seq1F1B's order capped by the `segment_lengths` of a sequence when given."""
-        if self.auto:  # pipe/plan.start_auto resolves "auto" for the run's own micro-batch count
+        if self.auto:  # pipe/auto_start.start_auto resolves "auto" for the run's own micro-batch count
             raise ScheduleError('"auto" chooses its schedule for one micro-batch count, after timing it: a batch-size '
                                 "ramp-up is not offered with it")
         if self.file:

@@ -10,22 +10,19 @@ setting that cannot work is refused here, as a ConfigError naming the key, the v
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 from megatron_ds.parallel_layout import accumulation_steps, micro_batch_size
 from megatron_ds.schedules import Schedule, ScheduleError
-from megatron_ds.schedules import auto, auto_recompute
 from megatron_ds.schedules.catalog import KNOBS
-from megatron_ds.schedules.flops import layer_shape, vocab_size
 from megatron_ds.schedules.kinds import Kind
-from megatron_ds.schedules.seq_split import (SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths,
-                                             segment_costs)
 
+from .auto_start import AutoPlan, start_auto
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead, reads
+from .partition import is_cost_method
+from .segments import segment_lengths, sequence_shards
 from .vocab_messages import token_shards, width
-from .partition import is_cost_method, layer_flops
 
 
 def micro_batches_per_step(ds_config: dict, dp: int) -> tuple[int, int]:
@@ -65,49 +62,6 @@ def check_layers(schedule: Schedule, num_layers: int, settings: PipelineSettings
                           f"--num-layers {num_layers} < {stages} stages")
 
 
-def segment_lengths(settings: PipelineSettings, config, seq_length: int, keys=None) -> list:
-    """Token counts of the pipeline.seq_splits segments of a sequence (Seq1F1B). `keys`: under a document mask
-    the prefix sums of the keys a query sees on average (data/document_stats.py), which "balanced" weighs."""
-    k, method = settings.seq_splits, settings.seq_split_method
-    where = f'ds_config "pipeline.seq_splits" = {k} with "seq_split_method": "{method}"'
-    if k > seq_length:
-        raise ConfigError(f"{where}: more segments than the {seq_length} tokens of a sequence (--seq-length); "
-                          "every segment needs at least one token")
-    if method == "even":
-        if seq_length % k:
-            raise ConfigError(f"{where}: --seq-length {seq_length} must be a multiple of seq_splits "
-                              '(or use "balanced")')
-        return even_segment_lengths(seq_length, k)
-    try:
-        return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE, **_shape(config), keys=keys)
-    except ScheduleError as exc:
-        raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
-
-
-def _shape(config) -> dict:
-    """The layer's shape beyond h and f that its FLOPs depend on (schedules/flops.py)."""
-    shape = layer_shape(config)
-    return dict(heads=shape["heads"], kv_heads=shape["kv_heads"], swiglu=shape["swiglu"])
-
-
-def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: list | None = None) -> int:
-    """How many sequence shards the residual stream is cut into: TP under --sequence-parallel, else 1.
-    Each shard must hold whole tokens: TP divides the sequence (and each Seq1F1B segment, which is split
-    on its own: its tokens are what a segment's op holds)."""
-    if not sequence_parallel or tp == 1:
-        return 1
-    if seq_length % tp:
-        raise ConfigError(f"--sequence-parallel splits each sequence over the {tp} tensor-parallel ranks: "
-                          f"--seq-length {seq_length} must be a multiple of --tensor-model-parallel-size {tp}")
-    uneven = [n for n in lengths or [] if n % tp]
-    if uneven:
-        raise ConfigError(f'--sequence-parallel splits each Seq1F1B segment over the {tp} tensor-parallel ranks: '
-                          f'ds_config "pipeline.seq_splits" cuts --seq-length {seq_length} into {lengths}, and '
-                          f'{uneven} are not multiples of --tensor-model-parallel-size {tp}')
-    return tp
-
-
 def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> None:
     """What the engine's vocabulary passes (pipe/vocab_passes.py) do not combine with yet."""
     key = 'ds_config "pipeline.vocab_parallel" = true'
@@ -121,83 +75,6 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
         ranks = f"{pp} pipeline ranks" if tp == 1 else f"{pp} pipeline x {tp} tensor-parallel ranks"
         raise ConfigError(f"{key}: the vocabulary of {vocab} rows does not split over the {ranks}; "
                           f"pad it to a multiple of {pp * tp} (--make-vocab-size-divisible-by)")
-
-
-@dataclass(frozen=True)
-class AutoPlan:
-    """`"schedule": "auto"`: the budget in memory units (schedules/auto.py), the timed iterations
-    [start, end) of this process, the model's layer count (which candidates it can be cut for), the
-    Seq1F1B cuts of its sequence, and the schedule of other op sizes the window alternates with (a
-    ds_config "pipeline" section; None: the start-up schedule only)."""
-    budget: float
-    timers: tuple
-    num_layers: int
-    budget_text: str
-    cuts: tuple = ()
-    probe: dict | None = None
-    head_layers: float = 0.0  # the head + loss's forward FLOPs in transformer layers' (pipe/partition.layer_flops)
-    head_memory: float = 0.0  # a byte budget's: one micro-batch's logits in memory units (schedules/auto.logits_units)
-    knobs: auto_recompute.Knobs | None = None  # "auto_recompute": the recompute settings weighed too
-    recompute: dict | None = None  # then the setting the run starts (and is timed) under (auto_recompute.as_dict)
-
-
-def seq1f1b_cuts(settings: PipelineSettings, config, seq: int, keys=None) -> tuple:
-    """The run's sequence cut as the engine would cut it for Seq1F1B (the settings' seq_split_method),
-    at each segment count of auto.SEQ_SPLITS the sequence allows (under --sequence-parallel: each
-    segment a multiple of TP); `keys`: a document mask's (segment_lengths)."""
-    tp, sp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "sequence_parallel", False)
-    cuts = []
-    for k in auto.SEQ_SPLITS:
-        try:
-            lengths = segment_lengths(dataclasses.replace(settings, seq_splits=k), config, seq, keys)
-            sequence_shards(tp, sp, seq, lengths)
-        except ConfigError:
-            continue
-        costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None), **_shape(config),
-                              keys=keys)
-        cuts.append(auto.Cut(k, tuple(lengths), tuple(costs)))
-    return tuple(cuts)
-
-
-def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs: int, gas: int, seq: int,
-               keys=None):
-    """(the settings of the schedule an "auto" run starts on, its AutoPlan); a budget no schedule
-    fits is refused here, with the smallest one that would."""
-    budget, text, unit, logits = settings.memory_budget, f"{settings.memory_budget}", None, 0.0
-    if isinstance(budget, str):  # bytes: the logits count too (a chunked or fused loss holds none)
-        dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
-        unit = auto.unit_bytes(config.num_layers / pp, seq, mbs, config.hidden_size,
-                               getattr(config, "num_attention_heads", 1), dtype)
-        budget = auto.parse_bytes(budget) / unit
-        if not getattr(config, "head_hands_weight", False):
-            logits = auto.logits_units(seq, mbs, vocab_size(config), unit)
-        text = (f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes, a micro-batch\'s '
-                f'logits {logits:.3g} of them (estimates: schedules/auto.py)')
-    cuts = seq1f1b_cuts(settings, config, seq, keys)
-    space = dict(vocab_parallel=settings.vocab_parallel, head_memory=logits)
-    knobs = recompute = None
-    if settings.auto_recompute:
-        if getattr(config, "moe", None) is not None:
-            raise ConfigError('ds_config "pipeline.auto_recompute": true with a mixture of experts: the recompute '
-                              "model (schedules/recompute.layer_memory) counts dense layers; give the recompute "
-                              "flags yourself")
-        dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
-        knobs = auto_recompute.Knobs.of(config, seq, mbs, dtype, pp, unit)
-    try:
-        if knobs:
-            start, setting, probe = auto_recompute.start(budget, pp, gas, config.num_layers, knobs, cuts, **space)
-            recompute = auto_recompute.as_dict(setting)
-        else:
-            start = auto.check_budget(budget, pp, gas, config.num_layers, cuts, **space)
-            probe = auto.probe(start, budget, pp, gas, config.num_layers, cuts, **space)
-    except ScheduleError as exc:
-        in_bytes = f" (x {unit:.0f} bytes = {math.ceil(exc.smallest * unit)} bytes)" if unit else ""
-        raise ConfigError(f'ds_config "pipeline.memory_budget" = {text}: {exc}{in_bytes}') from None
-    concrete = dataclasses.replace(settings, schedule=start.schedule, **dict(start.knobs))
-    flops = layer_flops(config)
-    return concrete, AutoPlan(budget, (settings.timers_start_iter, settings.timers_end_iter), config.num_layers, text,
-                              cuts, probe.section() if probe else None, flops[-1] / flops[1], space["head_memory"],
-                              knobs, recompute)
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ EPS = 1e-9
 @dataclass(frozen=True)
 class Cut:
     """The run's sequence cut into k Seq1F1B segments: their token counts and relative costs
-    (seq_split.segment_costs: FLOPs), as the engine would cut it (pipe/plan.segment_lengths)."""
+    (seq_split.segment_costs: FLOPs), as the engine would cut it (pipe/segments.segment_lengths)."""
     k: int
     lengths: tuple
     costs: tuple

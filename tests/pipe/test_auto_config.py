@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.plan import PipelinePlan, make_plan, seq1f1b_cuts
+from megatron_ds.pipe.auto_start import seq1f1b_cuts
+from megatron_ds.pipe.plan import PipelinePlan, make_plan
 from megatron_ds.testing.launcher import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ even and balanced (unequal) segments, with and without the B/W split, with virtu
 (Seq1F1B-I) and with activation checkpointing. One launch per topology runs several configurations."""
 import pytest
 
-from megatron_ds.pipe.plan import segment_lengths
+from megatron_ds.pipe.segments import segment_lengths
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
 from megatron_ds.testing.launcher import run_ranks

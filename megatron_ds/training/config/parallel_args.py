@@ -9,7 +9,7 @@ so a bad combination is one line and exit code 2 before anything starts.
 """
 from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
 from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
-from megatron_ds.pipe.plan import sequence_shards
+from megatron_ds.pipe.segments import sequence_shards
 
 from ..errors import ArgumentsError
 

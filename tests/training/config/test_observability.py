@@ -89,20 +89,23 @@ def test_codecarbon_runs_once_per_machine(tmp_path, monkeypatch):
 
 def test_validation_block_goes_through_the_progress_bar_and_the_last_eval_is_printed_once(capsys):
     from megatron_ds.training.logging_utils import Timers
-    from megatron_ds.training.loop import Trainer
-    trainer = Trainer.__new__(Trainer)  # only what evaluate_and_print and finish touch
-    trainer.args = types.SimpleNamespace(batch_schedule=None, eval_iters=1)
+    from megatron_ds.training.loop import Cadence, Trainer
+    trainer = Trainer.__new__(Trainer)  # only what maybe_validate and finish touch
+    trainer.args = types.SimpleNamespace(batch_schedule=None, eval_iters=1, save=None, save_interval=None,
+                                         eval_interval=4, load=None)
     trainer.engine = types.SimpleNamespace(eval_batch=lambda it: 2.5)
     trainer.timers, trainer.current_gbs, trainer.iteration, trainer.consumed_train = Timers(), 8, 4, 32
+    trainer.consumed_valid = 0
     trainer.tb = types.SimpleNamespace(validation=lambda *a, **k: calls.append(a), timer=lambda *a: None)
     trainer.valid_points, trainer.valid_iter, trainer.test_ds, calls = [], object(), None, []
+    trainer.cadence = Cadence(trainer.args, 0, validates=True)
     written = []
     trainer.bar = types.SimpleNamespace(write=written.append)
-    trainer.valid_points.append((4, trainer.evaluate_and_print("iteration 4", None, 1)[0]))
+    trainer.maybe_validate("iteration 4")
     assert len(written) == 1 and "validation loss at iteration 4" in written[0]  # tqdm's write clears the bar
     trainer.bar = None
     trainer.finish()  # iteration 4 was just evaluated: not evaluated, logged or printed again
-    assert len(calls) == 1 and trainer.valid_points == [(4, 2.5)]
+    assert len(calls) == 1 and trainer.valid_points == [(4, 2.5)] and trainer.consumed_valid == 8
     assert "validation loss" not in capsys.readouterr().out
 
 
