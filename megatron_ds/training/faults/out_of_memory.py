@@ -77,6 +77,10 @@ def _op():
         instr = ds_internals.running_instruction(engine)
         return f"in {instr} {where}" if instr else where
     name, kw = running
+    if name == "OverlappedOps":  # an overlapped unit (pipe/overlap.py): both its ops run at once
+        ops = " and ".join(f"{op.kind.name} of micro-batch {op.mb} (replica {op.replica}, virtual stage {op.stage})"
+                           for op in kw["ops"])
+        return f"in the overlapped unit of {ops} {where}"
     if name not in KINDS:
         return f"in {name} {where}"
     seg = f", segment {kw['seq']}" if kw.get("seq") else ""

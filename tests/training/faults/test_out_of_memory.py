@@ -25,6 +25,16 @@ def test_line_names_rank_stage_op_peak_and_knobs():
            "Seq1F1B segments pipeline.seq_splits (now 2)" in line
 
 
+def test_an_overlapped_unit_names_both_its_ops():
+    from megatron_ds.schedules import Op
+    from megatron_ds.schedules.kinds import Kind
+    running = ("OverlappedOps", {"ops": (Op(Kind.F, 0, 1, 6, 0), Op(Kind.BW, 0, 1, 3, 0))})
+    _watch(SimpleNamespace(stage_id=1, global_steps=2, tracer=SimpleNamespace(running=running)))
+    assert ("out of memory in the overlapped unit of F of micro-batch 6 (replica 0, virtual stage 1) and BW of "
+            "micro-batch 3 (replica 0, virtual stage 1) at iteration 3: MemoryError") in out_of_memory.describe(
+        MemoryError(), 1)
+
+
 def test_deepspeeds_own_engine_names_its_instruction():
     def _exec_backward_pass():
         pass
