@@ -6,7 +6,9 @@ overlapped orders, its pieces' host time measured (pipe/auto.piece_host), choose
 says yes and why, its section carries "overlap": true, the engine then runs a schedule with units), and the run
 trains equal to the chosen schedule run by hand from the first step (losses, eval loss and weights after
 STEPS steps, fp32 1e-5), both equal to the single-process reference. The same model without expert parallelism
-and no latency has no all-to-all: "auto" does not choose an overlapped order and its verdict says why.
+and no latency has no all-to-all: "auto" does not choose an overlapped order and its verdict says why. Forced
+to the overlapped dualpipev (another placement), "auto" rebuilds through a checkpoint and trains equal to that
+section run by hand.
 piece_host itself: a small positive number of seconds, the runtime's switching between a unit's sides."""
 import math
 import os
@@ -123,3 +125,79 @@ def test_a_resumed_decision_counts_the_overlapped_candidates_where_they_are_weig
     assert overlapped == ({"1f1b overlap=True", "dualpipev overlap=True", "interleaved overlap=True virtual_stages=2"}
                           if weighed else set()), overlapped
     assert set(labels) - overlapped == set(pipe_auto.candidate_labels(2, 4, 4, (), vocab, None))
+
+
+FORCED = "dualpipev overlap=True"
+
+
+def forced_dualpipev_overlap_then_by_hand():
+    """"auto" under expert parallelism, its decision forced (as tests/pipe/test_auto_engine.forcing does) to the
+    overlapped dualpipev: the engine rebuilds through a checkpoint onto dualpipev's V placement (the 1f1b swap of
+    the test above is in place), then the run by hand with the chosen section from the first step."""
+    import dataclasses
+
+    import deepspeed
+    from megatron_ds.pipe.auto import AutoSwitch
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.schedules import auto
+    from megatron_ds.training.auto_schedule import switch_engine
+    from tests.gpt_harness import EVAL_STEP, ds_config, engine_rank_run, layer_key, micro_batch, optimizer_for, \
+        whole_tensors
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = with_expert_parallel("softmax", 2)
+    config = tiny_config(LAYERS, **model)
+
+    def choose(pp, m, layers, budget, measured, cuts, vocab_parallel=False, head_memory=0.0, overlap=False):
+        decision = auto.decide(pp, m, layers, budget, measured, cuts, vocab_parallel=vocab_parallel,
+                               head_memory=head_memory, overlap=overlap)
+        costs = dataclasses.replace(auto.model_costs(measured, pp), head_memory=head_memory)
+        rows = auto.rank(pp, m, layers, budget, costs, measured.p2p, cuts=cuts, vocab_parallel=vocab_parallel,
+                         overlap=overlap)
+        row = next(r for r in rows if r["candidate"].label == FORCED)  # weighed: EP 2 has an all-to-all
+        decision["choice"] = {"label": FORCED, "section": row["candidate"].section(), "search": None,
+                              "makespan": row["makespan"], "memory": row["memory"]}
+        return decision
+
+    def build(cfg):
+        plan, auto_plan = make_plan(config, cfg, PP, DP)
+        module = build_pipeline_module(config, cfg, PP, plan=plan)
+        return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR),
+                                 auto_plan=auto_plan)
+
+    AutoSwitch.choose = staticmethod(choose)
+    try:
+        pipeline = {"schedule": "auto", "memory_budget": BUDGET, "timers_start_iter": 0, "timers_end_iter": 2}
+        engine = build(ds_config(PP, DP, GAS, pipeline=pipeline, lr=LR))
+        start, reports, losses, switched_at = engine.plan.schedule.name, [], [], None
+        engine.on_auto_decision = reports.append
+        dp_rank = engine.grid.get_data_parallel_rank()
+        for step in range(STEPS):
+            losses.append(float(engine.train_batch(iter([micro_batch(step, dp_rank * GAS + j) for j in range(GAS)]))))
+            if reports and reports[-1].rebuild and switched_at is None:
+                engine = switch_engine(engine, reports[-1].decision, build)
+                switched_at = step
+    finally:
+        AutoSwitch.choose = staticmethod(auto.decide)
+    weights = {layer_key(engine.module, n): p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    weights = whole_tensors(engine, config, weights)
+    eval_loss = float(engine.eval_batch(iter([micro_batch(EVAL_STEP, dp_rank * GAS + j) for j in range(GAS)])))
+    section = reports[0].decision["choice"]["section"]
+    now = engine.plan.schedule
+    run = dict(section=section, start=start, now=(now.name, bool(now.overlap)), switched_at=switched_at,
+               reports=len(reports), losses=losses, weights=weights, eval_loss=eval_loss)
+    return run, engine_rank_run(PP, GAS, STEPS, section, num_layers=LAYERS, lr=LR, model=model)
+
+
+def test_auto_forced_to_dualpipev_overlap_rebuilds_through_a_checkpoint_and_trains_as_by_hand():
+    per_rank = run_ranks(PP * DP, forced_dualpipev_overlap_then_by_hand, timeout=1200)
+    for run, hand in per_rank:
+        assert run["section"] == {"schedule": "dualpipev", "overlap": True}, run["section"]
+        assert run["reports"] == 1 and run["switched_at"] is not None, run  # rebuilt once, through the checkpoint
+        assert run["start"] != "dualpipev" and run["now"] == ("dualpipev", True), (run["start"], run["now"])
+        assert max(abs(a - b) for a, b in zip(run["losses"], hand["losses"])) <= 1e-5, (run["losses"], hand["losses"])
+        assert abs(run["eval_loss"] - hand["eval_loss"]) <= 1e-5
+        assert run["weights"] and set(run["weights"]) <= set(hand["weights"])
+        for key, w in run["weights"].items():
+            diff = (w - hand["weights"][key]).abs().max().item()
+            assert diff <= 1e-5, f"weight {key} after {STEPS} steps, auto against by hand: {diff:.3g}"
