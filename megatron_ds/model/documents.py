@@ -112,17 +112,23 @@ class Documents:
     def current(cls):
         return cls._open
 
+    @classmethod
+    def make_current(cls, documents):
+        """`documents` (or None) open from now on, with the flags compiled layers read; outside `opened`, the
+        overlapped unit's hand-over swaps each side's in (pipe/overlap.py)."""
+        cls._open = documents
+        _set_flags(documents)
+
     @contextlib.contextmanager
     def opened(self):
         """The documents of the op about to run; its masks go when it ends (a micro-batch waiting for its next
         op holds none: the host plan of its groups is all it keeps)."""
-        previous, Documents._open = Documents._open, self
-        _set_flags(self)
+        previous = Documents._open
+        Documents.make_current(self)
         try:
             yield self
         finally:
-            Documents._open = previous
-            _set_flags(previous)
+            Documents.make_current(previous)
             self._masks.clear()
 
     def rope_positions(self, start, length):

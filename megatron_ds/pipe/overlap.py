@@ -133,14 +133,15 @@ def side_state(module):
     accelerator, tracker = get_accelerator(), get_rng_tracker()
 
     def capture():
-        return (Documents._open, Documents.masking, Documents.positioning, module.active_chunk,
-                torch.get_rng_state(), accelerator.get_rng_state(), tracker.get_states())
+        return (Documents.current(), module.active_chunk, torch.get_rng_state(), accelerator.get_rng_state(),
+                tracker.get_states())
 
     def restore(state):
-        Documents._open, Documents.masking, Documents.positioning = state[:3]
-        if module.active_chunk != state[3]:
-            module.activate(state[3])
-        torch.set_rng_state(state[4])
-        accelerator.set_rng_state(state[5])
-        tracker.set_states(state[6])
+        documents, chunk, cpu_rng, accelerator_rng, tracker_rng = state
+        Documents.make_current(documents)  # its masking/positioning flags follow it
+        if module.active_chunk != chunk:
+            module.activate(chunk)
+        torch.set_rng_state(cpu_rng)
+        accelerator.set_rng_state(accelerator_rng)
+        tracker.set_states(tracker_rng)
     return capture, restore
