@@ -2,7 +2,9 @@
 # One call on a borrowed GPU (minutes are scarce): install the carried wheels (.whl/: DeepSpeed built from
 # its sdist and the pure-Python packages the image lacks), run the CUDA tests for at most TESTS_SECONDS
 # (GPU_TESTS names more test files: tests/training/test_cuda_training.py), bench/head_loss.py (HEAD_LOSS:
-# its flags, or off), then bench/gpu_step.py once per quoted argument list. Everything goes under $OUT as
+# its flags, or off), bench/moe_overlap.py on the host's CPUs (MOE_OVERLAP: its flags; unset, not run: it needs
+# a core per rank, which the 2-core development machine lacks), then bench/gpu_step.py once per quoted
+# argument list. Everything goes under $OUT as
 # it happens, so a call cut off at its limit still brings back what ran; the tables are printed at the end.
 #
 #   bash bench/gpu_session.sh 150 "--shapes 2048x4 --cases deepspeed,1f1b --compile off,on --count-ops"
@@ -31,6 +33,12 @@ if [ "${HEAD_LOSS:-}" != "off" ]; then  # the head + loss forms, seconds: HEAD_L
   timeout 180 python3 -m bench.head_loss ${HEAD_LOSS:-} > "$OUT/head_loss.log" 2>&1
   echo "head_loss: exit $?" >> "$OUT/head_loss.log"
   grep -vi warn "$OUT/head_loss.log" | tail -n 8
+fi
+if [ -n "${MOE_OVERLAP:-}" ]; then  # e.g. MOE_OVERLAP="--iterations 10": 4 gloo ranks, about 3 minutes
+  # shellcheck disable=SC2086 - a list of bench flags
+  CUDA_VISIBLE_DEVICES= DS_ACCELERATOR=cpu timeout 420 python3 -m bench.moe_overlap $MOE_OVERLAP > "$OUT/moe_overlap.log" 2>&1
+  echo "moe_overlap: exit $?" >> "$OUT/moe_overlap.log"
+  grep -vi warn "$OUT/moe_overlap.log" | tail -n 14
 fi
 run=0
 for bench_args in "$@"; do

@@ -6,22 +6,23 @@ built side by side in each process and their iterations alternated (the order sw
 machine's noise hits both alike; the ratio is the median of the paired ratios of neighbouring iterations.
 
 The all-to-all's share of the step is set with the test-only latency knob (model/moe_dispatch.py
-MEGATRON_DS_TEST_A2A_LATENCY_MS: every all-to-all N ms more; the overlapped runtime can hide an all-to-all's
-latency while it is in flight). Calibration: the plain step without latency, T0 (median), and the all-to-alls
-of one step on the busiest rank, n; a share s of the plain step is then N = s T0 / (n (1 - s)) per all-to-all
-(what it adds is s of the new step; gloo's own all-to-all time is counted in T0).
+MEGATRON_DS_TEST_A2A_LATENCY_MS: every all-to-all ends N ms after its transfer, blocking or issued; the
+overlapped runtime can hide it while it is in flight). Calibration: the plain step without latency, T0 (median),
+and the all-to-alls of one step on the busiest rank, n; a share s of the plain step is then N = s T0 / (n (1 - s))
+per all-to-all (what it adds is s of the new step; gloo's own all-to-all time is counted in T0).
 
-Simulated (schedules/simulate.py, as pipe/auto.py feeds it, with one change): a few traced plain iterations at
-each latency give per (op kind, stage) the median compute of an op plus the runtime's time between ops (pipe/auto's
-gap), the median all-to-all inside F and B ops, and the p2p time the traces show (pipe/auto.traced_latencies); the
-overlapped units' pieces pay the host time pipe/auto.piece_host measures. The change: the all-to-all the simulator
-may hide is only the knob's sleep (its ms x the all-to-alls inside the op); gloo's own time inside an all-to-all
-(the transfer and the wait for the EP peer) stays in the op's compute. On this machine (4 ranks on 2 cores) that
-wait is for the peer to get a core: the step is CPU-bound there and no overlap can hide it, while the sleep leaves
-the cores free. pipe/auto charges every traced all-to-all as hideable, which is right where a rank has its own
-processor and the all-to-all is the network's time; the bench keeps one model for every row. predicted = the
-simulated makespan + the traced time outside the compute ops (loading, the optimizer step); meas/sim = the median
-measured iteration over it, for the plain and the overlapped engine.
+Simulated (schedules/simulate.py, as pipe/auto.py feeds it, with one change): traced plain iterations, alternated
+with the timed ones so that both come from the same minutes of a noisy machine, give per (op kind, stage) the
+median compute of an op plus the runtime's time between ops (pipe/auto's gap), the median all-to-all inside F and
+B ops and how many there are (the units run piece by piece, `simulate(all_to_all_count=)`), and the p2p time the
+traces show (pipe/auto.traced_latencies); the overlapped units' pieces pay the host time pipe/auto.piece_host
+measures. The change: the all-to-all the simulator may hide is only the knob's sleep (its ms x the all-to-alls
+inside the op); gloo's own time inside an all-to-all (the transfer and the wait for the EP peer) stays in the
+op's compute. On this machine (4 ranks on 2 cores) that wait is mostly for the peer to get a core, while the
+sleep leaves the cores free. pipe/auto charges every traced all-to-all as hideable, which is right where a rank
+has its own processor and the all-to-all is the network's time; the bench keeps one model for every row.
+predicted = the simulated makespan + the traced time outside the compute ops (loading, the optimizer step);
+meas/sim = the median measured iteration over it, for the plain and the overlapped engine.
 
 Columns: a2a share: the target, slept: the busiest rank's knob sleep over its plain iteration (what the
 simulator may hide), traced: its whole all-to-all time, gloo's included;
@@ -110,7 +111,7 @@ class Recorder:
     def __init__(self, engine):
         self.engine, self.compute, self.comm = engine, {}, {}
         self.gaps, self.ops, self.counts, self.a2a, self.spans, self.sleeps = [], [], [], [], [], []
-        self.transfer = {}
+        self.count = {}
 
     def __call__(self, trace):
         from megatron_ds.model.moe_dispatch import AllToAllTimes, added_latency
@@ -132,7 +133,7 @@ class Recorder:
             slept = latency * sum(1 for a0, a1 in intervals if s <= (a0 + a1) / 2 <= e)
             self.compute.setdefault(key, []).append(e - s - slept)
             self.comm.setdefault(key, []).append(slept)
-            self.transfer.setdefault(key, []).append(inside(intervals, s, e) - slept)
+            self.count.setdefault(key, []).append(sum(1 for a0, a1 in intervals if s <= (a0 + a1) / 2 <= e))
         waits = {e: s for name, tid, s, e, _ in trace.events if tid == P2P and name.startswith("recv")}
         self.ops.append({Op(a["kind"], a["replica"], a["stage"], a["mb"], a["seq"]): (s, e, waits.get(s))
                          for s, e, a in compute})
@@ -145,31 +146,34 @@ class Recorder:
     def summary(self):
         med = {k: statistics.median(v) for k, v in self.compute.items()}
         comm = {k: statistics.median(v) for k, v in self.comm.items()}
-        return dict(compute=med, comm=comm, gap=statistics.median(self.gaps), ops=self.ops, counts=self.counts,
-                    a2a=self.a2a, spans=self.spans, sleeps=self.sleeps)
+        count = {k: round(statistics.median(v)) for k, v in self.count.items()}
+        return dict(compute=med, comm=comm, count=count, gap=statistics.median(self.gaps), ops=self.ops,
+                    counts=self.counts, a2a=self.a2a, spans=self.spans, sleeps=self.sleeps)
 
 
-def traced(engine, data, iterations: int, start: int) -> dict:
+def traced(engine, data, iterations: int, start: int, rec: Recorder | None = None) -> Recorder:
+    """`iterations` plain iterations of `engine` with its op trace and all-to-all times going to `rec` (new if
+    None), which it returns."""
     from megatron_ds.model.moe_dispatch import AllToAllTimes
-    rec = Recorder(engine)
+    rec = rec or Recorder(engine)
     engine.tracer.listener, AllToAllTimes.intervals = rec, []
     try:
         timed({"plain": engine}, data, iterations, start)
     finally:
         engine.tracer.listener, AllToAllTimes.intervals = None, None
-    return rec.summary()
+    return rec
 
 
 def stage_costs(records: list, stages: int):
     """Per stage (tf, tb, tw) compute, each with the runtime's time between ops, and (F, B) all-to-all: medians
-    over the ranks of their medians. A schedule without B and W ops (1f1b's BW) splits BW evenly: the simulator
-    charges a BW both, and only their sum counts."""
+    over the ranks of their medians, and (F, B) the all-to-alls inside an op. A schedule without B and W ops
+    (1f1b's BW) splits BW evenly: the simulator charges a BW both, and only their sum counts."""
     gap = statistics.median(r["gap"] for r in records)
 
     def med(table, kind, stage):
         values = [r[table][(kind, stage)] for r in records if (kind, stage) in r[table]]
         return statistics.median(values) if values else None
-    f, b, w, fa, ba = [], [], [], [], []
+    f, b, w, fa, ba, ka, kb = [], [], [], [], [], [], []
     for s in range(stages):
         split = med("compute", "B", s) is not None
         bw = med("compute", "BW", s)
@@ -177,8 +181,10 @@ def stage_costs(records: list, stages: int):
         b.append(med("compute", "B", s) + gap if split else bw / 2 + gap / 2)
         w.append(med("compute", "W", s) + gap if split else bw / 2 + gap / 2)
         fa.append(med("comm", "F", s))
-        ba.append(med("comm", "B", s) if split else med("comm", "BW", s))
-    return f, b, w, fa, ba
+        ba.append(med("comm", "B" if split else "BW", s))
+        ka.append(round(med("count", "F", s)))
+        kb.append(round(med("count", "B" if split else "BW", s)))
+    return f, b, w, fa, ba, (ka, kb)
 
 
 def predict(schedule, records: list, piece_host: float, pieces: list, plain_schedule) -> float:
@@ -186,12 +192,13 @@ def predict(schedule, records: list, piece_host: float, pieces: list, plain_sche
     makespan plus the traced time outside the compute ops."""
     from megatron_ds.pipe.auto import traced_latencies
     from megatron_ds.schedules.simulate import simulate
-    f, b, w, fa, ba = stage_costs(records, schedule.stages)
+    f, b, w, fa, ba, counts = stage_costs(records, schedule.stages)
     traced = [(socket.gethostname(), r["dp"], r["ops"]) for r in records]
     latencies = traced_latencies(traced, [plain_schedule] * len(records[0]["ops"]))
     p2p = statistics.median(latencies) if latencies else 0.0
     host = [piece_host * n for n in pieces] if schedule.overlap else 0.0
-    sim = simulate(schedule, f, b, w, all_to_all=(fa, ba), p2p_latency=p2p, overlap_host=host)
+    sim = simulate(schedule, f, b, w, all_to_all=(fa, ba), p2p_latency=p2p, overlap_host=host,
+                   all_to_all_count=counts)
     outside = []  # per iteration: all ranks' first event to their last, less their first op to their last op
     for spans in zip(*(r["spans"] for r in records)):
         span = max(s[1] for s in spans) - min(s[0] for s in spans)
@@ -240,7 +247,7 @@ def rank_main(args):
         plain = engines[(name, False)]
         counted = traced(plain, data, 1, step)
         step += 1
-        count = torch.tensor([max(counted["counts"])])
+        count = torch.tensor([max(counted.counts)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the busiest rank's all-to-alls per step
         box = [statistics.median(calib[(name, False)])]
         dist.broadcast_object_list(box, src=0)  # rank 0's plain step
@@ -253,10 +260,20 @@ def rank_main(args):
             latency = share * base / (n * (1 - share))
             os.environ[TEST_LATENCY_ENV] = f"{latency * 1e3:.6f}"
             timed(both(name), data, 1, step)  # the new latency's first iteration, untimed
-            rec = traced(plain, data, args.traced, step + 1)
+            step += 1
+            # traced and timed iterations alternate, so the simulation's costs and the measured steps come
+            # from the same minutes of a noisy machine
+            rec, times = Recorder(plain), {k: [] for k in both(name)}
+            for i in range(args.iterations):
+                if i % max(1, args.iterations // args.traced) == 0:
+                    traced(plain, data, 1, step, rec)
+                    step += 1
+                pair = both(name) if i % 2 == 0 else dict(reversed(both(name).items()))
+                for k, v in timed(pair, data, 1, step).items():
+                    times[k] += v
+                step += 1
+            rec = rec.summary()
             rec["dp"] = dp_rank
-            times = timed(both(name), data, args.iterations, step + 1 + args.traced)
-            step += 1 + args.traced + args.iterations
             records = [None] * dist.get_world_size()
             dist.all_gather_object(records, rec)
             if rank0:
@@ -304,7 +321,8 @@ def parse(argv=None):
     ap.add_argument("--iterations", type=int, default=8, help="timed iterations of each engine per row")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--calibrate", type=int, default=4, help="iterations timing the plain step without latency")
-    ap.add_argument("--traced", type=int, default=3, help="traced plain iterations per row (the simulation's costs)")
+    ap.add_argument("--traced", type=int, default=4, help="traced plain iterations per row, alternated with the timed "
+                                                          "ones (the simulation's costs)")
     ap.add_argument("--timeout", type=float, default=1800)
     args = ap.parse_args(argv)
     problems = [f"--shares {s}: each must be in [0, 1)" for s in args.shares if not 0 <= s < 1]

@@ -19,9 +19,10 @@ AllToAllTimes times them) the collective blocks as before.
 
 For tests and benchmarks only, the environment variable MEGATRON_DS_TEST_A2A_LATENCY_MS makes every all-to-all
 that many milliseconds slower: a stand-in for a slow network, so that CPU runs can show what overlapping the
-all-to-all hides. A blocking one sleeps it after the collective (inside AllToAllTimes' interval); an issued one
-is complete no earlier than its issue time plus it, so its wait sleeps only what the other side's work left
-(`AddedLatency` counts what was slept). No run setting.
+all-to-all hides. Either way the all-to-all ends that long after its transfer: a blocking one sleeps it after
+the collective (inside AllToAllTimes' interval); an issued one notes when its transfer ended (its future's
+callback), so its wait sleeps only what the other side's work left of it (`AddedLatency` counts what was slept).
+No run setting.
 """
 import os
 import time
@@ -115,10 +116,12 @@ def _all_to_all(out, x, out_splits=None, in_splits=None, group=None):
         AddedLatency.sleep_until(time.perf_counter() + latency, latency)
     else:  # gloo's asynchronous work on CPU, NCCL's stream on a GPU; the other side runs meanwhile
         work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
-        due = time.perf_counter() + latency
+        done = []
+        if latency:  # the latency counts from the transfer's end, as after a blocking one
+            work.get_future().add_done_callback(lambda _: done.append(time.perf_counter()))
         InFlight.meanwhile()
         work.wait()
-        AddedLatency.sleep_until(due, latency)
+        AddedLatency.sleep_until((done[0] if done else time.perf_counter()) + latency, latency)
 
 
 class _AllToAll(torch.autograd.Function):

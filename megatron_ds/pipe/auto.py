@@ -42,7 +42,7 @@ from megatron_ds.model.moe import MoE
 from megatron_ds.model.moe_dispatch import AllToAllTimes, InFlight
 from megatron_ds.schedules import auto, auto_recompute
 from megatron_ds.schedules import measurement
-from megatron_ds.schedules.costs import PIECES_MOE
+from megatron_ds.schedules.costs import A2A_PER_MOE_LAYER, PIECES_MOE
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
@@ -53,7 +53,6 @@ from .partition import layer_flops
 
 PING_REPEATS = 5
 PIECE_REPEATS = 21  # piece_host's samples (a median: a loaded CPU's outliers)
-A2A_PER_MOE_LAYER = (3, 2)  # all-to-alls a MoE layer issues in its forward and its backward (model/moe_dispatch.py)
 TIMED = frozenset({Kind.F, Kind.B, Kind.W} | VOCAB)  # the op kinds whose times the decision takes
 VOCAB_NAMES = frozenset(k.name for k in VOCAB)
 

@@ -28,7 +28,9 @@ than one of dense layers.
 Overlapped units (issue 40): `piece_host` is the host time one piece of an overlapped unit costs beyond the plain
 op (each launch, stream event and wait the piece-by-piece run adds): a MoE layer runs as PIECES_MOE pieces per
 side (attention, dispatch, experts, combine; backward the reverse), a dense layer as one, so a unit pays
-piece_host times the pieces of both its stages (`overlap_host_per_stage`; simulate's `overlap_host`).
+piece_host times the pieces of both its stages (`overlap_host_per_stage`; simulate's `overlap_host`). The unit runs
+piece by piece in the simulation too: a MoE layer's F issues A2A_PER_MOE_LAYER[0] all-to-alls and its B [1]
+(`all_to_all_count_per_stage`; simulate's `all_to_all_count`), each a hand-over to the other side.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from .simulate import SimResult, simulate
 
 Triple = tuple[float, float, float]
 PIECES_MOE = 4   # a MoE layer's pieces per side of an overlapped unit: attention, dispatch, experts, combine
+A2A_PER_MOE_LAYER = (3, 2)  # all-to-alls a MoE layer issues in its forward and its backward (model/moe_dispatch.py)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,25 @@ class ModelCosts:
             return None
         cut = stage_layers(len(self.all_to_all), schedule.stages)
         return tuple([sum(self.all_to_all[j][i] for j in held) for held in cut] for i in range(2))
+
+    def all_to_all_count_per_stage(self, schedule: Schedule) -> tuple[list[int], list[int]] | None:
+        """(F, B) lists of the all-to-alls inside each stage's ops (A2A_PER_MOE_LAYER a layer with an all-to-all),
+        as simulate()'s all_to_all_count; None: none."""
+        if not self.all_to_all:
+            return None
+        cut = stage_layers(len(self.all_to_all), schedule.stages)
+        return tuple([sum(n for j in held if any(self.all_to_all[j])) for held in cut] for n in A2A_PER_MOE_LAYER)
+
+    def all_to_all_args(self, schedule: Schedule) -> dict:
+        """simulate()'s keywords for the expert-parallel all-to-all: its time and count inside the ops, and what
+        an overlapped unit's pieces add (nothing without an all-to-all)."""
+        args = {}
+        if self.all_to_all:
+            args.update(all_to_all=self.all_to_all_per_stage(schedule),
+                        all_to_all_count=self.all_to_all_count_per_stage(schedule))
+        if self.piece_host and schedule.overlap:
+            args["overlap_host"] = self.overlap_host_per_stage(schedule)
+        return args
 
     def pieces_per_stage(self, schedule: Schedule) -> list[int]:
         """The pieces one side of an overlapped unit runs on each stage: PIECES_MOE per layer with an
@@ -139,10 +161,8 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
 def evaluate(schedule: Schedule, costs: ModelCosts, **kwargs) -> SimResult:
     """simulate() with the model's costs cut to this schedule's stages (kwargs: simulate's)."""
     vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
-    moe = {"all_to_all": costs.all_to_all_per_stage(schedule)} if costs.all_to_all else {}
+    moe = costs.all_to_all_args(schedule)
     if costs.layer_memory and kwargs.get("act_size") is None:
         moe["stage_memory"] = costs.stage_memory(schedule)
-    if costs.piece_host and schedule.overlap:
-        moe["overlap_host"] = costs.overlap_host_per_stage(schedule)
     return simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead,
                     head_memory=costs.head_memory, **vocab, **moe, **kwargs)

@@ -253,8 +253,5 @@ def evaluate(schedule: Schedule, costs: ModelCosts, recompute: Recompute, memory
     b = [x + lf * recomputed_share(recompute, len(layers), core_share) for x, lf, layers in zip(b, layer_f, held)]
     sizes, transient = act_size(schedule, num_layers, memory, recompute)
     vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
-    comm = {"all_to_all": costs.all_to_all_per_stage(schedule)} if costs.all_to_all else {}
-    if costs.piece_host and schedule.overlap:  # overlapped units' pieces (issue 40), as costs.evaluate
-        comm["overlap_host"] = costs.overlap_host_per_stage(schedule)
     return simulate(schedule, f, b, w, op_overhead=costs.op_overhead, head_memory=costs.head_memory,
-                    act_size=sizes, transient=transient, **vocab, **comm, **kwargs)
+                    act_size=sizes, transient=transient, **vocab, **costs.all_to_all_args(schedule), **kwargs)

@@ -33,11 +33,16 @@ model's; a stage of MoE layers holds more than one of dense layers). `transient`
 holds only while it runs, on top of the level before it: a recomputed layer's activations in B (recompute.py).
 
 An overlapped unit (Schedule.overlap: a forward and a backward of two other units, DualPipe's overlapped chunk)
-starts when both ops' inputs are there and ends, for both, after
+starts when both ops' inputs are there and ends, for both, when its last piece does. With `all_to_all_count`
+(F, B: the all-to-alls inside each stage's ops, as all_to_all) it runs piece by piece as pipe/overlap.py runs it
+(`piecewise`): a side of k all-to-alls is k + 1 equal pieces of its compute and host time with an all-to-all of
+a/k after each but the last; the unit's first op starts, each all-to-all issued hands over to the other side,
+which waits on its own in-flight one before its next piece, so both sides' all-to-alls may be in flight at once.
+Without counts, the closed form
     c_F + c_B + max(0, a_F - c_B) + max(0, a_B - c_F) + h_F + h_B
 where c is an op's compute (with its fixed time), a its all-to-all and h the host time the unit's pieces add on
-its stage (`overlap_host`, per side, as tf): each side's all-to-all runs while the other side computes and only
-what the other's compute cannot cover stays exposed. SimResult.all_to_all_hidden is what that hid per rank,
+its stage (`overlap_host`, per side, as tf): each side's whole all-to-all behind the other side's whole compute.
+SimResult.all_to_all_hidden is what the unit hid per rank (its ops' times one after the other less its span),
 SimResult.overlap_host what the pieces cost. Its peak memory counts the forward's allocation before the
 backward's release.
 """
@@ -86,7 +91,7 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
              embed: tuple = (0.0, 0.0, 0.0), head_memory: float = 0.0, all_to_all: tuple | None = None,
              stage_memory: Sequence[float] | None = None,
              transient: Callable[[Op], float] | None = None, overlap_host: Cost = 0.0,
-             tbw: Cost | None = None) -> SimResult:
+             tbw: Cost | None = None, all_to_all_count: tuple | None = None) -> SimResult:
     if check:
         validate(schedule)
     comm = _comm_fn(schedule, all_to_all, seq_costs)
@@ -94,6 +99,7 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
     duration = compute if all_to_all is None else lambda op: compute(op) + comm(op)  # synchronous: the op waits
     index = UnitIndex(schedule)
     host = _per_stage(overlap_host, schedule, "overlap_host")
+    count = None if all_to_all_count is None else _comm_fn(schedule, all_to_all_count, None, shared=False)
     units = [schedule.units(r) for r in range(schedule.pp)]
     hidden = [0.0] * schedule.pp
     hosted = [0.0] * schedule.pp
@@ -102,9 +108,14 @@ def simulate(schedule: Schedule, tf: Cost = 1.0, tb: Cost = 1.0, tw: Cost = 1.0,
         if len(unit) == 1:
             return duration(unit[0])
         (a, b), (ca, cb), (xa, xb) = unit, (compute(op) for op in unit), (comm(op) for op in unit)
-        hidden[r] += min(xa, cb) + min(xb, ca)   # each side's all-to-all behind the other side's compute
-        hosted[r] += host[a.stage] + host[b.stage]
-        return ca + cb + max(0.0, xa - cb) + max(0.0, xb - ca) + host[a.stage] + host[b.stage]
+        ha, hb = host[a.stage], host[b.stage]
+        hosted[r] += ha + hb
+        if count is None:
+            span = ca + cb + max(0.0, xa - cb) + max(0.0, xb - ca) + ha + hb
+        else:
+            span = piecewise([(ca + ha, xa, round(count(a))), (cb + hb, xb, round(count(b)))])
+        hidden[r] += ca + cb + xa + xb + ha + hb - span
+        return span
 
     start: dict[Op, float] = {}
     end: dict[Op, float] = {}
@@ -182,13 +193,32 @@ def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, vocab: dict, tbw=
     return lambda op: base[op.kind][op.stage] * share[op.seq] + fixed[op.kind]
 
 
-def _comm_fn(schedule: Schedule, all_to_all: tuple | None, seq_costs) -> Callable[[Op], float]:
+def piecewise(sides: list) -> float:
+    """The span of an overlapped unit run as pipe/overlap.py runs it: each side (compute c, all-to-all x, count k)
+    is k + 1 equal compute pieces with an all-to-all of x / k after each but the last; the first side starts, and
+    a side that issues an all-to-all hands over to the other (while that one still runs), which first waits on
+    its own in-flight all-to-all, then computes its next piece. Both sides' all-to-alls can be in flight at once."""
+    steps = [[(c / (k + 1), x / k if i < k else None) for i in range(k + 1)] if k else [(c + x, None)]
+             for c, x, k in sides]
+    t, due, at, side = 0.0, [0.0, 0.0], [0, 0], 0
+    while at[0] < len(steps[0]) or at[1] < len(steps[1]):
+        piece, latency = steps[side][at[side]]
+        t = max(t, due[side]) + piece
+        at[side] += 1
+        if latency is not None:
+            due[side] = t + latency
+        if at[1 - side] < len(steps[1 - side]):  # hands over; with the other side done it goes on alone
+            side = 1 - side
+    return t
+
+
+def _comm_fn(schedule: Schedule, all_to_all: tuple | None, seq_costs, shared: bool = True) -> Callable[[Op], float]:
     """The all-to-all time inside one op: F pays the stage's forward one, B and BW its backward one
-    (a segment its share, as of the compute), W and the vocabulary passes none."""
+    (a segment its share, as of the compute, when `shared`), W and the vocabulary passes none."""
     if all_to_all is None:
         return lambda op: 0.0
     f, b = (_per_stage(t, schedule, "all_to_all") for t in all_to_all)
-    share = _seq_shares(schedule, seq_costs)
+    share = _seq_shares(schedule, seq_costs) if shared else [1.0] * schedule.seq_splits
     per = {kind: [0.0] * schedule.stages if kind.traits.vocab else
            [kind.traits.cost[0] * x + kind.traits.cost[1] * y for x, y in zip(f, b)] for kind in Kind}
     return lambda op: per[op.kind][op.stage] * share[op.seq]

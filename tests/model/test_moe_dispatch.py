@@ -2,6 +2,7 @@
 dispatch takes that much longer, inside AllToAllTimes' interval, with its data unchanged; issued inside an
 overlapped unit it is a deadline, which the other side's work counts towards; a bad value is one line. The
 collective is replaced by a copy here (one process, no group)."""
+import threading
 import time
 
 import pytest
@@ -56,13 +57,23 @@ def test_a_bad_latency_is_one_line(monkeypatch, value):
 
 
 def test_an_issued_all_to_all_sleeps_only_what_the_other_side_left(monkeypatch):
-    """Issued, 40 ms of the other side's work, then waited: about 10 of the 50 ms slept; blocking: all 50."""
+    """Issued at 0, its transfer done at 20 ms, the other side's work until 40 ms, then waited: due at 20 + 50 ms
+    (the latency counts from the transfer's end, as after a blocking one), so about 30 of the 50 ms slept;
+    blocking: all 50."""
     monkeypatch.setenv(TEST_LATENCY_ENV, "50")
     monkeypatch.setattr(AddedLatency, "added", 0.0)
     monkeypatch.setattr(AddedLatency, "slept", 0.0)
-    issued, waited = [], []
+    issued, waited, timers = [], [], []
+
+    class Future:
+        def add_done_callback(self, callback):
+            timers.append(threading.Timer(0.020, callback, args=(self,)))
+            timers[-1].start()
 
     class Work:
+        def get_future(self):
+            return Future()
+
         def wait(self):
             waited.append(time.perf_counter())
 
@@ -77,8 +88,8 @@ def test_an_issued_all_to_all_sleeps_only_what_the_other_side_left(monkeypatch):
     start = time.perf_counter()
     moe_dispatch._all_to_all(out, x)
     assert torch.equal(out, x) and issued == [True] and waited[0] - start >= 0.040  # waited after the other side
-    assert AddedLatency.added == pytest.approx(0.050) and AddedLatency.slept < 0.012
-    assert time.perf_counter() - start >= 0.050  # never complete before its deadline
+    assert AddedLatency.added == pytest.approx(0.050) and 0.020 < AddedLatency.slept < 0.032
+    assert time.perf_counter() - start >= 0.070  # never complete before the transfer's end plus the latency
     monkeypatch.setattr(InFlight, "meanwhile", None)
     moe_dispatch._all_to_all(out, x)
     assert issued == [True, False] and AddedLatency.slept > 0.045

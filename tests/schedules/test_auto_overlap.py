@@ -36,7 +36,7 @@ def test_overlap_is_chosen_at_30_percent_when_the_host_time_is_small():
     rows = auto.rank(PP, M, LAYERS, 100, costs, overlap=True)
     assert rows[0]["candidate"].label == "dualpipev overlap=True"
     assert rows[0]["makespan"] == pytest.approx(fastest(costs, True))
-    assert fastest(costs, True) < 0.95 * fastest(costs, False)
+    assert fastest(costs, True) < 0.96 * fastest(costs, False)  # piece by piece, each F piece 0.05 ms of 0.35
     plain = next(r for r in rows if not r["overlap"])
     assert plain["candidate"].label == "zbv" and plain["makespan"] == pytest.approx(fastest(costs, False))
     verdict = auto.overlap_verdict(rows, costs, 100)

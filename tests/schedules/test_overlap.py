@@ -12,6 +12,7 @@ from megatron_ds.schedules import (Op, Schedule, ScheduleError, build_schedule, 
 from megatron_ds.schedules.catalog import takes
 from megatron_ds.schedules.costs import PIECES_MOE, ModelCosts, evaluate
 from megatron_ds.schedules.render import ascii_timeline
+from megatron_ds.schedules.simulate import piecewise
 from megatron_ds.schedules.timeline import RankTrace, measure, median_costs, to_schedule
 
 # A MoE step whose all-to-all is 30 % of the work: per 1F1B stage F = 0.7 compute + 0.3 all-to-all,
@@ -243,3 +244,31 @@ def test_the_cli_exports_and_shows_the_overlapped_order(capsys):
     out = capsys.readouterr().out
     assert "|F3+BW0" in out and "makespan 12.600" in out  # 12.3 and three units' 2 x 0.05 on the path
     assert main(["show", "--schedule", "zbv", "--pp", "2", "--micro-batches", "4", "--overlap"]) == 2
+
+
+def test_a_unit_piece_by_piece_by_hand():
+    """piecewise: F (c 0.6, a 0.4 in 2 all-to-alls: pieces of 0.2, all-to-alls of 0.2) first, BW (c 0.9, a 0.6 in
+    1: pieces of 0.45). F 0-0.2 issues (due 0.4); BW 0.2-0.65 issues (due 1.25); F 0.65-0.85 issues (due 1.05);
+    BW waits to 1.25, 1.25-1.7, ends; F 1.7-1.9. Both in flight at once over 0.85-1.05; the two ops alone: 2.5."""
+    assert piecewise([(0.6, 0.4, 2), (0.9, 0.6, 1)]) == pytest.approx(1.9)
+    # without all-to-alls the sides run one after the other
+    assert piecewise([(0.6, 0.0, 0), (0.9, 0.0, 0)]) == pytest.approx(1.5)
+    # a side with an all-to-all but no count waits on it as the plain op does
+    assert piecewise([(0.6, 0.4, 0), (0.9, 0.0, 0)]) == pytest.approx(1.9)
+    # all-to-alls much longer than the pieces: the unit is about the longer side's chain of them, not their sum
+    assert piecewise([(0.0, 3.0, 3), (0.0, 2.0, 2)]) == pytest.approx(3.0)
+
+
+def test_the_simulator_runs_units_piece_by_piece_given_the_counts():
+    """One rank, 1f1b overlapped, m=2 (F0, F1+BW0, BW1): with all_to_all_count the unit's span is piecewise's and
+    what it hid its two ops' times less that span; ModelCosts gives the counts (3 per MoE layer's F, 2 per B)."""
+    s = build_schedule("1f1b", 1, 2, overlap=True)
+    unit = next(u for u in s.units(0) if len(u) == 2)
+    res = simulate(s, 0.7, 0.7, 0.7, all_to_all=(0.3, 0.6), all_to_all_count=(3, 2))
+    first, second = ((0.7, 0.3, 3), (1.4, 0.6, 2)) if unit[0].kind == "F" else ((1.4, 0.6, 2), (0.7, 0.3, 3))
+    span = piecewise([first, second])
+    assert res.end[unit[0]] - res.start[unit[0]] == pytest.approx(span)
+    assert res.all_to_all_hidden == [pytest.approx(0.7 + 1.4 + 0.3 + 0.6 - span)]
+    costs = ModelCosts.of_layers([(1, 1, 1)] * 4, 2, all_to_all=((0.1, 0.2), (0, 0), (0.1, 0.2), (0.1, 0.2)))
+    assert costs.all_to_all_count_per_stage(build_schedule("1f1b", 2, 4)) == ([3, 6], [2, 4])
+    assert costs.all_to_all_args(build_schedule("1f1b", 2, 4))["all_to_all_count"] == ([3, 6], [2, 4])
