@@ -30,7 +30,7 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int, keys=No
 def flop_shape(config) -> dict:
     """The layer's shape beyond h and f that its FLOPs depend on (schedules/flops.py)."""
     shape = layer_shape(config)
-    return dict(heads=shape["heads"], kv_heads=shape["kv_heads"], swiglu=shape["swiglu"])
+    return dict(heads=shape["heads"], kv_heads=shape["kv_heads"], swiglu=shape["swiglu"], head_dim=shape["head_dim"])
 
 
 def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: list | None = None) -> int:

@@ -2,9 +2,12 @@
 parameter's gradient, the weights after 3 steps and the eval loss, at PP=2, PP=4 and PP2xDP2,
 even and balanced (unequal) segments, with and without the B/W split, with virtual stages
 (Seq1F1B-I) and with activation checkpointing. One launch per topology runs several configurations."""
+import dataclasses
+
 import pytest
 
 from megatron_ds.pipe.segments import segment_lengths
+from megatron_ds.schedules.seq_split import balanced_segment_lengths
 from megatron_ds.pipe.config import ConfigError, pipeline_settings
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
 from megatron_ds.testing.launcher import run_ranks
@@ -53,6 +56,19 @@ def test_segment_lengths_from_the_model_config():
     assert lengths(SEQ, k=4) == [16, 16, 8, 24]
     assert lengths(SEQ, k=4, seq_split_method="even") == [16] * 4
     assert lengths(8, k=8, seq_split_method="even") == [1] * 8
+
+
+def test_balanced_cut_weighs_the_head_size_kv_channels_sets():
+    """--kv-channels wider than hidden / heads makes attention a larger share of a layer: the balanced cut (the
+    plan's, which Seq1F1B runs) gives the early segments more tokens, as seq_split weighs that shape."""
+    settings = pipeline_settings({"pipeline": seq1f1b(k=4)})
+    base = tiny_config(seq=256)
+    wide = dataclasses.replace(base, kv_channels=4 * base.hidden_size // base.num_attention_heads)
+    plain, heads_wide = segment_lengths(settings, base, 256), segment_lengths(settings, wide, 256)
+    assert heads_wide == balanced_segment_lengths(256, 4, wide.hidden_size, wide.ffn_hidden_size, 8,
+                                                  heads=wide.num_attention_heads, kv_heads=wide.num_key_value_heads,
+                                                  swiglu=wide.swiglu, head_dim=wide.kv_channels)
+    assert heads_wide != plain and heads_wide[0] > plain[0]
 
 
 @pytest.mark.parametrize("seq,section,words", [
