@@ -59,6 +59,20 @@ def ds_config(pp, dp, gas, *, zero=1, clip=0.0, bf16=False, pipeline=None, lr=1e
     return cfg
 
 
+def auto_engine_builder(config, pp, dp, lr):
+    """build(ds_config) -> an engine of `config` on pp x dp ranks with the plan (and "auto"'s start) the ds_config
+    asks for: what a test starts "auto" with and training/auto_schedule.switch_engine rebuilds through."""
+    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
+    from megatron_ds.pipe.plan import make_plan
+
+    def build(cfg):
+        plan, auto_plan = make_plan(config, cfg, pp, dp)
+        module = build_pipeline_module(config, cfg, pp, plan=plan)
+        return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), lr),
+                                 auto_plan=auto_plan)
+    return build
+
+
 def optimizer_for(params_by_name, lr=1e-2):
     """AdamW with Megatron's groups: no weight decay on biases and norms.
 

@@ -103,18 +103,8 @@ class AddedLatency:
 
 def _all_to_all(out, x, out_splits=None, in_splits=None, group=None):
     latency = added_latency()
-    if AllToAllTimes.intervals is not None:
-        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-        sync()  # the queued compute is the op's, not the all-to-all's
-        start = time.perf_counter()
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-        sync()
-        AddedLatency.sleep_until(time.perf_counter() + latency, latency)
-        AllToAllTimes.intervals.append((start, time.perf_counter()))
-    elif InFlight.meanwhile is None:
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
-        AddedLatency.sleep_until(time.perf_counter() + latency, latency)
-    else:  # gloo's asynchronous work on CPU, NCCL's stream on a GPU; the other side runs meanwhile
+    if InFlight.meanwhile is not None and AllToAllTimes.intervals is None:
+        # gloo's asynchronous work on CPU, NCCL's stream on a GPU; the other side runs meanwhile
         work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
         done = []
         if latency:  # the latency counts from the transfer's end, as after a blocking one
@@ -122,6 +112,16 @@ def _all_to_all(out, x, out_splits=None, in_splits=None, group=None):
         InFlight.meanwhile()
         work.wait()
         AddedLatency.sleep_until((done[0] if done else time.perf_counter()) + latency, latency)
+        return
+    timing = AllToAllTimes.intervals is not None
+    sync = torch.cuda.synchronize if timing and x.is_cuda else (lambda: None)
+    sync()  # the queued compute is the op's, not the all-to-all's
+    start = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    sync()
+    AddedLatency.sleep_until(time.perf_counter() + latency, latency)
+    if timing:
+        AllToAllTimes.intervals.append((start, time.perf_counter()))
 
 
 class _AllToAll(torch.autograd.Function):

@@ -58,6 +58,9 @@ class ScheduleEngine(PipelineEngine):
     def __init__(self, *args, plan, auto_plan=None, tracer=None, on_auto_decision=None, **kwargs):
         self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py); "auto" swaps in one placed alike
         self.tracer = tracer or Tracer()
+        # gloo moves a message only once its receive is posted: there every receive of an iteration whose shape
+        # is known is posted at its start (_exec_load_micro_batches; P2P.post_all says why not on NCCL)
+        self.posts_all = dist.get_backend() == "gloo"
         super().__init__(*args, **kwargs)
         # Set by _start for each iteration: its schedule, the receive to post ahead of each op,
         # the ops after which a chunk's twin-gradient sync starts, the p2p state, the loss sum.
@@ -145,6 +148,8 @@ class ScheduleEngine(PipelineEngine):
         self.data_iterator = iterator
 
     def _exec_load_micro_batches(self):
+        if self.posts_all:  # inside the instruction, so that a trace holds the posting
+            self.p2p.post_all()
         self._batches = self._documents = self._scored = None
         if self.plan.needs_data(self.stage_id):
             batches = [next(self.data_iterator) for _ in range(self.sched.micro_batches)]

@@ -12,7 +12,6 @@ the first / the loss stage, which a V schedule puts on one rank), reset_activati
 import functools
 
 import torch
-import torch.distributed as dist
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
 from megatron_ds.model.linear import WeightGradStore
@@ -25,7 +24,6 @@ from .autograd_split import Split
 from .config import ConfigError
 from .engine import ScheduleEngine
 from .learned_p2p import LearnedP2P, Shapes
-from .trace import through_tracer
 
 
 def chunk_parameters(module, chunk):
@@ -64,27 +62,12 @@ def _resetting_checkpoint_buffers(handler):
     return run
 
 
-def _posting_receives(load):
-    """LoadMicroBatches' handler `load`, first posting on gloo every receive of the iteration whose shape is known
-    (P2P.post_all): gloo moves a message only once its receive is posted, and posted one op ahead, one sent earlier
-    waited for that post and then for the sender's gloo thread to get a core from the ranks' busy compute threads
-    (docs/perf/foreign_cpu.md, issue 41). Inside the instruction, so that a trace holds the posting."""
-    def run(engine, **kwargs):
-        if engine.posts_all:
-            engine.p2p.post_all()
-        load(engine, **kwargs)
-    return run
-
-
 class ForeignScheduleEngine(ScheduleEngine):
     _INSTRUCTION_MAP = {**ds.instruction_map(ScheduleEngine),
-                        ins.ForwardOp: _resetting_checkpoint_buffers(ds.instruction_map(ScheduleEngine)[ins.ForwardOp]),
-                        **through_tracer({ins.LoadMicroBatches: _posting_receives(
-                            ScheduleEngine._exec_load_micro_batches)})}
+                        ins.ForwardOp: _resetting_checkpoint_buffers(ds.instruction_map(ScheduleEngine)[ins.ForwardOp])}
 
     def __init__(self, *args, **kwargs):
         self._placed = False  # DeepSpeed's __init__ pairs its warm-up sends by stage id: its own answers until then
-        self.posts_all = dist.get_backend() == "gloo"  # every receive at an iteration's start (_posting_receives)
         super().__init__(*args, **kwargs)
         self._shapes = Shapes(dynamic=self.module.dynamic_shape)
         self._chunk_params = {c: chunk_parameters(self.module, c) for c in self.module.chunks}

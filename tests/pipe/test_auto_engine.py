@@ -69,11 +69,9 @@ def auto_rank_run(pp, gas, steps, cases):
     import deepspeed
     import torch.distributed as dist
     from megatron_ds.pipe.auto import AutoSwitch
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.plan import make_plan
     from megatron_ds.schedules import auto
     from megatron_ds.training.auto_schedule import switch_engine
-    from tests.gpt_harness import (capture_grads_before_reduce, ds_config, layer_key, micro_batch, optimizer_for,
+    from tests.gpt_harness import (auto_engine_builder, capture_grads_before_reduce, ds_config, layer_key, micro_batch,
                                    whole_vocabulary, EVAL_STEP)
     deepspeed.init_distributed(dist_backend="gloo")
     dp = dist.get_world_size() // pp
@@ -84,11 +82,7 @@ def auto_rank_run(pp, gas, steps, cases):
         model, vocab, lr = case_model(case)
         config = tiny_config(LAYERS, **model)
 
-        def build(cfg):
-            plan, auto_plan = make_plan(config, cfg, pp, dp)
-            module = build_pipeline_module(config, cfg, pp, plan=plan)
-            return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), lr),
-                                     auto_plan=auto_plan)
+        build = auto_engine_builder(config, pp, dp, lr)
 
         AutoSwitch.choose = staticmethod(forcing(label) if label else auto.decide)
         pipeline = {"schedule": "auto", "memory_budget": budget, "timers_start_iter": 0, "timers_end_iter": 2,

@@ -32,11 +32,9 @@ def auto_then_by_hand(cases):
     with expert parallelism, the chosen section's run by hand (tests/gpt_harness.engine_rank_run)."""
     import deepspeed
     from megatron_ds.model.moe_dispatch import TEST_LATENCY_ENV
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.plan import make_plan
     from megatron_ds.training.auto_schedule import switch_engine
-    from tests.gpt_harness import (EVAL_STEP, ds_config, engine_rank_run, layer_key, micro_batch, optimizer_for,
-                                   whole_tensors)
+    from tests.gpt_harness import (EVAL_STEP, auto_engine_builder, ds_config, engine_rank_run, layer_key,
+                                   micro_batch, whole_tensors)
     deepspeed.init_distributed(dist_backend="gloo")
     out = []
     for _, ep, latency in cases:
@@ -44,11 +42,7 @@ def auto_then_by_hand(cases):
         model = with_expert_parallel("softmax", ep)
         config = tiny_config(LAYERS, **model)
 
-        def build(cfg):
-            plan, auto_plan = make_plan(config, cfg, PP, DP)
-            module = build_pipeline_module(config, cfg, PP, plan=plan)
-            return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR),
-                                     auto_plan=auto_plan)
+        build = auto_engine_builder(config, PP, DP, LR)
 
         pipeline = {"schedule": "auto", "memory_budget": BUDGET, "timers_start_iter": 0, "timers_end_iter": 2}
         engine = build(ds_config(PP, DP, GAS, pipeline=pipeline, lr=LR))
@@ -138,11 +132,9 @@ def forced_dualpipev_overlap_then_by_hand():
 
     import deepspeed
     from megatron_ds.pipe.auto import AutoSwitch
-    from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.plan import make_plan
     from megatron_ds.schedules import auto
     from megatron_ds.training.auto_schedule import switch_engine
-    from tests.gpt_harness import EVAL_STEP, ds_config, engine_rank_run, layer_key, micro_batch, optimizer_for, \
+    from tests.gpt_harness import EVAL_STEP, auto_engine_builder, ds_config, engine_rank_run, layer_key, micro_batch, \
         whole_tensors
     deepspeed.init_distributed(dist_backend="gloo")
     model = with_expert_parallel("softmax", 2)
@@ -159,11 +151,7 @@ def forced_dualpipev_overlap_then_by_hand():
                               "makespan": row["makespan"], "memory": row["memory"]}
         return decision
 
-    def build(cfg):
-        plan, auto_plan = make_plan(config, cfg, PP, DP)
-        module = build_pipeline_module(config, cfg, PP, plan=plan)
-        return initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR),
-                                 auto_plan=auto_plan)
+    build = auto_engine_builder(config, PP, DP, LR)
 
     AutoSwitch.choose = staticmethod(choose)
     try:
