@@ -115,7 +115,6 @@ class Recorder:
 
     def __call__(self, trace):
         from megatron_ds.model.moe_dispatch import AllToAllTimes, added_latency
-        from megatron_ds.pipe.auto import inside
         from megatron_ds.schedules import Op
         from megatron_ds.schedules.timeline import COMPUTE, P2P
         intervals = sorted(AllToAllTimes.intervals or [])

@@ -224,3 +224,39 @@ def test_a_key_that_yields_no_or_mostly_empty_documents_is_an_error(tmp_path, to
     run = run_tool(tool, *flags(half, str(tmp_path / "out"), "--workers", "2", "--max-empty-fraction", "0.6"))
     assert run.returncode == 0, run.stderr
     assert len(MMapIndexedDataset(str(tmp_path / "out_text_document"))) == 9  # corpus_texts()[3] is empty too
+
+
+def test_stopping_the_workers_is_bounded_when_terminate_hangs():
+    """stop_pool: a Pool.terminate that never returns (its task queue's lock held by an idle worker, seen once in
+    CI) costs `grace` seconds, then the workers are killed and the run goes on to report its error."""
+    import threading
+    import time
+
+    class Worker:
+        killed = False
+
+        def kill(self):
+            self.killed = True
+
+    class StuckPool:
+        _pool = [Worker(), Worker()]
+
+        def terminate(self):
+            threading.Event().wait()  # never set
+
+        def join(self):
+            raise AssertionError("join after a terminate that never returned")
+
+    pool = StuckPool()
+    start = time.perf_counter()
+    pipeline.stop_pool(pool, grace=0.2)
+    assert 0.2 <= time.perf_counter() - start < 2.0
+    assert all(w.killed for w in pool._pool)
+
+
+def test_stopping_a_real_pool_leaves_no_worker():
+    pool = pipeline.fork_pool(2, None)
+    workers = list(pool._pool)
+    assert pool.map(abs, [-1, -2]) == [1, 2]
+    pipeline.stop_pool(pool, grace=5.0)
+    assert all(w.exitcode is not None for w in workers)

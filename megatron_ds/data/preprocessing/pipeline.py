@@ -5,6 +5,7 @@ order (Pool.imap), so the output does not depend on --workers.
 """
 import multiprocessing
 import sys
+import threading
 
 from megatron_ds.errors import UserError
 
@@ -31,6 +32,26 @@ def fork_pool(workers, encoder):
     set_worker_encoder(encoder)
     # fork: workers inherit the tokenizer instead of rebuilding or unpickling it.
     return multiprocessing.get_context("fork").Pool(workers)
+
+
+STOP_GRACE = 10.0  # seconds stop_pool gives Pool.terminate before it kills the workers
+
+
+def stop_pool(pool, grace=STOP_GRACE):
+    """Stop `pool`'s workers within about 2 x `grace` seconds. Pool.terminate first takes its task queue's read lock,
+    which an idle worker holds while it waits for a task; CPython's own sentinels normally free it, but once, on a
+    loaded CI machine, a failing run waited there until its test's timeout. So terminate runs on a daemon thread
+    (it cannot hold up the exit), and after `grace` the workers are killed."""
+    def terminate():
+        pool.terminate()
+        pool.join()
+    stopper = threading.Thread(target=terminate, name="stop-tokenizing-workers", daemon=True)
+    stopper.start()
+    stopper.join(grace)
+    if stopper.is_alive():
+        for worker in list(getattr(pool, "_pool", ())):
+            worker.kill()
+        stopper.join(grace)
 
 
 def write_encoded(encoded, prefixes, dtype, on_document, check=None):
@@ -81,8 +102,7 @@ def write_records(records, encoder, prefixes, progress, workers=1, chunk_size=25
         write_encoded(results, prefixes, encoder.dtype, lambda nbytes: progress.update(1, nbytes), check)
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            stop_pool(pool)
 
 
 def run(args):
