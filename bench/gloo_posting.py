@@ -21,7 +21,7 @@ import time
 import warnings
 
 from bench.engines import STOCK, DUALPIPEV, engines
-from bench.gpt_cpu import build, random_batches
+from bench.gpt_cpu import build, model_opts, random_batches
 from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
 
@@ -62,9 +62,7 @@ def main(argv=None):
     ap.add_argument("--engines", nargs="+", default=["zbv", "1f1b"], choices=ENGINES, metavar="NAME",
                     help=f"subset of: {', '.join(ENGINES)}")
     args = ap.parse_args(argv)
-    opts = dict(pp=args.pp, gas=args.gas, iterations=args.iterations, warmup=args.warmup, tp=1,
-                mbs=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, layers=args.num_layers,
-                heads=args.num_attention_heads, vocab=args.vocab_size)
+    opts = {**model_opts(args), "tp": 1}
     load = os.getloadavg()[0]
     lines = [f"GPT {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}; p={args.pp}, "
              f"m={args.gas}, micro-batch {args.micro_batch_size}; ZeRO-1 AdamW fp32, gloo; {args.iterations} "

@@ -173,6 +173,13 @@ def run_table(args, opts):
     return runs
 
 
+def model_opts(args) -> dict:
+    """The workers' opts of parsed bench flags: pp, gas, iterations, warmup and the model's sizes."""
+    return dict(pp=args.pp, gas=args.gas, iterations=args.iterations, warmup=args.warmup, mbs=args.micro_batch_size,
+                seq=args.seq_length, hidden=args.hidden_size, layers=args.num_layers, heads=args.num_attention_heads,
+                vocab=args.vocab_size)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(ap, pp=4, gas=8, micro_batch_size=2, seq_length=256, hidden_size=256, num_layers=8,
@@ -187,9 +194,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if STOCK not in args.engines:
         args.engines.insert(0, STOCK)
-    opts = {k: getattr(args, k) for k in ("pp", "gas", "iterations", "warmup")}
-    opts.update(mbs=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size, layers=args.num_layers,
-                heads=args.num_attention_heads, vocab=args.vocab_size)
+    opts = model_opts(args)
     load = os.getloadavg()
     cores = os.cpu_count()
     print(f"# bench/gpt_cpu.py: GPT {opts['layers']} layers, hidden {opts['hidden']}, {opts['heads']} heads, "

@@ -129,10 +129,11 @@ class Recorder:
             # Only the knob's sleep is hideable here: each all-to-all in the op sleeps `latency` (cores free);
             # gloo's own transfer and wait for the peer stays in the op's compute (on 2 cores it is waiting for
             # a core, which no overlap frees). The model is the same for every row.
-            slept = latency * sum(1 for a0, a1 in intervals if s <= (a0 + a1) / 2 <= e)
+            inside = sum(1 for a0, a1 in intervals if s <= (a0 + a1) / 2 <= e)  # the op's all-to-alls
+            slept = latency * inside
             self.compute.setdefault(key, []).append(e - s - slept)
             self.comm.setdefault(key, []).append(slept)
-            self.count.setdefault(key, []).append(sum(1 for a0, a1 in intervals if s <= (a0 + a1) / 2 <= e))
+            self.count.setdefault(key, []).append(inside)
         waits = {e: s for name, tid, s, e, _ in trace.events if tid == P2P and name.startswith("recv")}
         self.ops.append({Op(a["kind"], a["replica"], a["stage"], a["mb"], a["seq"]): (s, e, waits.get(s))
                          for s, e, a in compute})

@@ -28,6 +28,17 @@ LATENCY_MS = 6.0
 CASES = [("ep2", 2, LATENCY_MS), ("no_ep", 1, 0.0)]  # (name, expert parallelism, latency knob)
 
 
+def assert_trained_alike(run, hand, what=""):
+    """The "auto" run equals the chosen section run by hand: losses, eval loss and every weight it holds after
+    STEPS steps within fp32's 1e-5."""
+    assert max(abs(a - b) for a, b in zip(run["losses"], hand["losses"])) <= 1e-5, (run["losses"], hand["losses"])
+    assert abs(run["eval_loss"] - hand["eval_loss"]) <= 1e-5
+    assert run["weights"] and set(run["weights"]) <= set(hand["weights"])
+    for key, w in run["weights"].items():
+        diff = (w - hand["weights"][key]).abs().max().item()
+        assert diff <= 1e-5, f"{what}weight {key} after {STEPS} steps, auto against by hand: {diff:.3g}"
+
+
 def auto_then_by_hand(cases):
     """Per case: the "auto" run (its decision, whether the engine ended on units, losses, weights, eval loss) and,
     with expert parallelism, the chosen section's run by hand (tests/gpt_harness.engine_rank_run)."""
@@ -86,12 +97,7 @@ def test_auto_chooses_overlap_where_the_all_to_all_is_large_and_trains_as_by_han
         assert section.get("overlap") is True and all(r["units"] for r in runs), section
         hands = [r[i][1] for r in per_rank]
         for run, hand in zip(runs, hands):
-            assert max(abs(a - b) for a, b in zip(run["losses"], hand["losses"])) <= 1e-5, (run["losses"], hand["losses"])
-            assert abs(run["eval_loss"] - hand["eval_loss"]) <= 1e-5
-            assert run["weights"] and set(run["weights"]) <= set(hand["weights"])
-            for key, w in run["weights"].items():
-                diff = (w - hand["weights"][key]).abs().max().item()
-                assert diff <= 1e-5, f"{name}: weight {key} after {STEPS} steps, auto against by hand: {diff:.3g}"
+            assert_trained_alike(run, hand, f"{name}: ")
         ref = reference_run(tiny_config(LAYERS, **MODELS["softmax"]), DP, GAS, STEPS, lr=LR)  # one process: no EP
         assert_expert_parallel_matches(hands, ref, DP)
 
@@ -184,9 +190,4 @@ def test_auto_forced_to_dualpipev_overlap_rebuilds_through_a_checkpoint_and_trai
         assert run["section"] == {"schedule": "dualpipev", "overlap": True}, run["section"]
         assert run["reports"] == 1 and run["switched_at"] is not None, run  # rebuilt once, through the checkpoint
         assert run["start"] != "dualpipev" and run["now"] == ("dualpipev", True), (run["start"], run["now"])
-        assert max(abs(a - b) for a, b in zip(run["losses"], hand["losses"])) <= 1e-5, (run["losses"], hand["losses"])
-        assert abs(run["eval_loss"] - hand["eval_loss"]) <= 1e-5
-        assert run["weights"] and set(run["weights"]) <= set(hand["weights"])
-        for key, w in run["weights"].items():
-            diff = (w - hand["weights"][key]).abs().max().item()
-            assert diff <= 1e-5, f"weight {key} after {STEPS} steps, auto against by hand: {diff:.3g}"
+        assert_trained_alike(run, hand)
