@@ -17,6 +17,7 @@ from .parallel_layout import check_model_split
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
+CP_COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 @dataclass
@@ -46,6 +47,10 @@ class GPTConfig:
     qk_layernorm: bool = False  # each query and key head normalised (over head_dim) before RoPE (Qwen3)
     tensor_model_parallel_size: int = 1  # the layers split heads, MLP columns and vocabulary over this many ranks
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
+    # context parallelism: each sequence split over this many ranks (model/context_parallel/), attention
+    # exchanging keys and values by "p2p" (a ring), "allgather" or "a2a" (heads <-> sequence, Ulysses)
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
     liger_kernel: bool = False  # the LM head and loss as Liger-Kernel's fused linear cross-entropy (CUDA)
     moe: Optional[MoEConfig] = None  # experts in place of the MLP of the layers moe.layer_freq picks
@@ -181,6 +186,16 @@ def config_problem(c) -> str:
     eod = getattr(c, "eod_token", None)
     if eod is not None and not 0 <= eod < (c.vocab_size or eod + 1):
         return f"the end-of-document token {eod} is not in the vocabulary of {c.vocab_size} ids"
+    cp, cp_comm = getattr(c, "context_parallel_size", 1), getattr(c, "cp_comm_type", "p2p")
+    if not isinstance(cp, int) or cp < 1:
+        return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
+    if cp_comm not in CP_COMM_TYPES:
+        return f"--cp-comm-type {cp_comm!r}: choose one of {', '.join(CP_COMM_TYPES)}"
+    tp = c.tensor_model_parallel_size
+    if cp > 1 and cp_comm == "a2a" and (kv // tp) % cp:
+        return (f"--cp-comm-type a2a shares the attention heads out over the context-parallel ranks: the "
+                f"{kv} K/V heads{f' / TP {tp}' if tp > 1 else ''} must be divisible by --context-parallel-size "
+                f"({cp}); use --cp-comm-type p2p or allgather")
     if getattr(c, "moe", None) is not None:
         return moe_problem(c.moe, c.num_layers, c.tensor_model_parallel_size)
     return ""

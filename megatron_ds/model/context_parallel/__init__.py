@@ -1,0 +1,7 @@
+"""Context parallelism (CP): one sequence split over CP ranks, attention exchanging keys and values.
+
+Read in this order: layout (which tokens a CP rank holds: Megatron-core's 2 x CP load-balanced chunks),
+groups (the CP process group the runtime registers and attention asks for).
+"""
+from .groups import context_parallel_group, set_context_parallel_group
+from .layout import ContextLayout, layout_problem
