@@ -211,6 +211,7 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "save_interval", "loss_curve",
            "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
            "kv_channels",  # model_args: hidden / heads given is None (the flag left out)
+           "rope_scaling",  # rope_args: the RoPE scaling flags as one dict (HF's rope_parameters), or None
            "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
