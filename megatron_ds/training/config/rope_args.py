@@ -9,11 +9,15 @@ embeddings, --yarn-beta-fast, --yarn-beta-slow, --yarn-mscale, --yarn-mscale-all
 --rope-scaling-type llama3|linear|yarn, which the others are spellings of, and --yarn-attention-factor
 (transformers' attention_factor). A flag of one type given with another, or two spellings that disagree, is
 one line and exit 2 at parse time, as is a value the scaling cannot take (rope_scaling_problem, through the
-run's GPTConfig).
+run's GPTConfig). The same settings may sit in the ds_config's "rope_scaling" section, keyed by the flags' names
+with underscores, as the "moe" section holds the MoE flags (ds_sections.py).
 """
 from megatron_ds.rope_scaling import FLAGS, OPTIONAL, REQUIRED, TYPES, RopeScaling
 
 from ..errors import ArgumentsError
+from .ds_sections import flag_section
+
+DS_SECTION = "rope_scaling"  # ds_config {"rope_scaling": {<a RoPE scaling flag's dest>: value, ...}}
 
 # flag dest -> the scaling's key (the dests are the flags' first names with underscores)
 DESTS = {"rope_scaling_factor": "factor",
@@ -28,7 +32,7 @@ MEGATRON_LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.
 
 def add_rope_args(group):
     """The flags, in the model-family group (--rope-theta's, whose Megatron-LM name --rotary-base is its alias)."""
-    group.add_argument("--use-rope-scaling", action="store_true",
+    group.add_argument("--use-rope-scaling", action="store_true", default=None,
                        help="Megatron-LM: LLaMA 3.1's RoPE scaling (= --rope-scaling-type llama3)")
     group.add_argument("--rope-scaling-type", choices=TYPES, default=None,
                        help="long-context RoPE scaling as transformers' rope_type (docs/MODELS.md)")
@@ -52,23 +56,34 @@ def add_rope_args(group):
                        help="yarn: what cos and sin are multiplied by (default 0.1 ln(factor) + 1)")
 
 
+def rope_ds_config(args, ds_config, src) -> dict:
+    """The ds_config's "rope_scaling" section as flag values ({flag dest: value}; {} without one), a flag given
+    too agreeing (ArgumentsError otherwise). The parse keeps it as args.rope_ds_config, read beside the flags."""
+    return flag_section(args, ds_config, DS_SECTION, add_rope_args, src, "RoPE scaling")
+
+
+def _setting(args, dest):
+    """A RoPE scaling flag's value: given as a flag, or in the ds_config's section (None: neither)."""
+    value = getattr(args, dest, None)
+    return value if value is not None else (getattr(args, "rope_ds_config", None) or {}).get(dest)
+
+
 def rope_scaling_from_flags(args, position_flag):
     """The scaling's dict the flags give (None: no scaling), its type's spellings resolved; ArgumentsError for two
     that disagree, a parameter of another type or one missing. `position_flag`: the --position-embedding-type
     given (Megatron-core's "yarn" is one of the spellings)."""
-    kind, said = getattr(args, "rope_scaling_type", None), "--rope-scaling-type"
-    spellings = [(getattr(args, "use_rope_scaling", False), "llama3", "--use-rope-scaling"),
+    kind, said = _setting(args, "rope_scaling_type"), "--rope-scaling-type"
+    interpolation = _setting(args, "rotary_seq_len_interpolation_factor")
+    spellings = [(_setting(args, "use_rope_scaling"), "llama3", "--use-rope-scaling"),
                  (position_flag == "yarn", "yarn", "--position-embedding-type yarn"),
-                 (getattr(args, "rotary_seq_len_interpolation_factor", None) is not None, "linear",
-                  "--rotary-seq-len-interpolation-factor")]
+                 (interpolation is not None, "linear", "--rotary-seq-len-interpolation-factor")]
     for given, their_kind, flag in spellings:
         if not given:
             continue
         if kind not in (None, their_kind):
             raise ArgumentsError(f"{flag} ({their_kind}) contradicts {said} ({kind}): give one of them")
         kind, said = their_kind, flag
-    values = {key: getattr(args, dest) for dest, key in DESTS.items() if getattr(args, dest, None) is not None}
-    interpolation = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    values = {key: _setting(args, dest) for dest, key in DESTS.items() if _setting(args, dest) is not None}
     if interpolation is not None:
         if values.get("factor", interpolation) != interpolation:
             raise ArgumentsError(f"--rotary-seq-len-interpolation-factor {interpolation} disagrees with "

@@ -3,6 +3,7 @@
 resolve to one GPTConfig.rope_scaling, its flags rebuild it, a checkpoint compares it; a bad value or two
 spellings that disagree stop the parse with one line (exit 2 from the entry point)."""
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -123,3 +124,37 @@ def test_bad_scaling_exits_2_with_one_line():
     assert proc.stderr.strip().splitlines() == [
         "pretrain_gpt.py: error: --use-rope-scaling (llama3) contradicts --rope-scaling-type (linear): give one of "
         "them"]
+
+
+def _with_ds_config(tmp_path, section, extra=()):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"rope_scaling": section}))
+    return config(*LLAMA, *extra, "--deepspeed", "--deepspeed_config", str(path))
+
+
+def test_the_ds_config_rope_scaling_section_is_the_flags(tmp_path):
+    section = {"rope_scaling_type": "yarn", "rope_scaling_factor": 4,
+               "rope_scaling_original_max_position_embeddings": 32, "yarn_beta_fast": 16}
+    assert _with_ds_config(tmp_path, section) == config(*LLAMA, *YARN, "--yarn-beta-fast", "16")
+    assert _with_ds_config(tmp_path, {"use_rope_scaling": True}) == config(*LLAMA, "--use-rope-scaling")
+    agreeing = _with_ds_config(tmp_path, section, ["--rope-scaling-factor", "4", "--rope-scaling-type", "yarn"])
+    assert agreeing.rope_scaling == RopeScaling("yarn", 4.0, original_max_position_embeddings=32, beta_fast=16.0)
+    from tests.training.config.test_model_args import parse_args
+    path = tmp_path / "ds.json"
+    args = parse_args(BASE + LLAMA + ["--deepspeed", "--deepspeed_config", str(path)], env={"WORLD_SIZE": "1"})
+    assert "rope_scaling" not in args.ds_config  # DeepSpeed gets its own keys alone
+
+
+@pytest.mark.parametrize("section, extra, words", [
+    ({"rope_scaling_factor": 8}, ["--rope-scaling-factor", "4", "--use-rope-scaling"],
+     '--rope-scaling-factor 4.0 disagrees with ds_config "rope_scaling.rope_scaling_factor" = 8'),
+    ({"rope_scaling_typ": "yarn"}, [], '"rope_scaling_typ" (did you mean "rope_scaling_type"?)'),
+    ({"rope_scaling_type": "dynamic"}, [], "'dynamic' is not a value --rope-scaling-type takes"),
+    ({"use_rope_scaling": True, "rope_scaling_type": "yarn"}, [],
+     "--use-rope-scaling (llama3) contradicts --rope-scaling-type (yarn)"),
+    ([2], [], 'ds_config "rope_scaling"'),
+])
+def test_a_wrong_ds_config_rope_scaling_section_stops_the_parse(tmp_path, section, extra, words):
+    with pytest.raises(ArgumentsError) as info:
+        _with_ds_config(tmp_path, section, extra)
+    assert words in str(info.value) and "\n" not in str(info.value)
