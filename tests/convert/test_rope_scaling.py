@@ -2,7 +2,8 @@
 YaRN models built from transformers' config classes (original context 32, max 128) give the logits of
 transformers' own models (fp32, 1e-5) over 96 positions, two thirds of them past the original context, where the
 scaling is seen to matter; the state dict and the config's rope_parameters come back bit for bit; and through the
-tools (import_hf -> checkpoint -> export_hf) the saved args carry the scaling to the reference model and back."""
+tools (import_hf -> checkpoint -> export_hf) the saved args carry the scaling to the reference model, its greedy
+generation (transformers' generate, past the original context) and back."""
 import dataclasses
 import json
 
@@ -143,3 +144,14 @@ def test_tools_carry_the_scaling_through_a_checkpoint(tmp_path, name):
         assert torch.equal(before[key], after[key]), key
     saved = [json.loads((tmp_path / d / "config.json").read_text())["rope_parameters"] for d in ("hf", "back")]
     assert saved[0] == saved[1] == SCALINGS[name][1]
+    # greedy generation through the K/V cache, past the original context: transformers' generate
+    (tmp_path / "prompts.txt").write_text("The pipeline\n")
+    assert tool("generate_samples_gpt.py", "--load", ckpt, "--sample-input-file", tmp_path / "prompts.txt",
+                "--sample-output-file", tmp_path / "out.jsonl", "--output-format", "jsonl", "--greedy",
+                "--out-seq-length", 48) == 0
+    sample = json.loads((tmp_path / "out.jsonl").read_text())
+    from megatron_ds.data.tokenizer import GPT2BPETokenizer, default_gpt2_files
+    prompt = torch.tensor([GPT2BPETokenizer(*default_gpt2_files()).tokenize("The pipeline")])
+    want = source.generate(prompt, do_sample=False, max_new_tokens=48, pad_token_id=vocab - 1)[0, prompt.shape[1]:]
+    assert len(sample["tokens"]) == 48 and prompt.shape[1] + 48 > ORIGINAL
+    assert sample["tokens"] == want.tolist()
