@@ -121,7 +121,7 @@ def _plain(key, value):
     return int(value) if key == "original_max_position_embeddings" and float(value).is_integer() else float(value)
 
 
-def rope_scaling_problem(scaling, max_position_embeddings=None) -> str:
+def rope_scaling_problem(scaling) -> str:
     """What makes this scaling (a RopeScaling or its dict) impossible, named by flag, or '' when it works."""
     if scaling is None:
         return ""
