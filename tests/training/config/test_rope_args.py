@@ -158,3 +158,20 @@ def test_a_wrong_ds_config_rope_scaling_section_stops_the_parse(tmp_path, sectio
     with pytest.raises(ArgumentsError) as info:
         _with_ds_config(tmp_path, section, extra)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_training_runs_saved_args_give_the_tools_the_scaling(tmp_path):
+    """What save_checkpoint writes of the run's args (plain values), read back weights-only as --load and the
+    tools read it, rebuilds the same scaled GPTConfig (convert/model_args: the reference model's)."""
+    import torch
+    from megatron_ds.convert.model_args import config_from_args, with_defaults
+    from megatron_ds.training.checkpoint import safe_load
+    from megatron_ds.training.checkpoint.save_load import _plain_args
+    from tests.training.config.test_model_args import parse_args
+    args = parse_args(BASE + LLAMA + YARN + ["--yarn-mscale", "0.9", "--yarn-mscale-all-dim", "0.5"],
+                      env={"WORLD_SIZE": "1", "RANK": "0"}).replace(padded_vocab_size=128)
+    torch.save({"args": _plain_args(args)}, tmp_path / "mp_rank_00_model_states.pt")
+    saved = safe_load.load(tmp_path / "mp_rank_00_model_states.pt")["args"]
+    assert saved.rope_scaling == args.gpt_config.rope_scaling.as_dict()
+    rebuilt = config_from_args(with_defaults(saved))
+    assert rebuilt.rope_scaling == args.gpt_config.rope_scaling and rebuilt.rope_scaling.mscale == 0.9
