@@ -6,6 +6,7 @@ BLOOM = alibi + embedding layernorm (GELU, tied head, biases as GPT-2),
 Qwen3 = LLaMA + a norm of each query and key head (qk_layernorm), often with heads wider than hidden / heads
 (kv_channels: HF's head_dim, as Qwen3-30B-A3B's 128 at 2048 / 32),
 Mixtral = LLaMA + experts in every layer (moe), Qwen3-MoE = Qwen3 + experts.
+LLaMA 3.1 = LLaMA + rope_scaling llama3; Qwen's long-context configs = Qwen3 + rope_scaling yarn (rope_scaling.py).
 Packed documents (Megatron's --reset-position-ids, --reset-attention-mask, --eod-mask-loss) are options
 too: they change what attention sees and what the loss scores (model/documents.py).
 """
@@ -14,6 +15,7 @@ from typing import Optional
 
 from .moe_config import MoEConfig, hf_moe_family, moe_problem, with_ffn_default
 from .parallel_layout import check_model_split
+from .rope_scaling import RopeScaling, rope_scaling_problem
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
@@ -37,6 +39,9 @@ class GPTConfig:
     swiglu: bool = False
     position_embedding_type: str = "learned_absolute"
     rope_theta: float = 10000.0
+    # long-context RoPE scaling (linear, llama3, yarn; rope_scaling.py): None rotates by rope_theta's frequencies
+    # alone. Its dict form (HF's rope_parameters) is taken too and made the frozen RopeScaling
+    rope_scaling: Optional[RopeScaling] = None
     num_key_value_heads: int = 0  # 0: one K/V head per query head (no grouping)
     # the head size where it is not hidden_size // num_attention_heads (Megatron's --kv-channels, HF's head_dim:
     # Qwen3's 128 at hidden 2048 / 32 heads); the same as that is kept as None, so that one model has one config
@@ -83,6 +88,8 @@ class GPTConfig:
         return bool(self.loss_chunk_size or self.liger_kernel)
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = RopeScaling.from_dict(self.rope_scaling)
         if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
             self.kv_channels = None
         if not self.num_key_value_heads:
@@ -183,6 +190,12 @@ def config_problem(c) -> str:
                 "--tensor-model-parallel-size > 1 use --loss-chunk-size (vocabulary-parallel)")
     if c.position_embedding_type == "rope" and not c.rope_theta > 0:
         return f"--rope-theta must be positive, got {c.rope_theta}"
+    scaling = getattr(c, "rope_scaling", None)
+    if scaling is not None and c.position_embedding_type != "rope":
+        return (f"RoPE scaling (--rope-scaling-type / --use-rope-scaling) scales rotary positions: "
+                f"--position-embedding-type is {c.position_embedding_type}, not rope")
+    if scaling is not None and rope_scaling_problem(scaling):
+        return rope_scaling_problem(scaling)
     eod = getattr(c, "eod_token", None)
     if eod is not None and not 0 <= eod < (c.vocab_size or eod + 1):
         return f"the end-of-document token {eod} is not in the vocabulary of {c.vocab_size} ids"

@@ -1,7 +1,9 @@
 """Hugging Face configs <-> GPTConfig, both ways: GPT-2, LLaMA, BLOOM, Qwen3, Mixtral and Qwen3-MoE, each the
 options of our layers that make the family (gpt_config.hf_family). An HF option our layers lack is refused
 with one line that names it. HF's head_dim is kv_channels (None where it is hidden / heads); GPT-2 and BLOOM have
-none of their own, so a model with kv_channels exports as neither.
+none of their own, so a model with kv_channels exports as neither. RoPE scaling (HF's rope_parameters, older
+configs' rope_scaling: linear, llama3 as LLaMA 3.1's, yarn as Qwen's long-context configs) is GPTConfig.rope_scaling
+both ways, its keys as HF has them (rope_scaling.py); another rope_type is refused.
 
 Mixture of experts. The routing is HF's: Mixtral's softmax, top-k, renormalised is our softmax over the top-k
 logits; Qwen3-MoE's norm_topk_prob=False is --moe-router-pre-softmax. HF adds its balancing loss only with
@@ -16,6 +18,7 @@ exported.
 """
 from megatron_ds.gpt_config import GPTConfig, hf_family
 from megatron_ds.moe_config import MoEConfig, compact_layer_freq, layer_pattern
+from megatron_ds.rope_scaling import RopeScaling
 
 SUPPORTED = ("gpt2", "llama", "bloom", "qwen3", "mixtral", "qwen3_moe")
 BLOOM_DEFAULT_POSITIONS = 2048  # ALiBi has no position table: BLOOM's training length, unless overridden
@@ -45,7 +48,12 @@ def _gpt2_fields(c):
 def _rope_fields(c):
     """What LLaMA, Qwen3, Mixtral and Qwen3-MoE share (RMSNorm, SwiGLU, RoPE, grouped K/V heads), checked."""
     rope = dict(getattr(c, "rope_parameters", None) or {"rope_theta": getattr(c, "rope_theta", 10000.0)})
-    _require(c, rope.get("rope_type", "default") == "default", f"RoPE scaling {rope}")
+    scaling = None
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        try:
+            scaling = RopeScaling.from_dict(rope)
+        except ValueError as exc:
+            raise _unsupported(c, str(exc)) from None
     _require(c, c.hidden_act == "silu", f"hidden_act {c.hidden_act!r} (ours is SwiGLU: silu)")
     window = getattr(c, "sliding_window", None)
     _require(c, window is None or window >= c.max_position_embeddings,
@@ -54,7 +62,8 @@ def _rope_fields(c):
                 num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
                 ffn_hidden_size=c.intermediate_size, attention_dropout=c.attention_dropout,
                 layernorm_epsilon=c.rms_norm_eps, normalization="rmsnorm", swiglu=True,
-                position_embedding_type="rope", rope_theta=rope["rope_theta"], add_bias_linear=False,
+                position_embedding_type="rope", rope_theta=rope["rope_theta"], rope_scaling=scaling,
+                add_bias_linear=False,
                 kv_channels=getattr(c, "head_dim", None))  # hidden / heads when None or equal (GPTConfig's None)
 
 
@@ -122,11 +131,13 @@ def _gpt2_config(c):
 
 
 def _rope_config(c):
+    rope = dict(rope_theta=c.rope_theta) if c.rope_scaling is None else dict(
+        rope_parameters={**c.rope_scaling.as_dict(), "rope_theta": c.rope_theta})
     return dict(hidden_size=c.hidden_size, num_hidden_layers=c.num_layers, num_attention_heads=c.num_attention_heads,
                 num_key_value_heads=c.num_key_value_heads, intermediate_size=c.ffn_hidden_size,
                 max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.layernorm_epsilon,
-                rope_theta=c.rope_theta, hidden_act="silu", attention_dropout=c.attention_dropout,
-                head_dim=c.head_dim)  # Qwen3's default is 128, whatever hidden / heads
+                hidden_act="silu", attention_dropout=c.attention_dropout,
+                head_dim=c.head_dim, **rope)  # Qwen3's default head_dim is 128, whatever hidden / heads
 
 
 def _llama_config(c):

@@ -50,6 +50,7 @@ class CausalSelfAttention(nn.Module):
         self.split_sizes = [s // tp for s in self.c_attn.sections]
         self.total_heads, self.head_start = config.num_attention_heads, comm.rank(self.group) * self.num_heads
         self.position_embedding_type, self.rope_theta = config.position_embedding_type, config.rope_theta
+        self.rope_scaling = config.rope_scaling  # frozen and hashable: the tables are cached by it
         self.attention_dropout = config.attention_dropout
         self.resid_drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         self.kv_slot = KVSlot()  # where the runtime puts this layer's K/V buffers of the open Seq1F1B segment
@@ -68,7 +69,8 @@ class CausalSelfAttention(nn.Module):
         if self.position_embedding_type == "rope":
             start = SegmentKVCache.current().offset if segmented else 0  # a compiled layer: a graph per offset
             tables = documents_rope_tables if Documents.positioning else rope_tables
-            q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype))
+            q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype,
+                                        self.rope_scaling))
         y = self._attend_through_cache(segment_queries(q), k, v) if segmented else self._core(q, k, v)
         return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
 

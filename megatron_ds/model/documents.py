@@ -240,12 +240,13 @@ def opened(documents):
 
 # A compiled layer leaves these out of its graph: they read the open micro-batch's tensors, which differ each op.
 @outside_graph
-def documents_rope_tables(head_dim, theta, start, length, device, dtype):
-    """cos and sin (b, 1, length, head_dim) of the open documents' positions [start, start + length)."""
+def documents_rope_tables(head_dim, theta, start, length, device, dtype, scaling=None):
+    """cos and sin (b, 1, length, head_dim) of the open documents' positions [start, start + length), under RoPE
+    scaling `scaling` (positions.rope_tables)."""
     documents = Documents.current()
     if documents is None or documents.positions is None:
-        return rope_tables(head_dim, theta, start, length, device, dtype)
-    return rope_tables_at(head_dim, theta, documents.rope_positions(start, length), dtype)
+        return rope_tables(head_dim, theta, start, length, device, dtype, scaling)
+    return rope_tables_at(head_dim, theta, documents.rope_positions(start, length), dtype, scaling)
 
 
 @outside_graph

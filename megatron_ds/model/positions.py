@@ -9,6 +9,10 @@ within a document whatever its first position.
 
 RoPE uses the rotate-half layout (the two halves of a head are the pairs), as
 Hugging Face's LLaMA and Megatron-LM do, so HF's q/k projections load unchanged.
+
+Long-context scaling (megatron_ds/rope_scaling.py: linear, llama3, yarn) changes the inverse frequencies, which
+inverse_frequencies alone computes for every table below, and for yarn multiplies cos and sin by the attention
+factor: the whole sequence, a Seq1F1B segment, packed documents' positions and a compiled layer alike.
 """
 import functools
 import math
@@ -16,13 +20,60 @@ import math
 import torch
 
 
+def inverse_frequencies(head_dim, theta, scaling=None, device=None):
+    """The rotation's inverse frequencies (head_dim / 2,) in fp32, scaled by `scaling` (a RopeScaling, or None):
+    transformers' rope init functions' values, operation for operation, so that they agree bit for bit."""
+    channels = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    if scaling is not None and scaling.rope_type == "yarn":
+        return _yarn(head_dim, theta, scaling, theta ** channels)
+    inv_freq = 1.0 / theta ** channels
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    return _llama3(inv_freq, scaling)
+
+
+def _llama3(inv_freq, s):
+    """LLaMA 3.1: long wavelengths divided by the factor, short ones kept, those between blended."""
+    original = s.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    longest_kept, shortest_scaled = original / s.high_freq_factor, original / s.low_freq_factor
+    scaled = torch.where(wavelength > shortest_scaled, inv_freq / s.factor, inv_freq)
+    blend = (original / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - blend) * scaled / s.factor + blend * scaled
+    between = ~(wavelength < longest_kept) * ~(wavelength > shortest_scaled)
+    return torch.where(between, blended, scaled)
+
+
+def _yarn(head_dim, theta, s, wavelengths):
+    """YaRN: each dimension between interpolation (divided by the factor) and extrapolation (kept), by a ramp
+    over the dimensions of the correction range. `wavelengths` are theta ** (2i / head_dim)."""
+    kept, interpolated = 1.0 / wavelengths, 1.0 / (s.factor * wavelengths)
+    low, high = s.yarn_correction_range(head_dim, theta)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = (1 - ramp).to(wavelengths.device)
+    return interpolated * (1 - keep) + kept * keep
+
+
 @functools.lru_cache(maxsize=64)
-def _rope_cos_sin(head_dim, theta, start, length, device, dtype):
+def _rope_cos_sin(head_dim, theta, start, length, device, dtype, scaling=None):
     """Cached per dtype too: a bf16 run casts its tables once, not in every layer of every op."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, device)
     angles = torch.arange(start, start + length, device=device).float()[:, None] * inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)  # (length, head_dim): each half rotates with its twin
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return _scaled_cos_sin(angles, scaling, dtype)
+
+
+def _scaled_cos_sin(angles, scaling, dtype):
+    """cos and sin of the angles (fp32), times yarn's attention factor, in `dtype`."""
+    cos, sin = angles.cos(), angles.sin()
+    scale = 1.0 if scaling is None else scaling.attention_scale
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def _rotate_half(x):
@@ -30,21 +81,21 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rope_tables(head_dim, theta, start, length, device, dtype):
-    """cos and sin (length, head_dim) of positions start..start+length-1 (a compiled layer computes them in its
-    graph, where they fuse with the rotation, instead of reading dynamo-opaque cached tensors)."""
+def rope_tables(head_dim, theta, start, length, device, dtype, scaling=None):
+    """cos and sin (length, head_dim) of positions start..start+length-1, under RoPE scaling `scaling` (a
+    RopeScaling, or None) (a compiled layer computes them in its graph, where they fuse with the rotation,
+    instead of reading dynamo-opaque cached tensors)."""
     tables = _rope_cos_sin.__wrapped__ if torch.compiler.is_compiling() else _rope_cos_sin
-    return tables(head_dim, theta, start, length, device, dtype)
+    return tables(head_dim, theta, start, length, device, dtype, scaling)
 
 
-def rope_tables_at(head_dim, theta, positions, dtype):
+def rope_tables_at(head_dim, theta, positions, dtype, scaling=None):
     """cos and sin (b, 1, s, head_dim) of the positions (b, s) of each token (packed documents, whose positions
     restart): the angles rope_tables makes of the same positions, bit for bit."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float()
-                                / head_dim)
+    inv_freq = inverse_frequencies(head_dim, theta, scaling, positions.device)
     angles = positions.float().unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1).unsqueeze(1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return _scaled_cos_sin(angles, scaling, dtype)
 
 
 def rotate(q, k, cos, sin):

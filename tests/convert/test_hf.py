@@ -144,8 +144,8 @@ def test_llama_loss_equals_hf_loss_with_its_label_shift():
 def test_unsupported_hf_models_name_their_type():
     with pytest.raises(ValueError, match="model_type 'gptj'.*GPTJForCausalLM"):
         gpt_config_from_hf(transformers.GPTJConfig(architectures=["GPTJForCausalLM"]))
-    with pytest.raises(ValueError, match="RoPE scaling"):
-        gpt_config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "factor": 2.0,
+    with pytest.raises(ValueError, match="RoPE scaling type 'dynamic'"):  # linear, llama3, yarn: test_rope_scaling.py
+        gpt_config_from_hf(transformers.LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                      "rope_theta": 1e4}))
     with pytest.raises(ValueError, match="activation_function"):
         gpt_config_from_hf(transformers.GPT2Config(activation_function="relu"))

@@ -65,7 +65,7 @@ CHECKPOINT_VERSION = 3.0
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
               "padded_vocab_size") + MODEL_FAMILY_ARGS
 # what a checkpoint saved before one of them existed meant by its absence (compared as that; the others are skipped)
-UNSAVED_MODEL_ARGS = {"kv_channels": None}
+UNSAVED_MODEL_ARGS = {"kv_channels": None, "rope_scaling": None}
 
 
 def _plain_args(args):

@@ -38,6 +38,7 @@ from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_par
 from .observability import add_observability_args, check_observability_args
 from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
 from .pipeline import check_schedule_shape
+from .rope_args import DS_SECTION as ROPE_SECTION, rope_ds_config
 from .run_config import RunConfig
 
 
@@ -211,6 +212,8 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "save_interval", "loss_curve",
            "swiglu", "position_embedding_type", "num_key_value_heads",  # model_args: aliases resolved
            "kv_channels",  # model_args: hidden / heads given is None (the flag left out)
+           "rope_scaling",  # rope_args: the RoPE scaling flags as one dict (HF's rope_parameters), or None
+           "rope_ds_config",  # rope_args: the ds_config's "rope_scaling" section, read beside its flags
            "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
@@ -223,6 +226,7 @@ def validate_args(args):
     """Check the flags and derive DERIVED, in the order each needs the ones before."""
     ds_config = read_ds_config(args.deepspeed_config)  # read once: the MoE section first, the rest with the flags
     args.moe_ds_config = moe_ds_config(args, ds_config, args.deepspeed_config)
+    args.rope_ds_config = rope_ds_config(args, ds_config, args.deepspeed_config)
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
@@ -320,10 +324,11 @@ def merge_ds_config(args, ds_config):
         if key in ds_config:
             _err(f"ds_config \"{key}\" in {src}: remove it; pretrain_gpt.py builds the optimizer and the "
                  "lr schedule from --optimizer/--lr/--adam-*/--lr-decay-* (Megatron-DeepSpeed convention)")
-    unknown = unknown_keys_line(ds_config, deepspeed_keys() | {MOE_SECTION}, f"ds_config {src}")
+    unknown = unknown_keys_line(ds_config, deepspeed_keys() | {MOE_SECTION, ROPE_SECTION}, f"ds_config {src}")
     if unknown:
         _err(f"{unknown}: DeepSpeed would ignore it and train without it")
-    cfg = {k: v for k, v in ds_config.items() if k != MOE_SECTION}  # ours, read with the flags (moe_ds_config)
+    # ours, read with the flags (moe_ds_config, rope_ds_config)
+    cfg = {k: v for k, v in ds_config.items() if k not in (MOE_SECTION, ROPE_SECTION)}
     args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = _merge_batch(args, cfg, src)
     args.clip_grad = _merge_clipping(args, cfg)
     args.zero_stage = _merge_zero(args, cfg)

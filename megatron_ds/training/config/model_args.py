@@ -6,6 +6,7 @@ LLaMA:  --normalization rmsnorm --swiglu --position-embedding-type rope --num-ke
 BLOOM:  --position-embedding-type alibi --embed-layernorm
 Qwen3:  LLaMA's + --qk-layernorm (+ --kv-channels D where the head size is not hidden / heads, as Qwen3-32B's
         and Qwen3-30B-A3B's 128); Mixtral: LLaMA's + --num-experts N (moe_args.py); Qwen3-MoE: Qwen3's + experts
+Long contexts: LLaMA 3.1's --use-rope-scaling, YaRN, linear (rope_args.py)
 
 The flag checks here resolve the aliases (and refuse two that disagree); the model's rules (head counts,
 head size, RoPE) live in GPTConfig alone (torch-free, megatron_ds/gpt_config.config_problem), which
@@ -18,12 +19,14 @@ from megatron_ds.gpt_config import NORMALIZATIONS, POSITION_EMBEDDINGS, GPTConfi
 from .document_args import FLAGS as DOCUMENT_FLAGS
 from ..errors import ArgumentsError
 from .moe_args import moe_config_from_args, moe_flags
+from .rope_args import add_rope_args, rope_scaling_flags, rope_scaling_from_flags
 
 # the GPTConfig fields these flags set (a checkpoint loads only into a run with the same values)
 MODEL_FAMILY_ARGS = ("normalization", "swiglu", "position_embedding_type", "rope_theta", "num_key_value_heads",
                      "untie_embeddings_and_output_weights", "add_bias_linear", "embed_layernorm", "qk_layernorm",
-                     "kv_channels")
+                     "kv_channels", "rope_scaling")
 _POSITION_ALIASES = {"absolute": "learned_absolute", "rotary": "rope"}  # BigScience's names
+_YARN = "yarn"  # Megatron-core's position type: rope with YaRN's scaling (rope_args.py)
 
 
 def _position_type(text):
@@ -36,11 +39,13 @@ def add_model_args(parser):
     g.add_argument("--normalization", type=str.lower, choices=NORMALIZATIONS, default="layernorm")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (LLaMA); see --ffn-hidden-size")
     g.add_argument("--glu-activation", choices=["swiglu"], default=None, help="BigScience's spelling of --swiglu")
-    g.add_argument("--position-embedding-type", type=_position_type, choices=POSITION_EMBEDDINGS, default=None,
-                   help="default learned_absolute (BigScience's absolute/rotary/alibi are accepted too)")
+    g.add_argument("--position-embedding-type", type=_position_type, choices=POSITION_EMBEDDINGS + (_YARN,),
+                   default=None, help="default learned_absolute (BigScience's absolute/rotary/alibi are accepted "
+                                      "too; Megatron-core's yarn is rope with --rope-scaling-type yarn)")
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="same as --position-embedding-type rope")
-    g.add_argument("--rope-theta", type=float, default=10000.0)
+    g.add_argument("--rope-theta", "--rotary-base", type=float, default=10000.0,
+                   help="RoPE's base (Megatron-LM's --rotary-base)")
     g.add_argument("--num-key-value-heads", type=int, default=None,
                    help="grouped-query attention: K/V heads, each shared by heads / N query heads")
     g.add_argument("--kv-channels", type=int, default=None,
@@ -55,11 +60,16 @@ def add_model_args(parser):
     g.add_argument("--embed-layernorm", action="store_true", help="a norm after the word embeddings (BLOOM)")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="normalise each query and key head (over the head size) before RoPE (Qwen3)")
+    add_rope_args(g)
 
 
 def validate_model_args(args):
     """Resolve the aliases into one value each; refuse impossible combinations (ArgumentsError)."""
     args.swiglu = args.swiglu or args.glu_activation == "swiglu"
+    position_flag = args.position_embedding_type
+    if position_flag == _YARN:
+        args.position_embedding_type = "rope"
+    args.rope_scaling = rope_scaling_from_flags(args, position_flag)
     if args.use_rotary_position_embeddings:
         if args.position_embedding_type not in (None, "rope"):
             raise ArgumentsError(f"--use-rotary-position-embeddings contradicts --position-embedding-type "
@@ -149,6 +159,7 @@ def model_family_flags(config) -> list:
         flags += ["--num-key-value-heads", str(config.num_key_value_heads)]
     if config.kv_channels is not None:
         flags += ["--kv-channels", str(config.kv_channels)]
+    flags += rope_scaling_flags(config.rope_scaling)
     for name, on in (("--untie-embeddings-and-output-weights", config.untie_embeddings_and_output_weights),
                      ("--disable-bias-linear", not config.add_bias_linear),
                      ("--embed-layernorm", config.embed_layernorm), ("--qk-layernorm", config.qk_layernorm)):

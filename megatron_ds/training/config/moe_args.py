@@ -5,14 +5,12 @@ The checks that need no process group run here, at parse time (exit 2): a MoE fl
 --num-experts, and MoEConfig's own rules (moe_config.moe_problem) named by flag. The same settings may sit in
 the ds_config's "moe" section, keyed by the flags' names with underscores (moe_ds_config).
 """
-import argparse
 import dataclasses
 
 from megatron_ds.moe_config import (LOAD_BALANCING_TYPES, SCORE_FUNCTIONS, MoEConfig, expert_parallel_problem, moe_problem,
                                     parse_layer_freq)
-from megatron_ds.pipe.ds_keys import unknown_keys_line
-
 from ..errors import ArgumentsError
+from .ds_sections import flag_section
 
 # flag dest -> MoEConfig field (the flags' defaults are None: given or not is known)
 _FIELDS = {"moe_router_topk": "router_topk", "moe_ffn_hidden_size": "ffn_hidden_size",
@@ -62,58 +60,26 @@ DS_SECTION = "moe"  # ds_config {"moe": {<a MoE flag's dest>: value, ...}}: the 
 def moe_ds_config(args, ds_config, src) -> dict:
     """The ds_config's "moe" section as flag values ({flag dest: value}; {} without one): each key is a MoE flag's
     name with underscores ("num_experts", "moe_router_topk", "expert_model_parallel_size", ...), and a flag given
-    too must agree (ArgumentsError, exit 2, before anything starts). The parse keeps it as args.moe_ds_config,
-    which `setting` reads beside the flags."""
-    section = ds_config.get(DS_SECTION)
-    if section is None:
-        return {}
-    if not isinstance(section, dict):
-        raise ArgumentsError(f'ds_config "{DS_SECTION}" in {src} must be an object of MoE settings, got {section!r}')
-    parser = argparse.ArgumentParser(add_help=False)
-    add_moe_args(parser)
-    actions = {a.dest: a for a in parser._actions}
-    unknown = unknown_keys_line(section, actions, f'ds_config "{DS_SECTION}" in {src}')
-    if unknown:
-        raise ArgumentsError(f"{unknown}: its keys are the MoE flags' names with underscores (--num-experts: "
-                             f"num_experts)")
-    values = {}
-    for key, value in section.items():
-        action = actions[key]
-        value = _ds_value(action, value, f'ds_config "{DS_SECTION}.{key}" in {src}')
-        given = getattr(args, key, None)
-        same = (parse_layer_freq(given) == parse_layer_freq(value)) if key == "moe_layer_freq" and given is not None \
-            else given == value
-        if given is not None and not same:
-            shown = " ".join(map(str, given)) if isinstance(given, list) else given
-            raise ArgumentsError(f'{action.option_strings[0]} {shown} disagrees with ds_config "{DS_SECTION}.{key}" = '
-                                 f"{section[key]} in {src}; give one of them, or make them equal")
-        values[key] = value
-    return values
+    too must agree (ArgumentsError, exit 2, before anything starts; ds_sections.py). The parse keeps it as
+    args.moe_ds_config, which `setting` reads beside the flags."""
+    return flag_section(args, ds_config, DS_SECTION, add_moe_args, src, "MoE", _layer_freq_value, _same)
+
+
+def _layer_freq_value(action, value):
+    """--moe-layer-freq's ds_config value (an int, a list or the flag's text), read as the flag's text."""
+    if action.dest != "moe_layer_freq":
+        return None
+    return str(value), isinstance(value, (int, list, str)) and not isinstance(value, bool)
+
+
+def _same(dest, given, value):
+    return parse_layer_freq(given) == parse_layer_freq(value) if dest == "moe_layer_freq" else given == value
 
 
 def setting(args, dest):
     """A MoE flag's value: given as a flag, or in the ds_config's "moe" section (None: neither)."""
     value = getattr(args, dest, None)
     return value if value is not None else (getattr(args, "moe_ds_config", None) or {}).get(dest)
-
-
-def _ds_value(action, value, where):
-    """A ds_config value as the flag's parse gives it; ArgumentsError naming `where` otherwise."""
-    if action.nargs == 0:  # store_true
-        ok = isinstance(value, bool)
-    elif action.dest == "moe_layer_freq":
-        value, ok = str(value), isinstance(value, (int, list, str)) and not isinstance(value, bool)
-    elif action.nargs == "+":  # --num-experts: one count
-        value = value if isinstance(value, list) else [value]
-        ok = all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    else:
-        kind = action.type or str
-        ok = isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool)
-        value = kind(value) if ok else value
-        ok = ok and (action.choices is None or value in action.choices)
-    if not ok:
-        raise ArgumentsError(f"{where}: {value!r} is not a value {action.option_strings[0]} takes")
-    return value
 
 
 def moe_config_from_args(args):
