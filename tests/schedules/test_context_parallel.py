@@ -164,3 +164,11 @@ def test_compare_refuses_in_one_line(capsys, extra, message):
     assert main([*ARGS, *extra]) == 2
     captured = capsys.readouterr()
     assert captured.err == message and captured.out == ""
+
+
+def test_compare_marks_a_segment_count_one_cp_size_cannot_cut(capsys):
+    assert main([*ARGS, "--seq-length", "64", "--context-parallel-size", "8", "--seq-splits", "8", *SHAPE_ARGS]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("seq1f1b")]
+    assert len(rows) == 2 and all(row.split()[2:8] != ["n/a"] for row in rows)  # C = 1, 2, 4 cut 8 segments
+    assert all(row.endswith("n/a: CP=8: seq_length=64 is too short for seq_splits=8 segments in multiples of 16")
+               for row in rows)
