@@ -58,13 +58,14 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
     """(the settings of the schedule an "auto" run starts on, its AutoPlan); a budget no schedule
     fits is refused here, with the smallest one that would."""
     budget, text, unit, logits = settings.memory_budget, f"{settings.memory_budget}", None, 0.0
+    cp = getattr(config, "context_parallel_size", 1)  # a rank's memory is of its seq / CP tokens
     if isinstance(budget, str):  # bytes: the logits count too (a chunked or fused loss holds none)
         dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
         unit = auto.unit_bytes(config.num_layers / pp, seq, mbs, config.hidden_size,
-                               getattr(config, "num_attention_heads", 1), dtype)
+                               getattr(config, "num_attention_heads", 1), dtype, cp)
         budget = auto.parse_bytes(budget) / unit
         if not getattr(config, "head_hands_weight", False):
-            logits = auto.logits_units(seq, mbs, vocab_size(config), unit)
+            logits = auto.logits_units(seq, mbs, vocab_size(config), unit, cp)
         text = (f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes, a micro-batch\'s '
                 f'logits {logits:.3g} of them (estimates: schedules/auto.py)')
     cuts = seq1f1b_cuts(settings, config, seq, keys)
@@ -76,7 +77,7 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
                               "model (schedules/recompute.layer_memory) counts dense layers; give the recompute "
                               "flags yourself")
         dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
-        knobs = auto_recompute.Knobs.of(config, seq, mbs, dtype, pp, unit)
+        knobs = auto_recompute.Knobs.of(config, seq, mbs, dtype, pp, unit, cp, getattr(config, "cp_comm_type", "p2p"))
     try:
         if knobs:
             start, setting, probe = auto_recompute.start(budget, pp, gas, config.num_layers, knobs, cuts, **space)

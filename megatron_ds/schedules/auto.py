@@ -413,20 +413,22 @@ def parse_bytes(text: str) -> int | None:
     return None
 
 
-def unit_bytes(layers_per_stage: float, seq: int, mbs: int, hidden: int, heads: int, dtype_bytes: int) -> float:
+def unit_bytes(layers_per_stage: float, seq: int, mbs: int, hidden: int, heads: int, dtype_bytes: int,
+               context_parallel: int = 1) -> float:
     """Bytes of one memory unit (one micro-batch's activations on one 1F1B stage): per layer
     s*b*h*(34 + 5*a*s/h) bytes at 2-byte precision, Korthikanti et al. 2022 ("Reducing activation
     recomputation in large transformer models", eq. 1, no tensor/sequence parallelism), scaled by
-    the dtype's size. An estimate: it ignores the embedding's and the head's own activations."""
-    per_layer = seq * mbs * hidden * (34 + 5 * heads * seq / hidden) * dtype_bytes / 2
+    the dtype's size. An estimate: it ignores the embedding's and the head's own activations. Under
+    context parallelism a rank holds s / C tokens, whose queries score all s keys: (s/C)*b*h*(34 + 5*a*s/h)."""
+    per_layer = seq / context_parallel * mbs * hidden * (34 + 5 * heads * seq / hidden) * dtype_bytes / 2
     return per_layer * layers_per_stage
 
 
 LOGIT_BYTES = 4  # the loss holds the logits in fp32 (gpt_loss; a slice's softmax under vocabulary parallelism)
 
 
-def logits_units(seq: int, mbs: int, vocab: int, unit: float) -> float:
+def logits_units(seq: int, mbs: int, vocab: int, unit: float, context_parallel: int = 1) -> float:
     """One micro-batch's logits (mbs x seq x vocab, fp32), which the loss stage holds from its forward to
     the end of its backward (each rank's slice of them from its S to its T under vocabulary
-    parallelism), in memory units of `unit` bytes (`unit_bytes`)."""
-    return seq * mbs * vocab * LOGIT_BYTES / unit
+    parallelism), in memory units of `unit` bytes (`unit_bytes`); a context-parallel rank's of its s / C tokens."""
+    return seq / context_parallel * mbs * vocab * LOGIT_BYTES / unit

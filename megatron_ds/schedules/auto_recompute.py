@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import auto
+from .context_parallel import cp_layer_memory
 from .costs import ModelCosts
 from .ir import ScheduleError
 from .flops import attention_flops, layer_shape, query_width, span_flops
@@ -59,9 +60,17 @@ class Knobs:
     unit_bytes: float | None = None
 
     @classmethod
-    def of(cls, config, seq: int, mbs: int, dtype_bytes: int, pp: int, unit_bytes: float | None = None) -> "Knobs":
-        return cls(tuple(layer_memory(config, seq, mbs, dtype_bytes, cuda=c) for c in (False, True)), True,
-                   config.num_layers, pp, core_share(config, seq), unit_bytes)
+    def of(cls, config, seq: int, mbs: int, dtype_bytes: int, pp: int, unit_bytes: float | None = None,
+           context_parallel: int = 1, cp_comm_type: str = "p2p") -> "Knobs":
+        """At CP C a rank's layer holds seq / C tokens and what its attention's communication keeps
+        (context_parallel.cp_layer_memory, the fused core's on either device); the core's share of its time is
+        the whole sequence's (a rank's attention and linear layers both do 1/C of theirs)."""
+        if context_parallel > 1:
+            memory = cp_layer_memory(config, seq, mbs, dtype_bytes, context_parallel, cp_comm_type)
+            memories = (memory, memory)
+        else:
+            memories = tuple(layer_memory(config, seq, mbs, dtype_bytes, cuda=c) for c in (False, True))
+        return cls(memories, True, config.num_layers, pp, core_share(config, seq), unit_bytes)
 
     settings = KNOBS
 

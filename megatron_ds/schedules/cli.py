@@ -6,7 +6,8 @@ import argparse
 import sys
 
 from .catalog import CATALOG, build_schedule
-from .compare import compare_rows, format_table
+from .compare import compare_rows, context_rows, format_context_table, format_table
+from .context_parallel import BANDWIDTH, COMM_TYPES, DEVICE_FLOPS
 from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
 from .render import ascii_timeline, plot_timeline, summary_table
@@ -119,7 +120,59 @@ def _show(args) -> None:
         print(f"timeline drawn to {plot_timeline(res, args.plot)}")
 
 
+SHAPE = ("num_layers", "hidden_size", "num_attention_heads")  # what the context-parallel table cannot do without
+
+
+def _context_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("context parallelism", "with --seq-length (and --context-parallel-size C): each "
+                             "schedule's peak memory per rank and step at CP 1, 2, 4, ... C, from the model's shape")
+    g.add_argument("--seq-length", type=int, default=None, help="tokens per sequence")
+    g.add_argument("--context-parallel-size", type=int, default=None, metavar="C",
+                   help="the largest CP size set beside CP=1 (powers of two between them too)")
+    g.add_argument("--cp-comm-type", choices=COMM_TYPES, default="p2p", help="the attention's communication")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-key-value-heads", type=int, default=None, help="grouped-query attention (default: heads)")
+    g.add_argument("--kv-channels", type=int, default=None, help="head size (default hidden / heads)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x --hidden-size")
+    g.add_argument("--vocab-size", type=int, default=None, help="the head's cost and logits (default 50304)")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--normalization", choices=["layernorm", "rmsnorm"], default="layernorm")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "alibi"], default="rope")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--activation-bytes", type=int, default=2, help="bytes per activation element (bf16: 2)")
+    g.add_argument("--no-logits", action="store_true",
+                   help="the loss holds no logits between ops (--loss-chunk-size, --use-liger-kernel)")
+    g.add_argument("--device-tflops", type=float, default=DEVICE_FLOPS / 1e12, help="FLOP rate one GPU reaches")
+    g.add_argument("--cp-bandwidth", type=float, default=BANDWIDTH / 1e9, metavar="GB/s",
+                   help="one way between two CP ranks")
+    g.add_argument("--seq-split-method", choices=["balanced", "even"], default="balanced",
+                   help="Seq1F1B's segments (each a multiple of 2 x CP)")
+
+
+def _context_compare(args) -> None:
+    missing = [f"--{name.replace('_', '-')}" for name in ("seq_length", *SHAPE) if getattr(args, name) is None]
+    if missing:
+        raise ScheduleError(f"the context-parallel table needs the model's shape and sequence: give {', '.join(missing)}")
+    cp = args.context_parallel_size or 1
+    sizes, rows = context_rows(args.pp, args.micro_batches, args, args.seq_length, cp, args.cp_comm_type,
+                               virtual_stages=args.virtual_stages, seq_splits=args.seq_splits,
+                               seq_split_method=args.seq_split_method, batch=args.micro_batch_size,
+                               dtype_bytes=args.activation_bytes, flops=args.device_tflops * 1e12,
+                               bandwidth=args.cp_bandwidth * 1e9, logits=not args.no_logits)
+    kv = args.num_key_value_heads or args.num_attention_heads
+    title = (f"context parallelism: seq {args.seq_length}, micro-batch {args.micro_batch_size}, p={args.pp} "
+             f"m={args.micro_batches}; L={args.num_layers} h={args.hidden_size} heads {args.num_attention_heads}/{kv} "
+             f"ffn {args.ffn_hidden_size or 4 * args.hidden_size}{' SwiGLU' if args.swiglu else ''} "
+             f"V={args.vocab_size or 50304}{' (no logits held)' if args.no_logits else ''}; {args.cp_comm_type} at "
+             f"{args.cp_bandwidth:g} GB/s, {args.device_tflops:g} TFLOP/s, {args.activation_bytes}-byte activations")
+    print(format_context_table(sizes, rows, title))
+
+
 def _compare(args) -> None:
+    if args.seq_length is not None or args.context_parallel_size is not None:
+        return _context_compare(args)
     rows = compare_rows(args.pp, args.micro_batches, args.tf, args.tb, args.tw,
                         p2p_latency=args.p2p_latency, virtual_stages=args.virtual_stages,
                         seq_splits=args.seq_splits, embed=args.embed_cost, head=args.head_cost,
@@ -160,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
                       help="beside each row, the same schedule with the vocabulary passes on every rank")
     _cost_args(cmp_)
     _model_cost_args(cmp_)
+    _context_args(cmp_)
     cmp_.set_defaults(run=_compare)
     return top
 

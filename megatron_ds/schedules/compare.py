@@ -1,10 +1,12 @@
-"""One table of every schedule's makespan, bubble and memory for the same p, m and costs."""
+"""One table of every schedule's makespan, bubble and memory for the same p, m and costs; and, for a model's
+shape at a sequence length, the same at each context-parallel size (`context_rows`: bytes and seconds)."""
 from __future__ import annotations
 
 import functools
 from typing import Callable
 
 from .catalog import BASELINE, CATALOG, build_schedule
+from .context_parallel import ContextRun
 from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
 
@@ -77,4 +79,76 @@ def format_table(rows: list[dict], title: str = "") -> str:
         time = f"{row['vs_1f1b']:.3f}" if "vs_1f1b" in row else ""
         lines.append(f"{row['schedule']:<12} {row['setting']:<15} {row['makespan']:>9.2f} "
                      f"{row['bubble']:>7.3f} {row['peak_memory']:>9.2f} {row['p2p']:>5} {time:>27}")
+    return "\n".join(lines)
+
+
+def context_sizes(cp: int) -> list[int]:
+    """The CP sizes a table sets side by side: 1, 2, 4, ... up to `cp` when it is a power of two, else 1 and `cp`."""
+    if cp & (cp - 1) == 0:
+        return [1 << i for i in range(cp.bit_length())]
+    return [1, cp]
+
+
+def context_rows(pp: int, m: int, config, seq: int, cp: int, comm: str = "p2p", *, virtual_stages: int = 2,
+                 seq_splits=(2,), seq_split_method: str = "balanced", **run) -> tuple[list[dict], list[dict]]:
+    """(one entry per CP size of context_sizes(cp): the attention's messages, the share hidden, a layer's memory and
+    times; one row per schedule setting: at each CP size its busiest rank's peak activation memory in bytes and
+    its simulated step in seconds, or the reason it cannot run). `run`: ContextRun's other fields."""
+    splits = (seq_splits,) if isinstance(seq_splits, int) else tuple(seq_splits)
+    sizes, rows = [], {}
+    for c in context_sizes(cp):
+        model = ContextRun(config, seq, c, comm, **run)
+        model.check()
+        held, ring = model.layer()
+        msgs = model.messages()
+        sizes.append({"cp": c, "tokens": seq // c, "held": held.held, "comm": held.comm, "in_flight": held.in_flight,
+                      "forward": msgs.forward_bytes, "backward": msgs.backward_bytes, "hidden": ring.hidden,
+                      "step_hidden": ring.step_hidden, "compute": ring.compute, "exposed": ring.exposed})
+        op_costs = model.model_costs(pp).mean_op_times(pp)
+        for name, spec in CATALOG.items():
+            for note, kwargs in spec.variants(virtual_stages, splits, op_costs=op_costs):
+                row = rows.setdefault((name, note), {"schedule": name, "setting": note, "cp": {}})
+                try:
+                    lengths = model.segment_lengths(kwargs.get("seq_splits", 1), seq_split_method)
+                    schedule = _built(name, pp, m, tuple(sorted({**kwargs, "segment_lengths": tuple(lengths)}.items()
+                                                                if lengths else kwargs.items())))
+                    res, peak = model.simulate(schedule)
+                except ScheduleError as exc:
+                    row["cp"][c] = {"error": str(exc)}
+                    continue
+                row["cp"][c] = {"peak_memory": peak, "makespan": res.makespan}
+    return sizes, list(rows.values())
+
+
+GIB, MIB = 2 ** 30, 2 ** 20
+
+
+def format_context_table(sizes: list[dict], rows: list[dict], title: str = "") -> str:
+    """The CP sizes' attention costs, then each schedule's peak memory per rank (GiB) and step (s) at each size."""
+    lines = [title] if title else []
+    head = (f"{'CP':>3} {'tokens/rank':>11} {'held GiB/layer':>14} {'sent MiB/layer F/B':>19} {'hidden':>6} "
+            f"{'step hides F/B':>14} {'layer ms F/B/W':>20} {'unhidden ms F/B':>15}")
+    lines += [head, "-" * len(head)]
+    for s in sizes:
+        step = "/".join(f"{x:.2f}" for x in s["step_hidden"]) if s["step_hidden"] else "-"
+        hidden = f"{s['hidden']:.2f}" if s["cp"] > 1 else "-"
+        lines.append(f"{s['cp']:>3} {s['tokens']:>11} {s['held'] / GIB:>14.3f} "
+                     f"{s['forward'] / MIB:>9.1f}/{s['backward'] / MIB:<9.1f} {hidden:>6} {step:>14} "
+                     f"{'/'.join(f'{t * 1e3:.2f}' for t in s['compute']):>20} "
+                     f"{'/'.join(f'{t * 1e3:.2f}' for t in s['exposed']):>15}")
+    cps = [s["cp"] for s in sizes]
+    lines += ["", "peak activation memory per rank (GiB, busiest rank) and step (s), by CP size"]
+    head = f"{'schedule':<12} {'setting':<10}" + "".join(f" {f'CP={c} GiB':>10} {'step s':>8}" for c in cps)
+    lines += [head, "-" * len(head)]
+    for row in rows:
+        cells, errors = "", []
+        for c in cps:
+            cell = row["cp"][c]
+            if "error" in cell:
+                cells += f" {'n/a':>10} {'':>8}"
+                errors.append(f"CP={c}: {cell['error']}" if len(cps) > 1 else cell["error"])
+            else:
+                cells += f" {cell['peak_memory'] / GIB:>10.2f} {cell['makespan']:>8.3f}"
+        note = f"  n/a: {errors[0]}" if errors else ""
+        lines.append(f"{row['schedule']:<12} {row['setting']:<10}{cells}{note}")
     return "\n".join(lines)

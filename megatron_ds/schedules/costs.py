@@ -31,6 +31,11 @@ side (attention, dispatch, experts, combine; backward the reverse), a dense laye
 piece_host times the pieces of both its stages (`overlap_host_per_stage`; simulate's `overlap_host`). The unit runs
 piece by piece in the simulation too: a MoE layer's F issues A2A_PER_MOE_LAYER[0] all-to-alls and its B [1]
 (`all_to_all_count_per_stage`; simulate's `all_to_all_count`), each a hand-over to the other side.
+
+Context parallelism (schedules/context_parallel.py builds such costs from a model's shape): tf, tb, tw are one
+CP rank's compute at S / C tokens, and `context` the (F, B) time per 1F1B stage of the attention's communication
+(the ring's, the all-gather's or the all-to-all's) that the compute does not hide, on the critical path of F and
+of B (BW) as the runtime runs it inside the layer. Measured costs ("auto") hold it in their op times already.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ class ModelCosts:
     all_to_all: tuple = ()            # per transformer layer, (F, B) of its expert-parallel all-to-all; (): none
     layer_memory: tuple = ()          # per transformer layer, its activations (relative); (): all alike
     piece_host: float = 0.0           # host time per piece of an overlapped unit (PIECES_MOE a MoE layer, 1 dense)
+    context: tuple = (0.0, 0.0)       # (F, B) per 1F1B stage: the context-parallel communication left unhidden
 
     @classmethod
     def of_layers(cls, layers, pp: int, **kwargs) -> "ModelCosts":
@@ -69,8 +75,11 @@ class ModelCosts:
         body = schedule.pp / schedule.stages
         cut = stage_layers(len(self.layers), schedule.stages) if self.layers else None
         out = []
+        comm = (*self.context, 0.0)  # per stage as the layers it holds (W has none)
+        shares = [len(held) * schedule.pp / len(self.layers) for held in cut] if cut else [body] * schedule.stages
         for i, t in enumerate((self.tf, self.tb, self.tw)):
             costs = [sum(self.layers[j][i] for j in held) for held in cut] if cut else [t * body] * schedule.stages
+            costs = [c + comm[i] * share for c, share in zip(costs, shares)]
             if not schedule.vocab_parallel:
                 costs[0] += self.embed[i]
                 costs[-1] += self.head[i]
@@ -134,9 +143,10 @@ class ModelCosts:
         return f, b, w
 
     def mean_op_times(self, pp: int) -> Triple:
-        """(F, B, W) of one 1F1B stage of p, compute and all-to-all: tf, tb, tw with 1/p of the layers' all-to-all."""
+        """(F, B, W) of one 1F1B stage of p, compute and communication: tf, tb, tw with 1/p of the layers'
+        all-to-all and the context-parallel communication left unhidden."""
         f, b = (sum(t[i] for t in self.all_to_all) / pp for i in range(2))
-        return self.tf + f, self.tb + b, self.tw
+        return self.tf + f + self.context[0], self.tb + b + self.context[1], self.tw
 
     def balanced(self, pp: int) -> "ModelCosts":
         """The same model with the embedding's and the head's (F, B, W) spread evenly over the p
@@ -145,7 +155,7 @@ class ModelCosts:
         layers = tuple(tuple(t + (e + h) / len(self.layers) for t, e, h in zip(layer, self.embed, self.head))
                        for layer in self.layers)
         return ModelCosts(*spread, op_overhead=self.op_overhead, layers=layers, all_to_all=self.all_to_all,
-                          layer_memory=self.layer_memory, piece_host=self.piece_host)
+                          layer_memory=self.layer_memory, piece_host=self.piece_host, context=self.context)
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:

@@ -89,6 +89,15 @@ def test_budget_in_bytes():
     assert make_plan(sizes, cfg(schedule="auto", memory_budget=2), 4, 1)[1].head_memory == 0  # units: activations
 
 
+def test_budget_in_bytes_counts_a_context_parallel_ranks_tokens():
+    """At --context-parallel-size 2 a rank holds 8 of the 16 tokens, whose queries score all 16 keys: the unit is
+    half of test_budget_in_bytes' 180224 bytes, and so are the logits."""
+    sizes = SimpleNamespace(**vars(SIZES), vocab_size=64, context_parallel_size=2)
+    start = make_plan(sizes, cfg(schedule="auto", memory_budget="540672B"), 4, 1)[1]
+    assert start.budget == pytest.approx(6.0) and start.head_memory == pytest.approx(4096 / 90112)
+    assert "micro-batches of 90112 bytes" in start.budget_text
+
+
 def test_budget_in_bytes_counts_the_logits_per_slice_under_vocabulary_parallelism():
     """A 50304-token vocabulary on this tiny model: a micro-batch's logits are 35.7 units, whole on one rank
     without vocabulary parallelism, a quarter on each of 4 ranks with it, which needs a quarter of the budget."""

@@ -1,0 +1,353 @@
+"""Context parallelism's costs per CP rank (pure Python): memory, FLOPs, the messages of the attention's
+communication and how much of them the block compute hides, and the ModelCosts a schedule's simulation takes at
+a CP size C.
+
+Layout (model/context_parallel/layout.py): a sequence, or each Seq1F1B segment on its own, of n tokens is cut
+into 2C chunks, rank r holding chunks r and 2C-1-r: n / C tokens per rank. Everything per token (the linear
+layers, norms, the head and its logits) is a shorter sequence's; attention alone spans the ranks.
+
+Memory of one layer and micro-batch (segment) on one rank (`layer_bytes`): the layer's activations at n / C
+tokens (recompute.layer_memory with the fused core, which keeps q, k, v, the output and the softmax statistics:
+flash on a GPU, and the ring's blocks on any device), plus what the communication keeps from F to B:
+- p2p (ring): nothing more; while a layer attends, two K/V blocks in flight forward, two K/V blocks and two of
+  their fp32 gradients backward (`in_flight`, held only while the op runs);
+- allgather: the gathered K/V of the whole sequence (segment), kept for backward; backward holds their
+  gradients whole twice (sent and received) while it runs;
+- a2a (Ulysses): q, k, v and the core's output in the head layout (the whole sequence, heads / C: as large as
+  the local ones), kept beside the local ones.
+Under Seq1F1B each segment's keys and values also go into the micro-batch's K/V cache (model/kv_cache.py), whose
+buffers hold the positions in flight, so the cache of earlier segments is 2 x K/V width bytes per held token:
+per local token for p2p and a2a (its cache holds the local chunks, or every position at heads / C), per whole
+token for allgather (its cache holds the gathered segments, which are then what it keeps). The ring then
+passes the local cache, [0, stop) / C tokens of K/V, not the segment's own.
+
+FLOPs (flops.py's counts, a multiply-add 2): the linear layers at n / C tokens; attention under the layout
+(`rank_attention_flops`): rank r's chunks [a + r c, a + (r+1) c) and [a + (2C-1-r) c, ...) with c = n / 2C,
+causal, 2q(b^2 - a^2) each, which sums to 2q c (4a + 2C c) on every rank: equal ranks, the whole count / C.
+Backward: B = the linears' forward + twice the attention's, W = the linears' forward (3x forward in all).
+
+Messages per layer (`messages`, bytes one rank sends; every rank sends alike): p2p forward C - 1 K/V blocks,
+backward C - 1 K/V blocks and C gradient blocks in fp32 (each block's gradient sum returns to its owner);
+allgather forward one all-gather of K/V, backward one all-to-all of their gradients (each sends its (C - 1) / C);
+a2a four all-to-alls each way (q, k, v, output; the output's gradient and q's, k's, v's), (C - 1) / C of a
+local tensor each.
+
+What the block compute hides (`ring_times`): a ring step's transfer of one block at `bandwidth` runs while the
+rank attends one block pair (its attention / C, every step alike under the layout) at `flops`, so a step hides
+min(1, compute / transfer) of it and the rest is on the op's critical path; backward's last gradient block
+follows the last step's compute, unhidden. allgather and a2a communicate before and after the attention:
+nothing hidden. Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
+H100 and one H200 (393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way,
+two thirds of NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
+network's, e.g. 50 GB/s for 400 Gb/s InfiniBand).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .auto import LOGIT_BYTES
+from .costs import ModelCosts, stage_layers
+from .flops import attention_flops, layer_shape, linear_flops_per_token, query_width, vocab_size
+from .ir import Op, Schedule, ScheduleError
+from .kinds import Kind
+from .recompute import LayerMemory, layer_memory
+from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
+from .simulate import SimResult, simulate
+
+COMM_TYPES = ("p2p", "allgather", "a2a")
+DEVICE_FLOPS = 400e12  # bf16 FLOP/s one GPU reaches (module docstring)
+BANDWIDTH = 300e9      # bytes/s one way between two CP ranks (module docstring)
+GRAD_BYTES = 4         # the ring's K/V gradients travel in fp32 (model/context_parallel/ring.py)
+
+
+def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int | None = None) -> str:
+    """Why `seq` tokens (cut into segments of `lengths`) cannot run at CP `cp` under `comm` ('' when they can)."""
+    if not isinstance(cp, int) or cp < 1:
+        return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
+    if comm not in COMM_TYPES:
+        return f"--cp-comm-type {comm!r}: choose one of {', '.join(COMM_TYPES)}"
+    if seq % (2 * cp):
+        return (f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({2 * cp}): the sequence is "
+                f"cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r")
+    bad = [n for n in lengths or () if n % (2 * cp)]
+    if bad:
+        return (f"the Seq1F1B segment lengths {list(lengths)} must each be divisible by 2 x --context-parallel-size "
+                f"({2 * cp}): each segment is cut into 2 x CP chunks on its own")
+    if cp > 1 and comm == "a2a" and kv_heads and kv_heads % cp:
+        return (f"--cp-comm-type a2a shares the heads out over the context-parallel ranks: the {kv_heads} K/V heads "
+                f"must be divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p or allgather")
+    return ""
+
+
+def widths(config) -> tuple[int, int]:
+    """(the queries' width heads x head size, the keys' (and values') K/V heads x head size)."""
+    shape = layer_shape(config)
+    q = query_width(shape["hidden"], shape["heads"], shape["head_dim"])
+    heads = shape["heads"] or 1
+    return q, (shape["kv_heads"] or heads) * (q // heads)
+
+
+def chunk_spans(n: int, cp: int, rank: int, start: int = 0) -> list[tuple[int, int]]:
+    """The [a, b) positions of the two chunks `rank` holds of n tokens from `start`."""
+    c = n // (2 * cp)
+    return [(start + i * c, start + (i + 1) * c) for i in (rank, 2 * cp - 1 - rank)]
+
+
+def rank_attention_flops(config, n: int, cp: int, rank: int, start: int = 0, batch: int = 1) -> float:
+    """Forward FLOPs of causal attention of rank `rank`'s queries of the tokens [start, start + n) (all keys
+    before them, on every rank)."""
+    q = widths(config)[0]
+    return batch * sum(attention_flops(a, b, q) for a, b in chunk_spans(n, cp, rank, start))
+
+
+def rank_forward_flops(config, n: int, cp: int, start: int = 0, batch: int = 1) -> tuple[float, float]:
+    """(linear layers', attention's) forward FLOPs of one layer on one rank (every rank alike)."""
+    return (linear_flops_per_token(**_linear_shape(config)) * batch * n / cp,
+            rank_attention_flops(config, n, cp, 0, start, batch))
+
+
+def _linear_shape(config) -> dict:
+    shape = layer_shape(config)
+    return {k: shape[k] for k in ("hidden", "ffn", "heads", "kv_heads", "swiglu", "head_dim")}
+
+
+@dataclass(frozen=True)
+class Message:
+    what: str
+    count: int
+    size: float  # bytes of each
+
+
+@dataclass(frozen=True)
+class Messages:
+    """What one rank sends for one layer and micro-batch (segment), forward and backward."""
+    forward: tuple = ()
+    backward: tuple = ()
+
+    @property
+    def forward_bytes(self) -> float:
+        return sum(m.count * m.size for m in self.forward)
+
+    @property
+    def backward_bytes(self) -> float:
+        return sum(m.count * m.size for m in self.backward)
+
+
+def messages(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: int = 2, start: int = 0) -> Messages:
+    """The messages of one layer's attention for the tokens [start, start + n) (module docstring)."""
+    if cp == 1:
+        return Messages()
+    q, kv = widths(config)
+    token = 2 * kv * batch * dtype_bytes  # one token's keys and values
+    if comm == "p2p":
+        block = (start + n) // cp * token  # the local K/V cache: every segment so far
+        grad = block * GRAD_BYTES / dtype_bytes
+        return Messages((Message("K/V block", cp - 1, block),),
+                        (Message("K/V block", cp - 1, block), Message("dK/dV block (fp32)", cp, grad)))
+    local = n // cp * batch * dtype_bytes
+    if comm == "allgather":
+        return Messages((Message("all-gather K/V", 1, (cp - 1) * local * 2 * kv),),
+                        (Message("all-to-all dK/dV", 1, (cp - 1) * local * 2 * kv),))
+    share = (cp - 1) / cp * local
+    return Messages(tuple(Message(f"all-to-all {w}", 1, share * width) for w, width in (("q", q), ("k", kv), ("v", kv),
+                                                                                       ("output", q))),
+                    tuple(Message(f"all-to-all d{w}", 1, share * width) for w, width in (("output", q), ("q", q),
+                                                                                        ("k", kv), ("v", kv))))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One layer and micro-batch (segment) on one rank, in seconds: compute (F, B, W); the communication's
+    transfer time (F, B) and of it what the compute does not hide (`exposed`); `step_hidden`: the share of one
+    ring step's transfer its block pair's attention hides, forward and backward (None: no ring)."""
+    compute: tuple
+    transfer: tuple = (0.0, 0.0)
+    exposed: tuple = (0.0, 0.0)
+    step_hidden: tuple | None = None
+
+    @property
+    def hidden(self) -> float:
+        """The share of the whole transfer (forward and backward) hidden; 1 with nothing to send."""
+        total = sum(self.transfer)
+        return 1.0 - sum(self.exposed) / total if total else 1.0
+
+
+def ring_times(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: int = 2, start: int = 0,
+               flops: float = DEVICE_FLOPS, bandwidth: float = BANDWIDTH) -> Ring:
+    """A layer's times on one rank for the tokens [start, start + n) (module docstring)."""
+    lin, att = rank_forward_flops(config, n, cp, start, batch)
+    compute = ((lin + att) / flops, (lin + 2 * att) / flops, lin / flops)
+    msgs = messages(config, n, cp, comm, batch, dtype_bytes, start)
+    transfer = (msgs.forward_bytes / bandwidth, msgs.backward_bytes / bandwidth)
+    if comm != "p2p" or cp == 1:
+        return Ring(compute, transfer, transfer)
+    block, grad = (m.size / bandwidth for m in msgs.backward)
+    step_f, step_b = att / cp / flops, 2 * att / cp / flops
+    exposed = ((cp - 1) * max(0.0, block - step_f), (cp - 1) * max(0.0, block + grad - step_b) + grad)
+    return Ring(compute, transfer, exposed, (min(1.0, step_f / block), min(1.0, step_b / (block + grad))))
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One layer and micro-batch (segment) on one rank, bytes: kept from F to B (`kept`: the layer's own at
+    n / C tokens; `comm`: what the communication keeps; `cache`: Seq1F1B's K/V cache), what a split B leaves for
+    W, and what the attention holds while F and while B runs (`in_flight`)."""
+    kept: float
+    comm: float
+    cache: float
+    for_w: float
+    in_flight: tuple
+
+    @property
+    def held(self) -> float:
+        return self.kept + self.comm + self.cache
+
+
+def layer_bytes(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: int = 2, start: int = 0,
+                segmented: bool = False) -> LayerBytes:
+    """The memory of one layer for the tokens [start, start + n) (module docstring); `segmented`: a Seq1F1B
+    segment, whose keys and values go into the K/V cache."""
+    local = n // cp
+    own = layer_memory(config, local, batch, dtype_bytes, cuda=True)
+    q, kv = widths(config)
+    token = 2 * kv * batch * dtype_bytes
+    gathered = cp > 1 and comm == "allgather"
+    kept_comm = n * token if gathered else (2 * q + 2 * kv) * local * batch * dtype_bytes if cp > 1 and comm == "a2a" \
+        else 0.0
+    cache = local * token if segmented and not gathered else 0.0
+    if cp > 1 and comm == "p2p":
+        blocks = 2 * (start + n) // cp * token
+        in_flight = (blocks, blocks * (1 + GRAD_BYTES / dtype_bytes))
+    else:
+        in_flight = (0.0, 2.0 * n * token if gathered else 0.0)
+    return LayerBytes(own.kept, kept_comm, cache, own.for_w, in_flight)
+
+
+def cp_layer_memory(config, seq: int, mbs: int, dtype_bytes: int, cp: int = 1, comm: str = "p2p") -> LayerMemory:
+    """recompute.LayerMemory of one layer on a CP rank (whole sequence of `seq` tokens): layer_bytes' kept with the
+    communication's own; under selective recompute allgather gathers the K/V again in backward (they are part of
+    the core that it frees), a2a keeps the head layout's q, k, v (the recomputed core's inputs). The fused core's
+    on any device: the ring's blocks keep only the softmax statistics, and the CP model counts no (s x s) tensor."""
+    own = layer_memory(config, seq // cp, mbs, dtype_bytes, cuda=True)
+    extra = layer_bytes(config, seq, cp, comm, mbs, dtype_bytes).comm
+    core = own.core + extra if comm == "allgather" else own.core
+    return dataclasses.replace(own, kept=own.kept + extra, core=core)
+
+
+@dataclass(frozen=True)
+class ContextRun:
+    """A model at one sequence length and CP size, as the simulator sees it: `config` any object with GPTConfig's
+    shape fields (num_layers, hidden_size, num_attention_heads, ...: a GPTConfig, the parsed flags)."""
+    config: object
+    seq: int
+    cp: int = 1
+    comm: str = "p2p"
+    batch: int = 1
+    dtype_bytes: int = 2
+    flops: float = DEVICE_FLOPS
+    bandwidth: float = BANDWIDTH
+    logits: bool = True  # the loss stage holds a micro-batch's logits (False: a chunked or fused loss)
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def problem(self, lengths=None) -> str:
+        shape = layer_shape(self.config)
+        return cp_problem(self.seq, self.cp, self.comm, lengths, shape["kv_heads"] or shape["heads"])
+
+    def check(self, lengths=None) -> None:
+        problem = self.problem(lengths)
+        if problem:
+            raise ScheduleError(problem)
+
+    def segment_lengths(self, k: int, method: str = "balanced") -> list[int] | None:
+        """Seq1F1B's k segments, each a multiple of 2 x CP (and of SEGMENT_MULTIPLE when balanced); None at k=1."""
+        if k == 1:
+            return None
+        if method == "even":
+            lengths = even_segment_lengths(self.seq, k, 2 * self.cp)
+        else:
+            shape = layer_shape(self.config)
+            lengths = balanced_segment_lengths(self.seq, k, shape["hidden"], shape["ffn"],
+                                               math.lcm(SEGMENT_MULTIPLE, 2 * self.cp), heads=shape["heads"],
+                                               kv_heads=shape["kv_heads"], swiglu=shape["swiglu"],
+                                               head_dim=shape["head_dim"])
+        self.check(lengths)
+        return lengths
+
+    def _spans(self, lengths) -> list[tuple[int, int]]:
+        starts = [0]
+        for n in lengths[:-1]:
+            starts.append(starts[-1] + n)
+        return list(zip(starts, lengths))
+
+    def layer(self, start: int = 0, n: int | None = None, segmented: bool = False) -> tuple[LayerBytes, Ring]:
+        n = self.seq if n is None else n
+        key = (start, n, segmented)
+        if key not in self._memo:
+            args = (self.config, n, self.cp, self.comm, self.batch, self.dtype_bytes, start)
+            self._memo[key] = (layer_bytes(*args, segmented=segmented),
+                               ring_times(*args, flops=self.flops, bandwidth=self.bandwidth))
+        return self._memo[key]
+
+    def messages(self) -> Messages:
+        return messages(self.config, self.seq, self.cp, self.comm, self.batch, self.dtype_bytes)
+
+    def unit_for(self, pp: int) -> float:
+        """Bytes of the simulator's memory unit here: one micro-batch's activations (whole sequence, held from F
+        to B) on one 1F1B stage of `pp` ranks."""
+        return self.layer()[0].held * self.config.num_layers / pp
+
+    def logits_bytes(self) -> float:
+        return LOGIT_BYTES * self.batch * self.seq / self.cp * vocab_size(self.config) if self.logits else 0.0
+
+    def head_times(self) -> tuple:
+        """(F, B, W) of the LM head on one rank's tokens: 2hV FLOPs per token each."""
+        t = 2.0 * self.config.hidden_size * vocab_size(self.config) * self.batch * self.seq / self.cp / self.flops
+        return (t, t, t)
+
+    def model_costs(self, pp: int, lengths=None) -> ModelCosts:
+        """ModelCosts in seconds per 1F1B stage of `pp` ranks: the layers' compute at S / C tokens, the exposed
+        communication (`context`), the head on the last stage, a micro-batch's logits in the memory unit."""
+        lengths = lengths or [self.seq]
+        seg = len(lengths) > 1
+        rings = [self.layer(a, n, seg)[1] for a, n in self._spans(lengths)]
+        per = self.config.num_layers / pp
+        tf, tb, tw = (per * sum(r.compute[i] for r in rings) for i in range(3))
+        context = tuple(per * sum(r.exposed[i] for r in rings) for i in range(2))
+        return ModelCosts(tf, tb, tw, head=self.head_times(), head_memory=self.logits_bytes() / self.unit_for(pp),
+                          context=context)
+
+    def seq_costs(self, lengths) -> list[float]:
+        """Each segment's relative time (compute and exposed communication), simulate's seq_costs."""
+        rings = [self.layer(a, n, True)[1] for a, n in self._spans(lengths)]
+        return [sum(r.compute) + sum(r.exposed) for r in rings]
+
+    def simulate(self, schedule: Schedule, **kwargs) -> tuple[SimResult, float]:
+        """(the simulation of `schedule` at this CP, its busiest rank's peak activation memory in bytes: the
+        layers' kept activations, the logits on the loss stage, one layer's attention buffers in flight)."""
+        lengths = schedule.segment_lengths if schedule.seq_splits > 1 else None
+        if schedule.seq_splits > 1 and not lengths:
+            lengths = even_segment_lengths(self.seq, schedule.seq_splits, 2 * self.cp)
+        self.check(lengths)
+        costs = self.model_costs(schedule.pp, lengths)
+        unit = self.unit_for(schedule.pp)
+        spans = self._spans(lengths or [self.seq])
+        seg = len(spans) > 1
+        layers = [len(held) for held in stage_layers(self.config.num_layers, schedule.stages)]
+        mem = [self.layer(a, n, seg)[0] for a, n in spans]
+
+        def sizes(op: Op) -> tuple:
+            scale = layers[op.stage] / unit
+            return mem[op.seq].held * scale, mem[op.seq].for_w * scale
+
+        def transient(op: Op) -> float:  # one layer's attention buffers while the op runs (W and passes: none)
+            side = 0 if op.kind is Kind.F else 1 if op.kind in (Kind.B, Kind.BW) else None
+            return 0.0 if side is None else mem[op.seq].in_flight[side] / unit
+
+        seq_costs = self.seq_costs(lengths) if lengths else None
+        vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
+        res = simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead,
+                       head_memory=costs.head_memory, act_size=sizes, transient=transient, seq_costs=seq_costs,
+                       **vocab, **kwargs)
+        return res, res.peak_memory_max * unit
