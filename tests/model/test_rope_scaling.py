@@ -118,13 +118,11 @@ def test_packed_documents_score_as_each_alone_under_scaling(name):
     assert abs(loss - unscaled) > 1e-3
 
 
-def test_compiled_layers_take_the_scaling(monkeypatch):
+def test_compiled_layers_take_the_scaling():
     """A compiled layer computes its tables in its graph (positions.rope_tables): the scaled ones."""
     from torch._dynamo.utils import counters
     from megatron_ds.model import TransformerLayer
-    from megatron_ds.model.compile import CompileMode, compile_layers
-    for name in ("linears_outside", "layers_compiled"):  # the process's compile mode, as it was after this test
-        monkeypatch.setattr(CompileMode, name, getattr(CompileMode, name))
+    from megatron_ds.model.compile import compile_layers
     from tests.model.test_segment_attention import config
     x = inputs()[0]
     layer, plain = TransformerLayer(config(**_scaled("yarn")), 1).eval(), TransformerLayer(config(**LARGE), 1).eval()
