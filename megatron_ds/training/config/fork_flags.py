@@ -15,6 +15,7 @@ import os
 import sys
 
 from megatron_ds.errors import record_for_launcher
+from megatron_ds.pipe.config import PipelineSettings
 from megatron_ds.pipe.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
 from megatron_ds.pipe.recompute import stock_problem
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
@@ -184,8 +185,11 @@ class _Section:
         if key in self.section and have != value:
             by = f"{self.set_by[key]} (\"{key}\" = {json.dumps(have)})" if key in self.set_by else \
                 f'ds_config "pipeline.{key}" = {json.dumps(have)} in {self.src}'
-            _err(f"{flag} (\"pipeline.{key}\" = {json.dumps(value)}) disagrees with {by}; "
-                 "give one of them, or make them equal")
+            # a cut written out as DeepSpeed's default (as the shipped configs once were) is no choice of its own
+            way = (f"drop the key from {self.src} ({json.dumps(have)} is the default)"
+                   if key == "partition_method" and have == PipelineSettings.partition_method
+                   and key not in self.set_by else "give one of them, or make them equal")
+            _err(f"{flag} (\"pipeline.{key}\" = {json.dumps(value)}) disagrees with {by}; {way}")
         self.section[key] = value
         self.set_by.setdefault(key, flag)
 
