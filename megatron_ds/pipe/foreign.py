@@ -22,7 +22,7 @@ from megatron_ds.schedules import ScheduleError
 from . import ds_internals as ds
 from .config import ConfigError
 from .module import ChunkedPipelineModule
-from .plan import PipelinePlan, micro_batches_per_step
+from .plan import PipelinePlan, micro_batches_per_step, too_few_layers
 
 DEEPSPEED_METHODS = "DeepSpeed's partition methods (\"parameters\", \"uniform\", \"type:REGEX\")"
 
@@ -75,8 +75,8 @@ def plan_for(module, ds_config, settings):
                                            vocab_parallel=schedule.vocab_parallel), ds_config)
     layers = len(ds.layer_specs(module))
     if layers < schedule.stages:
-        raise ConfigError(f"schedule {settings.schedule!r} cuts the model into {schedule.stages} virtual stages; "
-                          f"the PipelineModule has {layers} layers")
+        raise ConfigError(too_few_layers(schedule, f"your PipelineModule's {layers} layers", layers,
+                                         layer="layer"))
     # seq_length and hidden_size give the GPT's message shape; these messages learn theirs (pipe/learned_p2p.py)
     return PipelinePlan(settings, pp, mbs, gas, seq_length=0, hidden_size=0)
 
