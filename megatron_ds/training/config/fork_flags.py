@@ -12,9 +12,8 @@ import dataclasses
 import difflib
 import json
 import os
-import sys
 
-from megatron_ds.errors import record_for_launcher
+from megatron_ds.errors import report_stop
 from megatron_ds.pipe.config import PipelineSettings
 from megatron_ds.pipe.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
 from megatron_ds.pipe.recompute import stock_problem
@@ -65,9 +64,7 @@ class ForkAwareParser(argparse.ArgumentParser):
 
     def _fail(self, lines):
         text = "".join(f"{self.prog}: error: {line}\n" for line in lines)
-        record_for_launcher(text.rstrip("\n"))
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
-            sys.stderr.write(text)
+        report_stop(text, int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
         raise SystemExit(2)
 
 
