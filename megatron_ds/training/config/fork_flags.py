@@ -105,6 +105,9 @@ def add_fork_args(parser):
     g.add_argument("--pipeline-model-parallel-layout", default=None,
                    help='Megatron-core: each virtual stage\'s layers, e.g. "Et*3|t*4|t*4|t*3L" (E embedding, t transformer '
                         'layer, L loss, | between stages; "pipeline.partition_method" = "layout:...")')
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help='Megatron-core: overlapped forward-and-backward units, each one\'s expert-parallel all-to-all '
+                        'behind the other\'s compute (1f1b, interleaved, dualpipev; "pipeline.overlap" = true)')
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="Megatron-core: transformer layers of the first stage (the others an even share)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
@@ -212,6 +215,8 @@ def apply_fork_flags(args, ds_config):
         pipe.set("post_validation", True, "--enable-optimizer-post-validation")
     if args.allow_padding_num_layers:
         pipe.set("allow_padding_num_layers", True, "--allow-padding-num-layers")
+    if args.overlap_moe_expert_parallel_comm:
+        pipe.set("overlap", True, "--overlap-moe-expert-parallel-comm")
     if args.enable_vocab_parallel:
         pipe.set("vocab_parallel", True, "--enable-vocab-parallel")
     if args.compile_layers is not None:

@@ -325,3 +325,19 @@ def test_a_config_written_with_the_default_method_is_told_to_drop_it():
         parse("--pipeline-model-parallel-layout", "Et*5|t*3L",
               ds={"pipeline": {"schedule": "1f1b", "partition_method": "type:transformer"}})
     assert 'drop the key from ds.json ("type:transformer" is the default)' in str(info.value)
+
+
+def test_megatron_cores_overlap_flag_is_the_overlap_key():
+    """--overlap-moe-expert-parallel-comm writes "pipeline.overlap", merged as the other pipeline flags."""
+    flag = "--overlap-moe-expert-parallel-comm"
+    section = parse(flag, ds={"pipeline": {"schedule": "1f1b"}}).pipeline_settings
+    assert section.overlap and section.schedule == "1f1b"
+    assert pipeline(flag, ds={"pipeline": {"schedule": "dualpipev", "overlap": True}})["overlap"] is True
+    assert not parse(ds={"pipeline": {"schedule": "1f1b"}}).pipeline_settings.overlap
+    with pytest.raises(ArgumentsError) as info:
+        parse(flag, ds={"pipeline": {"schedule": "1f1b", "overlap": False}})
+    assert str(info.value) == (f'{flag} ("pipeline.overlap" = true) disagrees with ds_config "pipeline.overlap" = '
+                               "false in ds.json; give one of them, or make them equal")
+    with pytest.raises(ArgumentsError) as info:
+        parse(flag, ds={"zero_optimization": {"stage": 1}, "pipeline": {"schedule": "zbv"}})
+    assert 'overlapped forward-and-backward units are built for' in str(info.value)
