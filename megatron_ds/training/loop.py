@@ -182,6 +182,9 @@ class Trainer:
             self.timers.stop("train-step")
             if self.first_iteration is None:
                 self.first_iteration = elapsed
+                units = getattr(engine, "overlapped_units_run", 0)  # DeepSpeed's engine runs none
+                if units:  # what the start-up line planned, confirmed
+                    print_rank_0(f"> overlapped F/B units run in the first iteration: {units} on rank 0")
             elif not self.compile_logged:
                 self.after_first[0] += elapsed
                 self.after_first[1] += 1

@@ -68,6 +68,11 @@ def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
     assert "segment lengths [16, 16, 8, 24] tokens" in seq
     assert "vocabulary parallel" in line({"schedule": "1f1b", "vocab_parallel": True})
     assert line({"schedule": "zbv"}) == "> pipeline engine: ScheduleEngine, schedule zbv"
+    # the overlapped units, per rank (ranks 0, 1 where they differ): the log says the overlap is on
+    units = [len(p) for p in build_schedule("1f1b", 2, 4, overlap=True).overlap]
+    assert line({"schedule": "1f1b", "overlap": True}) == (
+        f"> pipeline engine: ScheduleEngine, schedule 1f1b (overlapped F/B units: {units} per rank)")
+    assert units == [1, 3]
     path = tmp_path / "zbv.json"
     path.write_text(build_schedule("zbv", 2, 4).to_json())
     makespan = simulate(build_schedule("zbv", 2, 4)).makespan
