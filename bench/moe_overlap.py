@@ -1,4 +1,4 @@
-"""Hiding the experts' all-to-all (issue 40) on CPU: overlapped forward-and-backward units against plain ops.
+"""Hiding the experts' all-to-all on CPU: overlapped forward-and-backward units against plain ops.
 
 A small MoE GPT (every layer MoE, expert parallelism 2) at PP2 x DP2: 4 gloo ranks, one thread each. Each
 schedule of --schedules runs plain and overlapped ("pipeline": {"schedule": S, "overlap": true}), the two engines

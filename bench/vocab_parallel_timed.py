@@ -19,7 +19,7 @@ iteration by iteration, so machine noise hits all alike.
 Columns: iteration = median wall time of train_batch on rank 0 (after a barrier); sim = the makespan
 bench.vocab_parallel.run simulates for the same costs; meas/sim = iteration / sim; vp/naive =
 throughput with vocabulary parallelism over naive placement's (naive iteration / vocab iteration),
-measured and simulated; the claims lines under the table give the issue's bounds, and the same figures
+measured and simulated; the claims lines under the table give the two bounds, and the same figures
 for each engine's fastest iteration (sleeps only run late: the least disturbed by the machine's other
 work); traced = median compute makespan of the traced iterations (pipe/trace.py;
 first op start to last op end over all ranks) and bubble its measured bubble ratio.
@@ -219,11 +219,11 @@ def markdown(results, opts):
     return "\n".join(lines)
 
 
-CLAIM_RATIO, CLAIM_SIM = 1.25, 1.05  # issue 25: vp/naive at least this, measured / simulated within this
+CLAIM_RATIO, CLAIM_SIM = 1.25, 1.05  # the bars: vp/naive at least this, measured / simulated within this
 
 
 def claims(table):
-    """One line per schedule: the issue's two bounds, measured in this run."""
+    """One line per schedule: the two bounds (CLAIM_RATIO, CLAIM_SIM), measured in this run."""
     lines = []
     for name, rows in table.items():
         ratio = rows["ratio"]["measured"]

@@ -1,4 +1,4 @@
-"""Overlapped units (issue 40, pipe/overlap.py): the engine runs a unit's F and B or BW with each side's all-to-all
+"""Overlapped units (pipe/overlap.py): the engine runs a unit's F and B or BW with each side's all-to-all
 in flight while the other computes, and trains bit for bit as the same op list run one op after the other.
 
 A MoE GPT (a dense first layer, dropout on, expert parallelism 2 over the data-parallel ranks) trains 3 steps

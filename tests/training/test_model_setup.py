@@ -48,7 +48,7 @@ def test_the_plan_is_made_once_at_parse_time_and_used_by_the_build(tmp_path):
 
 def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
     """Seq1F1B's segment lengths, vocabulary parallelism, a schedule file's simulated makespan and "auto"'s budget
-    in micro-batches (issue 38)."""
+    in micro-batches."""
     from megatron_ds.gpt_config import GPTConfig
     from megatron_ds.pipe.config import pipeline_settings
     from megatron_ds.pipe.plan import make_plan
