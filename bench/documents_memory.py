@@ -1,6 +1,6 @@
 """Peak memory of packed documents' attention (--reset-attention-mask) against plain causal attention, on CPU.
 
-The issue's bar: document masking at seq 8192 costs at most 5 % more peak memory than causal attention on the same
+The bar: document masking at seq 8192 costs at most 5 % more peak memory than causal attention on the same
 run. Each configuration runs in a fresh process (spawn; large tensors mapped on their own, so the resident set
 follows the live tensors): the single-process GPT (megatron_ds.model.GPTModel), one sequence of --seq-length
 tokens, fp32, no dropout (torch's fused CPU kernel, as causal attention's), a warm-up step, then one forward +

@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import time
 
+from bench.harness import Machine, add_output_args, alternated, emit, paired_ratio, table
 from megatron_ds.testing.launcher import run_ranks
 
 SPLIT = ["1f1b", "zbv", "dualpipev"]  # 1f1b: the control, whose measured/simulated ratio is the machine's
@@ -80,27 +81,24 @@ def timed(engines, args, iterations, start_step=0, cpu=None, trace_dirs=None, ma
     `cpu` (a dict) gets the process's CPU seconds of each (its threads', gloo's included); with `trace_dirs`
     ({name: dir}) every other iteration is traced (the first of them), and `machine` (a dict) gets per
     iteration (traced step or None, the machine's CPU seconds in it or None)."""
-    import torch.distributed as dist
-    times = {name: [] for name in engines}
-    names = list(engines)
-    for it in range(iterations):
-        for name in (names if it % 2 == 0 else names[::-1]):
-            engine = engines[name]
-            traced = trace_dirs is not None and it % 2 == 0
-            if trace_dirs is not None:
-                engine.tracer.trace_dir = trace_dirs[name] if traced else None
-            step, data = engine.global_steps, batches(args, start_step + it)  # drawn before the clock starts
-            dist.barrier()
-            start, start_cpu, start_machine = time.perf_counter(), time.process_time(), machine_cpu()
-            engine.train_batch(data)
-            times[name].append(time.perf_counter() - start)
-            if cpu is not None:
-                cpu.setdefault(name, []).append(time.process_time() - start_cpu)
-            if machine is not None:
-                end_machine = machine_cpu()
-                used = None if start_machine is None or end_machine is None else end_machine - start_machine
-                machine.setdefault(name, []).append((step if traced else None, used))
-    return times
+
+    def prepare(name, step):  # off the clock: the trace switched, the batches drawn
+        engine, traced = engines[name], trace_dirs is not None and (step - start_step) % 2 == 0
+        if trace_dirs is not None:
+            engine.tracer.trace_dir = trace_dirs[name] if traced else None
+        return name, engine.global_steps if traced else None, batches(args, step)
+
+    def run(prepared):
+        name, traced_step, data = prepared
+        start_cpu, start_machine = time.process_time(), machine_cpu()
+        engines[name].train_batch(data)
+        if cpu is not None:
+            cpu.setdefault(name, []).append(time.process_time() - start_cpu)
+        if machine is not None:
+            end_machine = machine_cpu()
+            used = None if start_machine is None or end_machine is None else end_machine - start_machine
+            machine.setdefault(name, []).append((traced_step, used))
+    return alternated({name: run for name in engines}, iterations, start_step, prepare=prepare)
 
 
 def _gaps(traces):
@@ -224,34 +222,35 @@ def split_row(name, times, result):
 def report(result, args):
     lines = [f"p={args.pp}, dp=1, m={args.gas}, micro-batch {args.mbs} x {args.width}, {args.layers} Linear+Tanh "
              f"layers, fp32 AdamW, ZeRO-1, gloo, 1 thread a rank; median of {args.iterations} iterations after "
-             f"{args.warmup} warm-up (the split schedules: as many traced between them)", "",
-             "| engine | class | iteration (ms) | vs DeepSpeed | paired ratio | CPU s/iteration, ranks | "
-             "CPU vs DeepSpeed |", "|---|---|---|---|---|---|---|"]
+             f"{args.warmup} warm-up (the split schedules: as many traced between them)", ""]
     pair, cpu = result["pair"], result["pair_cpu"]
     base = statistics.median(pair["deepspeed"])
     base_cpu = sum(statistics.median(rank["deepspeed"]) for rank in cpu)
+    rows = []
     for name, t in pair.items():
         med = statistics.median(t)
-        paired = statistics.median(a / b for a, b in zip(t, pair["deepspeed"]))  # iteration by iteration
         ranks = [statistics.median(rank[name]) for rank in cpu]
-        lines.append(f"| {name} | {result['engines'][name]} | {med * 1e3:.1f} | {med / base:.3f} | {paired:.3f} | "
-                     f"{' / '.join(f'{c * 1e3:.0f}' for c in ranks)} ms | {sum(ranks) / base_cpu:.3f} |")
-    lines += ["", "| schedule | TF / TB / TW (ms, 1F1B stage) | runtime per op: F / B / W (ms) | sim. makespan: op "
-                  "times only / with it (ms) | + outside ops (ms) | predicted (ms) | measured (ms) | meas/sim: op "
-                  "times only / with it | paired | quiet half: paired | other load (cores) | paired over 1f1b's |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    control = None
+        rows.append([name, result["engines"][name], f"{med * 1e3:.1f}", f"{med / base:.3f}",
+                     f"{paired_ratio(t, pair['deepspeed']):.3f}", " / ".join(f"{c * 1e3:.0f}" for c in ranks) + " ms",
+                     f"{sum(ranks) / base_cpu:.3f}"])
+    lines += table(["engine", "class", "iteration (ms)", "vs DeepSpeed", "paired ratio", "CPU s/iteration, ranks",
+                    "CPU vs DeepSpeed"], "l" * 7, rows)
+    control, rows = None, []
     for name, t in result["split"].items():
         row = split_row(name, t, result)
         control = row["paired"] if name == "1f1b" else control
         costs, gaps = row["costs"], row["gaps"]
-        op = " / ".join(f"{costs[k] * 1e3:.1f}" for k in ("F", "B", "W", "BW") if k in costs)
-        gap = " / ".join(f"{gaps[k] * 1e3:.2f}" for k in ("F", "B", "W", "BW") if k in gaps)
-        lines.append(f"| {name} | {op} | {gap} | {row['sim'] * 1e3:.1f} / {row['full'] * 1e3:.1f} | "
-                     f"{row['outside'] * 1e3:.1f} | {row['pred'] * 1e3:.1f} | {row['measured'] * 1e3:.1f} | "
-                     f"{row['measured'] / row['pred_ops']:.3f} / {row['measured'] / row['pred']:.3f} | "
-                     f"{row['paired']:.3f} | {row['quiet']:.3f} | {row['load']:.2f} | "
-                     f"{(row['paired'] / control) if control else float('nan'):.3f} |")
+        rows.append([name, " / ".join(f"{costs[k] * 1e3:.1f}" for k in ("F", "B", "W", "BW") if k in costs),
+                     " / ".join(f"{gaps[k] * 1e3:.2f}" for k in ("F", "B", "W", "BW") if k in gaps),
+                     f"{row['sim'] * 1e3:.1f} / {row['full'] * 1e3:.1f}", f"{row['outside'] * 1e3:.1f}",
+                     f"{row['pred'] * 1e3:.1f}", f"{row['measured'] * 1e3:.1f}",
+                     f"{row['measured'] / row['pred_ops']:.3f} / {row['measured'] / row['pred']:.3f}",
+                     f"{row['paired']:.3f}", f"{row['quiet']:.3f}", f"{row['load']:.2f}",
+                     f"{(row['paired'] / control) if control else float('nan'):.3f}"])
+    lines += [""] + table(["schedule", "TF / TB / TW (ms, 1F1B stage)", "runtime per op: F / B / W (ms)",
+                           "sim. makespan: op times only / with it (ms)", "+ outside ops (ms)", "predicted (ms)",
+                           "measured (ms)", "meas/sim: op times only / with it", "paired", "quiet half: paired",
+                           "other load (cores)", "paired over 1f1b's"], "l" * 12, rows)
     return "\n".join(lines)
 
 
@@ -267,14 +266,12 @@ def main(argv=None):
     parser.add_argument("--trace-dir", help="keep the split schedules' traces here (default: a temporary folder)")
     parser.add_argument("--split", nargs="*", default=SPLIT, help="schedules measured against the simulator")
     parser.add_argument("--timeout", type=float, default=1800)
+    add_output_args(parser)
     args = parser.parse_args(argv)
-    load = os.getloadavg()[0]
+    machine = Machine()
     with tempfile.TemporaryDirectory(prefix="foreign_cost_") as scratch:
         results = run_ranks(args.pp, rank_main, args, args.trace_dir or scratch, timeout=args.timeout, quiet=True)
-    text = report(results[0], args) + (f"\n\nload average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after, on "
-                                        f"{os.cpu_count()} cores")
-    print(text)
-    return text
+    return emit(f"{report(results[0], args)}\n\n{machine.before_after()}", args.perf_file, "bench.foreign_cost", argv)
 
 
 if __name__ == "__main__":

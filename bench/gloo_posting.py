@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
-import time
 import warnings
 
 from bench.engines import STOCK, DUALPIPEV, engines
 from bench.gpt_cpu import build, model_opts, random_batches
+from bench.harness import Machine, add_output_args, alternated, emit, paired_ratio, table
 from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
 
@@ -31,7 +30,6 @@ ENGINES = [name for name in engines() if name not in (STOCK, DUALPIPEV)]  # ours
 def worker(name, opts):
     import deepspeed
     import torch
-    import torch.distributed as dist
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.utils.logger.setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -42,15 +40,14 @@ def worker(name, opts):
     batches = random_batches(config, opts)
     for step in range(opts["warmup"]):
         engine.train_batch(batches(step))
-    times = {True: [], False: []}
-    for i in range(2 * opts["iterations"]):
-        posting = (i % 2 == 0) == (i // 2 % 2 == 0)  # pairs alternate which goes first
-        engine.posts_all = posting
-        dist.barrier()
-        start = time.perf_counter()
-        engine.train_batch(batches(opts["warmup"] + i))
-        times[posting].append(time.perf_counter() - start)
-    return times
+
+    def posting(way, step):  # off the clock
+        engine.posts_all = way
+        return step
+
+    def train(step):
+        engine.train_batch(batches(step))
+    return alternated({True: train, False: train}, opts["iterations"], opts["warmup"], prepare=posting)
 
 
 def main(argv=None):
@@ -61,26 +58,26 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--engines", nargs="+", default=["zbv", "1f1b"], choices=ENGINES, metavar="NAME",
                     help=f"subset of: {', '.join(ENGINES)}")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {**model_opts(args), "tp": 1}
-    load = os.getloadavg()[0]
-    lines = [f"GPT {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}; p={args.pp}, "
-             f"m={args.gas}, micro-batch {args.micro_batch_size}; ZeRO-1 AdamW fp32, gloo; {args.iterations} "
-             "paired iterations", "",
-             "| schedule | posted at the start (s) | one op ahead (s) | ratio (paired median) |", "|---|---:|---:|---:|"]
-    rows = {}
+    machine = Machine()
+    rows, cells = {}, []
     for name in args.engines:
         times = run_ranks(args.pp, worker, name, opts, timeout=1800, quiet=True)[0]
         if "na" in times:
-            lines.append(f"| {name} | {times['na']} | | |")
+            cells.append([name, times["na"], "", ""])
             continue
         start, ahead = times[True], times[False]
-        rows[name] = dict(start=statistics.median(start), ahead=statistics.median(ahead),
-                          ratio=statistics.median(a / b for a, b in zip(start, ahead)))
-        r = rows[name]
-        lines.append(f"| {name} | {r['start']:.3f} | {r['ahead']:.3f} | {r['ratio']:.3f} |")
-    lines.append(f"\nload average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores")
-    print("\n".join(lines))
+        r = rows[name] = dict(start=statistics.median(start), ahead=statistics.median(ahead),
+                              ratio=paired_ratio(start, ahead))
+        cells.append([name, f"{r['start']:.3f}", f"{r['ahead']:.3f}", f"{r['ratio']:.3f}"])
+    lines = [f"GPT {args.num_layers} layers, hidden {args.hidden_size}, seq {args.seq_length}; p={args.pp}, "
+             f"m={args.gas}, micro-batch {args.micro_batch_size}; ZeRO-1 AdamW fp32, gloo; {args.iterations} "
+             "paired iterations", ""]
+    lines += table(["schedule", "posted at the start (s)", "one op ahead (s)", "ratio (paired median)"], "lrrr", cells)
+    lines.append(f"\n{machine.before_after()}")
+    emit("\n".join(lines), args.perf_file, "bench.gloo_posting", argv)
     return rows
 
 

@@ -9,7 +9,7 @@ debug mode, on CPU the tensor-to-Python reads), and on CUDA the kernel launches,
 (torch.profiler). Rows with CUDA graphs count the compiled graphs inductor ran without one (it logs why:
 "skipping cudagraphs due to ...").
 
-The issue-24 model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
+The LLaMA-style reference model by default: 16 layers, hidden 2048, 16 heads / 4 K/V heads, SwiGLU 5440, RMSNorm,
 RoPE, untied head, vocabulary 50304; bf16 weights on CUDA, ZeRO-1 for the engines, fused AdamW for
 transformers. --toy: a small fp32 model that runs on CPU in seconds (what CI runs).
 

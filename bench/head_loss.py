@@ -8,7 +8,7 @@ run; the bytes autograd keeps from forward to backward (each storage once; the w
 states, which the run holds anyway, left out); the peak memory above what was allocated before (CUDA);
 the loss and how far its gradients are from eager's. --loss-only times the loss alone on given logits.
 
-    python -m bench.head_loss                                   # the issue-24 head: 8192 tokens, bf16 on CUDA
+    python -m bench.head_loss                                   # the reference model's head: 8192 tokens, bf16 on CUDA
     python -m bench.head_loss --tokens 2048 --hidden-size 128    # on CPU (its bf16 GEMMs are slow)
     python -m bench.head_loss --tokens 2048 --loss-only --dtype bfloat16
 """
@@ -24,7 +24,8 @@ FORMS = ("eager", "compiled", "chunked", "chunked-compiled", "liger")
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=8192, help="tokens of one micro-batch (issue 24: seq 2048 x 4)")
+    p.add_argument("--tokens", type=int, default=8192,
+                   help="tokens of one micro-batch (the reference model's: seq 2048 x 4)")
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=50304)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,

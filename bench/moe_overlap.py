@@ -1,4 +1,4 @@
-"""Hiding the experts' all-to-all (issue 40) on CPU: overlapped forward-and-backward units against plain ops.
+"""Hiding the experts' all-to-all on CPU: overlapped forward-and-backward units against plain ops.
 
 A small MoE GPT (every layer MoE, expert parallelism 2) at PP2 x DP2: 4 gloo ranks, one thread each. Each
 schedule of --schedules runs plain and overlapped ("pipeline": {"schedule": S, "overlap": true}), the two engines
@@ -46,9 +46,9 @@ import os
 import socket
 import statistics
 import sys
-import time
 import warnings
 
+from bench.harness import Machine, add_output_args, alternated, emit, paired_ratio, table
 from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
 
@@ -92,15 +92,8 @@ def batches(config, args, dp_rank, step):
 
 def timed(engines: dict, data, iterations: int, start: int) -> dict:
     """{name: [seconds of train_batch]}, the engines alternated, their order swapped every iteration."""
-    import torch.distributed as dist
-    names, times = list(engines), {name: [] for name in engines}
-    for it in range(iterations):
-        for name in (names if it % 2 == 0 else names[::-1]):
-            dist.barrier()
-            begin = time.perf_counter()
-            engines[name].train_batch(data(start + it))
-            times[name].append(time.perf_counter() - begin)
-    return times
+    return alternated({name: engine.train_batch for name, engine in engines.items()}, iterations, start,
+                      prepare=lambda name, step: data(step))
 
 
 class Recorder:
@@ -284,7 +277,7 @@ def rank_main(args):
                 slept_share = max(statistics.median(r["sleeps"]) for r in records) / statistics.median(p)
                 rows.append(dict(schedule=name, share=share, traced_share=traced_share, slept_share=slept_share, latency=latency, count=n,
                                  plain=statistics.median(p), over=statistics.median(o),
-                                 ratio=statistics.median(b / a for a, b in zip(p, o)),
+                                 ratio=paired_ratio(o, p),
                                  sim_ratio=over_pred / plain_pred, plain_pred=plain_pred, over_pred=over_pred))
         os.environ[TEST_LATENCY_ENV] = "0"
     return dict(rows=rows, piece_host=host, counts=n, base=base) if rank0 else None
@@ -297,15 +290,14 @@ def report(result, args) -> str:
              f"PP{args.pp} x DP{WORLD_DP}, ZeRO-1 AdamW fp32, gloo, 1 thread a rank; medians of {args.iterations} "
              f"alternated iterations after warm-up; piece host time {result['piece_host'] * 1e3:.3f} ms; all-to-alls "
              f"per step on the busiest rank: {counts}",
-             "",
-             "| schedule | a2a share: target / slept / traced | ms per a2a added | plain (ms) | overlapped (ms) | ratio | "
-             "sim. ratio | meas/sim plain | meas/sim overlapped | ratio / sim. ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(
-            f"| {r['schedule']} | {r['share']:.0%} / {r['slept_share']:.0%} / {r['traced_share']:.0%} | {r['latency'] * 1e3:.2f} | "
-            f"{r['plain'] * 1e3:.1f} | {r['over'] * 1e3:.1f} | {r['ratio']:.3f} | {r['sim_ratio']:.3f} | "
-            f"{r['plain'] / r['plain_pred']:.3f} | {r['over'] / r['over_pred']:.3f} | {r['ratio'] / r['sim_ratio']:.3f} |")
+             ""]
+    lines += table(["schedule", "a2a share: target / slept / traced", "ms per a2a added", "plain (ms)",
+                    "overlapped (ms)", "ratio", "sim. ratio", "meas/sim plain", "meas/sim overlapped",
+                    "ratio / sim. ratio"], "l" * 10,
+                   [[r["schedule"], f"{r['share']:.0%} / {r['slept_share']:.0%} / {r['traced_share']:.0%}",
+                     f"{r['latency'] * 1e3:.2f}", f"{r['plain'] * 1e3:.1f}", f"{r['over'] * 1e3:.1f}",
+                     f"{r['ratio']:.3f}", f"{r['sim_ratio']:.3f}", f"{r['plain'] / r['plain_pred']:.3f}",
+                     f"{r['over'] / r['over_pred']:.3f}", f"{r['ratio'] / r['sim_ratio']:.3f}"] for r in result["rows"]])
     return "\n".join(lines)
 
 
@@ -324,6 +316,7 @@ def parse(argv=None):
     ap.add_argument("--traced", type=int, default=4, help="traced plain iterations per row, alternated with the timed "
                                                           "ones (the simulation's costs)")
     ap.add_argument("--timeout", type=float, default=1800)
+    add_output_args(ap)
     args = ap.parse_args(argv)
     problems = [f"--shares {s}: each must be in [0, 1)" for s in args.shares if not 0 <= s < 1]
     problems += [f"--{k} {getattr(args, k)}: must be at least 1" for k in ("iterations", "calibrate", "traced")
@@ -343,11 +336,9 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    load = os.getloadavg()[0]
+    machine = Machine()
     result = run_ranks(args.pp * WORLD_DP, rank_main, args, timeout=args.timeout, quiet=True)[0]
-    text = report(result, args) + (f"\n\nload average (1 min) {load:.1f} before, {os.getloadavg()[0]:.1f} after, "
-                                   f"on {os.cpu_count()} cores")
-    print(text)
+    text = emit(f"{report(result, args)}\n\n{machine.before_after()}", args.perf_file, "bench.moe_overlap", argv)
     return result, text
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ import torch
 
 from bench import layer_costs
 from bench.moe_costs import layer_parameters
+from bench.harness import Machine, add_output_args, alternated, emit, table
 from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.testing.timed import TimedLayer
 
@@ -122,7 +122,6 @@ def build_engine(schedule, opts, costs):
 
 def worker(opts):
     import deepspeed
-    import torch.distributed as dist
     from megatron_ds.testing.timed import TimedCosts
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -133,18 +132,19 @@ def worker(opts):
     g = torch.Generator().manual_seed(0)
     data = [((torch.randn(MBS, SEQ, HIDDEN, generator=g),), torch.randn(MBS, SEQ, HIDDEN, generator=g))
             for _ in range(opts["micro_batches"])]
-    rows = {name: {"times": [], "comm": []} for name in engines}
-    for it in range(opts["warmup"] + opts["iterations"]):
-        for name, engine in engines.items():
-            dist.barrier()
+    slept = {name: [] for name in engines}
+
+    def run(name, engine):
+        def one(_):
             CommClock.seconds = 0.0
-            start = time.perf_counter()
             engine.train_batch(iter(data))
-            elapsed = time.perf_counter() - start
-            if it >= opts["warmup"]:
-                rows[name]["times"].append(elapsed)
-                rows[name]["comm"].append(CommClock.seconds / elapsed)
-    return rows
+            slept[name].append(CommClock.seconds)
+        return one
+    times = alternated({name: run(name, engine) for name, engine in engines.items()},
+                       opts["warmup"] + opts["iterations"])
+    first = opts["warmup"]
+    return {name: {"times": t[first:], "comm": [c / e for c, e in zip(slept[name][first:], t[first:])]}
+            for name, t in times.items()}
 
 
 # -- the parent: costs, simulation, table --------------------------------------------------------
@@ -188,7 +188,7 @@ def simulate_rows(args, costs, layers):
     return out
 
 
-def markdown(args, costs, layers, table, opts) -> str:
+def markdown(args, costs, layers, rows, opts) -> str:
     mb, ep = 1024 * 1024, layer_costs.setup(args)[0].moe.expert_model_parallel_size
     timed = layers["timed"]
     dense, moe = timed.get("dense"), timed["MoE"]
@@ -199,17 +199,14 @@ def markdown(args, costs, layers, table, opts) -> str:
              f"(EP {ep} over gloo); embedding "
              f"{ms(costs.embed)}, head + loss {ms(costs.head)}; activations of one micro-batch: a MoE layer "
              f"{moe[3] / mb:.2f} MB" + (f", a dense one {dense[3] / mb:.2f} MB" if dense else "") + ".", "",
-             f"p={args.pp}, m={args.micro_batches}, timed layers x {opts['time_scale']:g}:", "",
-             "| schedule | iteration (ms) | sim. (ms) | meas./sim. | iteration / 1f1b's | a2a share (meas. / sim.) | "
-             "activations per rank, sim. (MB) | weights per rank (MB) |",
-             "|---|---:|---:|---:|---:|---:|---|---|"]
-    base = table["1f1b"]["iteration"]
-    for name, r in table.items():
-        lines.append(f"| {name} | {r['iteration'] * 1e3:.1f} | {r['sim'] * 1e3:.1f} | "
-                     f"{r['iteration'] / r['sim']:.3f} | {r['iteration'] / base:.3f} | "
-                     f"{r['a2a']:.1%} / {r['sim_a2a']:.1%} | "
-                     f"{' '.join(f'{x / mb:.2f}' for x in r['activations'])} | "
-                     f"{' '.join(f'{x / mb:.2f}' for x in r['weights'])} |")
+             f"p={args.pp}, m={args.micro_batches}, timed layers x {opts['time_scale']:g}:", ""]
+    base = rows["1f1b"]["iteration"]
+    lines += table(["schedule", "iteration (ms)", "sim. (ms)", "meas./sim.", "iteration / 1f1b's",
+                    "a2a share (meas. / sim.)", "activations per rank, sim. (MB)", "weights per rank (MB)"], "lrrrrrll",
+                   [[name, f"{r['iteration'] * 1e3:.1f}", f"{r['sim'] * 1e3:.1f}", f"{r['iteration'] / r['sim']:.3f}",
+                     f"{r['iteration'] / base:.3f}", f"{r['a2a']:.1%} / {r['sim_a2a']:.1%}",
+                     " ".join(f"{x / mb:.2f}" for x in r["activations"]),
+                     " ".join(f"{x / mb:.2f}" for x in r["weights"])] for name, r in rows.items()])
     return "\n".join(lines)
 
 
@@ -219,24 +216,25 @@ def main(argv=None):
     ap.add_argument("--timed-warmup", type=int, default=1, help="untimed iterations per engine")
     ap.add_argument("--time-scale", type=float, default=4.0, help="the timed layers sleep the measured costs x this")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
+    add_output_args(ap)
     own, rest = ap.parse_known_args(argv)
-    started, load = time.time(), os.getloadavg()
-    print(f"# bench/moe_timed.py on {os.cpu_count()} CPU cores, load average {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f} at start; layer_costs flags: {' '.join(MODEL + rest)}", flush=True)
+    machine = Machine()
+    head = (f"# bench/moe_timed.py on {machine.cores} CPU cores, {machine.at_start()}; layer_costs flags: "
+            f"{' '.join(MODEL + rest)}")
+    print(head, flush=True)
     args, costs, layers, _ = measure(MODEL + rest)
     opts = {"pp": args.pp, "micro_batches": args.micro_batches, "schedules": SCHEDULES, "iterations": own.iterations,
             "warmup": own.timed_warmup, "time_scale": own.time_scale,
             "layers": layer_seconds(costs, args.num_layers, args.pp)}
     measured = run_ranks(args.pp, worker, opts, timeout=own.timeout, quiet=True)
-    table = simulate_rows(args, costs, layers)
-    for name, row in table.items():
+    results = simulate_rows(args, costs, layers)
+    for name, row in results.items():
         row["iteration"] = statistics.median(measured[0][name]["times"]) / own.time_scale
         row["a2a_ranks"] = [statistics.median(rank[name]["comm"]) for rank in measured]
         row["a2a"] = max(row["a2a_ranks"])
-    print("\n" + markdown(args, costs, layers, table, opts))
-    load = os.getloadavg()
-    print(f"\n# done in {time.time() - started:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
-    return table
+    emit("\n" + markdown(args, costs, layers, results, opts) + f"\n\n# {machine.at_end()}", own.perf_file,
+         "bench.moe_timed", argv, printed_before=head + "\n")
+    return results
 
 
 if __name__ == "__main__":

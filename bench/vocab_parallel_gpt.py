@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import statistics
 import sys
-import time
 import warnings
 
+from bench.harness import Machine, add_output_args, alternated, emit, table
 from bench.options import add_model_args
 from bench.vocab_parallel import SCHEDULES
 from megatron_ds.testing.launcher import run_ranks
@@ -77,7 +76,6 @@ def batches(opts, step):
 def worker(opts):
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.utils.logger.setLevel(logging.ERROR)
@@ -85,16 +83,14 @@ def worker(opts):
     torch.set_num_threads(1)
     cells = [(s, pl) for s in opts["schedules"] for pl in PLACEMENTS]
     engines = {cell: build_engine(*cell, opts) for cell in cells}
-    rows = {cell: {"times": [], "losses": []} for cell in cells}
-    for step in range(opts["warmup"] + opts["iterations"]):
-        data = batches(opts, step)
-        for cell, engine in engines.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = float(engine.train_batch(iter(data)))
-            rows[cell]["times"].append(time.perf_counter() - t0)
-            rows[cell]["losses"].append(loss)
-    return {f"{s}|{pl}": r for (s, pl), r in rows.items()}
+    losses = {cell: [] for cell in cells}
+
+    def run(cell):
+        return lambda data: losses[cell].append(float(engines[cell].train_batch(iter(data))))
+    drawn = {}  # each step's batches, drawn once off the clock: every engine trains on the same ones
+    times = alternated({cell: run(cell) for cell in cells}, opts["warmup"] + opts["iterations"],
+                       prepare=lambda cell, step: drawn.setdefault(step, batches(opts, step)))
+    return {f"{s}|{pl}": {"times": times[(s, pl)], "losses": losses[(s, pl)]} for s, pl in cells}
 
 
 # -- analysis --------------------------------------------------------------------------------------
@@ -114,18 +110,17 @@ def analyse(results, opts):
     return table
 
 
-def markdown(table, opts):
+def markdown(results, opts):
     tokens = opts["gas"] * opts["mbs"] * opts["seq"]
     lines = [f"**GPT {opts['layers']} layers, hidden {opts['hidden']}, {opts['heads']} heads, seq {opts['seq']}, "
              f"vocabulary {opts['vocab']} (head + loss = {head_in_layers(opts):.1f} layers by FLOPs); p={opts['pp']}, "
-             f"m={opts['gas']}, micro-batch {opts['mbs']}; ZeRO-1 AdamW fp32** (iteration times in ms)", "",
-             "| schedule | naive | vocab | vp/naive | tokens/s naive | tokens/s vocab | last loss | loss diff |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, rows in table.items():
-        n, v = rows["naive"], rows["vocab"]
-        lines.append(f"| {name} | {n['iteration'] * 1e3:.0f} | {v['iteration'] * 1e3:.0f} | {rows['ratio']:.3f} | "
-                     f"{tokens / n['iteration']:.0f} | {tokens / v['iteration']:.0f} | {v['losses'][-1]:.4f} | "
-                     f"{rows['loss_diff']:.1e} |")
+             f"m={opts['gas']}, micro-batch {opts['mbs']}; ZeRO-1 AdamW fp32** (iteration times in ms)", ""]
+    lines += table(["schedule", "naive", "vocab", "vp/naive", "tokens/s naive", "tokens/s vocab", "last loss",
+                    "loss diff"], "lrrrrrrr",
+                   [[name, f"{rows['naive']['iteration'] * 1e3:.0f}", f"{rows['vocab']['iteration'] * 1e3:.0f}",
+                     f"{rows['ratio']:.3f}", f"{tokens / rows['naive']['iteration']:.0f}",
+                     f"{tokens / rows['vocab']['iteration']:.0f}", f"{rows['vocab']['losses'][-1]:.4f}",
+                     f"{rows['loss_diff']:.1e}"] for name, rows in results.items()])
     return "\n".join(lines)
 
 
@@ -137,19 +132,19 @@ def main(argv=None):
     ap.add_argument("--iterations", type=int, default=7, help="timed iterations per engine")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the launch")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {"pp": args.pp, "gas": args.gas, "mbs": args.micro_batch_size, "seq": args.seq_length,
             "hidden": args.hidden_size, "layers": args.num_layers, "heads": args.num_attention_heads,
             "vocab": args.vocab_size, "schedules": args.schedules, "iterations": args.iterations,
             "warmup": args.warmup}
-    started, load = time.time(), os.getloadavg()
-    print(f"# bench/vocab_parallel_gpt.py on {os.cpu_count()} CPU cores (p={args.pp} ranks), load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start; median of {args.iterations} iterations "
-          f"(+{args.warmup} warm-up) per engine, engines taking turns", flush=True)
+    machine = Machine()
+    head = (f"# bench/vocab_parallel_gpt.py on {machine.cores} CPU cores (p={args.pp} ranks), {machine.at_start()}; "
+            f"median of {args.iterations} iterations (+{args.warmup} warm-up) per engine, engines taking turns")
+    print(head, flush=True)
     results = run_ranks(args.pp, worker, opts, timeout=args.timeout, quiet=True)[0]
-    print("\n" + markdown(analyse(results, opts), opts))
-    load = os.getloadavg()
-    print(f"\n# done in {time.time() - started:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
+    emit("\n" + markdown(analyse(results, opts), opts) + f"\n\n# {machine.at_end()}", args.perf_file,
+         "bench.vocab_parallel_gpt", argv, printed_before=head + "\n")
     return 0
 
 

@@ -19,7 +19,7 @@ iteration by iteration, so machine noise hits all alike.
 Columns: iteration = median wall time of train_batch on rank 0 (after a barrier); sim = the makespan
 bench.vocab_parallel.run simulates for the same costs; meas/sim = iteration / sim; vp/naive =
 throughput with vocabulary parallelism over naive placement's (naive iteration / vocab iteration),
-measured and simulated; the claims lines under the table give the issue's bounds, and the same figures
+measured and simulated; the claims lines under the table give the two bounds, and the same figures
 for each engine's fastest iteration (sleeps only run late: the least disturbed by the machine's other
 work); traced = median compute makespan of the traced iterations (pipe/trace.py;
 first op start to last op end over all ranks) and bubble its measured bubble ratio.
@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 
+from bench.harness import Machine, add_output_args, alternated, emit, table
 from bench.vocab_parallel import EMBED_SHARE, SCHEDULES, run as simulate_placements
 from megatron_ds.testing.launcher import run_ranks
 
@@ -149,7 +150,6 @@ def batches(placement, m, seed):
 def worker(opts, out_root):
     import deepspeed
     import torch
-    import torch.distributed as dist
     from megatron_ds.testing.timed import TimedCosts
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -160,19 +160,19 @@ def worker(opts, out_root):
     cells = [(s, pl) for s in opts["schedules"] for pl in PLACEMENTS]
     engines = {cell: build_engine(*cell, opts, costs) for cell in cells}
     data = {pl: batches(pl, opts["micro_batches"], 0) for pl in PLACEMENTS}
-    rows = {cell: {"times": [], "losses": [], "trace_dir": os.path.join(out_root, f"{cell[0]}_{cell[1]}")}
-            for cell in cells}
-    for it in range(opts["warmup"] + opts["iterations"]):
-        timed = it >= opts["warmup"]
-        for cell, engine in engines.items():
-            engine.tracer.trace_dir = rows[cell]["trace_dir"] if timed else None
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = engine.train_batch(iter(data[cell[1]]))
-            if timed:
-                rows[cell]["times"].append(time.perf_counter() - t0)
-                rows[cell]["losses"].append(float(loss))
-    return {f"{s}|{pl}": r for (s, pl), r in rows.items()}
+    dirs = {cell: os.path.join(out_root, f"{cell[0]}_{cell[1]}") for cell in cells}
+    losses = {cell: [] for cell in cells}
+
+    def trace_timed(cell, step):  # off the clock: the warm-up untraced
+        engines[cell].tracer.trace_dir = dirs[cell] if step >= opts["warmup"] else None
+        return step
+
+    def run(cell):
+        return lambda step: losses[cell].append(float(engines[cell].train_batch(iter(data[cell[1]]))))
+    times = alternated({cell: run(cell) for cell in cells}, opts["warmup"] + opts["iterations"], prepare=trace_timed)
+    first = opts["warmup"]
+    return {f"{s}|{pl}": {"times": times[(s, pl)][first:], "losses": losses[(s, pl)][first:],
+                          "trace_dir": dirs[(s, pl)]} for s, pl in cells}
 
 
 # -- analysis --------------------------------------------------------------------------------------
@@ -201,28 +201,29 @@ def analyse(results, opts):
     return table
 
 
-def markdown(table, opts):
+def markdown(results, opts):
     p, L, c = opts["pp"], opts["layers"], opts["head"]
     lines = [f"**p={p}, m={opts['micro_batches']}, L={L} layers ({L // p} per rank), head + loss = {c:g} layers "
              f"(F, B, W alike), embedding = {c * EMBED_SHARE:g} layers; one layer's F = B = W = "
-             f"{opts['layer_ms']:g} ms** (iteration times in ms)", "",
-             "| schedule | naive | naive sim. | naive meas/sim | vocab | vocab sim. | vocab meas/sim | "
-             "vp/naive measured | vp/naive simulated | naive traced / bubble | vocab traced / bubble |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, rows in table.items():
+             f"{opts['layer_ms']:g} ms** (iteration times in ms)", ""]
+    cells = []
+    for name, rows in results.items():
         n, v, r = rows["naive"], rows["vocab"], rows["ratio"]
-        lines.append(f"| {name} | {n['iteration'] * 1e3:.0f} | {n['sim'] * 1e3:.0f} | {n['meas_sim']:.3f} | "
-                     f"{v['iteration'] * 1e3:.0f} | {v['sim'] * 1e3:.0f} | {v['meas_sim']:.3f} | "
-                     f"{r['measured']:.3f} | {r['simulated']:.3f} | "
-                     f"{n['traced'] * 1e3:.0f} / {n['bubble']:.3f} | {v['traced'] * 1e3:.0f} / {v['bubble']:.3f} |")
+        cells.append([name, f"{n['iteration'] * 1e3:.0f}", f"{n['sim'] * 1e3:.0f}", f"{n['meas_sim']:.3f}",
+                      f"{v['iteration'] * 1e3:.0f}", f"{v['sim'] * 1e3:.0f}", f"{v['meas_sim']:.3f}",
+                      f"{r['measured']:.3f}", f"{r['simulated']:.3f}", f"{n['traced'] * 1e3:.0f} / {n['bubble']:.3f}",
+                      f"{v['traced'] * 1e3:.0f} / {v['bubble']:.3f}"])
+    lines += table(["schedule", "naive", "naive sim.", "naive meas/sim", "vocab", "vocab sim.", "vocab meas/sim",
+                    "vp/naive measured", "vp/naive simulated", "naive traced / bubble", "vocab traced / bubble"],
+                   "l" + "r" * 10, cells)
     return "\n".join(lines)
 
 
-CLAIM_RATIO, CLAIM_SIM = 1.25, 1.05  # issue 25: vp/naive at least this, measured / simulated within this
+CLAIM_RATIO, CLAIM_SIM = 1.25, 1.05  # the bars: vp/naive at least this, measured / simulated within this
 
 
 def claims(table):
-    """One line per schedule: the issue's two bounds, measured in this run."""
+    """One line per schedule: the two bounds (CLAIM_RATIO, CLAIM_SIM), measured in this run."""
     lines = []
     for name, rows in table.items():
         ratio = rows["ratio"]["measured"]
@@ -249,27 +250,25 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_vocab_parallel_timed"),
                     help="traces and results.json go here")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the launch")
+    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {"pp": args.pp, "layers": args.layers, "head": args.head, "layer_ms": args.layer_ms,
             "micro_batches": args.micro_batches or 2 * args.pp, "schedules": args.schedules,
             "iterations": args.iterations, "warmup": args.warmup}
-    started, load = time.time(), os.getloadavg()
-    print(f"# bench/vocab_parallel_timed.py on {os.cpu_count()} CPU cores, load average {load[0]:.2f} {load[1]:.2f} "
-          f"{load[2]:.2f} at start; median of {args.iterations} iterations (+{args.warmup} warm-up) per engine, "
-          "engines taking turns", flush=True)
+    machine = Machine()
+    head = (f"# bench/vocab_parallel_timed.py on {machine.cores} CPU cores, {machine.at_start()}; median of "
+            f"{args.iterations} iterations (+{args.warmup} warm-up) per engine, engines taking turns")
+    print(head, flush=True)
     for schedule in opts["schedules"]:  # traces of an earlier run would join this one's
         for placement in PLACEMENTS:
             shutil.rmtree(os.path.join(args.out, f"{schedule}_{placement}"), ignore_errors=True)
     results = run_ranks(args.pp, worker, opts, args.out, timeout=args.timeout, quiet=True)[0]
-    table = analyse(results, opts)
-    print("\n" + markdown(table, opts) + "\n")
-    for line in claims(table):
-        print(line)
-    load = os.getloadavg()
-    print(f"\n# done in {time.time() - started:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
+    rows = analyse(results, opts)
+    emit(f"\n{markdown(rows, opts)}\n\n" + "\n".join(claims(rows)) + f"\n\n# {machine.at_end()}", args.perf_file,
+         "bench.vocab_parallel_timed", argv, printed_before=head + "\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"opts": opts, "table": table}, fh, indent=1)
+        json.dump({"opts": opts, "table": rows}, fh, indent=1)
     return 0
 
 

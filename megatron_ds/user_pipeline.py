@@ -44,7 +44,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     method = partition_method(model, ds_config, plan.schedule.stages)
     if optimizer is not None or "optimizer" in ds_config:  # DeepSpeed builds one on every rank
         check_parameters(model, plan, method)
-    module = chunked(model, plan, method)
+    module = chunked(model, plan, method, seed_layers=ds_config["pipeline"].get("seed_layers", False))
     optimizer, model_parameters = _rebound(model, module, optimizer, model_parameters, lr_scheduler)
     engine = initialize_engine(module, ds_config, optimizer, lr_scheduler, model_parameters, settings,
                                engine_class=ForeignScheduleEngine, args=_without_config(args),

@@ -5,7 +5,8 @@
 
 DeepSpeed's tests are not in its wheel or its sdist (PyPI's deepspeed-0.19.8.tar.gz holds no tests/), so they are
 taken from a DeepSpeed git repository (--git-dir, --ref; the default ref is the installed version's tag when the
-repository has it, else `master`) or a checkout (--source). The files run are TESTS: tests/unit/pipe/,
+repository has it, else `master`) or a checkout (--source), or else from the environment's MEGATRON_DS_DEEPSPEED_SOURCE (either
+kind); without one the script says how to get it: a clone of DeepSpeed's repository at the installed version's tag. The files run are TESTS: tests/unit/pipe/,
 tests/unit/runtime/pipe/test_pipe.py (its CIFAR-10 tests download the data set: skipped) and
 tests/unit/checkpoint/test_pipeline.py. On CPU they run over gloo, each test's processes started by DeepSpeed's
 own DistributedTest with LOCAL_SIZE set to the world size (DeepSpeed's CPU accelerator counts its devices by it).
@@ -35,7 +36,8 @@ import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MIRROR = pathlib.Path("/work/.mirror/deepspeedai+DeepSpeed/repo")
+SOURCE_VAR = "MEGATRON_DS_DEEPSPEED_SOURCE"  # a DeepSpeed checkout or git repository, when no flag names one
+DEEPSPEED_URL = "https://github.com/deepspeedai/DeepSpeed"
 TESTS = ["unit/pipe", "unit/runtime/pipe/test_pipe.py", "unit/checkpoint/test_pipeline.py"]
 SCHEDULES = ["1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2", "zbv", "zbv-half", "zbv-min", "bitpipe", "dualpipev"]
 DOWNLOADS = {"TestPipeCifar10": "downloads CIFAR-10 (train_cifar): excluded, needs the network"}
@@ -261,10 +263,38 @@ def reasons(runs):
             for (outcome, reason), where in sorted(found.items())]
 
 
+class SourceError(Exception):
+    """No DeepSpeed source to take the tests from: one line saying how to get it."""
+
+
+def tests_source(source, git_dir, env=None):
+    """("source", CHECKOUT) or ("git", GIT_DIR): where DeepSpeed's tests come from, by --source, --git-dir or the
+    environment's SOURCE_VAR (a checkout: a folder holding tests/unit; else a git repository, bare or not)."""
+    env = os.environ if env is None else env
+    given = ("--source", source) if source else ("--git-dir", git_dir) if git_dir else (SOURCE_VAR, env.get(SOURCE_VAR))
+    flag, path = given
+    if not path:
+        tag = f"v{installed_version()}"
+        raise SourceError(f"DeepSpeed's tests are not in its wheel or sdist: give --source CHECKOUT or --git-dir REPO "
+                          f"(or set {SOURCE_VAR}), e.g. after git clone --depth 1 --branch {tag} {DEEPSPEED_URL}")
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise SourceError(f"{flag} {path}: no such folder (a DeepSpeed checkout or git repository)")
+    if flag == "--source" or (flag == SOURCE_VAR and (path / "tests" / "unit").is_dir()):
+        if not (path / "tests" / "unit").is_dir():
+            raise SourceError(f"{flag} {path}: holds no tests/unit; give a DeepSpeed checkout")
+        return "source", path
+    git_dir = path / ".git" if (path / ".git").is_dir() else path
+    if subprocess.run(["git", f"--git-dir={git_dir}", "rev-parse", "--git-dir"], capture_output=True).returncode:
+        raise SourceError(f"{flag} {path}: not a git repository nor a checkout holding tests/unit")
+    return "git", git_dir
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("schedules", nargs="*", default=["deepspeed", *SCHEDULES])
-    parser.add_argument("--git-dir", default=str(MIRROR), help="a DeepSpeed git repository (bare is fine)")
+    parser.add_argument("--git-dir", default=None, help=f"a DeepSpeed git repository (bare is fine; default: "
+                                                        f"${SOURCE_VAR})")
     parser.add_argument("--ref", default=None, help="default: the installed version's tag, else master")
     parser.add_argument("--source", default=None, help="a DeepSpeed checkout (its tests/ used instead of git)")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k over the tests")
@@ -272,13 +302,18 @@ def main(argv=None):
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per schedule")
     parser.add_argument("--logs", default=None, help="keep each schedule's pytest output here (SCHEDULE.log)")
     args = parser.parse_args(argv)
+    try:
+        kind, path = tests_source(args.source, args.git_dir)
+    except SourceError as exc:
+        sys.stderr.write(f"run_deepspeed_pipe_tests: error: {exc}\n")
+        return 2
     with contextlib.ExitStack() as stack:
         work = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ds_pipe_tests_")))
-        if args.source:
-            shutil.copytree(pathlib.Path(args.source) / "tests", work / "tests")
-            origin = args.source
+        if kind == "source":
+            shutil.copytree(path / "tests", work / "tests")
+            origin = str(path)
         else:
-            origin = extract(args.git_dir, args.ref, work)
+            origin = extract(path, args.ref, work)
         tests_root = work / "tests"
         for line in prepare(tests_root):
             print(f"dropped from the tests: {line}", flush=True)

@@ -12,7 +12,7 @@ and divides by the whole data-parallel size, which makes it the data-parallel me
 The groups sit in DeepSpeed's registry (deepspeed.utils.groups, named "ep_size_<e>"): consecutive
 data-parallel ranks of one stage and TP rank form an EP group, and ranks e apart an expert-data-parallel group.
 
-Inside an overlapped unit (pipe/overlap.py: the forward of one micro-batch and the backward of another, issue 40)
+Inside an overlapped unit (pipe/overlap.py: the forward of one micro-batch and the backward of another)
 each all-to-all is issued asynchronously and, while it is in flight, `InFlight.meanwhile` runs the unit's other
 side until that side issues its own or ends; then this side waits on its handle. Outside a unit (and while
 AllToAllTimes times them) the collective blocks as before.

@@ -16,7 +16,7 @@ expert-parallel all-to-all that ran inside an F or B op (model/moe_dispatch.AllT
 is taken out of the op's time and kept apart, and rank 0 learns which layers of each stage have experts, so
 that a MoE layer's cost is told from a dense one's and the all-to-all stated on its own
 (schedules/measurement.moe_costs). Where the all-to-all runs (expert parallelism > 1), rank 0 weighs the
-overlapped orders too (schedules/auto.decide's `overlap`, issue 40), their pieces paying the host time
+overlapped orders too (schedules/auto.decide's `overlap`), their pieces paying the host time
 `piece_host` measured on each expert-parallel rank after the window (the runtime's switching between a unit's
 sides, timed alone); a MoE model without it is weighed as well, so that the log line says why not (no all-to-all
 to hide). A choice that

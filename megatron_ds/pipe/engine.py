@@ -83,6 +83,7 @@ class ScheduleEngine(PipelineEngine):
         self.vocab = VocabPasses(self) if plan.settings.vocab_parallel else None  # the vocabulary slice's passes
         self.on_auto_decision = on_auto_decision  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
         self._overlap_runner = None  # runs overlapped units (pipe/overlap.py), made at the first
+        self.overlapped_units_run = 0  # units this rank ran, all iterations: the log confirms them (training/loop.py)
 
     def use_plan(self, plan) -> None:
         """Run `plan` from the next iteration: another schedule ("auto"'s probe, its choice) over the chunks as
@@ -324,6 +325,7 @@ class ScheduleEngine(PipelineEngine):
             with self._open_segment(*b.unit):  # for recomputation (activation checkpointing)
                 self._backward_compute(b, bx, root, grad)
         out = self._overlap().run(lambda: self._forward_compute(f, x), backward, backward_first=ops[0] is b)
+        self.overlapped_units_run += 1
         for op in ops:
             if op is f:
                 self._forward_output(f, x, out)

@@ -22,7 +22,7 @@ from megatron_ds.schedules import ScheduleError
 from . import ds_internals as ds
 from .config import ConfigError
 from .module import ChunkedPipelineModule
-from .plan import PipelinePlan, micro_batches_per_step
+from .plan import PipelinePlan, micro_batches_per_step, too_few_layers
 
 DEEPSPEED_METHODS = "DeepSpeed's partition methods (\"parameters\", \"uniform\", \"type:REGEX\")"
 
@@ -47,6 +47,9 @@ def check_settings(settings, ds_config):
     if "partition_method" in (ds_config.get("pipeline") or {}) and not _deepspeed_method(method):
         raise ConfigError(f'{where}."partition_method" = {method!r} with your own PipelineModule: the cost and '
                           f"layout methods weigh the GPT's layers; use one of {DEEPSPEED_METHODS}")
+    seed_layers = (ds_config.get("pipeline") or {}).get("seed_layers", False)
+    if not isinstance(seed_layers, bool):
+        raise ConfigError(f'{where}."seed_layers" = {seed_layers!r}: must be true or false')
     zero = (ds_config.get("zero_optimization") or {}).get("stage", 0)
     if zero not in (0, 1) or (settings.post_validation and zero != 1):
         raise ConfigError(f'{where}: schedule {settings.schedule!r} runs with ZeRO stage 0 or 1 (post_validation: '
@@ -75,8 +78,8 @@ def plan_for(module, ds_config, settings):
                                            vocab_parallel=schedule.vocab_parallel), ds_config)
     layers = len(ds.layer_specs(module))
     if layers < schedule.stages:
-        raise ConfigError(f"schedule {settings.schedule!r} cuts the model into {schedule.stages} virtual stages; "
-                          f"the PipelineModule has {layers} layers")
+        raise ConfigError(too_few_layers(schedule, f"your PipelineModule's {layers} layers", layers,
+                                         layer="layer"))
     # seq_length and hidden_size give the GPT's message shape; these messages learn theirs (pipe/learned_p2p.py)
     return PipelinePlan(settings, pp, mbs, gas, seq_length=0, hidden_size=0)
 
@@ -149,11 +152,22 @@ def check_parameters(module, plan, method):
                               'layers parameters or cut the layers otherwise ("pipeline.partition_method")')
 
 
-def chunked(module, plan, method):
-    """`module`'s layers built again as the chunks `plan` places on this rank."""
+def seed_layer(seed):
+    """DeepSpeed's per-layer seed (`PipelineModule(seed_layers=True, seed_fn=megatron_ds.seed_layer)`), taken as an
+    int: DeepSpeed 0.19.8 adds the layer index to its partition's bounds, numpy ints under its default
+    "parameters" method, and its set_random_seed hands that to Python's random.seed, which refuses any type but
+    None, int, float, str and bytes (a TypeError while the module is built, under either engine)."""
+    ds_utils.set_random_seed(int(seed))
+
+
+def chunked(module, plan, method, seed_layers=False):
+    """`module`'s layers built again as the chunks `plan` places on this rank. `seed_layers` (ds_config
+    "pipeline.seed_layers", DeepSpeed's key) seeds each layer as the module's own seed_layers does: with base_seed +
+    its global index, so each layer starts from the same weights however the schedule cuts the layers."""
+    seeding = bool(module.seed_layers or seed_layers)
     chunked_module = ChunkedPipelineModule(
         layers=ds.layer_specs(module), plan=plan, loss_fn=module.loss_fn, topology=module.topology(),
-        seed_layers=module.seed_layers, seed_fn=module.seed_fn, base_seed=module.base_seed,
+        seed_layers=seeding, seed_fn=module.seed_fn or (seed_layer if seeding else None), base_seed=module.base_seed,
         partition_method=method, activation_checkpoint_interval=module.activation_checkpoint_interval,
         activation_checkpoint_func=module.activation_checkpoint_func,
         checkpointable_layers=module.checkpointable_layers, dynamic_shape=module.dynamic_shape)

@@ -1,4 +1,4 @@
-"""Overlapped units (issue 40): the forward of one micro-batch and the backward of another run as one unit, each
+"""Overlapped units: the forward of one micro-batch and the backward of another run as one unit, each
 side's expert-parallel all-to-all in flight while the other side computes.
 
 The backward side runs on a second thread (one per engine, kept between units), the forward side on the

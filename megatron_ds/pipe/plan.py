@@ -53,13 +53,28 @@ def check_layers(schedule: Schedule, num_layers: int, settings: PipelineSettings
     if is_cost_method(settings.partition_method):
         return
     stages = schedule.stages
+    if num_layers < stages:  # before the padding's advice: no padding gives an empty stage a layer
+        raise ConfigError(too_few_layers(schedule, f"--num-layers {num_layers}", num_layers))
     if stages > schedule.pp and num_layers % stages and not settings.allow_padding_num_layers:
         raise ConfigError(f"schedule {schedule.name!r} cuts the model into {stages} virtual stages: "
                           f"--num-layers {num_layers} must be a multiple of {stages}, or give {PADDING} "
                           "to let some virtual stages hold one layer less")
-    if num_layers < stages:
-        raise ConfigError(f"schedule {schedule.name!r} needs at least one transformer layer per virtual stage: "
-                          f"--num-layers {num_layers} < {stages} stages")
+
+
+def too_few_layers(schedule: Schedule, what: str, layers: int, layer: str = "transformer layer") -> str:
+    """The line for a model of fewer layers than the schedule's virtual stages, with the ways out: a schedule of
+    one stage per rank, or a smaller pipeline."""
+    stages, pp = schedule.stages, schedule.pp
+    per_rank = stages // pp
+    ways = []
+    if per_rank > 1 and layers >= pp:
+        ways.append("a schedule of one virtual stage per rank (1f1b, zb-h1, zb-h2)")
+    if layers // per_rank >= 1:
+        ways.append(f"a pipeline size of at most {layers // per_rank}")
+    if not ways:
+        ways.append("a model of more layers")
+    return (f"schedule {schedule.name!r} needs at least one {layer} per virtual stage: {what} < "
+            f"{stages} virtual stages ({per_rank} per rank x pipeline size {pp}); choose " + " or ".join(ways))
 
 
 def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> None:

@@ -27,7 +27,7 @@ one's, each candidate's stages charged the layers it holds) and its expert-paral
 quantity on the critical path of the MoE layers' F and B (ModelCosts.all_to_all); `describe` states both and
 the all-to-all's share of the chosen step.
 
-Overlap (issue 40; `overlap=True` to `rank` and `decide`): each candidate that has an overlapped order
+Overlap (`overlap=True` to `rank` and `decide`): each candidate that has an overlapped order
 (catalog: `takes("overlap")`) is weighed with it too ("overlap=True" in its knobs), its units paying the host
 time of their pieces (ModelCosts.piece_host). It is chosen only where its simulation is faster than every
 plain candidate that fits; with no all-to-all there is nothing to hide and no overlapped order is weighed.

@@ -45,7 +45,7 @@ class ScheduleSpec:
     # vocab_parallel: None (cannot carry the vocabulary passes) or the schedule's other orders the
     # passes may be placed in (generators/vocab.py weighs them against its own order)
     vocab_orders: Optional[Callable[..., list]] = lambda pp, m, **knobs: []
-    # overlap (issue 40): None, or the generator (same knobs) of the order whose forwards and backwards of
+    # overlap: None, or the generator (same knobs) of the order whose forwards and backwards of
     # other micro-batches run as overlapped units (Schedule.overlap), each one's all-to-all behind the other
     overlapped: Optional[Callable[..., Schedule]] = None
 

@@ -20,12 +20,12 @@ Mixture of experts: when the transformer layers differ (MoE layers among dense o
 DeepSpeed's count-balanced default does ("type:transformer": the first L % S stages one layer more);
 tf, tb, tw are then their mean per 1F1B stage. `all_to_all` gives each layer's expert-parallel
 all-to-all time in its F and its B (dispatch and combine, or their reverse; 0 for a dense layer):
-communication, kept apart from the compute because overlapping it (issue 40) would hide it, and charged
+communication, kept apart from the compute because overlapping it (overlapped units) would hide it, and charged
 on the critical path of the F and B ops for now, as the runtime runs it inside the layer. `layer_memory`
 gives each layer's activations (any unit: only their ratios count), so a stage of MoE layers holds more
 than one of dense layers.
 
-Overlapped units (issue 40): `piece_host` is the host time one piece of an overlapped unit costs beyond the plain
+Overlapped units: `piece_host` is the host time one piece of an overlapped unit costs beyond the plain
 op (each launch, stream event and wait the piece-by-piece run adds): a MoE layer runs as PIECES_MOE pieces per
 side (attention, dispatch, experts, combine; backward the reverse), a dense layer as one, so a unit pays
 piece_host times the pieces of both its stages (`overlap_host_per_stage`; simulate's `overlap_host`). The unit runs

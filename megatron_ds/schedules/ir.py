@@ -83,7 +83,7 @@ class Schedule:
     ranks: list[list[Op]] = field(default_factory=list)
     segment_lengths: list[int] | None = None  # tokens of each sequence segment, when the generator was told
     vocab_parallel: bool = False  # every rank runs the vocabulary passes (EF, S, T, EW) on its slice
-    # Overlapped units (issue 40): per rank, the positions i at which op i (a forward) and op i+1 (a backward of
+    # Overlapped units: per rank, the positions i at which op i (a forward) and op i+1 (a backward of
     # another unit), or the reverse, run as one unit, each one's all-to-all hidden behind the other's compute.
     # None: no op runs overlapped. An executor that runs the two one after the other runs the same schedule.
     overlap: list[list[int]] | None = None

@@ -44,7 +44,7 @@ class Measured:
     moe_flops: float = 1.0  # a MoE layer's forward FLOPs over a dense one's (when the stages cannot tell them apart)
     all_to_all: tuple = ()  # per stage, (F, B) seconds of the expert-parallel all-to-all in one micro-batch's ops,
     # which f and b do not hold (the runtime's op times less it)
-    piece_host: float = 0.0  # host seconds per piece of an overlapped unit (ModelCosts.piece_host; issue 40)
+    piece_host: float = 0.0  # host seconds per piece of an overlapped unit (ModelCosts.piece_host)
 
 
 def separate(totals: dict, gap: float = 0.0, p2p: float = 0.0) -> Measured:

@@ -27,7 +27,7 @@ frees it; with it, each S allocates 1/p of it and the T of that micro-batch free
 the runtime runs synchronously in the layer's forward (dispatch and combine) and input-gradient
 backward (their reverse). It is time on the critical path of F and of B (or BW), given per stage as
 tf is, and kept apart from the compute: SimResult.all_to_all is each rank's time in it, so a model
-that overlaps it with other work (issue 40) can take it off the ops instead. `stage_memory` scales
+that overlaps it with other work (overlapped units) can take it off the ops instead. `stage_memory` scales
 the activations of each stage of a replica over an even share's (1: the stage holds 1/S of the
 model's; a stage of MoE layers holds more than one of dense layers). `transient` (op -> memory) is what an op
 holds only while it runs, on top of the level before it: a recomputed layer's activations in B (recompute.py).

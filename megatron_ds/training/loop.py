@@ -17,7 +17,7 @@ import warnings
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.data.samplers import MicroBatchIterator, build_datasets
-from megatron_ds.errors import UserError, print_error, record_for_launcher
+from megatron_ds.errors import UserError, report_stop
 
 from .config.arguments import ArgumentsError, parse_args, print_args
 from .config.document_args import eod_token
@@ -182,6 +182,9 @@ class Trainer:
             self.timers.stop("train-step")
             if self.first_iteration is None:
                 self.first_iteration = elapsed
+                units = getattr(engine, "overlapped_units_run", 0)  # DeepSpeed's engine runs none
+                if units:  # what the start-up line planned, confirmed
+                    print_rank_0(f"> overlapped F/B units run in the first iteration: {units} on rank 0")
             elif not self.compile_logged:
                 self.after_first[0] += elapsed
                 self.after_first[1] += 1
@@ -381,9 +384,7 @@ def main(argv=None):
     try:
         pretrain(parse_args(argv))
     except UserError as e:
-        record_for_launcher(f"pretrain_gpt.py: error: {e}")
-        if rank == 0:
-            print_error(e)
+        report_stop(f"pretrain_gpt.py: error: {e}", rank)
         code = e.exit_code
     except NonFiniteStop:  # every rank stops here, after the checkpoint they saved together
         code = NONFINITE_EXIT_CODE

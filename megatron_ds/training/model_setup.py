@@ -66,10 +66,14 @@ def setup_model_and_optimizer(args, on_auto_decision=None):
 
 
 def engine_line(engine, settings, plan, auto_plan=None, config=None):
-    """The start-up line: the engine and the schedule as the ds_config names it, then what the plan runs that the
-    name does not say: "auto"'s budget and the schedule it starts on, Seq1F1B's segments, vocabulary parallelism,
+    """The start-up line: the engine and the schedule as the ds_config names it (with its overlapped units per
+    rank, ranks 0, 1, ... where they differ), then what the plan runs that the name does not say: "auto"'s budget and the schedule it starts on, Seq1F1B's segments, vocabulary parallelism,
     a schedule file's simulated makespan; and packed documents (`config`'s flags)."""
     line = f"> pipeline engine: {engine}, schedule {settings.schedule}"
+    if plan is not None and plan.schedule.overlap:
+        counts = sorted({len(positions) for positions in plan.schedule.overlap})
+        per_rank = counts[0] if len(counts) == 1 else [len(positions) for positions in plan.schedule.overlap]
+        line += f" (overlapped F/B units: {per_rank} per rank)"
     if config is not None and config.packs_documents:
         flags = [name for name, on in (("positions restart", config.reset_position_ids),
                                        ("attention within documents", config.reset_attention_mask),

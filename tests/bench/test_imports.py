@@ -10,4 +10,4 @@ BENCHES = sorted(p.stem for p in (pathlib.Path(__file__).parents[2] / "bench").g
 @pytest.mark.parametrize("name", BENCHES)
 def test_bench_module_imports_and_has_main(name):
     module = importlib.import_module(f"bench.{name}")
-    assert callable(getattr(module, "main", None)) or name in ("engines", "options", "ds_replay", "moe_costs"), name
+    assert callable(getattr(module, "main", None)) or name in ("engines", "options", "ds_replay", "moe_costs", "harness"), name

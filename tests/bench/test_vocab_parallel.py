@@ -1,4 +1,4 @@
-"""Issue 25's simulated must-show: with the vocabulary passes on every rank, every supported schedule's
+"""Vocabulary parallelism's simulated bar: with the vocabulary passes on every rank, every supported schedule's
 iteration is within 5 % of its balanced ideal, and the vocabulary layers' memory (their parameters and
 the logits held) is the same on every rank within 10 %; under the V schedules, whose activations are
 balanced already, so is each rank's whole peak. Head = 1, 3, 6 layers; p = 4, 8; m = 2p, 4p."""

@@ -1,6 +1,6 @@
 """model/compile.compile_loss: the cross-entropy compiled as its own region gives eager's loss and
 gradient, and keeps for its backward the bf16 logits as they came instead of eager's fp32
-log-probabilities (half the bytes: on the issue-24 model, 8192 tokens x 50304 a micro-batch, 0.8 GB
+log-probabilities (half the bytes: on the LLaMA-style reference model, 8192 tokens x 50304 a micro-batch, 0.8 GB
 less per micro-batch in flight).
 Equality of the compiled loss inside the engines, fp32, whole and per Seq1F1B segment:
 tests/pipe/test_compile_engine.py."""

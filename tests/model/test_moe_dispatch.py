@@ -1,4 +1,4 @@
-"""The test-only all-to-all latency (MEGATRON_DS_TEST_A2A_LATENCY_MS, issue 40): every all-to-all of the
+"""The test-only all-to-all latency (MEGATRON_DS_TEST_A2A_LATENCY_MS): every all-to-all of the
 dispatch takes that much longer, inside AllToAllTimes' interval, with its data unchanged; issued inside an
 overlapped unit it is a deadline, which the other side's work counts towards; a bad value is one line. The
 collective is replaced by a copy here (one process, no group)."""

@@ -1,4 +1,4 @@
-"""`"schedule": "auto"` and overlapped units (issue 40) on ScheduleEngine, PP=2 x DP=2.
+"""`"schedule": "auto"` and overlapped units on ScheduleEngine, PP=2 x DP=2.
 
 A MoE GPT with expert parallelism 2 (tests/pipe/test_moe_engine.py's softmax model) under the test-only latency
 knob (model/moe_dispatch.py: every all-to-all LATENCY_MS more, a large share of the step): "auto" weighs the

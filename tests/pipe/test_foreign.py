@@ -98,3 +98,18 @@ def test_one_batch_key_is_one_micro_batch_a_step_as_deepspeed_reads_it():
     assert micro_batches_per_step(_deepspeed_batch({"train_micro_batch_size_per_gpu": 3}), 2) == (3, 1)
     given = {"train_batch_size": 8, "gradient_accumulation_steps": 2}
     assert _deepspeed_batch(given) is given and micro_batches_per_step(given, 2) == (2, 2)
+
+
+def test_a_module_of_fewer_layers_than_stages_is_told_the_way_out():
+    """Two layers under zbv at pipeline 2 (4 virtual stages): a schedule of one stage per rank runs them."""
+    from types import SimpleNamespace
+    from megatron_ds.pipe.foreign import plan_for
+    topology = SimpleNamespace(get_axis_names=lambda: ["pipe", "data"], get_dim=lambda axis: {"pipe": 2, "data": 1}[axis])
+    module = SimpleNamespace(topology=lambda: topology, _layer_specs=[torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                 "pipeline": {"schedule": "zbv"}}
+    with pytest.raises(ConfigError) as err:
+        plan_for(module, ds_config, pipeline_settings(ds_config))
+    assert str(err.value) == ("schedule 'zbv' needs at least one layer per virtual stage: your PipelineModule's 2 "
+                              "layers < 4 virtual stages (2 per rank x pipeline size 2); choose a schedule of one "
+                              "virtual stage per rank (1f1b, zb-h1, zb-h2) or a pipeline size of at most 1")

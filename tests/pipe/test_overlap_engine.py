@@ -1,4 +1,4 @@
-"""Overlapped units (issue 40, pipe/overlap.py): the engine runs a unit's F and B or BW with each side's all-to-all
+"""Overlapped units (pipe/overlap.py): the engine runs a unit's F and B or BW with each side's all-to-all
 in flight while the other computes, and trains bit for bit as the same op list run one op after the other.
 
 A MoE GPT (a dense first layer, dropout on, expert parallelism 2 over the data-parallel ranks) trains 3 steps
@@ -115,7 +115,8 @@ def assert_bit_equal(per_rank, cases):
 
 def latency_runs(pp, layers, trace_dir):
     """One step of dualpipev plain, then overlapped (traced), with the test latency set: per run (seconds the
-    latency added, seconds slept, seconds the units could hide: per unit the shorter side's all-to-alls)."""
+    latency added, seconds slept, seconds the units could hide: per unit the shorter side's all-to-alls, and
+    (units the engine ran, units the rank's list holds))."""
     import torch.distributed as dist
     import deepspeed
     if not dist.is_initialized():
@@ -145,7 +146,9 @@ def latency_runs(pp, layers, trace_dir):
             engine.train_batch(batches)
         finally:
             os.environ.pop(TEST_LATENCY_ENV)
-        out.append((AddedLatency.added, AddedLatency.slept, hideable * LATENCY_MS / 1e3))
+        planned = len((engine.plan.schedule.overlap or [[]] * pp)[engine.stage_id])
+        out.append((AddedLatency.added, AddedLatency.slept, hideable * LATENCY_MS / 1e3,
+                    (engine.overlapped_units_run, planned)))
     return out
 
 
@@ -163,7 +166,8 @@ def test_overlapped_units_train_bit_for_bit_as_their_plain_order_at_pp2_dp2(tmp_
     per_rank = run_ranks(4, pp2_runs, 2, 4, cases, trace_dir, timeout=1500)
     assert_bit_equal([r[0] for r in per_rank], cases)
     for rank, (_, latency) in enumerate(per_rank):
-        (added, slept, _), (over_added, over_slept, hideable) = latency
+        (added, slept, _, plain_units), (over_added, over_slept, hideable, units) = latency
+        assert plain_units == (0, 0) and units[0] == units[1] > 0, (rank, plain_units, units)  # every unit ran once
         assert added > 0 and added - slept < 0.02 * added, (rank, added, slept)  # blocking: every bit waited
         assert hideable > 0 and over_added == pytest.approx(added), (rank, hideable, over_added, added)
         hidden = over_added - over_slept

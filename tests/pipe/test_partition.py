@@ -148,5 +148,20 @@ def test_the_cost_cut_and_the_padding_rule():
     assert _parts("zbv", 6, partition_method="flops") is not None  # cost cuts are unequal anyway
     with pytest.raises(ConfigError, match="at least one transformer layer per virtual stage"):
         _plan("zbv", 3, allow_padding_num_layers=True)
+
+
+@pytest.mark.parametrize("schedule, layers, way", [
+    ("zbv", 2, "choose a schedule of one virtual stage per rank (1f1b, zb-h1, zb-h2) or a pipeline size of at most 1"),
+    ("zbv", 3, "choose a schedule of one virtual stage per rank (1f1b, zb-h1, zb-h2) or a pipeline size of at most 1"),
+    ("zbv", 1, "choose a model of more layers"),
+    ("1f1b", 1, "choose a pipeline size of at most 1"),
+])
+def test_too_few_layers_names_the_way_out_first(schedule, layers, way):
+    """A model of fewer layers than virtual stages is told what runs it, not to pad (padding gives an empty stage
+    no layer): 2 layers under zbv at pipeline 2 (4 stages)."""
+    with pytest.raises(ConfigError) as info:
+        _plan(schedule, layers)
+    assert way in str(info.value) and "allow-padding" not in str(info.value), info.value
+    assert f"--num-layers {layers} < " in str(info.value)
     with pytest.raises(ConfigError, match="must be true or false"):
         _plan("zbv", 6, allow_padding_num_layers="yes")

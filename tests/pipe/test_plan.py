@@ -80,7 +80,8 @@ def test_sequence_parallel_messages_carry_the_tensor_rank_shard():
     (dict(pipeline={"schedule": "zbv"}, zero=0), ["ZeRO stage 1", "is 0"]),
     (dict(pipeline={"schedule": "interleaved", "virtual_stages": 2}, gas=9),
      ["interleaved", "micro_batches=9", "equal rounds"]),
-    (dict(pipeline={"schedule": "interleaved", "virtual_stages": 3}), ["--num-layers 8", "multiple of 12"]),
+    (dict(pipeline={"schedule": "interleaved", "virtual_stages": 3}),
+     ["--num-layers 8 < 12 virtual stages", "one virtual stage per rank", "pipeline size of at most 2"]),
     (dict(pipeline={"schedule": "seq1f1b", "seq_splits": 3, "seq_split_method": "even"}),
      ["seq_splits", "--seq-length 64", "multiple"]),
 ])

@@ -1,4 +1,4 @@
-""""auto" and overlapped units (issue 40), torch-free: the overlapped orders are candidates where the model has
+""""auto" and overlapped units, torch-free: the overlapped orders are candidates where the model has
 an all-to-all; one is chosen only where its simulation beats every plain candidate that fits, given the host
 time per piece; the log line says which way and why."""
 import pytest

@@ -29,7 +29,7 @@ def test_seq_costs_weigh_the_segments():
 
 
 def test_the_table_reads_lower_is_better_as_the_readme():
-    """One direction for "better" (issue 38): the ratio column is time over 1F1B's, named so in its header."""
+    """One direction for "better": the ratio column is time over 1F1B's, named so in its header."""
     from megatron_ds.schedules.compare import format_table
     lines = format_table(compare_rows(4, 8)).splitlines()
     assert lines[0].split()[-4:] == ["time/1f1b", "(lower", "is", "better)"]

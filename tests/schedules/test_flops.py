@@ -17,7 +17,7 @@ def gpt2(**kw):  # GPT-2 small: MHA, GELU MLP 4h, tied head
                                      max_position_embeddings=1024), **kw})
 
 
-def llama(**kw):  # the model: 16 layers, h 2048, 16 heads / 4 K/V heads, SwiGLU 5440, vocab 50304
+def llama(**kw):  # the LLaMA-style reference model: 16 layers, h 2048, 16 heads / 4 K/V heads, SwiGLU 5440, vocab 50304
     return SimpleNamespace(**{**dict(hidden_size=2048, num_layers=16, num_attention_heads=16, num_key_value_heads=4,
                                      ffn_hidden_size=5440, swiglu=True, vocab_size=50304,
                                      max_position_embeddings=2048), **kw})
@@ -44,7 +44,7 @@ def test_llama_count_equals_the_hand_formula():
     params = h * (h + 2 * kv * d) + h * h + 3 * h * f  # Q + grouped K, V; output; gate, up, down
     want = by_parameters(params, 16, h, 50304, s)
     assert model_flops_per_sequence(llama(), s) == pytest.approx(want, rel=1e-12)
-    # 16 sequences of 2048 tokens (the global batch): below Megatron's 184.8 TFLOP, which counts
+    # 16 sequences of 2048 tokens (its global batch): below Megatron's 184.8 TFLOP, which counts
     # the full s x s attention and GQA as MHA with a GELU MLP of 4h
     assert model_flops_per_sequence(llama(), s) * 16 / 1e12 == pytest.approx(171.58, abs=0.01)
 

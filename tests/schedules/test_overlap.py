@@ -1,4 +1,4 @@
-"""Overlapped units (issue 40): a forward and a backward of other micro-batches on one rank, run as one unit
+"""Overlapped units: a forward and a backward of other micro-batches on one rank, run as one unit
 so that each one's all-to-all hides behind the other's compute. The IR's record (Schedule.overlap), its JSON
 field, the validator's rules, the simulator's time for a unit (checked against values worked out by hand),
 the generators (dualpipev's reference pairs, 1F1B's and interleaved's combined steady state), the pictures

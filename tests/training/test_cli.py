@@ -84,3 +84,22 @@ def test_torchrun_reports_the_cause_last(tmp_path):
         assert rc == 2 and report[-2] == f"  traceback : {line}", report
         assert "exitcode  : 2" in "\n".join(report)
         error_file.unlink()
+
+
+def test_under_torchrun_a_moe_start_up_error_is_the_first_line(tmp_path):
+    """Every rank fails the same flag check at parse time; torchrun stops the others at the first exit, which
+    was often not rank 0's, so the line stood only in torchrun's failure table. Now it comes first, once.
+    Rank 0 starts a second late here (a wrapper), as a loaded machine may start it."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    late = tmp_path / "rank0_late.sh"
+    late.write_text(f'#!/bin/sh\n[ "$LOCAL_RANK" = 0 ] && sleep 1\nexec {sys.executable} "$@"\n')
+    late.chmod(0o755)
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "4", "--no-python", str(late),
+                           os.path.join(ROOT, "pretrain_gpt.py"), *FLAGS, "--global-batch-size", "8",
+                           "--pipeline-model-parallel-size", "2", "--num-experts", "3", "--expert-model-parallel-size",
+                           "2"], capture_output=True, text=True, timeout=600, env=child_env(ROOT, OMP_NUM_THREADS="1"))
+    line = ("pretrain_gpt.py: error: --expert-model-parallel-size (2) must divide --num-experts (3): each rank "
+            "holds whole experts")
+    lines = proc.stderr.splitlines()
+    assert proc.returncode != 0 and lines[0] == line, proc.stderr[-3000:]
+    assert sum(text == line for text in lines) == 1

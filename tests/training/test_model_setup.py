@@ -48,7 +48,7 @@ def test_the_plan_is_made_once_at_parse_time_and_used_by_the_build(tmp_path):
 
 def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
     """Seq1F1B's segment lengths, vocabulary parallelism, a schedule file's simulated makespan and "auto"'s budget
-    in micro-batches (issue 38)."""
+    in micro-batches."""
     from megatron_ds.gpt_config import GPTConfig
     from megatron_ds.pipe.config import pipeline_settings
     from megatron_ds.pipe.plan import make_plan
@@ -68,6 +68,11 @@ def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
     assert "segment lengths [16, 16, 8, 24] tokens" in seq
     assert "vocabulary parallel" in line({"schedule": "1f1b", "vocab_parallel": True})
     assert line({"schedule": "zbv"}) == "> pipeline engine: ScheduleEngine, schedule zbv"
+    # the overlapped units, per rank (ranks 0, 1 where they differ): the log says the overlap is on
+    units = [len(p) for p in build_schedule("1f1b", 2, 4, overlap=True).overlap]
+    assert line({"schedule": "1f1b", "overlap": True}) == (
+        f"> pipeline engine: ScheduleEngine, schedule 1f1b (overlapped F/B units: {units} per rank)")
+    assert units == [1, 3]
     path = tmp_path / "zbv.json"
     path.write_text(build_schedule("zbv", 2, 4).to_json())
     makespan = simulate(build_schedule("zbv", 2, 4)).makespan

@@ -234,16 +234,23 @@ class LoadPlan:
     rng: bool = True
 
 
-def _shown(layout: dict) -> dict:
-    """A layout as the log shows it: vocabulary parallelism as on, not its table of parameter names."""
-    return {**layout, "vocab_parallel": True} if "vocab_parallel" in layout else layout
+_SHOWN_ORDER = ("pp", "dp", "placement", "ep", "vocab_parallel", "tp")
+
+
+def _shown(layout: dict, other: dict = None) -> dict:
+    """A layout as the log shows it beside `other`: vocabulary parallelism as on, not its table of parameter names;
+    "ep" 1 written out where the other side has an expert-parallel size (pipeline_layout leaves 1 out)."""
+    shown = {**layout, "vocab_parallel": True} if "vocab_parallel" in layout else dict(layout)
+    if other is not None and "ep" in other:
+        shown.setdefault("ep", 1)
+    return {**{k: shown[k] for k in _SHOWN_ORDER if k in shown}, **shown}
 
 
 def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, universal=False, checkpoint=None):
     """`saved_layout`/`layout`: pipeline_layout's dict plus "tp"; `checkpoint` (the step folder) names
     the conversion command in a refusal."""
     saved_tp, tp = saved_layout.get("tp", 1), layout.get("tp", 1)
-    change = f"{_shown(saved_layout)} -> {_shown(layout)}"
+    change = f"{_shown(saved_layout, layout)} -> {_shown(layout, saved_layout)}"
     if universal:
         if zero_stage != 1:
             raise CheckpointError(f"--universal-checkpoint loads into ZeRO stage 1 (DeepSpeed's universal loader "
@@ -267,7 +274,8 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, univ
         return LoadPlan("deepspeed", True, "same pipeline layout: everything")
     if zero_stage != 1:
         raise CheckpointError(
-            f"the checkpoint's pipeline layout {_shown(saved_layout)} differs from this run's {_shown(layout)}: its "
+            f"the checkpoint's pipeline layout {_shown(saved_layout, layout)} differs from this run's "
+            f"{_shown(layout, saved_layout)}: its "
             f"optimizer state can be re-cut only from ZeRO-1 shards (this run has ZeRO stage {zero_stage}); pass "
             "--no-load-optim to continue with a fresh optimizer, or --finetune to load the weights alone, or "
             "convert it to a universal checkpoint and resume with --universal-checkpoint")

@@ -12,9 +12,9 @@ import dataclasses
 import difflib
 import json
 import os
-import sys
 
-from megatron_ds.errors import record_for_launcher
+from megatron_ds.errors import report_stop
+from megatron_ds.pipe.config import PipelineSettings
 from megatron_ds.pipe.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
 from megatron_ds.pipe.recompute import stock_problem
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
@@ -64,9 +64,7 @@ class ForkAwareParser(argparse.ArgumentParser):
 
     def _fail(self, lines):
         text = "".join(f"{self.prog}: error: {line}\n" for line in lines)
-        record_for_launcher(text.rstrip("\n"))
-        if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
-            sys.stderr.write(text)
+        report_stop(text, int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))))
         raise SystemExit(2)
 
 
@@ -107,6 +105,9 @@ def add_fork_args(parser):
     g.add_argument("--pipeline-model-parallel-layout", default=None,
                    help='Megatron-core: each virtual stage\'s layers, e.g. "Et*3|t*4|t*4|t*3L" (E embedding, t transformer '
                         'layer, L loss, | between stages; "pipeline.partition_method" = "layout:...")')
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help='Megatron-core: overlapped forward-and-backward units, each one\'s expert-parallel all-to-all '
+                        'behind the other\'s compute (1f1b, interleaved, dualpipev; "pipeline.overlap" = true)')
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                    help="Megatron-core: transformer layers of the first stage (the others an even share)")
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
@@ -184,8 +185,11 @@ class _Section:
         if key in self.section and have != value:
             by = f"{self.set_by[key]} (\"{key}\" = {json.dumps(have)})" if key in self.set_by else \
                 f'ds_config "pipeline.{key}" = {json.dumps(have)} in {self.src}'
-            _err(f"{flag} (\"pipeline.{key}\" = {json.dumps(value)}) disagrees with {by}; "
-                 "give one of them, or make them equal")
+            # a cut written out as DeepSpeed's default (as the shipped configs once were) is no choice of its own
+            way = (f"drop the key from {self.src} ({json.dumps(have)} is the default)"
+                   if key == "partition_method" and have == PipelineSettings.partition_method
+                   and key not in self.set_by else "give one of them, or make them equal")
+            _err(f"{flag} (\"pipeline.{key}\" = {json.dumps(value)}) disagrees with {by}; {way}")
         self.section[key] = value
         self.set_by.setdefault(key, flag)
 
@@ -211,6 +215,8 @@ def apply_fork_flags(args, ds_config):
         pipe.set("post_validation", True, "--enable-optimizer-post-validation")
     if args.allow_padding_num_layers:
         pipe.set("allow_padding_num_layers", True, "--allow-padding-num-layers")
+    if args.overlap_moe_expert_parallel_comm:
+        pipe.set("overlap", True, "--overlap-moe-expert-parallel-comm")
     if args.enable_vocab_parallel:
         pipe.set("vocab_parallel", True, "--enable-vocab-parallel")
     if args.compile_layers is not None:

@@ -26,7 +26,7 @@ _FIELDS = {"moe_router_topk": "router_topk", "moe_ffn_hidden_size": "ffn_hidden_
 
 def add_moe_args(parser):
     g = parser.add_argument_group("mixture of experts (Megatron-core's flags)")
-    g.add_argument("--num-experts", type=int, nargs="+", default=None,
+    g.add_argument("--num-experts", type=int, nargs="+", default=None, metavar="N",
                    help="routed experts per MoE layer (Megatron-DeepSpeed's list form takes one value here)")
     g.add_argument("--moe-router-topk", "--topk", type=int, default=None, help="experts per token (default 2)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="an expert's FFN size (default --ffn-hidden-size)")

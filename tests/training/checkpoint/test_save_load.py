@@ -39,3 +39,14 @@ def test_vocabulary_parallelism_switched_on_is_another_layout_shown_as_on():
     p = plan(ONE_F_ONE_B, {**ONE_F_ONE_B, "vocab_parallel": names})
     assert p.optimizer == "by_name"
     assert "'vocab_parallel': True}: everything" in p.reason and "wte" not in p.reason  # not the name table
+
+
+def test_an_expert_parallel_size_shows_on_both_sides():
+    """pipeline_layout leaves "ep" out at 1; beside a side with EP 2 the line writes it out."""
+    saved = {"pp": 1, "dp": 4, "placement": [[0]], "ep": 2, "tp": 1}
+    layout = {"pp": 1, "dp": 4, "placement": [[0]], "tp": 1}
+    assert plan(saved, layout).reason == ("pipeline layout {'pp': 1, 'dp': 4, 'placement': [[0]], 'ep': 2, 'tp': 1} -> "
+                                          "{'pp': 1, 'dp': 4, 'placement': [[0]], 'ep': 1, 'tp': 1}: everything, the "
+                                          "optimizer state re-cut parameter by parameter")
+    assert "'ep': 1, 'tp': 1} -> {'pp': 1, 'dp': 4, 'placement': [[0]], 'ep': 2" in plan(layout, saved).reason
+    assert "ep" not in plan(ZBV, ONE_F_ONE_B).reason  # neither side has experts split

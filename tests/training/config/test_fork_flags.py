@@ -298,3 +298,46 @@ def test_a_layout_that_cannot_cut_stops_the_parse(flags, ds, words):
     with pytest.raises(ArgumentsError) as info:
         parse(*flags, ds=ds)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+SHIPPED = sorted(os.path.join(ROOT, "ds_configs", name) for name in os.listdir(os.path.join(ROOT, "ds_configs")))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_the_layout_flag_works_with_every_shipped_config(path):
+    """The shipped configs leave "partition_method" at its default, so --pipeline-model-parallel-layout cuts
+    the model under each of them (a written-out "type:transformer" would clash with the flag)."""
+    with open(path) as fh:
+        ds = json.load(fh)
+    if ds.get("pipeline", {}).get("schedule") == "auto":
+        pytest.skip('"auto" chooses the schedule, so no one layout fits every choice')
+    try:
+        pipeline("--pipeline-model-parallel-layout", "Et*5|t*3L", ds=ds)
+        layout = "Et*5|t*3L"
+    except ArgumentsError as exc:  # two virtual stages per rank
+        assert "the schedule cuts the model into 4 virtual stages" in str(exc), exc
+        layout = "Et*2|t*2|t*2|t*2L"
+    assert pipeline("--pipeline-model-parallel-layout", layout, ds=ds)["partition_method"] == "layout:" + layout
+
+
+def test_a_config_written_with_the_default_method_is_told_to_drop_it():
+    with pytest.raises(ArgumentsError) as info:
+        parse("--pipeline-model-parallel-layout", "Et*5|t*3L",
+              ds={"pipeline": {"schedule": "1f1b", "partition_method": "type:transformer"}})
+    assert 'drop the key from ds.json ("type:transformer" is the default)' in str(info.value)
+
+
+def test_megatron_cores_overlap_flag_is_the_overlap_key():
+    """--overlap-moe-expert-parallel-comm writes "pipeline.overlap", merged as the other pipeline flags."""
+    flag = "--overlap-moe-expert-parallel-comm"
+    section = parse(flag, ds={"pipeline": {"schedule": "1f1b"}}).pipeline_settings
+    assert section.overlap and section.schedule == "1f1b"
+    assert pipeline(flag, ds={"pipeline": {"schedule": "dualpipev", "overlap": True}})["overlap"] is True
+    assert not parse(ds={"pipeline": {"schedule": "1f1b"}}).pipeline_settings.overlap
+    with pytest.raises(ArgumentsError) as info:
+        parse(flag, ds={"pipeline": {"schedule": "1f1b", "overlap": False}})
+    assert str(info.value) == (f'{flag} ("pipeline.overlap" = true) disagrees with ds_config "pipeline.overlap" = '
+                               "false in ds.json; give one of them, or make them equal")
+    with pytest.raises(ArgumentsError) as info:
+        parse(flag, ds={"zero_optimization": {"stage": 1}, "pipeline": {"schedule": "zbv"}})
+    assert 'overlapped forward-and-backward units are built for' in str(info.value)

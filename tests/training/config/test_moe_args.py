@@ -140,3 +140,12 @@ def test_a_wrong_ds_config_moe_section_stops_the_parse(tmp_path, section, extra,
     with pytest.raises(ArgumentsError) as info:
         _with_ds_config(tmp_path, {"moe": section}, extra)
     assert words in str(info.value)
+
+
+def test_the_help_names_the_experts_count_n():
+    import argparse
+    from megatron_ds.training.config.moe_args import add_moe_args
+    parser = argparse.ArgumentParser()
+    add_moe_args(parser)
+    text = parser.format_help()
+    assert "--num-experts N [N ...]" in text and "NUM_EXPERTS" not in text

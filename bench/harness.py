@@ -1,0 +1,105 @@
+"""What the benches repeat: the paired timing loop, the machine noted, the markdown table, the docs/perf file.
+
+- `alternated`: every contestant (an engine, a setting) runs once per iteration after a barrier, timed by the
+  wall clock, the order reversed every other iteration, so that a drift of the machine's load hits all alike;
+  `paired_ratio` is the median of the ratios of neighbouring iterations (slow drifts cancel), `medians` each
+  contestant's median after the warm-up.
+- `Machine`: the load average and the cores, at the start and at the end, in the two forms the outputs use.
+- `table`: a markdown table from a header, column alignments and rows of cells.
+- `add_output_args` / `emit`: `--perf-file FILE` writes the output there too (atomically), after the command
+  that made it, so a docs/perf file says how to make it again.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import statistics
+import sys
+import time
+
+from megatron_ds.files import write_atomic
+
+
+def _barrier():
+    dist = sys.modules.get("torch.distributed")  # a bench's ranks have it; the parent process may not
+    if dist is not None and dist.is_initialized():
+        dist.barrier()
+
+
+def alternated(runs: dict, iterations: int, start: int = 0, swap: bool = True, prepare=None) -> dict:
+    """{name: [seconds]}: `runs[name](x)` for each name, every iteration, after a barrier (the ranks start
+    together), the order reversed every other iteration when `swap`. x is the step (start + iteration), or what
+    `prepare(name, step)` makes of it off the clock (the step's batches, a trace switched on)."""
+    names, times = list(runs), {name: [] for name in runs}
+    for it in range(iterations):
+        for name in (names[::-1] if swap and it % 2 else names):
+            x = prepare(name, start + it) if prepare else start + it
+            _barrier()
+            begin = time.perf_counter()
+            runs[name](x)
+            times[name].append(time.perf_counter() - begin)
+    return times
+
+
+def paired_ratio(numerator: list, denominator: list) -> float:
+    """The median of numerator[i] / denominator[i]: neighbouring iterations paired, so slow drifts cancel."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))
+
+
+def medians(times: dict, warmup: int = 0) -> dict:
+    """{name: the median of its times after the first `warmup`}."""
+    return {name: statistics.median(t[warmup:]) for name, t in times.items()}
+
+
+class Machine:
+    """The load average and the cores at the start (construction) and now."""
+
+    def __init__(self):
+        self.started, self.load = time.time(), os.getloadavg()
+        self.cores = os.cpu_count()
+
+    @staticmethod
+    def _three(load) -> str:
+        return " ".join(f"{x:.2f}" for x in load)
+
+    def at_start(self) -> str:
+        """ "load average 1.00 2.00 3.00 at start" (1, 5 and 15 minutes)."""
+        return f"load average {self._three(self.load)} at start"
+
+    def at_end(self) -> str:
+        """ "done in N s; load average ... at end"."""
+        return f"done in {time.time() - self.started:.0f} s; load average {self._three(os.getloadavg())} at end"
+
+    def before_after(self) -> str:
+        """ "load average (1 min) A before, B after, on N cores"."""
+        return (f"load average (1 min) {self.load[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {self.cores} "
+                "cores")
+
+
+def table(header: list, align: str, rows: list) -> list:
+    """Markdown lines: `header` (column names), `align` one letter a column (l: left, r: right), `rows` (each a
+    list of cell texts, or a ready line)."""
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return [f"| {' | '.join(header)} |", rule] + [row if isinstance(row, str) else f"| {' | '.join(row)} |"
+                                                   for row in rows]
+
+
+def add_output_args(parser):
+    parser.add_argument("--perf-file", default=None, metavar="FILE",
+                        help="also write the output to FILE (e.g. docs/perf/NAME.md), after the command that made it")
+    return parser
+
+
+def command(module: str, argv=None) -> str:
+    """The command line that runs bench `module` with `argv` (default: this process's arguments)."""
+    argv = sys.argv[1:] if argv is None else argv
+    return " ".join(["python", "-m", module, *map(shlex.quote, argv)])
+
+
+def emit(text: str, perf_file: str | None, module: str, argv=None, printed_before: str = "") -> str:
+    """Print `text`; with `perf_file`, write it there too, after the command that made it and what the bench
+    printed before (`printed_before`: its header, printed at the start)."""
+    print(text)
+    if perf_file:
+        write_atomic(perf_file, f"Made by `{command(module, argv)}`:\n\n{printed_before}{text}\n")
+    return text
