@@ -7,13 +7,16 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from megatron_ds.gpt_config import GPTConfig
+from megatron_ds.model import TransformerLayer, WeightGradStore
 from megatron_ds.model.attention import CausalSelfAttention
 from megatron_ds.model.context_parallel import ContextLayout, set_context_parallel_group
 from megatron_ds.model.context_parallel.attend import context_parallel_attention
 from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
+from megatron_ds.model.tensor_parallel import initialize_model_parallel
 
 B, D = 2, 8
 EOD = 0
@@ -101,12 +104,25 @@ LAYERS = {
     "llama": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", rope_theta=100.0,
                   num_key_value_heads=2, add_bias_linear=False, ffn_hidden_size=48),
     "bloom": dict(position_embedding_type="alibi"),
+    # 8 query heads over 4 K/V heads: a2a shares them out at CP 4 too
+    "llama8": dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", rope_theta=100.0,
+                   num_attention_heads=8, num_key_value_heads=4, add_bias_linear=False, ffn_hidden_size=48),
 }
 
 
 def layer_config(family, cp, comm, **kw):
-    return GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=256,
-                     seed=3, context_parallel_size=cp, cp_comm_type=comm, **LAYERS[family], **kw)
+    shape = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                 seed=3)
+    shape.update(LAYERS[family])
+    return GPTConfig(context_parallel_size=cp, cp_comm_type=comm, **shape, **kw)
+
+
+def restarted_positions(tokens):
+    """The documents' restarted positions, as Packing makes them."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    starts = torch.ones_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == EOD
+    return positions - torch.where(starts, positions, 0).cummax(1).values
 
 
 def layer_case(group, comm, family, recompute, packed):
@@ -124,11 +140,7 @@ def layer_case(group, comm, family, recompute, packed):
     def documents():
         if tokens is None:
             return contextlib.nullcontext()
-        positions = torch.arange(s).expand_as(tokens)  # the restarted positions, as Packing makes them
-        starts = torch.ones_like(tokens, dtype=torch.bool)
-        starts[:, 1:] = tokens[:, :-1] == EOD
-        positions = positions - torch.where(starts, positions, 0).cummax(1).values
-        return Documents(tokens, EOD, positions if family == "llama" else None).opened()
+        return Documents(tokens, EOD, restarted_positions(tokens) if family == "llama" else None).opened()
 
     ref_layer = CausalSelfAttention(layer_config(family, 1, comm, **extra))
     ref_x = x.clone().requires_grad_()
@@ -146,6 +158,112 @@ def layer_case(group, comm, family, recompute, packed):
         dist.all_reduce(grad, group=group)
         out["d" + name] = _diff(grad, ref_p.grad)
     return out
+
+
+def segmented_layers_case(group, comm, k, checkpoint, packed, defer):
+    """Two LLaMA-style TransformerLayers run as the Seq1F1B runtime runs them, each segment laid out over the CP
+    ranks on its own, forward segments in order then backward last first (under activation checkpointing, and with
+    the weight gradients deferred to after every B), against the layers at CP 1 on the whole sequence. Also the
+    shapes of the cached K/V after the last forward: what each comm type keeps per rank."""
+    layout = ContextLayout.of(group)
+    s = length(layout.size)
+    extra = dict(eod_token=EOD, reset_attention_mask=True, reset_position_ids=True) if packed else {}
+    tokens = packed_tokens(s, 17) if packed else None
+    g = torch.Generator().manual_seed(9)
+    x, dy = torch.randn(B, s, 32, generator=g), torch.randn(B, s, 32, generator=g)
+
+    def documents():
+        return Documents(tokens, EOD, restarted_positions(tokens)).opened() if packed else contextlib.nullcontext()
+
+    def layers(cp):
+        config = layer_config("llama8", cp, comm, **extra)
+        return torch.nn.Sequential(TransformerLayer(config, 1), TransformerLayer(config, 2))
+
+    ref = layers(1)
+    ref_x = x.clone().requires_grad_()
+    with documents():
+        y = ref(ref_x)
+        y.backward(dy)
+    model, cache, key, units, start = layers(layout.size), SegmentKVCache(), ("mb", 0), [], 0
+    for n in segment_lengths(layout.size, k):
+        mine = layout.positions(n, start)
+        xs = x[:, mine].clone().requires_grad_()
+        with cache.segment(key, start, start + n, s), documents():
+            ys = torch.utils.checkpoint.checkpoint(model, xs, use_reentrant=False) if checkpoint else model(xs)
+        units.append((start, n, mine, xs, ys))
+        start += n
+    kv_shapes = sorted({tuple(t.shape) for t in cache.kv_tensors()})
+    queues = []
+    for start, n, mine, xs, ys in reversed(units):
+        queue = []
+        with cache.segment(key, start, start + n, s), documents(), \
+                WeightGradStore.deferring(queue) if defer else contextlib.nullcontext():
+            ys.backward(dy[:, mine])
+        queues.append(queue)
+    for queue in queues:
+        WeightGradStore.drain(queue)
+    cache.free(key)
+    mine = torch.cat([u[2] for u in units])
+    out = {"out": _diff(torch.cat([u[4].detach() for u in units], 1), y.detach()[:, mine]),
+           "dx": _diff(torch.cat([u[3].grad for u in units], 1), ref_x.grad[:, mine])}
+    for (name, p), (_, ref_p) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        out["d" + name] = _diff(grad, ref_p.grad)
+    return out, kv_shapes
+
+
+def tensor_and_context_parallel_cases():
+    """TP 2 x CP 2 on 4 ranks (Megatron's order, TP fastest: the CP group is the data axis of a TP 2 layout), with
+    and without sequence parallelism: CausalSelfAttention against the same TP layer at CP 1 on the whole sequence
+    (weight gradients: the TP rank's slice, summed over its CP group)."""
+    state = initialize_model_parallel(1, 2)
+    tp_group, cp_group = state.get_tensor_model_parallel_group(), state.get_data_parallel_group()
+    set_context_parallel_group(cp_group, 2)
+    layout, tp_rank = ContextLayout.of(cp_group), state.get_tensor_model_parallel_rank()
+    s = length(2)
+    g = torch.Generator().manual_seed(21)
+    x, dy = torch.randn(B, s, 32, generator=g), torch.randn(B, s, 32, generator=g)
+    results = {}
+    for comm in COMM_TYPES:
+        for family in ("llama", "bloom"):
+            for sp in (False, True):
+                if family == "llama" and comm == "a2a":
+                    continue  # 1 K/V head per TP rank
+                tp = dict(tensor_model_parallel_size=2, sequence_parallel=sp)
+
+                def cut(t, cp_layout):
+                    t = cp_layout.shard(t)
+                    return (t.chunk(2, 1)[tp_rank] if sp else t).clone()
+
+                ref_layer = CausalSelfAttention(layer_config(family, 1, comm, **tp))
+                ref_x = cut(x, ContextLayout(1, 0)).requires_grad_()
+                y = ref_layer(ref_x)
+                y.backward(cut(dy, ContextLayout(1, 0)))
+                layer = CausalSelfAttention(layer_config(family, 2, comm, **tp))
+                local_x = cut(x, layout).requires_grad_()
+                local_y = layer(local_x)
+                local_y.backward(cut(dy, layout))
+                if sp:  # the layer's output and input gradient are the TP rank's share of the CP rank's tokens
+                    want_y, want_dx = (_unsplit(t, tp_group) for t in (y.detach(), ref_x.grad))
+                    got_y, got_dx = (_unsplit(t, tp_group) for t in (local_y.detach(), local_x.grad))
+                    want_y, want_dx = layout.shard(want_y), layout.shard(want_dx)
+                else:
+                    want_y, want_dx, got_y, got_dx = layout.shard(y.detach()), layout.shard(ref_x.grad), \
+                        local_y.detach(), local_x.grad
+                out = {"out": _diff(got_y, want_y), "dx": _diff(got_dx, want_dx)}
+                for (name, p), (_, ref_p) in zip(layer.named_parameters(), ref_layer.named_parameters()):
+                    grad = p.grad.clone()
+                    dist.all_reduce(grad, group=cp_group)
+                    out["d" + name] = _diff(grad, ref_p.grad)
+                results[("tp x cp", comm, family, sp)] = out
+    return results
+
+
+def _unsplit(t, group):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, 1)
 
 
 def run_all(world):
@@ -167,10 +285,16 @@ def run_all(world):
                         continue  # 2 K/V heads do not divide among 4 ranks (the refusal is a case of its own)
                     results[("layer", comm, family, recompute, packed)] = layer_case(group, comm, family, recompute,
                                                                                      packed)
+        for k in (2, 4):
+            for checkpoint, packed, defer in ((False, False, False), (True, False, False), (False, True, True)):
+                results[("segmented", comm, k, checkpoint, packed, defer)], results[("kv", comm, k)] = \
+                    segmented_layers_case(group, comm, k, checkpoint, packed, defer)
     try:
         context_parallel_attention(*(torch.zeros(1, world + 1, 2, D) for _ in range(3)), group, "a2a",
                                    ((0, 2 * world),))
         results["a2a refusal"] = ""
     except ValueError as e:
         results["a2a refusal"] = str(e)
+    if world == 4:
+        results.update(tensor_and_context_parallel_cases())
     return results

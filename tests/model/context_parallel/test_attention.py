@@ -8,7 +8,10 @@ document, documents spanning chunks), with as many K/V heads as query heads and 
 as 2 and 4 uneven Seq1F1B segments attending to the cached K/V of the earlier ones; and CausalSelfAttention with
 LLaMA's options (RoPE at global positions, GQA, no bias) and BLOOM's (ALiBi), with and without selective recompute,
 packed documents (RoPE by their restarted positions) or not, against the layer at CP 1 (outputs, input gradients,
-weight gradients summed over the CP ranks). One launch per CP size serves every case (cp_ranks.run_all)."""
+weight gradients summed over the CP ranks); two LLaMA-style TransformerLayers run as Seq1F1B segments under CP
+(plain, activation-checkpointed, and with packed documents and deferred weight gradients) against the whole sequence
+at CP 1, with the K/V each rank caches (p2p: 1/C of the positions; a2a: 1/C of the heads); and TP 2 x CP 2 with and
+without sequence parallelism. One launch per CP size serves every case (cp_ranks.run_all)."""
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
@@ -68,3 +71,24 @@ def test_p2p_with_attention_dropout_is_refused_in_one_line():
     with pytest.raises(ValueError, match="--cp-comm-type p2p attends blockwise without dropout"):
         GPTConfig(cp_comm_type="p2p", **shape)
     GPTConfig(cp_comm_type="allgather", **shape)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_seq1f1b_segments_under_cp_equal_the_whole_sequence(results, world):
+    # two LLaMA-style layers; 3 comm types x (2, 4 segments) x (plain, checkpointed, documents + deferred W)
+    assert _check(results, world, "segmented") >= world * 3 * 2 * 3 * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_caches_a_cth_of_the_segments_kv(results, world):
+    s, kv_heads, head_dim = 16 * world, 4, 4
+    for cases in results(world):
+        for k in (2, 4):
+            assert cases[("kv", "p2p", k)] == [(2, 2, kv_heads, s // world, head_dim)]  # its own chunks
+            assert cases[("kv", "allgather", k)] == [(2, 2, kv_heads, s, head_dim)]  # every position
+            assert cases[("kv", "a2a", k)] == [(2, 2, kv_heads // world, s, head_dim)]  # its head group
+
+
+def test_tensor_parallel_times_context_parallel(results):
+    # TP 2 x CP 2: (p2p, allgather) x (LLaMA, BLOOM) + a2a x BLOOM, with and without sequence parallelism
+    assert _check(results, 4, "tp x cp") >= 4 * 5 * 2 * 3
