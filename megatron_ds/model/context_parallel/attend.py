@@ -62,11 +62,11 @@ def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_
     if comm_type == "p2p":
         if extend is not None:
             k, v = extend(k, v, layout.size)
-        ids = Documents.current().ids if Documents.masking else None
+        documents = Documents.current() if Documents.masking else None
         query_spans = chunk_spans(layout, stop - start, start)
         key_spans = [[span for a, b in segments for span in chunk_spans(layout, b - a, a, r)]
                      for r in range(layout.size)]
-        return _run(recompute, lambda q, k, v: ring_attention(q, k, v, group, query_spans, key_spans, ids, slopes),
+        return _run(recompute, lambda q, k, v: ring_attention(q, k, v, group, query_spans, key_spans, documents, slopes),
                     q, k, v)
     if comm_type == "allgather":
         if extend is None:  # recomputed, the gather runs again in backward: the layer keeps its own K/V only

@@ -3,8 +3,9 @@
 A block is a run of consecutive global positions (a chunk of the 2 x CP layout, or of a Seq1F1B segment's
 layout): `Span(start, length)`. Visibility is defined by global positions: query i sees key j iff j <= i, and,
 with packed documents, both are in the same document. A (query span, key span) pair is classified on the host
-from the spans alone (`visibility`): every key visible (no mask), none (skipped: the causal blocks above the
-diagonal), or some (a boolean mask made of the positions, and of the documents' ids at them).
+from the spans (and the documents' starts) alone (`visibility`): every key visible (no mask), none (skipped: the
+causal blocks above the diagonal, and blocks whose keys all end their documents before the queries' begin), or some
+(a boolean mask made of the positions, and of the documents' ids at them).
 
 Forward returns the block's softmax-weighted values and the log-sum-exp of its scores (fp32): blocks of the
 same queries merge exactly (`merge`), as flash attention's online softmax does. Backward recomputes a block's
@@ -12,6 +13,7 @@ probabilities from q, k and the merged log-sum-exp (`block_backward`), so a ring
 and the log-sum-exp. Arithmetic is fp32 whatever the inputs' dtype; K/V heads fewer than query heads (GQA) are
 repeated for the block and their gradients summed back over each group.
 """
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -33,13 +35,24 @@ class Span:
         return torch.arange(self.start, self.stop, device=device)
 
 
-def visibility(queries: Span, keys: Span, documents: bool) -> str:
-    """ALL (no mask), NONE (skip) or SOME (mask) of `keys` visible to `queries`, causally (and within documents)."""
+def visibility(queries: Span, keys: Span, starts=None) -> str:
+    """ALL (no mask), NONE (skip) or SOME (mask) of `keys` visible to `queries`, causally and, with `starts` (each
+    row's sorted document starts: Documents.starts, host integers), within documents: NONE where every row has a
+    document start between the last key and the first query, ALL where no row has one after the first key."""
     if keys.start > queries.stop - 1:
         return NONE
-    if keys.stop - 1 <= queries.start and not documents:
-        return ALL
-    return SOME
+    if starts is not None:
+        if all(_starts_within(row, keys.stop, queries.start) for row in starts):
+            return NONE
+        if any(_starts_within(row, keys.start + 1, queries.stop - 1) for row in starts):
+            return SOME
+    return ALL if keys.stop - 1 <= queries.start else SOME
+
+
+def _starts_within(starts, low, high):
+    """Whether a document starts at a position in [low, high]."""
+    i = bisect.bisect_left(starts, low)
+    return i < len(starts) and starts[i] <= high
 
 
 def block_mask(queries: Span, keys: Span, ids=None, device=None):

@@ -2,8 +2,9 @@
 
 Step t of C, rank r holds the keys/values of rank r - t (its own at t = 0) and posts, before attending them, their
 send to r + 1 and the receive of r - t - 1's from r - 1 (one message: keys and values stacked). Every (query chunk,
-key chunk) pair is classified by global positions (blocks.py): the blocks above the causal diagonal are skipped,
-those below attended without a mask, and the rest under a mask of positions (and documents). The blocks' outputs
+key chunk) pair is classified by global positions and the documents' starts (blocks.py): the blocks above the causal
+diagonal, or split from the queries by a document border, are skipped, those below attended without a mask, and the
+rest under a mask of positions (and documents). The blocks' outputs
 merge by their log-sum-exp in fp32 (online softmax). The layer keeps q, k, v, the output and the log-sum-exp.
 
 Backward is a ring too: the keys/values travel as in forward, and with them the gradients of a block's keys and
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from .blocks import NONE, SOME, Span, alibi_block, block_backward, block_forward, block_mask, merge, repeat_kv, \
     sum_groups, visibility
+from ..tensor_parallel.comm import CommCounter
 from .layout import ContextLayout
 
 _KV_TAG, _GRAD_TAG = 1, 2  # distinct tags: a block's K/V and its gradients may be in flight to one peer at once
@@ -39,13 +41,14 @@ def chunk_spans(layout: ContextLayout, length: int, start: int = 0, rank: int | 
 class RingPlan:
     """What a ring attends: the group, the spans of this rank's queries (local order), each rank's key spans
     (local order; every rank's the same total length), the softmax scale, the documents' ids (b, s) of the whole
-    sequence or None, and this rank's heads' ALiBi slopes or None."""
+    sequence and each row's document starts (host integers) or None, and this rank's heads' ALiBi slopes or None."""
     group: object
     layout: ContextLayout
     query_spans: tuple
     key_spans: tuple  # per rank: tuple of Spans
     scale: float
     ids: object = None
+    starts: object = None
     slopes: object = None
 
     def blocks(self, src):
@@ -56,7 +59,7 @@ class RingPlan:
         for qs in self.query_spans:
             k_offset = 0
             for ks in self.key_spans[src]:
-                seen = visibility(qs, ks, self.ids is not None)
+                seen = visibility(qs, ks, self.starts)
                 if seen != NONE:
                     mask = block_mask(qs, ks, self.ids, device) if seen == SOME else None
                     bias = None if self.slopes is None else alibi_block(self.slopes, qs, ks, self.slopes.device)
@@ -69,6 +72,7 @@ def _exchange(t, plan, tag):
     """Post the send of t to the next rank and the receive of the previous rank's: (received, works)."""
     size, rank = plan.layout.size, plan.layout.rank
     received = torch.empty_like(t)
+    CommCounter.record("cp_send", t)
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(plan.group, (rank + 1) % size), plan.group, tag),
            dist.P2POp(dist.irecv, received, dist.get_global_rank(plan.group, (rank - 1) % size), plan.group, tag)]
     return received, dist.batch_isend_irecv(ops)
@@ -131,10 +135,11 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def ring_attention(q, k, v, group, query_spans, key_spans, ids=None, slopes=None, scale=None):
-    """Causal attention (within documents when `ids`, the (b, s) document ids of the whole sequence) of this rank's
+def ring_attention(q, k, v, group, query_spans, key_spans, documents=None, slopes=None, scale=None):
+    """Causal attention (within `documents`' documents, a Documents of the whole sequence, when given) of this rank's
     queries q (b, heads, lq, d) at `query_spans` to the keys/values k, v (b, kv heads, lk, d) of every rank of the
     CP `group`, rank r's at key_spans[r]. `slopes`: this rank's heads' ALiBi slopes, or None."""
+    ids, starts = (documents.ids, documents.starts) if documents is not None else (None, None)
     plan = RingPlan(group, ContextLayout.of(group), tuple(query_spans), tuple(tuple(s) for s in key_spans),
-                    scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), ids, slopes)
+                    scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), ids, starts, slopes)
     return _Ring.apply(q, k, v, plan)

@@ -17,6 +17,7 @@ from megatron_ds.model.context_parallel.attend import context_parallel_attention
 from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 from megatron_ds.model.tensor_parallel import initialize_model_parallel
+from megatron_ds.model.tensor_parallel.comm import CommCounter
 
 B, D = 2, 8
 EOD = 0
@@ -150,8 +151,12 @@ def layer_case(group, comm, family, recompute, packed):
     layer = CausalSelfAttention(layer_config(family, layout.size, comm, **extra))
     local_x = layout.shard(x).requires_grad_()
     with documents():
-        local_y = layer(local_x)
-        local_y.backward(layout.shard(dy))
+        with CommCounter.counting() as forward:
+            local_y = layer(local_x)
+        with CommCounter.counting() as backward:
+            local_y.backward(layout.shard(dy))
+    if not recompute and not packed:
+        COUNTS[(comm, family)] = forward.summary(), backward.summary()
     out = {"out": _diff(local_y.detach(), layout.shard(y.detach())), "dx": _diff(local_x.grad, layout.shard(ref_x.grad))}
     for (name, p), (_, ref_p) in zip(layer.named_parameters(), ref_layer.named_parameters()):
         grad = p.grad.clone()
@@ -160,14 +165,17 @@ def layer_case(group, comm, family, recompute, packed):
     return out
 
 
-def segmented_layers_case(group, comm, k, checkpoint, packed, defer):
+def segmented_layers_case(group, comm, k, checkpoint, packed, defer, selective=False):
     """Two LLaMA-style TransformerLayers run as the Seq1F1B runtime runs them, each segment laid out over the CP
     ranks on its own, forward segments in order then backward last first (under activation checkpointing, and with
-    the weight gradients deferred to after every B), against the layers at CP 1 on the whole sequence. Also the
+    the weight gradients deferred to after every B, or under selective recompute), against the layers at CP 1 on the
+    whole sequence. Also the
     shapes of the cached K/V after the last forward: what each comm type keeps per rank."""
     layout = ContextLayout.of(group)
     s = length(layout.size)
     extra = dict(eod_token=EOD, reset_attention_mask=True, reset_position_ids=True) if packed else {}
+    if selective:
+        extra["recompute_granularity"] = "selective"
     tokens = packed_tokens(s, 17) if packed else None
     g = torch.Generator().manual_seed(9)
     x, dy = torch.randn(B, s, 32, generator=g), torch.randn(B, s, 32, generator=g)
@@ -266,6 +274,9 @@ def _unsplit(t, group):
     return torch.cat(parts, 1)
 
 
+COUNTS = {}  # (comm type, family) -> the layer's ({op: (count, bytes)} forward, backward)
+
+
 def run_all(world):
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -286,15 +297,16 @@ def run_all(world):
                     results[("layer", comm, family, recompute, packed)] = layer_case(group, comm, family, recompute,
                                                                                      packed)
         for k in (2, 4):
-            for checkpoint, packed, defer in ((False, False, False), (True, False, False), (False, True, True)):
-                results[("segmented", comm, k, checkpoint, packed, defer)], results[("kv", comm, k)] = \
-                    segmented_layers_case(group, comm, k, checkpoint, packed, defer)
+            for variant in ((False, False, False), (True, False, False), (False, True, True), (False, True, False, True)):
+                results[("segmented", comm, k, *variant)], results[("kv", comm, k)] = \
+                    segmented_layers_case(group, comm, k, *variant)
     try:
         context_parallel_attention(*(torch.zeros(1, world + 1, 2, D) for _ in range(3)), group, "a2a",
                                    ((0, 2 * world),))
         results["a2a refusal"] = ""
     except ValueError as e:
         results["a2a refusal"] = str(e)
+    results["comm"] = dict(COUNTS)
     if world == 4:
         results.update(tensor_and_context_parallel_cases())
     return results

@@ -9,7 +9,7 @@ as 2 and 4 uneven Seq1F1B segments attending to the cached K/V of the earlier on
 LLaMA's options (RoPE at global positions, GQA, no bias) and BLOOM's (ALiBi), with and without selective recompute,
 packed documents (RoPE by their restarted positions) or not, against the layer at CP 1 (outputs, input gradients,
 weight gradients summed over the CP ranks); two LLaMA-style TransformerLayers run as Seq1F1B segments under CP
-(plain, activation-checkpointed, and with packed documents and deferred weight gradients) against the whole sequence
+(plain, activation-checkpointed, with packed documents and deferred weight gradients or selective recompute) against the whole sequence
 at CP 1, with the K/V each rank caches (p2p: 1/C of the positions; a2a: 1/C of the heads); and TP 2 x CP 2 with and
 without sequence parallelism. One launch per CP size serves every case (cp_ranks.run_all)."""
 import pytest
@@ -75,8 +75,9 @@ def test_p2p_with_attention_dropout_is_refused_in_one_line():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_seq1f1b_segments_under_cp_equal_the_whole_sequence(results, world):
-    # two LLaMA-style layers; 3 comm types x (2, 4 segments) x (plain, checkpointed, documents + deferred W)
-    assert _check(results, world, "segmented") >= world * 3 * 2 * 3 * 4
+    # two LLaMA-style layers; 3 comm types x (2, 4 segments) x (plain, checkpointed, documents + deferred W,
+    # documents + selective recompute)
+    assert _check(results, world, "segmented") >= world * 3 * 2 * 4 * 4
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -92,3 +93,27 @@ def test_each_rank_caches_a_cth_of_the_segments_kv(results, world):
 def test_tensor_parallel_times_context_parallel(results):
     # TP 2 x CP 2: (p2p, allgather) x (LLaMA, BLOOM) + a2a x BLOOM, with and without sequence parallelism
     assert _check(results, 4, "tp x cp") >= 4 * 5 * 2 * 3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_comm_type_communicates_what_the_docs_say(results, world):
+    """Per layer (B = 2 rows of 16 x C tokens, head size 8, fp32): p2p sends the K/V C - 1 times forward, and
+    backward C - 1 times and their fp32 gradients C times; allgather gathers K and V once each and sends their
+    gradients back by one all-to-all each; a2a exchanges q, k, v and the output (forward), their gradients
+    (backward) by one all-to-all each."""
+    local, compared = 16, 0  # tokens per rank
+    for family, kv_heads in (("llama", 2), ("bloom", 4)):
+        kv_bytes = 2 * 2 * kv_heads * local * 8 * 4  # keys and values of one rank
+        q_bytes = 2 * 4 * local * 8 * 4
+        want = {
+            "p2p": ({"cp_send": (world - 1, (world - 1) * kv_bytes)},
+                    {"cp_send": (2 * world - 1, (2 * world - 1) * kv_bytes)}),
+            "allgather": ({"cp_all_gather": (2, world * kv_bytes)}, {"cp_all_to_all": (2, world * kv_bytes)}),
+            "a2a": ({"cp_all_to_all": (4, 2 * q_bytes + kv_bytes)}, {"cp_all_to_all": (4, 2 * q_bytes + kv_bytes)}),
+        }
+        for cases in results(world):
+            for comm, counts in want.items():
+                if (comm, family) in cases["comm"]:
+                    assert cases["comm"][(comm, family)] == counts, (world, comm, family)
+                    compared += 1
+    assert compared == world * (6 if world == 2 else 5)  # LLaMA's 2 K/V heads: no a2a at CP 4
