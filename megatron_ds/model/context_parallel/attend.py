@@ -15,6 +15,7 @@ lk = start + lq (causal, within the open documents): allgather and a2a reduce to
 import torch
 import torch.nn.functional as F
 
+from ..compile import outside_graph
 from ..documents import Documents, causal_arguments, documents_attention
 from ..kv_cache import queries_reversed
 from .a2a import heads_to_sequence, sequence_to_heads
@@ -53,6 +54,7 @@ def _run(recompute, fn, *tensors):
     return fn(*tensors) if recompute is None or not torch.is_grad_enabled() else recompute(fn, *tensors)
 
 
+@outside_graph  # a compiled layer runs its communication eagerly, between its graphs
 def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_attention, extend=None,
                                recompute=None, slopes=None):
     """This rank's attention output (b, heads, lq, d), in its local order, of its queries q (b, heads, lq, d) and

@@ -277,6 +277,36 @@ def _unsplit(t, group):
 COUNTS = {}  # (comm type, family) -> the layer's ({op: (count, bytes)} forward, backward)
 
 
+def compiled_layers_case(group, comm):
+    """Two LLaMA-style TransformerLayers compiled (compile_layers, aot_eager: dynamo's graphs without inductor's
+    code generation) at CP C against the eager layers at CP 1; the graph breaks that are not by design, and the
+    seconds spent compiling (> 0: the layers did compile)."""
+    from megatron_ds.model.compile import compile_layers, compile_seconds, unplanned_graph_breaks  # lazy: dynamo
+    layout = ContextLayout.of(group)
+    s = length(layout.size)
+    g = torch.Generator().manual_seed(23)
+    x, dy = torch.randn(B, s, 32, generator=g), torch.randn(B, s, 32, generator=g)
+
+    def layers(cp):
+        config = layer_config("llama8", cp, comm)
+        return torch.nn.Sequential(TransformerLayer(config, 1), TransformerLayer(config, 2))
+
+    ref, model = layers(1), layers(layout.size)
+    ref_x = x.clone().requires_grad_()
+    y = ref(ref_x)
+    y.backward(dy)
+    compile_layers(list(model), defer_weight_grads=False, backend="aot_eager")
+    local_x = layout.shard(x).requires_grad_()
+    local_y = model(local_x)
+    local_y.backward(layout.shard(dy))
+    out = {"out": _diff(local_y.detach(), layout.shard(y.detach())), "dx": _diff(local_x.grad, layout.shard(ref_x.grad))}
+    for (name, p), (_, ref_p) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        out["d" + name] = _diff(grad, ref_p.grad)
+    return out, (unplanned_graph_breaks(), compile_seconds())
+
+
 def run_all(world):
     dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -307,6 +337,9 @@ def run_all(world):
     except ValueError as e:
         results["a2a refusal"] = str(e)
     results["comm"] = dict(COUNTS)
+    if world == 2:  # last: compiling changes how later caches lay out their buffers. One comm type: each is the
+        # same call out of the graph (outside_graph), and compiling costs seconds
+        results[("compiled", "p2p")], results["graph breaks"] = compiled_layers_case(group, "p2p")
     if world == 4:
         results.update(tensor_and_context_parallel_cases())
     return results

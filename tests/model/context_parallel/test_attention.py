@@ -117,3 +117,10 @@ def test_each_comm_type_communicates_what_the_docs_say(results, world):
                     assert cases["comm"][(comm, family)] == counts, (world, comm, family)
                     compared += 1
     assert compared == world * (6 if world == 2 else 5)  # LLaMA's 2 K/V heads: no a2a at CP 4
+
+
+def test_compiled_layers_call_cp_attention_out_of_their_graphs(results):
+    assert _check(results, 2, "compiled") >= 2 * 4
+    for cases in results(2):
+        breaks, seconds = cases["graph breaks"]
+        assert breaks == {} and seconds > 0
