@@ -9,7 +9,8 @@ and a2a, whose cache holds whole segments).
 
 `core(q, k, v, start)` attends queries at positions [start, start + lq), in order, to the keys [0, lk) with
 lk = start + lq (causal, within the open documents): allgather and a2a reduce to it, and the layer passes its own
-(ALiBi, dropout). p2p attends by blocks (blocks.py) with the documents' ids and ALiBi slopes it is given.
+(ALiBi, dropout). p2p attends by blocks (blocks.py) with the documents' ids, the ALiBi slopes and the attention
+dropout (with its masks' seed, or None to draw one) it is given.
 `recompute(fn, *tensors)`: selective recompute's checkpoint of the core (None: kept for backward).
 """
 import torch
@@ -56,7 +57,7 @@ def _run(recompute, fn, *tensors):
 
 @outside_graph  # a compiled layer runs its communication eagerly, between its graphs
 def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_attention, extend=None,
-                               recompute=None, slopes=None):
+                               recompute=None, slopes=None, dropout=0.0, seed=None):
     """This rank's attention output (b, heads, lq, d), in its local order, of its queries q (b, heads, lq, d) and
     keys/values k, v (b, kv heads, lq, d), RoPE already applied at their global positions."""
     layout = ContextLayout.of(group)
@@ -68,8 +69,9 @@ def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_
         query_spans = chunk_spans(layout, stop - start, start)
         key_spans = [[span for a, b in segments for span in chunk_spans(layout, b - a, a, r)]
                      for r in range(layout.size)]
-        return _run(recompute, lambda q, k, v: ring_attention(q, k, v, group, query_spans, key_spans, documents, slopes),
-                    q, k, v)
+        def ring(q, k, v):  # recomputed, it draws its dropout seed again from the restored RNG state
+            return ring_attention(q, k, v, group, query_spans, key_spans, documents, slopes, dropout=dropout, seed=seed)
+        return _run(recompute, ring, q, k, v)
     if comm_type == "allgather":
         if extend is None:  # recomputed, the gather runs again in backward: the layer keeps its own K/V only
             return _run(recompute, lambda q, k, v: _chunks(layout, q, *_gathered(k, v, group), start, core),

@@ -8,7 +8,10 @@ causal blocks above the diagonal, and blocks whose keys all end their documents 
 (a boolean mask made of the positions, and of the documents' ids at them).
 
 Forward returns the block's softmax-weighted values and the log-sum-exp of its scores (fp32): blocks of the
-same queries merge exactly (`merge`), as flash attention's online softmax does. Backward recomputes a block's
+same queries merge exactly (`merge`), as flash attention's online softmax does. Attention dropout drops the
+normalised probabilities: a block's `keep` mask (`dropout_keep`: drawn from a generator seeded by the call's seed
+and the block's global spans, so backward draws it again, and it does not depend on which rank attends the block)
+scales the block's probabilities by keep / (1 - p) after the log-sum-exp, which stays that of the undropped scores. Backward recomputes a block's
 probabilities from q, k and the merged log-sum-exp (`block_backward`), so a ring keeps only q, k, v, the output
 and the log-sum-exp. Arithmetic is fp32 whatever the inputs' dtype; K/V heads fewer than query heads (GQA) are
 repeated for the block and their gradients summed back over each group.
@@ -70,6 +73,15 @@ def alibi_block(slopes, queries: Span, keys: Span, device=None):
     return -slopes.float()[:, None, None] * distance
 
 
+def dropout_keep(seed, queries: Span, keys: Span, shape, p, device=None):
+    """The block's dropout mask, keep / (1 - p) (fp32, `shape` (b, heads, lq, lk)): the same for the same seed and
+    spans wherever it is drawn."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + queries.start * 65_537 + keys.start) % (2 ** 63))
+    keep = torch.rand(shape, generator=generator, device=device) >= p
+    return keep.float() / (1.0 - p)
+
+
 def repeat_kv(t, heads):
     """(b, kv heads, s, d) -> (b, heads, s, d): each K/V head repeated for its group of query heads (SDPA's
     enable_gqa order)."""
@@ -97,13 +109,14 @@ def _finite(lse):
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
-def block_forward(q, k, v, scale, mask=None, bias=None):
+def block_forward(q, k, v, scale, mask=None, bias=None, keep=None):
     """(out (b, heads, lq, d), lse (b, heads, lq)) in fp32 of q (fp32, b, heads, lq, d) to k, v (fp32, already
-    repeated to `heads`). A row that sees no key has lse -inf and out 0."""
+    repeated to `heads`); `keep`: the block's dropout mask (dropout_keep) or None. A row that sees no key has lse
+    -inf and out 0."""
     s = _scores(q, k, scale, mask, bias)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, v), lse
+    return torch.matmul(p if keep is None else p * keep, v), lse
 
 
 def merge(out, lse, block_out, block_lse):
@@ -113,10 +126,12 @@ def merge(out, lse, block_out, block_lse):
     return out * torch.exp(lse.unsqueeze(-1) - safe) + block_out * torch.exp(block_lse.unsqueeze(-1) - safe), new
 
 
-def block_backward(q, k, v, dout, delta, lse, scale, mask=None, bias=None):
+def block_backward(q, k, v, dout, delta, lse, scale, mask=None, bias=None, keep=None):
     """Gradients (dq, dk, dv), fp32, of one block given the gradient of the merged output `dout`, the merged
-    log-sum-exp `lse` and delta = rowsum(dout x out): the block's probabilities recomputed, p = exp(s - lse)."""
+    log-sum-exp `lse` and delta = rowsum(dout x out): the block's probabilities recomputed, p = exp(s - lse), and
+    its dropout mask `keep` (the forward's) applied to them and to their gradient."""
     p = torch.exp(_scores(q, k, scale, mask, bias) - _finite(lse).unsqueeze(-1))
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p * (torch.matmul(dout, v.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dv = torch.matmul((p if keep is None else p * keep).transpose(-1, -2), dout)
+    dp = torch.matmul(dout, v.transpose(-1, -2))
+    ds = p * ((dp if keep is None else dp * keep) - delta.unsqueeze(-1))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv

@@ -3,6 +3,7 @@ of every --cp-comm-type against full attention of the whole sequence on one proc
 itself (attention alone: in fp64, the exact values; the layer: at CP 1 in fp32). Returns per case the largest differences and the largest reference values: the output, the
 gradients of q, k, v (attention alone) or of the input and the weights summed over the CP ranks (the layer)."""
 import contextlib
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,8 @@ from megatron_ds.model import TransformerLayer, WeightGradStore
 from megatron_ds.model.attention import CausalSelfAttention
 from megatron_ds.model.context_parallel import ContextLayout, set_context_parallel_group
 from megatron_ds.model.context_parallel.attend import context_parallel_attention
+from megatron_ds.model.context_parallel.blocks import dropout_keep
+from megatron_ds.model.context_parallel.ring import chunk_spans
 from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 from megatron_ds.model.tensor_parallel import initialize_model_parallel
@@ -93,6 +96,74 @@ def attention_case(group, comm, heads, kv_heads, packed, k):
                                                               for i in range(3)]
     want = [y.detach()] + [t.grad for t in ref]
     return {what: _diff(a, b[:, :, mine]) for what, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+def dropout_case(group, k, p=0.25):
+    """p2p's attention dropout, attention alone (GQA, causal), the sequence whole or as k segments, each op with a
+    seed of its own: against full attention in fp64 whose (s x s) dropout mask is assembled from the same blocks'
+    masks (blocks.dropout_keep of the op's seed and the global spans of every rank's query and key chunks): the ring
+    applies each block's mask alike forward and backward and merges the dropped blocks exactly. Also the fraction
+    of the mask's visible elements dropped."""
+    layout = ContextLayout.of(group)
+    s, heads, kv_heads = length(layout.size), 8, 4
+    g = torch.Generator().manual_seed(31)
+    q, dy = (torch.randn(B, heads, s, D, generator=g) for _ in range(2))
+    kv = [torch.randn(B, kv_heads, s, D, generator=g) for _ in range(2)]
+    keep = torch.zeros(B, heads, s, s, dtype=torch.float64)
+    cache, slot, units, start, spans = SegmentKVCache(), KVSlot(), [], 0, []
+    for j, n in enumerate(segment_lengths(layout.size, k)):
+        seed, mine = 1000 + j, layout.positions(n, start)
+        spans.append((start, start + n))
+        for r, r_key in itertools.product(range(layout.size), repeat=2):
+            for qs in chunk_spans(layout, n, start, r):
+                for ks in (span for a, b in spans for span in chunk_spans(layout, b - a, a, r_key)):
+                    keep[:, :, qs.start:qs.stop, ks.start:ks.stop] = dropout_keep(
+                        seed, qs, ks, (B, heads, qs.length, ks.length), p).double()
+        local = [t[:, :, mine].clone().requires_grad_() for t in (q, *kv)]
+        with cache.segment(("mb", 0), start, start + n, s) as segment:
+            out = context_parallel_attention(*local, group, "p2p", segment.spans, extend=_extender(segment, slot),
+                                             dropout=p, seed=seed)
+        units.append((start, n, mine, local, out))
+        start += n
+    for start, n, mine, _, out in reversed(units):
+        with cache.segment(("mb", 0), start, start + n, s):
+            out.backward(dy[:, :, mine])
+    cache.free(("mb", 0))
+
+    ref = [t.double().requires_grad_() for t in (q, *kv)]
+    rq, rk, rv = ref[0], *(t.repeat_interleave(heads // kv_heads, dim=1) for t in ref[1:])
+    scores = (rq @ rk.transpose(-1, -2)) * D ** -0.5
+    causal = reference_mask(s, None)
+    y = (scores.masked_fill(~causal, float("-inf")).softmax(-1) * keep) @ rv
+    y.backward(dy.double())
+    mine = torch.cat([u[2] for u in units])
+    got = [torch.cat([u[4].detach() for u in units], 2)] + [torch.cat([u[3][i].grad for u in units], 2)
+                                                              for i in range(3)]
+    want = [y.detach()] + [t.grad for t in ref]
+    out = {what: _diff(a, b[:, :, mine]) for what, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+    return out, (keep[causal.expand_as(keep)] == 0).double().mean().item()
+
+
+def recompute_dropout_case(group, comm, p=0.25):
+    """CausalSelfAttention with attention dropout at CP C, from the same RNG state with and without selective
+    recompute: the recomputed core draws the same dropout masks (outputs and gradients equal), and they drop."""
+    layout = ContextLayout.of(group)
+    s = length(layout.size)
+    g = torch.Generator().manual_seed(41)
+    x, dy = torch.randn(B, s, 32, generator=g), torch.randn(B, s, 32, generator=g)
+    runs = []
+    for extra in ({}, dict(recompute_granularity="selective"), {}):
+        layer = CausalSelfAttention(layer_config("llama8", layout.size, comm, attention_dropout=p, **extra))
+        torch.manual_seed(100 + layout.rank)
+        local_x = layout.shard(x).requires_grad_()
+        y = layer(local_x)
+        y.backward(layout.shard(dy))
+        runs.append([y.detach(), local_x.grad] + [p.grad for p in layer.parameters()])
+    layer.eval()
+    undropped = layer(layout.shard(x)).detach()
+    out = {f"recomputed {i}": _diff(a, b) for i, (a, b) in enumerate(zip(runs[1], runs[0]))}
+    out["rerun"] = _diff(runs[2][0], runs[0][0])
+    return out, ((runs[0][0] - undropped).abs().max() / undropped.abs().max()).item()
 
 
 def _extender(segment, slot):
@@ -336,6 +407,10 @@ def run_all(world):
         results["a2a refusal"] = ""
     except ValueError as e:
         results["a2a refusal"] = str(e)
+    for k in (1, 2):
+        results[("dropout", k)], results[("dropped", k)] = dropout_case(group, k)
+    for comm in COMM_TYPES:
+        results[("recompute dropout", comm)], results[("dropout effect", comm)] = recompute_dropout_case(group, comm)
     results["comm"] = dict(COUNTS)
     if world == 2:  # last: compiling changes how later caches lay out their buffers. One comm type: each is the
         # same call out of the graph (outside_graph), and compiling costs seconds

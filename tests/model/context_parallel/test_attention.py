@@ -11,7 +11,9 @@ packed documents (RoPE by their restarted positions) or not, against the layer a
 weight gradients summed over the CP ranks); two LLaMA-style TransformerLayers run as Seq1F1B segments under CP
 (plain, activation-checkpointed, with packed documents and deferred weight gradients or selective recompute) against the whole sequence
 at CP 1, with the K/V each rank caches (p2p: 1/C of the positions; a2a: 1/C of the heads); and TP 2 x CP 2 with and
-without sequence parallelism. One launch per CP size serves every case (cp_ranks.run_all)."""
+without sequence parallelism; p2p's attention dropout against full attention under the same blocks' masks, and
+selective recompute drawing the same dropout masks for every comm type; the messages each comm type sends per
+layer; compiled layers. One launch per CP size serves every case (cp_ranks.run_all)."""
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
@@ -64,13 +66,21 @@ def test_a2a_refuses_kv_heads_that_do_not_divide_in_one_line(results, world):
         assert "do not divide by --context-parallel-size" in message and "\n" not in message
 
 
-def test_p2p_with_attention_dropout_is_refused_in_one_line():
-    from megatron_ds.gpt_config import GPTConfig
-    shape = dict(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, max_position_embeddings=16,
-                 context_parallel_size=2, attention_dropout=0.1)
-    with pytest.raises(ValueError, match="--cp-comm-type p2p attends blockwise without dropout"):
-        GPTConfig(cp_comm_type="p2p", **shape)
-    GPTConfig(cp_comm_type="allgather", **shape)
+@pytest.mark.parametrize("world", [2, 4])
+def test_selective_recompute_draws_the_same_attention_dropout(results, world):
+    for rank, cases in enumerate(results(world)):
+        for comm in ("p2p", "allgather", "a2a"):
+            for what, (diff, scale) in cases[("recompute dropout", comm)].items():
+                assert diff == 0.0 and scale > 1e-3, (world, rank, comm, what)
+            assert cases[("dropout effect", comm)] > 0.05  # the masks did drop (relative to the output)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_p2p_attention_dropout_drops_each_block_alike_forward_and_backward(results, world):
+    assert _check(results, world, "dropout") == world * 2 * 4
+    for cases in results(world):
+        for k in (1, 2):
+            assert 0.2 < cases[("dropped", k)] < 0.3  # p = 0.25 of the visible probabilities
 
 
 @pytest.mark.parametrize("world", [2, 4])
