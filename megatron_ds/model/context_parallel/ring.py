@@ -28,6 +28,7 @@ from ..tensor_parallel.comm import CommCounter
 from .layout import ContextLayout
 
 _KV_TAG, _GRAD_TAG = 1, 2  # distinct tags: a block's K/V and its gradients may be in flight to one peer at once
+TILE = 1024  # positions: chunks longer are attended in tiles, so a block's scores are at most b x heads x TILE^2
 
 
 def chunk_spans(layout: ContextLayout, length: int, start: int = 0, rank: int | None = None) -> list[Span]:
@@ -59,9 +60,9 @@ class RingPlan:
         keys that sees anything."""
         device = q.device
         q_offset = 0
-        for qs in self.query_spans:
+        for qs in tiles(self.query_spans):
             k_offset = 0
-            for ks in self.key_spans[src]:
+            for ks in tiles(self.key_spans[src]):
                 seen = visibility(qs, ks, self.starts)
                 if seen != NONE:
                     mask = block_mask(qs, ks, self.ids, device) if seen == SOME else None
@@ -74,6 +75,11 @@ class RingPlan:
                            keep)
                 k_offset += ks.length
             q_offset += qs.length
+
+
+def tiles(spans):
+    """The spans cut into pieces of at most TILE positions, in order."""
+    return [Span(span.start + i, min(TILE, span.length - i)) for span in spans for i in range(0, span.length, TILE)]
 
 
 def _exchange(t, plan, tag):

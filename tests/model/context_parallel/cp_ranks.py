@@ -16,6 +16,7 @@ from megatron_ds.model.attention import CausalSelfAttention
 from megatron_ds.model.context_parallel import ContextLayout, set_context_parallel_group
 from megatron_ds.model.context_parallel.attend import context_parallel_attention
 from megatron_ds.model.context_parallel.blocks import dropout_keep
+from megatron_ds.model.context_parallel import ring
 from megatron_ds.model.context_parallel.ring import chunk_spans
 from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
@@ -101,7 +102,7 @@ def attention_case(group, comm, heads, kv_heads, packed, k):
 def dropout_case(group, k, p=0.25):
     """p2p's attention dropout, attention alone (GQA, causal), the sequence whole or as k segments, each op with a
     seed of its own: against full attention in fp64 whose (s x s) dropout mask is assembled from the same blocks'
-    masks (blocks.dropout_keep of the op's seed and the global spans of every rank's query and key chunks): the ring
+    masks (blocks.dropout_keep of the op's seed and the global spans of every rank's query and key tiles): the ring
     applies each block's mask alike forward and backward and merges the dropped blocks exactly. Also the fraction
     of the mask's visible elements dropped."""
     layout = ContextLayout.of(group)
@@ -115,8 +116,8 @@ def dropout_case(group, k, p=0.25):
         seed, mine = 1000 + j, layout.positions(n, start)
         spans.append((start, start + n))
         for r, r_key in itertools.product(range(layout.size), repeat=2):
-            for qs in chunk_spans(layout, n, start, r):
-                for ks in (span for a, b in spans for span in chunk_spans(layout, b - a, a, r_key)):
+            for qs in ring.tiles(chunk_spans(layout, n, start, r)):
+                for ks in ring.tiles([span for a, b in spans for span in chunk_spans(layout, b - a, a, r_key)]):
                     keep[:, :, qs.start:qs.stop, ks.start:ks.stop] = dropout_keep(
                         seed, qs, ks, (B, heads, qs.length, ks.length), p).double()
         local = [t[:, :, mine].clone().requires_grad_() for t in (q, *kv)]
@@ -409,6 +410,12 @@ def run_all(world):
         results["a2a refusal"] = str(e)
     for k in (1, 2):
         results[("dropout", k)], results[("dropped", k)] = dropout_case(group, k)
+    tile, ring.TILE = ring.TILE, 3  # chunks of 8 tokens in tiles of 3, 3 and 2
+    try:
+        results[("attention", "p2p tiled", "gqa", True, 2)] = attention_case(group, "p2p", 8, 4, True, 2)
+        results[("dropout", "tiled")] = dropout_case(group, 2)[0]
+    finally:
+        ring.TILE = tile
     for comm in COMM_TYPES:
         results[("recompute dropout", comm)], results[("dropout effect", comm)] = recompute_dropout_case(group, comm)
     results["comm"] = dict(COUNTS)

@@ -49,8 +49,9 @@ def _check(results, world, kind):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_alone_equals_full_attention(results, world):
-    # 3 comm types x (MHA, GQA) x (causal, documents) x (whole, 2 and 4 segments) x (out, dq, dk, dv) per rank
-    assert _check(results, world, "attention") == world * 3 * 2 * 2 * 3 * 4
+    # 3 comm types x (MHA, GQA) x (causal, documents) x (whole, 2 and 4 segments) x (out, dq, dk, dv) per rank,
+    # and p2p in tiles smaller than its chunks (GQA, documents, 2 segments)
+    assert _check(results, world, "attention") == world * (3 * 2 * 2 * 3 + 1) * 4
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -77,7 +78,7 @@ def test_selective_recompute_draws_the_same_attention_dropout(results, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_p2p_attention_dropout_drops_each_block_alike_forward_and_backward(results, world):
-    assert _check(results, world, "dropout") == world * 2 * 4
+    assert _check(results, world, "dropout") == world * 3 * 4  # whole, 2 segments, and 2 in tiles
     for cases in results(world):
         for k in (1, 2):
             assert 0.2 < cases[("dropped", k)] < 0.3  # p = 0.25 of the visible probabilities
