@@ -18,6 +18,7 @@ from megatron_ds.model.context_parallel.attend import context_parallel_attention
 from megatron_ds.model.context_parallel.blocks import dropout_keep
 from megatron_ds.model.context_parallel import ring
 from megatron_ds.model.context_parallel.ring import chunk_spans
+from megatron_ds.model import documents as documents_module
 from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 from megatron_ds.model.tensor_parallel import initialize_model_parallel
@@ -416,6 +417,12 @@ def run_all(world):
         results[("dropout", "tiled")] = dropout_case(group, 2)[0]
     finally:
         ring.TILE = tile
+    side, documents_module.DENSE_SIDE = documents_module.DENSE_SIDE, 4  # documents attended group by group
+    try:
+        for comm in ("allgather", "a2a"):
+            results[("attention", comm + " grouped", "gqa", True, 2)] = attention_case(group, comm, 8, 4, True, 2)
+    finally:
+        documents_module.DENSE_SIDE = side
     for comm in COMM_TYPES:
         results[("recompute dropout", comm)], results[("dropout effect", comm)] = recompute_dropout_case(group, comm)
     results["comm"] = dict(COUNTS)
