@@ -68,8 +68,8 @@ def _documents(tokens):
     return Documents(tokens, EOD).opened() if tokens is not None else contextlib.nullcontext()
 
 
-def attention_case(group, comm, heads, kv_heads, packed, k):
-    """Attention alone: {what: (max diff, max reference value)} over this rank's positions."""
+def attention_case(group, comm, heads, kv_heads, packed, k, dtype=torch.float32):
+    """Attention alone: {what: (max diff, max reference value)} over this rank's positions; q, k, v in `dtype`."""
     layout = ContextLayout.of(group)
     s = length(layout.size)
     g = torch.Generator().manual_seed(7)
@@ -84,14 +84,14 @@ def attention_case(group, comm, heads, kv_heads, packed, k):
     cache, slot, units, start = SegmentKVCache(), KVSlot(), [], 0
     for n in segment_lengths(layout.size, k):
         mine = layout.positions(n, start)
-        local = [t[:, :, mine].clone().requires_grad_() for t in (q, *kv)]
+        local = [t[:, :, mine].to(dtype).requires_grad_() for t in (q, *kv)]
         with cache.segment(("mb", 0), start, start + n, s) as segment, _documents(tokens):
             out = context_parallel_attention(*local, group, comm, segment.spans, extend=_extender(segment, slot))
         units.append((start, n, mine, local, out))
         start += n
     for start, n, mine, _, out in reversed(units):
         with cache.segment(("mb", 0), start, start + n, s), _documents(tokens):
-            out.backward(dy[:, :, mine])
+            out.backward(dy[:, :, mine].to(dtype))
     cache.free(("mb", 0))
     mine = torch.cat([u[2] for u in units])
     got = [torch.cat([u[4].detach() for u in units], 2)] + [torch.cat([u[3][i].grad for u in units], 2)
@@ -417,6 +417,8 @@ def run_all(world):
         results[("dropout", "tiled")] = dropout_case(group, 2)[0]
     finally:
         ring.TILE = tile
+    for comm in COMM_TYPES:  # bf16 in and out (p2p and the gradient sums accumulate in fp32)
+        results[("bf16", comm)] = attention_case(group, comm, 8, 4, True, 2, torch.bfloat16)
     side, documents_module.DENSE_SIDE = documents_module.DENSE_SIDE, 4  # documents attended group by group
     try:
         for comm in ("allgather", "a2a"):

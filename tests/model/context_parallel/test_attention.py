@@ -56,6 +56,15 @@ def test_attention_alone_equals_full_attention(results, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_bf16_attention_is_within_bf16_rounding(results, world):
+    # GQA, documents, 2 segments; bf16 keeps 8 bits of mantissa: 2^-8 = 3.9e-3 of a value
+    for rank, cases in enumerate(results(world)):
+        for comm in ("p2p", "allgather", "a2a"):
+            for what, (diff, scale) in cases[("bf16", comm)].items():
+                assert diff <= 2e-2 * max(1.0, scale), (world, rank, comm, what, diff, scale)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_layer_equals_the_layer_on_the_whole_sequence(results, world):
     layer_cases = 3 * 2 * 2 * 2 - (0 if world == 2 else 4)  # LLaMA's 2 K/V heads: no a2a at CP 4
     assert _check(results, world, "layer") >= world * layer_cases * 3
