@@ -26,15 +26,16 @@ def add_save_args(parser):
     g.add_argument("--keep-every", type=int, default=None, metavar="K",
                    help="with --keep-last-checkpoints: steps at multiples of K iterations are kept too "
                         "(ds_config \"checkpoint\": {\"keep_every\": K})")
-    g.add_argument("--save-write-probe-mib", type=int, default=DEFAULT_PROBE_MIB, metavar="MIB",
+    g.add_argument("--save-write-probe-mib", type=int, default=None, metavar="MIB",
                    help="once a run, at its first save, each rank writes and fsyncs MIB MiB to --save (then "
-                        "deletes it): the plain sequential write the save's throughput is logged against; 0: off")
+                        "deletes it): the plain sequential write the save's throughput is logged against; 0: off "
+                        f"(default: {DEFAULT_PROBE_MIB} with --async-save, else 0)")
 
 
 def apply_save_args(args, ds_config, err):
     """Merge the flags with ds_config "checkpoint" (written back into it: DeepSpeed ignores our keys) and
-    check them; returns (async_save, keep_last_checkpoints, keep_every) for the parser to write. `err` raises
-    the ArgumentsError."""
+    check them; returns (async_save, keep_last_checkpoints, keep_every, save_write_probe_mib) for the parser to
+    write. `err` raises the ArgumentsError."""
     section = ds_config.get(SECTION) or {}
     src = args.deepspeed_config
     merged = {}
@@ -54,11 +55,14 @@ def apply_save_args(args, ds_config, err):
     if merged["keep_every"] is not None and merged["keep_last"] is None:
         err("--keep-every K keeps steps beside --keep-last-checkpoints N, which is missing (without it every "
             "step is kept)")
-    if args.save_write_probe_mib < 0:
-        err(f"--save-write-probe-mib must be >= 0, got {args.save_write_probe_mib}")
+    probe = args.save_write_probe_mib
+    if probe is None:
+        probe = DEFAULT_PROBE_MIB if merged["async_save"] else 0
+    if probe < 0:
+        err(f"--save-write-probe-mib must be >= 0, got {probe}")
     if merged["async_save"] and (section.get("writer") or {}).get("decoupled"):
         err(f"--async-save and ds_config \"{SECTION}\": {{\"writer\": {{\"decoupled\": true}}}} in {src}: "
             "DeepSpeed's decoupled writer names `latest` before every rank's files are whole; give one of them")
     if any(merged[k] is not None and merged[k] is not False for k in KEYS):
         ds_config[SECTION] = {**section, **{k: v for k, v in merged.items() if v is not None}}
-    return merged["async_save"], merged["keep_last"], merged["keep_every"]
+    return merged["async_save"], merged["keep_last"], merged["keep_every"], probe

