@@ -116,6 +116,8 @@ class Trainer:
         """Save this iteration if the cadence says so (every --save-interval, and at the end: `last`); a save in
         flight in the background is committed first once every rank's writer is done (checkpoint/saves.py)."""
         self.saves.poll()
+        if self.saves.refused is not None and self.saves.refused == self.cadence.last_saved:
+            self.cadence.last_saved = None  # its background save found no room: the end of training tries again
         if not self.cadence.save_due(self.iteration, last):
             return
         self.timers.start("save-checkpoint")  # the time training stopped (under --async-save: the host copy)

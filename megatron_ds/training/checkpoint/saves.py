@@ -51,6 +51,7 @@ class Saves:
         self.args, self.tb = args, tb
         self.pending = None  # (iteration, Job, blocking seconds)
         self.probed, self.probe_mbs = False, None  # the plain sequential write's MB/s, once measured
+        self.refused = None  # the last iteration whose commit found no room (--keep-training-on-disk-full)
         same = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
         match = retention.STEP.match(loaded_tag or "") if same else None
         self.protected = {int(match.group(1))} if match else set()
@@ -123,6 +124,8 @@ class Saves:
         for entries in _gather(job.entries):
             known.update(entries)
         committed = commit_step(self.args, iteration, known)
+        if not committed:
+            self.refused = iteration
         self.probe_mbs = job.probe if job.probe is not None else self.probe_mbs
         record = save_stats.rank_record(job.rank, job.bytes, job.seconds, job.host_bytes, self.probe_mbs)
         self._report(iteration, blocking, _gather(record), committed, background=True)
@@ -132,6 +135,8 @@ class Saves:
         if committed and dist.get_rank() == 0 and self.args.keep_last_checkpoints:
             retention.prune(self.args.save, iteration, self.args.keep_last_checkpoints, self.args.keep_every,
                             self.protected)
+        if not committed:
+            return
         print_rank_0("  " + save_stats.line(iteration, blocking, records, background))
         if self.tb is not None:
             save_stats.to_tensorboard(self.tb, iteration, blocking, records)

@@ -10,7 +10,11 @@ One chain of launches is shared:
 4. resumed from there in the background to the end (--exit-interval at the last iteration: the exit waits for
    the save in flight), --keep-last-checkpoints 2: every loss equals the reference's bit for bit, and so do
    the weights and the optimizer state saved at iteration 8.
+And a mixture of experts (an expert bias, a buffer the checkpoint carries) under Seq1F1B (2 segments):
+saved in the background at 2 and 4, stopped by --exit-interval 4, resumed to 8: the losses of a run
+without saves, bit for bit.
 """
+import json
 import os
 import re
 import shutil
@@ -142,3 +146,33 @@ def test_background_saves_commit_whole_steps_and_resume_bit_exact(chain):
     for tag in ("checkpoint/blocking-time", "checkpoint/write-time", "checkpoint/write-MBps/rank0",
                 "checkpoint/write-MBps/rank1", "checkpoint/write-over-sequential/rank0"):
         assert [e.step for e in acc.Scalars(tag)] == [6, 8], tag
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01", "--moe-aux-loss-coeff", "0.01")
+
+
+@pytest.mark.timeout(1800)  # three launches
+def test_moe_under_seq1f1b_resumes_bit_exact_from_a_background_save(tmp_path):
+    config = tmp_path / "seq1f1b.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+                                  "pipeline": {"schedule": "seq1f1b", "seq_splits": 2}}))
+    write_corpus(str(tmp_path / "corpus"))
+    wd = str(tmp_path)
+
+    def run(name, *extra):
+        args = fi.gpt_args(wd, "--num-layers", "4", *MOE, *extra, "--deepspeed_config", str(config),
+                           train_iters=ITERS)
+        job = fi.Job(wd, args, nproc=2, name=name, launcher="direct", env=SLOW)
+        codes, out = job.wait(900), job.output()
+        assert codes == {0: 0, 1: 0}, out[-3000:]
+        return fi.logged_losses(out), out
+
+    ref, _ = run("reference", "--save", str(tmp_path / "ref_ckpt"), "--load", str(tmp_path / "ref_ckpt"),
+                 "--save-interval", "1000")  # one synchronous save, at the end
+    first, out = run("first", "--async-save", "--exit-interval", "4")
+    assert "(in the background)" in out and fi.latest(wd) == "global_step4"
+    second, out = run("second", "--async-save")
+    assert "at iteration 4" in out and fi.latest(wd) == f"global_step{ITERS}"
+    assert sorted(ref) == list(range(1, ITERS + 1))
+    assert {**first, **second} == ref
