@@ -10,6 +10,8 @@ One chain of launches is shared:
 4. resumed from there in the background to the end (--exit-interval at the last iteration: the exit waits for
    the save in flight), --keep-last-checkpoints 2: every loss equals the reference's bit for bit, and so do
    the weights and the optimizer state saved at iteration 8.
+Two torchrun agents on this machine as two nodes (--nnodes 2, c10d rendezvous, one rank each): saved in the
+background, stopped at 4, resumed by two new agents to 8: the reference's losses.
 And a mixture of experts (an expert bias, a buffer the checkpoint carries) under Seq1F1B (2 segments):
 saved in the background at 2 and 4, stopped by --exit-interval 4, resumed to 8: the losses of a run
 without saves, bit for bit.
@@ -18,10 +20,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from megatron_ds.testing.corpus import write_corpus
+from megatron_ds.testing.launcher import child_env
+from megatron_ds.training.initialize import free_port
 from tools import fault_injection as fi
 
 ITERS = 8
@@ -176,3 +182,38 @@ def test_moe_under_seq1f1b_resumes_bit_exact_from_a_background_save(tmp_path):
     assert "at iteration 4" in out and fi.latest(wd) == f"global_step{ITERS}"
     assert sorted(ref) == list(range(1, ITERS + 1))
     assert {**first, **second} == ref
+
+
+def _two_nodes(workdir, name, *extra):
+    """pretrain_gpt.py under two torchrun agents, one rank each, meeting through a c10d rendezvous."""
+    port, script = free_port(), [os.path.join(fi.ROOT, "pretrain_gpt.py"), *fi.gpt_args(workdir, *ZBV, *extra,
+                                                                                     train_iters=ITERS, schedule="zbv")]
+    env = child_env(fi.ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **SLOW)
+    logs = [open(os.path.join(workdir, f"{name}_node{n}.log"), "w") for n in (0, 1)]
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                                "--node_rank", str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "--rdzv-id", name, "--monitor-interval", "0.5", *script],
+                               cwd=workdir, env=env, stdout=logs[n], stderr=subprocess.STDOUT) for n in (0, 1)]
+    try:
+        codes = [a.wait(timeout=900) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+        for f in logs:
+            f.close()
+    out = "".join(open(f.name).read() for f in logs)
+    return codes, out
+
+
+@pytest.mark.timeout(1800)  # two launches of two agents
+def test_two_agents_as_two_nodes_save_in_the_background_and_resume(chain, tmp_path):
+    ref = chain[3]["ref"]["losses"]
+    write_corpus(str(tmp_path / "corpus"))
+    codes, first = _two_nodes(str(tmp_path), "first", "--async-save", "--exit-interval", "4")
+    assert codes == [0, 0], first[-3000:]
+    assert "(in the background)" in first and fi.latest(str(tmp_path)) == "global_step4"
+    codes, second = _two_nodes(str(tmp_path), "second", "--async-save")
+    assert codes == [0, 0], second[-3000:]
+    assert "at iteration 4" in second and fi.latest(str(tmp_path)) == f"global_step{ITERS}"
+    assert {**fi.logged_losses(first), **fi.logged_losses(second)} == ref
