@@ -2,7 +2,7 @@
 
 The copy (`host_copy`) is taken inside DeepSpeed's save through engine.Collector: every tensor of every state
 DeepSpeed would write (layer files, model states with our client state, ZeRO shards) cloned to host memory,
-pinned and copied without blocking on CUDA (the writer waits for the copies' event, training does not). Then
+into pinned memory on CUDA (copies issued without blocking, then one synchronize before training goes on). Then
 `Job.run`, on a thread of its own, writes each file as the synchronous save does (disk_full.write_torch:
 fsynced, out of room recorded, not raised), takes its manifest entry (size, CRC-32) and fsyncs the step
 folder. The writer holds no collective and names nothing: saves.py commits the step at an iteration boundary
@@ -87,11 +87,11 @@ class Job:
     After it: `entries` {file in the step folder: manifest entry}, `bytes`, `seconds` (writing), `error` (what
     it raised other than running out of room, re-raised by the committing thread), `probe` (see save_stats)."""
 
-    def __init__(self, iteration, step_dir, collector, rank, probe=None, ready=None):
+    def __init__(self, iteration, step_dir, collector, rank, probe=None):
         self.iteration, self.step_dir, self.rank = iteration, step_dir, rank
         self.files, self.zipfile = collector.files, collector.zipfile_serialization
         self.host_bytes = sum(tensor_bytes(state) for _, state in self.files)
-        self.probe_fn, self.ready = probe, ready  # ready: the CUDA event after the copies
+        self.probe_fn = probe
         self.entries, self.bytes, self.seconds, self.error, self.probe = {}, 0, 0.0, None, None
         self.thread = threading.Thread(target=self.run, name=f"checkpoint-writer-{iteration}", daemon=True)
 
@@ -103,8 +103,6 @@ class Job:
         try:
             if self.probe_fn is not None:
                 self.probe = self.probe_fn()
-            if self.ready is not None:
-                self.ready.synchronize()
             time.sleep(float(os.environ.get(DELAY_ENV) or 0))
             start = time.perf_counter()
             for n, (path, state) in enumerate(self.files):

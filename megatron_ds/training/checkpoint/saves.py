@@ -87,12 +87,10 @@ class Saves:
         pin = _on_cuda()
         collector = checkpoint_engine.Collector(checkpoint_engine.install(engine), lambda s: host_copy(s, pin))
         step_dir = write_step(engine, self.args, iteration, consumed_train, consumed_valid, extra_files, collector)
-        ready = None
-        if pin:
+        if pin:  # the copies are whole before the next step's kernels (on any stream) may change a state
             import torch
-            ready = torch.cuda.Event()
-            ready.record()
-        job = Job(iteration, step_dir, collector, rank, probe=probe, ready=ready).start()
+            torch.cuda.synchronize()
+        job = Job(iteration, step_dir, collector, rank, probe=probe).start()
         self.pending = (iteration, job, time.perf_counter() - start)
         return None
 
