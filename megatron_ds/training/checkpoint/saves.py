@@ -56,10 +56,6 @@ class Saves:
         match = retention.STEP.match(loaded_tag or "") if same else None
         self.protected = {int(match.group(1))} if match else set()
 
-    @property
-    def in_flight(self):
-        return self.pending[0] if self.pending else None
-
     def save(self, engine, args, iteration, consumed_train, consumed_valid, extra_files=()):
         """Save `iteration` (`args`: the run's settings now, "auto" may have replaced them). Returns True/False
         (committed or not, synchronous), None (in the background)."""
@@ -72,7 +68,6 @@ class Saves:
             self.probed = True
             os.makedirs(self.args.save, exist_ok=True)
             probe = lambda: save_stats.probe(self.args.save, self.args.save_write_probe_mib, rank)  # noqa: E731
-        start = time.perf_counter()
         if not self.args.async_save:
             self.probe_mbs = probe() if probe else self.probe_mbs
             checkpoint_engine.written.clear()
@@ -84,7 +79,7 @@ class Saves:
                                              self.probe_mbs)
             self._report(iteration, blocking, _gather(record), committed, background=False)
             return committed
-        pin = _on_cuda()
+        start, pin = time.perf_counter(), _on_cuda()
         collector = checkpoint_engine.Collector(checkpoint_engine.install(engine), lambda s: host_copy(s, pin))
         step_dir = write_step(engine, self.args, iteration, consumed_train, consumed_valid, extra_files, collector)
         if pin:  # the copies are whole before the next step's kernels (on any stream) may change a state
@@ -130,11 +125,11 @@ class Saves:
 
     def _report(self, iteration, blocking, records, committed, background):
         import torch.distributed as dist
-        if committed and dist.get_rank() == 0 and self.args.keep_last_checkpoints:
-            retention.prune(self.args.save, iteration, self.args.keep_last_checkpoints, self.args.keep_every,
-                            self.protected)
         if not committed:
             return
+        if dist.get_rank() == 0 and self.args.keep_last_checkpoints:
+            retention.prune(self.args.save, iteration, self.args.keep_last_checkpoints, self.args.keep_every,
+                            self.protected)
         print_rank_0("  " + save_stats.line(iteration, blocking, records, background))
         if self.tb is not None:
             save_stats.to_tensorboard(self.tb, iteration, blocking, records)
