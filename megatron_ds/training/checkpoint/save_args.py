@@ -3,8 +3,9 @@
 Each may also be given in the ds_config's "checkpoint" section (DeepSpeed's, which reads only the keys it
 knows there: "async_save", "keep_last", "keep_every" are ours); a flag and a key that disagree are refused,
 naming both, and the ds_config DeepSpeed gets carries the merged values. DeepSpeed's own background writer
-("checkpoint": {"writer": {"decoupled": true}}) names `latest` from its writer process whether or not every
-rank's files are whole, so it is refused beside --async-save. Checked at parse time (no torch).
+("checkpoint": {"writer": {"decoupled": true}}: a writer process a rank) has rank 0 write `latest` once its own
+writer is done, without asking the other ranks, and in place (no rename), so it is refused beside
+--async-save. Checked at parse time (no torch).
 """
 
 SECTION = "checkpoint"
@@ -62,7 +63,8 @@ def apply_save_args(args, ds_config, err):
         err(f"--save-write-probe-mib must be >= 0, got {probe}")
     if merged["async_save"] and (section.get("writer") or {}).get("decoupled"):
         err(f"--async-save and ds_config \"{SECTION}\": {{\"writer\": {{\"decoupled\": true}}}} in {src}: "
-            "DeepSpeed's decoupled writer names `latest` before every rank's files are whole; give one of them")
+            "DeepSpeed's decoupled writer names `latest` once rank 0's files are written, not every rank's; give "
+            "one of them")
     if any(merged[k] is not None and merged[k] is not False for k in KEYS):
         ds_config[SECTION] = {**section, **{k: v for k, v in merged.items() if v is not None}}
     return merged["async_save"], merged["keep_last"], merged["keep_every"], probe
