@@ -10,6 +10,8 @@ One chain of launches is shared:
 4. resumed from there in the background to the end (--exit-interval at the last iteration: the exit waits for
    the save in flight), --keep-last-checkpoints 2: every loss equals the reference's bit for bit, and so do
    the weights and the optimizer state saved at iteration 8.
+SIGUSR1 to one rank under --exit-signal-handler while a background save is in flight: both ranks wait for it,
+save the iteration they agree on, and exit 0.
 Two torchrun agents on this machine as two nodes (--nnodes 2, c10d rendezvous, one rank each): saved in the
 background, stopped at 4, resumed by two new agents to 8: the reference's losses.
 And a mixture of experts (an expert bias, a buffer the checkpoint carries) under Seq1F1B (2 segments):
@@ -217,3 +219,27 @@ def test_two_agents_as_two_nodes_save_in_the_background_and_resume(chain, tmp_pa
     assert codes == [0, 0], second[-3000:]
     assert "at iteration 4" in second and fi.latest(str(tmp_path)) == f"global_step{ITERS}"
     assert {**fi.logged_losses(first), **fi.logged_losses(second)} == ref
+
+
+@pytest.mark.timeout(900)  # one launch
+def test_a_signal_waits_for_the_save_in_flight(chain, tmp_path):
+    import signal
+    ref = chain[3]["ref"]["losses"]
+    wd = str(tmp_path)
+    write_corpus(os.path.join(wd, "corpus"))
+    job = fi.Job(wd, fi.gpt_args(wd, *ZBV, "--async-save", "--exit-signal-handler", train_iters=ITERS, schedule="zbv"),
+                 nproc=2, name="signal", launcher="srun", env=SLOW)
+    try:
+        if job.wait_for(lambda: "(in the background)" in job.output(), 600, poll=0.01):
+            job.signal(1, signal.SIGUSR1)
+        codes = job.wait(600)
+    finally:
+        job.kill()
+    out = job.output()
+    assert codes == {0: 0, 1: 0}, out[-3000:]
+    found = re.search(r"waited \d+\.\d\d s for the background save of iteration (\d+) \(before exiting program at "
+                      r"iteration (\d+) after receiving (SIGUSR1|a signal on another rank)", out)
+    assert found, out[-3000:]
+    assert fi.latest(wd) == f"global_step{found.group(2)}" and int(found.group(2)) < ITERS
+    losses = fi.logged_losses(out)
+    assert losses == {i: ref[i] for i in range(1, int(found.group(2)) + 1)}
