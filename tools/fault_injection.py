@@ -73,14 +73,15 @@ class Job:
 
     launcher "torchrun" (with --max-restarts), "deepspeed" (its launcher), "direct": one process a rank with
     RANK, WORLD_SIZE and MASTER_* set, or "srun": one process a rank with only the SLURM_* variables srun
-    sets; the last two show each rank's own exit code and output.
+    sets; the last two show each rank's own exit code and output. `env`: more variables for the workers (a
+    fault to inject).
     """
 
-    def __init__(self, workdir, args, nproc=4, max_restarts=0, name="job", launcher="torchrun"):
+    def __init__(self, workdir, args, nproc=4, max_restarts=0, name="job", launcher="torchrun", env=None):
         self.workdir, self.name, self.tag = workdir, name, uuid.uuid4().hex
         self.log_path = os.path.join(workdir, f"{name}.log")
         script = [os.path.join(ROOT, "pretrain_gpt.py"), *args]
-        env = child_env(ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{MARK: self.tag})
+        env = child_env(ROOT, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{MARK: self.tag}, **(env or {}))
         port = str(free_port())
         self._log = open(self.log_path, "w")
         self.start = time.monotonic()

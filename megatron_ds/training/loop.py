@@ -87,6 +87,8 @@ class Trainer:
         self.cadence = Cadence(args, self.iteration, validates=self.valid_iter is not None)
         self.timers = Timers()
         self.tb = TensorBoard(args)
+        from .checkpoint.saves import Saves  # lazy: DeepSpeed loads after the flags are checked
+        self.saves = Saves(args, self.tb, state.get("loaded_tag"))
         self.metrics = MetricsFile(args.metrics_file, self.iteration if args.load and not args.finetune else None)
         self.codecarbon = codecarbon or CodeCarbon(None, None)  # started by pretrain, before the model
         self.train_points, self.valid_points = [], []
@@ -111,15 +113,18 @@ class Trainer:
         return gbs
 
     def maybe_save(self, last=False):
-        """Save this iteration if the cadence says so (every --save-interval, and at the end: `last`)."""
-        from .checkpoint.save_load import save_checkpoint  # lazy: DeepSpeed loads after the flags are checked
+        """Save this iteration if the cadence says so (every --save-interval, and at the end: `last`); a save in
+        flight in the background is committed first once every rank's writer is done (checkpoint/saves.py)."""
+        self.saves.poll()
+        if self.saves.refused is not None and self.saves.refused == self.cadence.last_saved:
+            self.cadence.last_saved = None  # its background save found no room: the end of training tries again
         if not self.cadence.save_due(self.iteration, last):
             return
-        self.timers.start("save-checkpoint")
-        saved = save_checkpoint(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
+        self.timers.start("save-checkpoint")  # the time training stopped (under --async-save: the host copy)
+        saved = self.saves.save(self.engine, self.args, self.iteration, self.consumed_train, self.consumed_valid,
                                 self.auto.checkpoint_files(self.iteration) if self.auto else ())
         self.timers.stop("save-checkpoint")
-        if saved:  # not saved for lack of room (--keep-training-on-disk-full): the next save tries again
+        if saved is not False:  # not saved for lack of room (--keep-training-on-disk-full): the next save tries again
             self.cadence.last_saved = self.iteration
         self.codecarbon.flush()
 
@@ -364,6 +369,7 @@ def pretrain(args):
     try:
         exit_reason = trainer.train()
         trainer.maybe_save(last=True)
+        trainer.saves.wait(f"before {exit_reason or 'the end of training'}")
         if exit_reason:
             print_rank_0(exit_reason)
         else:

@@ -49,13 +49,18 @@ def _files(step_dir):
     return sorted(found)
 
 
-def write_manifest(step_dir):
-    """Every rank: checksum a share of step_dir's files; rank 0 writes the manifest. Call after a barrier."""
+def entry(path):
+    return {"size": os.path.getsize(path), "crc32": checksum(path)}
+
+
+def write_manifest(step_dir, known=None):
+    """Every rank: checksum a share of step_dir's files; rank 0 writes the manifest. Call after a barrier.
+    `known`: {file: entry} already taken (by the background writers, async_save.py), not read again."""
     import torch.distributed as dist
+    known = known or {}
     files = from_rank0(lambda: _files(step_dir))  # one list, even where a shared file system lags
-    mine = {rel: {"size": os.path.getsize(os.path.join(step_dir, rel)), "crc32": checksum(os.path.join(step_dir, rel))}
-            for rel in share(files)}
-    entries = {}
+    mine = {rel: entry(os.path.join(step_dir, rel)) for rel in share([f for f in files if f not in known])}
+    entries = {rel: known[rel] for rel in files if rel in known}
     for part in gather(mine):
         entries.update(part)
     if not dist.is_initialized() or dist.get_rank() == 0:

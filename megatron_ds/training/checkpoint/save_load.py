@@ -91,14 +91,25 @@ def write_step_file(step_dir, name, content):
 
 
 def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_valid_samples, extra_files=()):
-    """`extra_files`: [(name, JSON-able content or None)] rank 0 writes into the step folder before the
-    manifest lists it (write_step_file), e.g. "schedule": "auto"'s decision (training/auto_schedule.py).
+    """A synchronous save: write_step, then commit_step. `extra_files`: [(name, JSON-able content or None)]
+    rank 0 writes into the step folder before the manifest lists it (write_step_file), e.g. "schedule":
+    "auto"'s decision (training/auto_schedule.py).
 
     Returns True when the step is complete and `latest` names it. Out of disk (disk_full.py): raises the
     same DiskFullError on every rank, or returns False under --keep-training-on-disk-full.
     """
-    import torch.distributed as dist
-    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}")
+    write_step(engine, args, iteration, consumed_train_samples, consumed_valid_samples, extra_files)
+    return commit_step(args, iteration)
+
+
+def write_step(engine, args, iteration, consumed_train_samples, consumed_valid_samples, extra_files=(),
+               collector=None):
+    """Every rank: the step's files through DeepSpeed's save, or, with `collector` (engine.Collector, under
+    --async-save), their host copies kept for the background writer; rank 0's small files of ours (extra_files,
+    zero_to_fp32.py) are written here either way. Names nothing: commit_step does, once every rank's files are
+    whole."""
+    print_rank_0(f"saving checkpoint at iteration {iteration:7d} to {args.save}"
+                 + (" (in the background)" if collector is not None else ""))
     client_state = {
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
@@ -112,13 +123,15 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         UNIVERSAL_CHECKPOINT_INFO: universal_info(args),
         BUFFERS_KEY: persistent_buffers(engine.module),  # what a universal load takes from here
     }
+    import torch.distributed as dist
     tag = tag_for(iteration)
     step_dir = os.path.join(args.save, tag)
     checkpoint_engine.install(engine)
     recovery_script.take_over(engine)  # DeepSpeed's zero_to_fp32.py would unpickle anything: ours is written below
     disk_full.begin(args, iteration)
     try:
-        engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
+        with checkpoint_engine.writing_through(engine, collector):
+            engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=False)
     except OSError as e:  # outside our checkpoint engine (DeepSpeed's own copies): this rank alone knows
         if disk_full.is_out_of_room(e):
             disk_full.report_alone_and_exit(e, iteration)
@@ -127,9 +140,23 @@ def save_checkpoint(engine, args, iteration, consumed_train_samples, consumed_va
         for name, content in extra_files:
             disk_full.guarded(lambda: write_step_file(step_dir, name, content), os.path.join(step_dir, name))
         disk_full.guarded(lambda: recovery_script.write(args.save), os.path.join(args.save, recovery_script.NAME))
+    return step_dir
+
+
+def commit_step(args, iteration, known=None):
+    """Every rank, once its files of `iteration` are on disk (a collective: the ranks agree first): the
+    manifest, then `latest` (rank 0, each through a temporary file and a rename). `known`: {file: manifest
+    entry} the writers already took (async_save.py); the other files are read here.
+
+    Returns True when the step is committed; out of room anywhere: DiskFullError on every rank, or False under
+    --keep-training-on-disk-full (the step folder removed).
+    """
+    import torch.distributed as dist
+    tag = tag_for(iteration)
+    step_dir = os.path.join(args.save, tag)
     if _stopped_by_disk(args, step_dir):  # every rank's files are on disk before `latest` names them
         return False
-    disk_full.guarded(lambda: write_manifest(step_dir), os.path.join(step_dir, "manifest.json"))
+    disk_full.guarded(lambda: write_manifest(step_dir, known), os.path.join(step_dir, "manifest.json"))
     if dist.get_rank() == 0 and not disk_full.failed():
         disk_full.write_text(os.path.join(args.save, "latest"), tag)
         disk_full.write_text(os.path.join(args.save, "latest_checkpointed_iteration.txt"), str(iteration))
@@ -286,9 +313,11 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, univ
 def load_checkpoint(engine, args):
     """Load args.load if it has a `latest`; returns the training state to resume from.
 
-    {"iteration", "consumed_train_samples", "consumed_valid_samples", "rng_state" (or None)}.
+    {"iteration", "consumed_train_samples", "consumed_valid_samples", "rng_state" (or None), "loaded_tag" (the
+    step read, or None: retention never deletes it)}.
     """
-    state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0, "rng_state": None}
+    state = {"iteration": 0, "consumed_train_samples": 0, "consumed_valid_samples": 0, "rng_state": None,
+             "loaded_tag": None}
     if not args.load:
         return state
     universal = engine.load_universal_checkpoint()
@@ -311,6 +340,7 @@ def load_checkpoint(engine, args):
                      checkpoint=os.path.join(args.load, tag))
     print_rank_0(f"loading checkpoint {tag} from {args.load}: {plan.reason}")
     client_state = restore(engine, args.load, tag, plan)
+    state["loaded_tag"] = tag
     if plan.progress:
         state["iteration"] = int(saved.get("iteration", 0))
         state["consumed_train_samples"] = int(saved.get("consumed_train_samples", 0))

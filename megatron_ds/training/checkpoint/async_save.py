@@ -1,0 +1,128 @@
+"""--async-save: the saving iteration copies the states to host memory, a thread of this rank writes them.
+
+The copy (`host_copy`) is taken inside DeepSpeed's save through engine.Collector: every tensor of every state
+DeepSpeed would write (layer files, model states with our client state, ZeRO shards) cloned to host memory,
+into pinned memory on CUDA (copies issued without blocking, then one synchronize before training goes on). Then
+`Job.run`, on a thread of its own, writes each file as the synchronous save does (disk_full.write_torch:
+fsynced, out of room recorded, not raised), takes its manifest entry (size, CRC-32) and fsyncs the step
+folder. The writer holds no collective and names nothing: saves.py commits the step at an iteration boundary
+once every rank's job is done. The host copies are let go when the job ends.
+
+Fault injection: MEGATRON_DS_KILL_DURING_SAVE=ITER:RANK kills rank RANK (SIGKILL) in the middle of its
+background write of iteration ITER, after its first file. For tests, MEGATRON_DS_TEST_SAVE_DELAY_S=SECONDS
+holds every background write back that long before its first file (a slow disk: training goes on meanwhile).
+"""
+import os
+import signal
+import threading
+import time
+
+from . import engine as checkpoint_engine
+from .manifest import entry
+
+KILL_ENV = "MEGATRON_DS_KILL_DURING_SAVE"
+DELAY_ENV = "MEGATRON_DS_TEST_SAVE_DELAY_S"
+
+
+def host_copy(obj, pin=False):
+    """`obj` with every tensor copied to host memory (pinned when `pin`), containers rebuilt, other values
+    shared (plain values the run does not change in place: numbers, strings, the frozen arguments)."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+        out.copy_(t, non_blocking=pin)
+        return out
+    if isinstance(obj, dict):
+        items = [(k, host_copy(v, pin)) for k, v in obj.items()]
+        try:
+            return type(obj)(items)
+        except TypeError:  # a dict subclass built otherwise (defaultdict)
+            return dict(items)
+    if isinstance(obj, (list, tuple)):
+        items = [host_copy(v, pin) for v in obj]
+        if hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return type(obj)(items)
+    return obj
+
+
+def tensor_bytes(obj):
+    """The bytes of the tensors in `obj` (what its host copy holds)."""
+    import torch
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _kill_point(iteration, rank):
+    spec = os.environ.get(KILL_ENV, "")
+    if ":" not in spec:
+        return False
+    it, r = spec.split(":", 1)
+    return it.strip() == str(iteration) and r.strip() == str(rank)
+
+
+def _fsync_dir(path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Job:
+    """One rank's background write of one step: the collected files, written in order by `run` on a thread.
+    After it: `entries` {file in the step folder: manifest entry}, `bytes`, `seconds` (writing), `error` (what
+    it raised other than running out of room, re-raised by the committing thread), `probe` (see save_stats)."""
+
+    def __init__(self, iteration, step_dir, collector, rank, probe=None):
+        self.iteration, self.step_dir, self.rank = iteration, step_dir, rank
+        self.files, self.zipfile = collector.files, collector.zipfile_serialization
+        self.host_bytes = sum(tensor_bytes(state) for _, state in self.files)
+        self.probe_fn = probe
+        self.entries, self.bytes, self.seconds, self.error, self.probe = {}, 0, 0.0, None, None
+        self.thread = threading.Thread(target=self.run, name=f"checkpoint-writer-{iteration}", daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def run(self):
+        try:
+            if self.probe_fn is not None:
+                self.probe = self.probe_fn()
+            time.sleep(float(os.environ.get(DELAY_ENV) or 0))
+            start = time.perf_counter()
+            for n, (path, state) in enumerate(self.files):
+                _, size = checkpoint_engine.write_file(state, path, self.zipfile)
+                if n == 0 and _kill_point(self.iteration, self.rank):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if size:
+                    self.bytes += size
+                    rel = os.path.relpath(path, self.step_dir)
+                    if not rel.startswith(".."):
+                        self.entries[rel] = entry(path)
+            _fsync_dir(self.step_dir)
+            self.seconds = time.perf_counter() - start
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
+            self.error = e
+        finally:
+            self.files = None  # the host copies go
+
+    def done(self):
+        return not self.thread.is_alive()
+
+    def join(self):
+        self.thread.join()

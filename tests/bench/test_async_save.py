@@ -1,0 +1,32 @@
+"""bench/async_save.py's arithmetic on a known run: the stall is the time training stopped plus the later
+iterations' time over the median step before the save (signed); the write rate is read off the save's log line
+as the run prints it (save_stats.line). The launches themselves are the bench's (minutes at its size)."""
+import pytest
+
+from bench import async_save
+from megatron_ds.training.checkpoint import save_stats
+
+
+def _line(blocking, seconds, probe):
+    records = [save_stats.rank_record(0, 400_000_000, seconds, 400_000_000, probe),
+               save_stats.rank_record(1, 1_000_000, 0.5, 1_000_000, probe)]
+    return save_stats.line(5, blocking, records, background=True)
+
+
+def test_stall_and_write_rate_from_a_run():
+    times = {1: 9.0, 2: 1.0, 3: 1.2, 4: 0.9, 5: 1.1, 6: 1.6, 7: 1.3, 8: 0.8}
+    save = async_save.LINE.search(_line(0.25, 2.0, 400.0))
+    r = async_save.measure(times, save, 5)
+    assert r["step"] == pytest.approx(1.05)  # median of iterations 2-5 (the first warms up)
+    assert r["stopped"] == 0.25 and r["after"] == pytest.approx(0.55 + 0.25 - 0.25)  # 6, 7 over the step; 8 under
+    assert r["stall"] == pytest.approx(0.8) and (r["mb"], r["mbs"], r["probe"]) == (400.0, 200.0, 400.0)
+    out = async_save.table({"sync": {**r, "stall": 1.6}, "async": r}, 124e6)
+    assert "GPT of 124.0M parameters" in out and "async stall / sync stall: 0.500" in out
+    assert out.splitlines()[2].split()[-2:] == ["400.0", "0.50"]  # rank 0's MB/s over the plain write's
+
+
+def test_a_run_without_the_probe_has_no_ratio():
+    save = async_save.LINE.search(_line(0.25, 2.0, None))
+    r = async_save.measure({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0, 7: 1.0}, save, 5)
+    assert r["probe"] is None and r["after"] == 0.0
+    assert async_save.table({"async": r}, 1e8).splitlines()[-1].split()[-2:] == ["-", "-"]

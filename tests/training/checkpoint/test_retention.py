@@ -1,0 +1,88 @@
+"""--async-save and retention without launching: the flags merged with ds_config "checkpoint", which steps
+--keep-last-checkpoints deletes, the host copy a background save writes from."""
+import json
+import os
+
+import pytest
+
+from megatron_ds.training.checkpoint.retention import committed_steps, prune, to_delete
+from megatron_ds.training.config.arguments import ArgumentsError, parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+        "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
+        "--merge-file", __file__, "--micro-batch-size", "2"]
+
+pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.py
+
+
+def parse(tmp_path, *extra, ds=None):
+    argv = BASE + list(extra)
+    if ds is not None:
+        (tmp_path / "ds.json").write_text(json.dumps(ds))
+        argv += ["--deepspeed_config", str(tmp_path / "ds.json")]
+    return parse_args(argv, env={"WORLD_SIZE": "1", "RANK": "0"})
+
+
+def test_flags_and_ds_config_keys_merge(tmp_path):
+    args = parse(tmp_path)
+    assert (args.async_save, args.keep_last_checkpoints, args.keep_every) == (False, None, None)
+    assert args.save_write_probe_mib == 0  # the sequential-write probe: on by default with --async-save only
+    assert "checkpoint" not in args.ds_config
+    args = parse(tmp_path, "--async-save", "--keep-last-checkpoints", "3", "--keep-every", "100")
+    assert (args.async_save, args.keep_last_checkpoints, args.keep_every) == (True, 3, 100)
+    assert args.ds_config["checkpoint"] == {"async_save": True, "keep_last": 3, "keep_every": 100}
+    args = parse(tmp_path, "--keep-last-checkpoints", "2",
+                 ds={"checkpoint": {"async_save": True, "keep_last": 2, "tag_validation": "Warn"}})
+    assert (args.async_save, args.keep_last_checkpoints, args.save_write_probe_mib) == (True, 2, 256)
+    assert args.ds_config["checkpoint"]["tag_validation"] == "Warn"  # DeepSpeed's own keys stay
+
+
+@pytest.mark.parametrize("extra,ds,message", [
+    (["--keep-last-checkpoints", "2"], {"checkpoint": {"keep_last": 3}},
+     'keep-last-checkpoints 2 disagrees with ds_config "checkpoint": {"keep_last": 3}'),
+    ([], {"checkpoint": {"async_save": "yes"}}, r'\{"async_save": \'yes\'\}.*must be true or false'),
+    (["--keep-last-checkpoints", "0"], None, "--keep-last-checkpoints must be at least 1, got 0"),
+    (["--keep-every", "5"], None, "--keep-every K keeps steps beside --keep-last-checkpoints N, which is missing"),
+    (["--async-save"], {"checkpoint": {"writer": {"decoupled": True}}}, "DeepSpeed's decoupled writer names"),
+    (["--save-write-probe-mib", "-1"], None, "--save-write-probe-mib must be >= 0"),
+])
+def test_bad_settings_are_one_line(tmp_path, extra, ds, message):
+    with pytest.raises(ArgumentsError, match=message):
+        parse(tmp_path, *extra, ds=ds)
+
+
+def test_which_steps_are_deleted():
+    steps = [2, 4, 6, 8, 10, 12]
+    assert to_delete(steps, 12, keep_last=2) == [2, 4, 6, 8]
+    assert to_delete(steps, 12, keep_last=2, keep_every=4) == [2, 6]
+    assert to_delete(steps, 12, keep_last=2, keep_every=4, protected={6}) == [2]
+    # a step above `latest` (a save never committed) is never counted nor deleted, `latest` never deleted
+    assert to_delete(steps, 8, keep_last=1) == [2, 4, 6]
+    assert to_delete([4], 4, keep_last=1) == []
+
+
+def test_prune_deletes_committed_steps_only(tmp_path):
+    for step in (2, 4, 6, 8):
+        os.makedirs(tmp_path / f"global_step{step}")
+        (tmp_path / f"global_step{step}" / "layer_00-model_states.pt").write_bytes(b"x")
+        if step != 4:  # 4: a save a crash cut short, no manifest
+            (tmp_path / f"global_step{step}" / "manifest.json").write_text("{}")
+    assert committed_steps(str(tmp_path)) == [2, 6, 8]
+    assert prune(str(tmp_path), 8, keep_last=1) == [2, 6]
+    assert sorted(d for d in os.listdir(tmp_path) if "step" in d) == ["global_step4", "global_step8"]
+
+
+def test_host_copy_is_a_copy():
+    import collections
+
+    import torch
+
+    from megatron_ds.training.checkpoint.async_save import host_copy, tensor_bytes
+    live = torch.arange(6, dtype=torch.float32)
+    state = {"w": live[2:], "opt": collections.OrderedDict(step=3, moments=[live, (live * 2,)]), "name": "x"}
+    copy = host_copy(state)
+    live.add_(100.0)  # the optimizer moves on
+    assert torch.equal(copy["w"], torch.arange(2, 6, dtype=torch.float32))
+    assert torch.equal(copy["opt"]["moments"][1][0], torch.arange(6, dtype=torch.float32) * 2)
+    assert type(copy["opt"]) is collections.OrderedDict and copy["opt"]["step"] == 3 and copy["name"] == "x"
+    assert tensor_bytes(copy) == (4 + 6 + 6) * 4
