@@ -11,18 +11,27 @@ recompute the core (mask, scores, softmax, dropout, weighted sum) is attended ag
 
 With tensor parallelism each rank projects, attends with and projects back its own
 query heads and their K/V heads (c_attn column-parallel by sections, c_proj row-parallel).
+
+With context parallelism (context_parallel_group(config) not None) a rank holds its chunks of the sequence (or
+of the open Seq1F1B segment): RoPE rotates q and k by their global positions (or the documents' restarted ones
+there), and attention runs over the CP group by --cp-comm-type (context_parallel/attend.py); everything else of
+the layer acts per token and is unchanged.
 """
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
-from .documents import Documents, documents_attention, documents_rope_tables
+from .context_parallel import ContextLayout, context_parallel_group
+from .context_parallel.a2a import heads_problem
+from .context_parallel.attend import context_parallel_attention, prefix_attention
+from .documents import Documents, documents_attention, documents_rope_tables, rope_tables_of_positions
 from .kv_cache import KVSlot, SegmentKVCache, queries_reversed, segment_outputs, segment_queries
 from .norm import HeadNorm
-from .positions import alibi_bias, rope_tables, rotate
+from .positions import alibi_bias, alibi_slopes, rope_tables, rotate
 from .recompute import recomputed
 from .tensor_parallel import ColumnParallelLinear, Dropout, RowParallelLinear, comm, get_rng_tracker, tensor_parallel_group
 
@@ -54,6 +63,27 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         self.kv_slot = KVSlot()  # where the runtime puts this layer's K/V buffers of the open Seq1F1B segment
         self.recompute_core = config.recompute_granularity == "selective"
+        self.bias_heads = slice(self.head_start, self.head_start + self.num_heads)  # of ALiBi's, this rank's
+        self.cp_group = context_parallel_group(config)
+        if self.cp_group is not None:
+            self._init_context_parallel(config)
+
+    def _init_context_parallel(self, config):
+        self.cp_layout, self.cp_comm_type = ContextLayout.of(self.cp_group), config.cp_comm_type
+        cp = self.cp_layout.size
+        if self.cp_comm_type == "a2a":  # GPTConfig checks it too; a layer built otherwise must not attend wrongly
+            problem = heads_problem(self.num_kv_heads, cp)
+            if problem:
+                raise ValueError(problem)
+            per_rank = self.num_heads // cp  # the head group this rank attends after the all-to-all
+            first = self.head_start + self.cp_layout.rank * per_rank
+            self.bias_heads = slice(first, first + per_rank)
+        if self.cp_comm_type == "p2p" and self.attention_dropout:
+            raise ValueError("--cp-comm-type p2p attends blockwise without dropout: set --attention-dropout 0 or use "
+                             "--cp-comm-type allgather or a2a")
+        self.cp_slopes = None
+        if self.position_embedding_type == "alibi" and self.cp_comm_type == "p2p":
+            self.cp_slopes = torch.tensor(alibi_slopes(self.total_heads), dtype=torch.float32)[self.bias_heads]
 
     def forward(self, x):
         qkv = self.c_attn(x)
@@ -65,12 +95,34 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         segmented = SegmentKVCache.opened  # a sequence segment (Seq1F1B): also attend to the earlier segments
+        if self.cp_group is not None:
+            y = self._context_parallel(q, k, v, segmented)
+            return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), False)
         if self.position_embedding_type == "rope":
             start = SegmentKVCache.current().offset if segmented else 0  # a compiled layer: a graph per offset
             tables = documents_rope_tables if Documents.positioning else rope_tables
             q, k = rotate(q, k, *tables(self.head_dim, self.rope_theta, start, s, q.device, q.dtype))
         y = self._attend_through_cache(segment_queries(q), k, v) if segmented else self._core(q, k, v)
         return self._project(y.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim), segmented)
+
+    def _context_parallel(self, q, k, v, segmented):
+        """This rank's attention output (b, heads, s, d) of its chunks, over the CP group (the module's docstring)."""
+        segment = SegmentKVCache.current() if segmented else None
+        length = q.shape[2] * self.cp_layout.size  # of the sequence, or of the open segment
+        start = segment.offset if segment is not None else 0
+        if self.position_embedding_type == "rope":
+            positions = self.cp_layout.positions(length, start, device=q.device)
+            q, k = rotate(q, k, *rope_tables_of_positions(self.head_dim, self.rope_theta, positions, q.dtype))
+        extend = None
+        if segment is not None:
+            def extend(k, v, share):
+                return segment.extend(self.kv_slot, k, v, share)
+        core = functools.partial(prefix_attention, sdpa=self._attend, bias=self._document_bias(),
+                                 recompute_documents=self._recomputable() and not self.recompute_core)
+        slopes = None if self.cp_slopes is None else self.cp_slopes.to(q.device)
+        return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                          segment.spans if segment is not None else ((0, length),), core, extend,
+                                          recomputed if self.recompute_core else None, slopes)
 
     def _attend(self, q, k, v, mask):
         dropout = self.attention_dropout if self.training else 0.0
@@ -122,7 +174,7 @@ class CausalSelfAttention(nn.Module):
         """ALiBi's bias of this rank's heads for document attention's groups (documents.py), else None."""
         if self.position_embedding_type != "alibi":
             return None
-        heads = slice(self.head_start, self.head_start + self.num_heads)
+        heads = self.bias_heads
         return lambda lq, lk, reversed_queries, dtype, device: alibi_bias(self.total_heads, lq, lk, dtype, device,
                                                                           reversed_queries)[heads]
 
@@ -131,6 +183,6 @@ class CausalSelfAttention(nn.Module):
         if self.position_embedding_type == "alibi":
             reversed_queries = segment is not None and queries_reversed(q.device)
             bias = alibi_bias(self.total_heads, q.shape[-2], k.shape[-2], q.dtype, q.device, reversed_queries)
-            return dict(attn_mask=bias[self.head_start:self.head_start + self.num_heads])
+            return dict(attn_mask=bias[self.bias_heads])
         mask = segment.causal_mask(q, k) if segment is not None else None
         return dict(attn_mask=mask, is_causal=mask is None)

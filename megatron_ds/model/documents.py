@@ -134,6 +134,11 @@ class Documents:
     def rope_positions(self, start, length):
         return self.positions[:, start:start + length]
 
+    def rope_positions_at(self, positions):
+        """The restarted positions (b, n) at the global positions `positions` (n,): a context-parallel rank's
+        tokens are not consecutive, and the documents hold the whole sequence."""
+        return self.positions[:, positions]
+
     def attend(self, q, k, v, start, reversed_queries, sdpa, bias=None, recompute=True):
         """Attention of queries q (b, heads, lq, d) at positions [start, start + lq) (last first when
         `reversed_queries`) to keys k, v (b, kv heads, lk, d) at [0, lk), lk = start + lq, within each document.
@@ -167,7 +172,7 @@ class Documents:
                 rows = slice(lk - end, lk - first) if reversed_queries else slice(first - start, end - start)
                 n, m = end - first, end - key_start
                 if whole:  # one document: causal with the queries last, no mask
-                    mask = _causal(n, m, reversed_queries, q.dtype, q.device) if bias is None else \
+                    mask = causal_arguments(n, m, reversed_queries, q.dtype, q.device) if bias is None else \
                         dict(attn_mask=biased(n, m))
                 else:
                     allowed = self._dense(slice(row, row + 1), first, end, reversed_queries, key_start)
@@ -222,7 +227,7 @@ def _mask_arguments(allowed, bias):
     return dict(attn_mask=bias.masked_fill(~allowed, float("-inf")))
 
 
-def _causal(lq, lk, reversed_queries, dtype, device):
+def causal_arguments(lq, lk, reversed_queries, dtype, device):
     """SDPA's mask arguments for causal attention of the last lq of lk positions, with no (lq x lk) tensor."""
     if reversed_queries:  # a Seq1F1B segment's order off CUDA (kv_cache.py): a strided view of one row
         return dict(attn_mask=reversed_causal_mask(lq, lk, dtype, device))
@@ -252,3 +257,13 @@ def documents_rope_tables(head_dim, theta, start, length, device, dtype):
 def documents_attention(q, k, v, start, reversed_queries, sdpa, bias=None, recompute=True):
     """Documents.attend of the open micro-batch's documents."""
     return Documents.current().attend(q, k, v, start, reversed_queries, sdpa, bias, recompute)
+
+
+@outside_graph
+def rope_tables_of_positions(head_dim, theta, positions, dtype):
+    """cos and sin (b or 1, 1, n, head_dim) of the global positions `positions` (n,) of a context-parallel rank's
+    tokens: the open documents' restarted positions there when RoPE rotates by them, else the positions."""
+    documents = Documents.current()
+    if documents is not None and documents.positions is not None:
+        return rope_tables_at(head_dim, theta, documents.rope_positions_at(positions), dtype)
+    return rope_tables_at(head_dim, theta, positions.unsqueeze(0), dtype)

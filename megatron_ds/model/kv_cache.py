@@ -98,11 +98,13 @@ class _Entry:
     """One (micro-batch, layer): its keys-and-values buffer (2, b, heads, positions, head_dim), and the
     gradients owed to their positions. `static`: the tensors over them are a CUDA graph's static inputs
     (SegmentKVCache's docstring). `growing`: the buffers hold the positions `reach` asks for, laid out
-    positions first; else all `total`, contiguous (the module's docstring)."""
+    positions first; else all `total`, contiguous (the module's docstring). `share`: the context-parallel ranks a
+    position is split over (p2p caches a rank's own chunks of each segment: 1 / share of every position range)."""
 
-    def __init__(self, b, heads, head_dim, total, dtype, device, static=False, growing=False):
+    def __init__(self, b, heads, head_dim, total, dtype, device, share=1, static=False, growing=False):
+        total //= share
         self.shape, self.dtype, self.device, self.static = (2, b, heads, total, head_dim), dtype, device, static
-        self.growing = growing
+        self.growing, self.share = growing, share
         self.position_nbytes = 2 * b * heads * head_dim * dtype.itemsize
         self.nbytes = total * self.position_nbytes
         self.kv = torch.UntypedStorage(0 if growing else self.nbytes, device=device)
@@ -135,7 +137,7 @@ class _Entry:
         """A growing entry: hold positions [0, stop) (of the owed gradients too, once owing), no more."""
         if self.growing:
             for storage in (self.kv, self.owed) if self.owing else (self.kv,):
-                storage.resize_(stop * self.position_nbytes)
+                storage.resize_(stop // self.share * self.position_nbytes)
 
     def owe(self):
         """Give the owed gradients their memory, zeros, when the micro-batch's first backward opens."""
@@ -177,8 +179,9 @@ class _Extend(torch.autograd.Function):
 class Segment:
     """What the runtime runs now: the segment from position `offset` of a `total`-token micro-batch."""
 
-    def __init__(self, cache, key, offset, total, backward, bias):
+    def __init__(self, cache, key, offset, total, backward, bias, spans=()):
         self.cache, self.key, self.offset, self.total = cache, key, offset, total
+        self.spans = spans  # (start, stop) of the micro-batch's segments cached so far, this one last
         self.backward = backward  # the op is the segment's backward (recomputation included)
         self.bias = bias  # on CUDA, the segment's bottom-right causal bias, made before the layers run
         self.filled = []  # the KVSlots given this op's buffers: emptied when it closes
@@ -187,15 +190,17 @@ class Segment:
         slot.buffers = entry.tensors()
         self.filled.append(slot)
 
-    def extend(self, slot, k, v):
+    def extend(self, slot, k, v, share=1):
         """The keys/values of the layer whose KVSlot is `slot`: the micro-batch's earlier segments'
-        followed by k, v (b, heads, s, d)."""
+        followed by k, v (b, heads, s, d). `share` > 1: k, v are a context-parallel rank's 1 / share of the
+        segment's positions, cached after its 1 / share of every earlier segment's (p2p's local K/V)."""
         buffers = slot.buffers
         b, h, s, d = k.shape
+        offset = self.offset // share
         if (buffers is None or buffers[0].dtype != k.dtype or buffers[0].shape[:3] != (2, b, h)
-                or buffers[0].shape[4] != d or buffers[0].shape[3] < self.offset + s):
-            buffers = _lay_out(self, slot, k)
-        return _Extend.apply(k, v, *buffers, self.offset)
+                or buffers[0].shape[4] != d or buffers[0].shape[3] < offset + s):
+            buffers = _lay_out(self, slot, k, share)
+        return _Extend.apply(k, v, *buffers, offset)
 
     def queries(self, q):
         """The segment's queries in the order its causal mask expects (segment_queries)."""
@@ -217,10 +222,10 @@ class Segment:
 
 
 @outside_graph  # a layer the open found no buffers for: the chunk's first segment (eager), or another shape
-def _lay_out(segment, slot, k):
+def _lay_out(segment, slot, k, share=1):
     b, h, _, d = k.shape
-    entry = segment.cache._new_entry(segment.key, slot, (b, h, d, segment.total, k.dtype, k.device))
-    entry.reach(segment.offset + k.shape[2])
+    entry = segment.cache._new_entry(segment.key, slot, (b, h, d, segment.total, k.dtype, k.device, share))
+    entry.reach(segment.offset + k.shape[2] * share)
     if segment.backward:
         entry.owe()
     segment.fill(slot, entry)
@@ -278,7 +283,8 @@ class SegmentKVCache:
         bias = None
         if start and entries and not queries_reversed(next(iter(entries.values())).device):
             bias = _lower_right_bias(stop - start, stop)
-        segment = Segment(self, key, start, total, backward, bias)
+        spans = tuple(self._runs[key]) + (((start, stop),) if backward else ())
+        segment = Segment(self, key, start, total, backward, bias, spans)
         for slot, entry in entries.items():
             segment.fill(slot, entry)
         previous, SegmentKVCache._open = SegmentKVCache._open, segment

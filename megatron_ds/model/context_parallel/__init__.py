@@ -1,7 +1,9 @@
 """Context parallelism (CP): one sequence split over CP ranks, attention exchanging keys and values.
 
 Read in this order: layout (which tokens a CP rank holds: Megatron-core's 2 x CP load-balanced chunks),
-groups (the CP process group the runtime registers and attention asks for).
+groups (the CP process group the runtime registers and attention asks for), attend (the attention layer's one entry:
+CP attention by --cp-comm-type), then one module per comm type: ring (p2p, over blocks.py's block attention with
+log-sum-exp merging), allgather, a2a (Ulysses).
 """
 from .groups import context_parallel_group, set_context_parallel_group
 from .layout import ContextLayout, layout_problem

@@ -1,0 +1,97 @@
+"""Context-parallel attention by --cp-comm-type: the one entry the attention layer calls.
+
+The queries of a CP rank are its two chunks of the sequence, or of the open Seq1F1B segment [start, stop) (each
+segment laid out on its own); its keys are those of every position up to the segment's end, on every rank.
+`segments` lists the (start, stop) of the segments whose K/V the queries see, the queries' own last ((0, s) when
+the sequence is whole); `extend(k, v, share)` is the open segment's K/V cache hook (None: no segment), `share` the
+number of ranks a cached position is split over (C for p2p, whose cache holds the local chunks; 1 for allgather
+and a2a, whose cache holds whole segments).
+
+`core(q, k, v, start)` attends queries at positions [start, start + lq), in order, to the keys [0, lk) with
+lk = start + lq (causal, within the open documents): allgather and a2a reduce to it, and the layer passes its own
+(ALiBi, dropout). p2p attends by blocks (blocks.py) with the documents' ids and ALiBi slopes it is given.
+`recompute(fn, *tensors)`: selective recompute's checkpoint of the core (None: kept for backward).
+"""
+import torch
+import torch.nn.functional as F
+
+from ..documents import Documents, causal_arguments, documents_attention
+from ..kv_cache import queries_reversed
+from .a2a import heads_to_sequence, sequence_to_heads
+from .allgather import gather_sequence
+from .layout import ContextLayout
+from .ring import chunk_spans, ring_attention
+
+COMM_TYPES = ("p2p", "allgather", "a2a")
+
+
+def _sdpa(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, **mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def prefix_attention(q, k, v, start, sdpa=_sdpa, bias=None, recompute_documents=True):
+    """Causal attention (within the open documents) of queries at [start, start + lq) to keys [0, start + lq).
+    `sdpa(q, k, v, mask arguments)` and `bias(lq, lk, reversed, dtype, device)` (ALiBi, its causal part included)
+    as documents.Documents.attend takes them. Off CUDA the queries go last first for the strided causal mask
+    (kv_cache.py), and come back in order."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    if lk != start + lq:
+        raise ValueError(f"queries at [{start}, {start + lq}) see the keys [0, {start + lq}), got {lk} keys")
+    reversed_queries = queries_reversed(q.device) and lq != lk
+    if reversed_queries:
+        q = q.flip(2)
+    if Documents.masking:
+        y = documents_attention(q, k, v, start, reversed_queries, sdpa, bias, recompute_documents)
+    elif bias is not None:
+        y = sdpa(q, k, v, dict(attn_mask=bias(lq, lk, reversed_queries, q.dtype, q.device)))
+    else:
+        y = sdpa(q, k, v, causal_arguments(lq, lk, reversed_queries, q.dtype, q.device))
+    return y.flip(2) if reversed_queries else y
+
+
+def _run(recompute, fn, *tensors):
+    return fn(*tensors) if recompute is None or not torch.is_grad_enabled() else recompute(fn, *tensors)
+
+
+def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_attention, extend=None,
+                               recompute=None, slopes=None):
+    """This rank's attention output (b, heads, lq, d), in its local order, of its queries q (b, heads, lq, d) and
+    keys/values k, v (b, kv heads, lq, d), RoPE already applied at their global positions."""
+    layout = ContextLayout.of(group)
+    start, stop = segments[-1]
+    if comm_type == "p2p":
+        if extend is not None:
+            k, v = extend(k, v, layout.size)
+        ids = Documents.current().ids if Documents.masking else None
+        query_spans = chunk_spans(layout, stop - start, start)
+        key_spans = [[span for a, b in segments for span in chunk_spans(layout, b - a, a, r)]
+                     for r in range(layout.size)]
+        return _run(recompute, lambda q, k, v: ring_attention(q, k, v, group, query_spans, key_spans, ids, slopes),
+                    q, k, v)
+    if comm_type == "allgather":
+        if extend is None:  # recomputed, the gather runs again in backward: the layer keeps its own K/V only
+            return _run(recompute, lambda q, k, v: _chunks(layout, q, *_gathered(k, v, group), start, core),
+                        q, k, v)
+        k, v = extend(*_gathered(k, v, group), 1)
+        return _chunks(layout, q, k, v, start, core, recompute)
+    if comm_type == "a2a":
+        q, k, v = (sequence_to_heads(t, group) for t in (q, k, v))
+        if extend is not None:
+            k, v = extend(k, v, 1)
+        return heads_to_sequence(_run(recompute, lambda q, k, v: core(q, k, v, start), q, k, v), group)
+    raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
+
+
+def _gathered(k, v, group):
+    return gather_sequence(k, group), gather_sequence(v, group)
+
+
+def _chunks(layout, q, k, v, start, core, recompute=None):
+    """Each local query chunk attended to the keys of its prefix (k, v: positions [0, stop) in global order)."""
+    half = q.shape[2] // 2
+    outs = []
+    for i, chunk in enumerate(layout.chunks()):
+        first = start + chunk * half
+        q_chunk, k_prefix, v_prefix = q[:, :, i * half:(i + 1) * half], k[:, :, :first + half], v[:, :, :first + half]
+        outs.append(_run(recompute, lambda q, k, v, first=first: core(q, k, v, first), q_chunk, k_prefix, v_prefix))
+    return torch.cat(outs, dim=2)

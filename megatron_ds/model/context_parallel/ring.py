@@ -1,0 +1,140 @@
+"""Ring attention (--cp-comm-type p2p): each rank's K/V pass around the CP group while the block in hand is attended.
+
+Step t of C, rank r holds the keys/values of rank r - t (its own at t = 0) and posts, before attending them, their
+send to r + 1 and the receive of r - t - 1's from r - 1 (one message: keys and values stacked). Every (query chunk,
+key chunk) pair is classified by global positions (blocks.py): the blocks above the causal diagonal are skipped,
+those below attended without a mask, and the rest under a mask of positions (and documents). The blocks' outputs
+merge by their log-sum-exp in fp32 (online softmax). The layer keeps q, k, v, the output and the log-sum-exp.
+
+Backward is a ring too: the keys/values travel as in forward, and with them the gradients of a block's keys and
+values, to which each rank adds its queries' share before sending them on; after C steps they are back with their
+owner. The probabilities are recomputed from the saved log-sum-exp, block by block.
+
+A rank's keys may be more than its chunks of one sequence: under Seq1F1B they are its local K/V cache, the chunks
+of every segment so far (`key_spans`: the same on every rank, as every rank holds the same number of positions).
+Cost per layer: C - 1 sends of the local K/V forward; C - 1 of them and C of their gradients (fp32) backward; no
+rank ever holds more than two blocks of K/V.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .blocks import NONE, SOME, Span, alibi_block, block_backward, block_forward, block_mask, merge, repeat_kv, \
+    sum_groups, visibility
+from .layout import ContextLayout
+
+_KV_TAG, _GRAD_TAG = 1, 2  # distinct tags: a block's K/V and its gradients may be in flight to one peer at once
+
+
+def chunk_spans(layout: ContextLayout, length: int, start: int = 0, rank: int | None = None) -> list[Span]:
+    """The spans of the two chunks `rank` holds of a sequence (or Seq1F1B segment) of `length` tokens from
+    position `start`, in local order."""
+    half = layout.local_length(length) // 2
+    return [Span(start + chunk * half, half) for chunk in layout.chunks(rank)]
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """What a ring attends: the group, the spans of this rank's queries (local order), each rank's key spans
+    (local order; every rank's the same total length), the softmax scale, the documents' ids (b, s) of the whole
+    sequence or None, and this rank's heads' ALiBi slopes or None."""
+    group: object
+    layout: ContextLayout
+    query_spans: tuple
+    key_spans: tuple  # per rank: tuple of Spans
+    scale: float
+    ids: object = None
+    slopes: object = None
+
+    def blocks(self, src):
+        """(query slice, key slice, mask, bias) of every block of this rank's queries and `src`'s keys that sees
+        anything."""
+        device = None if self.ids is None else self.ids.device
+        q_offset = 0
+        for qs in self.query_spans:
+            k_offset = 0
+            for ks in self.key_spans[src]:
+                seen = visibility(qs, ks, self.ids is not None)
+                if seen != NONE:
+                    mask = block_mask(qs, ks, self.ids, device) if seen == SOME else None
+                    bias = None if self.slopes is None else alibi_block(self.slopes, qs, ks, self.slopes.device)
+                    yield (slice(q_offset, q_offset + qs.length), slice(k_offset, k_offset + ks.length), mask, bias)
+                k_offset += ks.length
+            q_offset += qs.length
+
+
+def _exchange(t, plan, tag):
+    """Post the send of t to the next rank and the receive of the previous rank's: (received, works)."""
+    size, rank = plan.layout.size, plan.layout.rank
+    received = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(plan.group, (rank + 1) % size), plan.group, tag),
+           dist.P2POp(dist.irecv, received, dist.get_global_rank(plan.group, (rank - 1) % size), plan.group, tag)]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works):
+    for work in works:
+        work.wait()
+
+
+class _Ring(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        heads, size, rank = q.shape[1], plan.layout.size, plan.layout.rank
+        qf = q.float()
+        out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack((k, v)).contiguous()
+        for step in range(size):
+            if step < size - 1:
+                incoming, works = _exchange(kv, plan, _KV_TAG)
+            kf, vf = repeat_kv(kv[0].float(), heads), repeat_kv(kv[1].float(), heads)
+            for qs, ks, mask, bias in plan.blocks((rank - step) % size):
+                o, l = block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], plan.scale, mask, bias)
+                out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
+            if step < size - 1:
+                _wait(works)
+                kv = incoming
+        y = out.to(q.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, y, lse)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, y, lse = ctx.saved_tensors
+        plan = ctx.plan
+        heads, kv_heads, size, rank = q.shape[1], k.shape[1], plan.layout.size, plan.layout.rank
+        qf, dyf = q.float(), dy.float()
+        delta = (dyf * y.float()).sum(-1)
+        dq = torch.zeros_like(qf)
+        kv = torch.stack((k, v)).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # of the K/V in hand, travelling with them
+        for step in range(size):
+            if step < size - 1:
+                incoming, works = _exchange(kv, plan, _KV_TAG)
+            kf, vf = repeat_kv(kv[0].float(), heads), repeat_kv(kv[1].float(), heads)
+            for qs, ks, mask, bias in plan.blocks((rank - step) % size):
+                dq_b, dk_b, dv_b = block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], dyf[:, :, qs],
+                                                  delta[:, :, qs], lse[:, :, qs], plan.scale, mask, bias)
+                dq[:, :, qs] += dq_b
+                dkv[0][:, :, ks] += sum_groups(dk_b, kv_heads)
+                dkv[1][:, :, ks] += sum_groups(dv_b, kv_heads)
+            dkv, grad_works = _exchange(dkv, plan, _GRAD_TAG)  # on to the next holder; after the last step, the owner
+            _wait(grad_works)
+            if step < size - 1:
+                _wait(works)
+                kv = incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q, k, v, group, query_spans, key_spans, ids=None, slopes=None, scale=None):
+    """Causal attention (within documents when `ids`, the (b, s) document ids of the whole sequence) of this rank's
+    queries q (b, heads, lq, d) at `query_spans` to the keys/values k, v (b, kv heads, lk, d) of every rank of the
+    CP `group`, rank r's at key_spans[r]. `slopes`: this rank's heads' ALiBi slopes, or None."""
+    plan = RingPlan(group, ContextLayout.of(group), tuple(query_spans), tuple(tuple(s) for s in key_spans),
+                    scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), ids, slopes)
+    return _Ring.apply(q, k, v, plan)
