@@ -54,6 +54,14 @@ def deepspeed_batch(ds_config: dict, cp: int) -> dict:
     return {**ds_config, "train_batch_size": ds_config["train_batch_size"] * cp}
 
 
+def samples_batch(deepspeed_config: dict, cp: int) -> dict:
+    """deepspeed_batch undone: the ds_config in samples, from the one DeepSpeed's engine holds (engine.config),
+    for a new engine built of it ("auto"'s switch)."""
+    if cp == 1 or "train_batch_size" not in deepspeed_config:
+        return deepspeed_config
+    return {**deepspeed_config, "train_batch_size": deepspeed_config["train_batch_size"] // cp}
+
+
 def local_inputs(layout, inputs: tuple) -> tuple:
     """This rank's tokens and position ids (the global positions of its tokens) of a (segment's) inputs."""
     return inputs if layout is None else tuple(layout.shard(t, 1) for t in inputs)

@@ -12,7 +12,7 @@ from megatron_ds.training.config.arguments import ArgumentsError, parse_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
-        "--merge-file", __file__, "--micro-batch-size", "1", "--global-batch-size", "4"]
+        "--merge-file", __file__, "--micro-batch-size", "1", "--global-batch-size", "4", "--attention-dropout", "0"]
 ONE_F_ONE_B = {"pipeline": {"schedule": "1f1b"}}
 
 pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.py
