@@ -24,7 +24,7 @@ from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 from megatron_ds.parallel_layout import data_parallel_size
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
-from .context_parallel import context_parallel_size, deepspeed_batch, ensure_context_parallel
+from .context_parallel import context_parallel_engine, context_parallel_size, deepspeed_batch, ensure_context_parallel
 from .engine import ScheduleEngine
 from .moe import ensure_expert_parallel, routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
@@ -35,8 +35,6 @@ from .sequence_parallel import SequenceParallelPipelineEngine, on_sequence_shard
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
-STOCK_CONTEXT = ('context parallelism with DeepSpeed\'s own engine (no "pipeline.schedule"): its stages load whole '
-                 'sequences; run a named schedule ("schedule": "1f1b" is its order on our engine)')
 STOCK_DOCUMENTS = ('--reset-attention-mask (and --reset-position-ids under RoPE) with DeepSpeed\'s own engine (no '
                    '"pipeline.schedule"): its stages past the first see hidden states only, not where documents '
                    'end; run a named schedule ("schedule": "1f1b" is its order on our engine)')
@@ -64,8 +62,6 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     if tp > 1:
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
     topo = topology(pp, tp)  # its data axis holds the context-parallel ranks too (DP x CP, CP inner)
-    if settings.stock and getattr(config, "context_parallel_size", 1) > 1:
-        raise ConfigError(STOCK_CONTEXT)
     context = ensure_context_parallel(config, topo)  # attention takes its CP group from the registry
     ensure_expert_parallel(config, topo)  # and a MoE's layers their expert-parallel group
     recompute = checked_recompute(config)  # Megatron's recompute flags (selective: the layers' own)
@@ -87,6 +83,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
             module = CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         else:
             module = PipelineModule(**common)
+        module.context_layout = context  # DeepSpeed's engine reads micro-batches cut to it (context_parallel.py)
         return compiled(module, settings, defer_weight_grads=False)
     packing = Packing.of(config) if getattr(config, "packs_documents", False) else None
     if plan is None:
@@ -151,6 +148,8 @@ def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None
             ds_config = sequence_parallel_ds_config(ds_config)
         traced, plain = ((TracedSequenceParallelPipelineEngine, SequenceParallelPipelineEngine) if sequence_parallel
                          else (TracedPipelineEngine, PipelineEngine))
+        if context_parallel_size(module) > 1:  # its micro-batches cut to this rank's tokens
+            traced, plain = context_parallel_engine(traced), context_parallel_engine(plain)
         factory = functools.partial(traced, tracer=tracer) if tracer.trace_dir else plain
     if routers(module):  # a mixture of experts: the router losses' scale, the expert bias update
         factory = _with_router_step(factory)

@@ -9,7 +9,14 @@ Data and loss: every CP rank reads its replica's whole micro-batch (the packed d
 sequence); each op's tokens, position ids and labels are the rank's shard of them (its Seq1F1B segment's, cut on
 its own: ContextLayout.shard). A rank's loss is the sum of its tokens' losses over the micro-batch's scored tokens
 / CP: DeepSpeed's mean over DP x CP is then the true mean loss, and its gradient the true gradient.
+
+ScheduleEngine cuts each op's tokens (engine.py: _inputs, _labels); DeepSpeed's own engine, which loads a whole
+micro-batch per stage and learns its message shapes from the first one it sends, gets its micro-batches cut
+already (context_parallel_engine), the loss's token count beside the labels.
 """
+import functools
+
+import torch
 import torch.distributed as dist
 
 from megatron_ds.model.context_parallel import ContextLayout, set_context_parallel_group
@@ -70,3 +77,34 @@ def local_inputs(layout, inputs: tuple) -> tuple:
 def local_labels(layout, labels, scored_tokens):
     """(this rank's labels, the token count its loss sum is divided by): the micro-batch's scored tokens / CP."""
     return layout.shard(labels, 1), scored_tokens / layout.size
+
+
+class ShardedBatches:
+    """Micro-batches ((tokens, position ids), labels) as DeepSpeed's own engine loads them under context
+    parallelism: this rank's tokens, position ids and labels, and the divisor of its loss sum (the micro-batch's
+    scored tokens / CP, a tensor, as the engine moves only tensors) beside the labels."""
+
+    def __init__(self, batches, layout: ContextLayout):
+        self.batches, self.layout = iter(batches), layout
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        inputs, labels = next(self.batches)
+        scored = torch.tensor(float((labels >= 0).sum()))  # documents.IGNORE (< 0) is not scored
+        return local_inputs(self.layout, inputs), local_labels(self.layout, labels, scored)
+
+
+@functools.lru_cache(maxsize=None)
+def context_parallel_engine(engine_class):
+    """DeepSpeed's own engine class (or one of ours deriving from it) reading ShardedBatches of every iterator it
+    is given (train_batch's, eval_batch's; an iterator already cut is kept)."""
+
+    def set_dataiterator(self, iterator):
+        if iterator is not None and not isinstance(iterator, ShardedBatches):
+            iterator = ShardedBatches(iterator, self.module.context_layout)
+        engine_class.set_dataiterator(self, iterator)
+
+    return type(engine_class.__name__, (engine_class,),
+                {"set_dataiterator": set_dataiterator, "__doc__": engine_class.__doc__})

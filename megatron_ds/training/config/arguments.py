@@ -36,8 +36,8 @@ from .model_args import add_model_args, check_liger, run_gpt_config, validate_mo
 from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_parallel_size, moe_ds_config,
                        validate_moe_args)
 from .observability import add_observability_args, check_observability_args
-from .parallel_args import (CP_SECTION, add_parallel_args, check_context_parallel_engine, check_parallel_args,
-                            check_sequence_parallel_ds_config, merge_context_parallel)
+from .parallel_args import (CP_SECTION, add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config,
+                            merge_context_parallel)
 from .pipeline import check_schedule_shape
 from .run_config import RunConfig
 
@@ -238,7 +238,6 @@ def validate_args(args):
     check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, ds_config))
     args.universal_checkpoint = apply_universal(args, args.ds_config, _err)
-    check_context_parallel_engine(args)
     check_schedule_shape(args)
     check_document_args(args)
     check_sequence_parallel_ds_config(args)

@@ -98,14 +98,6 @@ def check_sequence_parallel_ds_config(args):
             raise ArgumentsError(f"{args.deepspeed_config}: {e}") from None
 
 
-def check_context_parallel_engine(args):
-    """What context parallelism does not run on yet, known once the "pipeline" section is parsed."""
-    if args.context_parallel_size > 1 and args.pipeline_settings.stock:
-        raise ArgumentsError(f"--context-parallel-size {args.context_parallel_size} with DeepSpeed's own engine (no "
-                             '"pipeline.schedule"): its stages load whole sequences; run a named schedule ("schedule": '
-                             '"1f1b" is its order on our engine)')
-
-
 def rank_coordinates(args, rank):
     """(pipeline stage, data-parallel rank, tensor-parallel rank) of `rank` in DeepSpeed's topology."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology

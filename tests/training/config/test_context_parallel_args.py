@@ -39,6 +39,11 @@ def test_the_flags_reach_the_model_and_the_data_parallel_size(tmp_path):
     assert args.pipeline_plan.message_shape((0, 0, 0, 0)) == (1, 16, 32)  # (b, s / CP, h)
 
 
+def test_deepspeed_s_own_engine_takes_it_too():
+    args = parse("--context-parallel-size", "2", "--pipeline-model-parallel-size", "2")
+    assert args.pipeline_settings.stock and args.pipeline_plan is None and args.gpt_config.context_parallel_size == 2
+
+
 def test_the_defaults_are_one_rank_and_the_ring():
     args = parse(world=1)
     assert (args.context_parallel_size, args.cp_comm_type, args.data_parallel_size) == (1, "p2p", 1)
@@ -82,7 +87,6 @@ def test_a_layout_that_cannot_run_stops_at_parse_time(tmp_path, capsys, extra, w
 
 
 @pytest.mark.parametrize("cp, seq, ds, needle", [
-    (2, 32, None, "--context-parallel-size 2 with DeepSpeed's own engine"),
     (2, 32, {"pipeline": {"schedule": "1f1b", "vocab_parallel": True}},
      '--context-parallel-size 2 with ds_config "pipeline.vocab_parallel" = true'),
     (4, 40, {"pipeline": {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"}},
