@@ -9,6 +9,7 @@ types (allgather, a2a). Each rank reads its replica's whole micro-batch; the eng
 position ids and labels to the rank's two chunks (pipe/context_parallel.py), a message between stages holds
 (b, s / CP, h), and DeepSpeed's gradient mean and ZeRO-1 run over the data axis (DP x CP). DeepSpeed's own engine
 (no "pipeline.schedule") at PP 2 and PP 1 x DP 2 reads the micro-batches cut already."""
+import dataclasses
 import functools
 import time
 
@@ -16,14 +17,14 @@ import pytest
 
 from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import (EVAL_STEP, PACKED, assert_matches_reference, capture_grads_before_reduce, ds_config,
-                               layer_key, micro_batch, optimizer_for, packed_micro_batch, reference_run, tiny_config,
+                               expert_biases, layer_key, micro_batch, optimizer_for, packed_micro_batch, reference_run, tiny_config,
                                whole_tensors)
 
 WORLD, GAS, LAYERS, LR, CLIP, SEQ = 4, 4, 4, 1e-3, 0.05, 32
 LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
              untie_embeddings_and_output_weights=True, add_bias_linear=False, ffn_hidden_size=48,
              layernorm_epsilon=1e-6)
-CP2_PP2 = dict(pp=2, cp=2, comm="p2p", packed=False, steps=3)
+CP2_PP2 = dict(pp=2, cp=2, comm="p2p", packed=False, steps=3, moe=None, ep=1)
 SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}
 CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F1B, CP2_PP2),
          ({"schedule": "interleaved", "virtual_stages": 2}, CP2_PP2), ({"schedule": "zb-h1"}, CP2_PP2),
@@ -32,7 +33,11 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
          ({"schedule": "1f1b"}, dict(CP2_PP2, packed=True)), (SEQ1F1B, dict(CP2_PP2, packed=True)),
          ({"schedule": "zbv"}, dict(CP2_PP2, comm="allgather")), (SEQ1F1B, dict(CP2_PP2, comm="allgather")),
          ({"schedule": "1f1b"}, dict(CP2_PP2, comm="a2a")), (SEQ1F1B, dict(CP2_PP2, comm="a2a")),
-         (None, CP2_PP2), (None, dict(CP2_PP2, pp=1, comm="allgather"))]  # DeepSpeed's own engine
+         (None, CP2_PP2), (None, dict(CP2_PP2, pp=1, comm="allgather")),  # DeepSpeed's own engine
+         # mixtures of experts (tests/pipe/test_moe_engine.py's): the balancing counts of the whole sequence, the
+         # router losses' gradient shares; experts shared out over the CP pair (EP 2 of the data axis)
+         ({"schedule": "1f1b"}, dict(CP2_PP2, moe="softmax", ep=2)), (SEQ1F1B, dict(CP2_PP2, moe="seq_aux", ep=2)),
+         (None, dict(CP2_PP2, moe="sigmoid"))]
 
 
 
@@ -41,11 +46,15 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
 def _case_id(case):
     pipeline, layout = case
     pipeline = pipeline or {"schedule": "stock"}
-    extra = "-packed" if layout["packed"] else ""
+    extra = ("-packed" if layout["packed"] else "") + (f"-moe-{layout['moe']}-ep{layout['ep']}" if layout["moe"] else "")
     return f"{pipeline['schedule']}{pipeline.get('seq_splits', '')}-cp{layout['cp']}pp{layout['pp']}-{layout['comm']}{extra}"
 
 
-def _model(layout):
+def _model(layout, ep=1):
+    if layout["moe"]:
+        from tests.pipe.test_moe_engine import MODELS
+        model = MODELS[layout["moe"]]
+        return {**model, "moe": dataclasses.replace(model["moe"], expert_model_parallel_size=ep)}
     return dict(LLAMA, **(PACKED if layout["packed"] else {}))
 
 
@@ -61,7 +70,8 @@ def cp_engine_run(pipeline, layout):
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     start = time.perf_counter()
     pp, cp = layout["pp"], layout["cp"]
-    config = tiny_config(LAYERS, SEQ, **_model(layout), context_parallel_size=cp, cp_comm_type=layout["comm"])
+    config = tiny_config(LAYERS, SEQ, **_model(layout, layout["ep"]), context_parallel_size=cp,
+                         cp_comm_type=layout["comm"])
     dp = dist.get_world_size() // (pp * cp)
     cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)  # train_batch_size counts samples
     module = build_pipeline_module(config, cfg, pp)
@@ -77,12 +87,14 @@ def cp_engine_run(pipeline, layout):
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
     weights = whole_tensors(engine, config, {layer_key(module, n): p.detach() for n, p in module.named_parameters()})
+    weights.update(expert_biases((int(name), layer) for name, layer in module.named_children() if name.isdigit()))
     eval_batches = iter([batch(EVAL_STEP, replica * GAS + j, config.vocab_size, SEQ) for j in range(GAS)])
     message = engine.plan.message_shape((0, 0, 0, 0)) if pipeline else None
     # "dp_rank": the data-axis rank, so that assert_matches_reference averages the gradients over DP x CP
     return dict(losses=losses, grads=whole_tensors(engine, config, grads[0]), weights=weights, dp_rank=data_rank,
                 eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms, message=message,
-                train_batch_size=engine.train_batch_size(), seconds=time.perf_counter() - start)
+                train_batch_size=engine.train_batch_size(), engine=dict(stage=engine.stage_id),
+                seconds=time.perf_counter() - start)
 
 
 def cp_auto_run(layout, budget=4):
@@ -130,8 +142,8 @@ def cp_runs():
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(packed, dp, steps):
-    layout = dict(CP2_PP2, packed=packed)
+def _reference(packed, dp, steps, moe=None):
+    layout = dict(CP2_PP2, packed=packed, moe=moe)
     return reference_run(tiny_config(LAYERS, SEQ, **_model(layout)), dp, GAS, steps, clip=CLIP, lr=LR,
                          batch=_batch(layout))
 
@@ -141,8 +153,12 @@ def test_context_parallel_equals_single_process_reference(cp_runs, index):
     pipeline, layout = CASES[index]
     results = [rank[index] for rank in cp_runs]
     dp = WORLD // (layout["pp"] * layout["cp"])
-    ref = _reference(layout["packed"], dp, layout["steps"])
-    assert_matches_reference(results, ref)
+    ref = _reference(layout["packed"], dp, layout["steps"], layout["moe"])
+    if layout["ep"] > 1:  # an expert's gradient on the EP rank holding it sums its EP group's tokens
+        from tests.pipe.test_moe_engine import assert_expert_parallel_matches
+        assert_expert_parallel_matches(results, ref, dp * layout["cp"])
+    else:
+        assert_matches_reference(results, ref)
     for r in results:
         assert max(abs(a - b) for a, b in zip(r["grad_norms"], ref["grad_norms"])) < 1e-5, \
             (r["grad_norms"], ref["grad_norms"])
