@@ -24,7 +24,8 @@ WORLD, GAS, LAYERS, LR, CLIP, SEQ = 4, 4, 4, 1e-3, 0.05, 32
 LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope", num_key_value_heads=2,
              untie_embeddings_and_output_weights=True, add_bias_linear=False, ffn_hidden_size=48,
              layernorm_epsilon=1e-6)
-CP2_PP2 = dict(pp=2, cp=2, comm="p2p", packed=False, steps=3, moe=None, ep=1)
+CP2_PP2 = dict(pp=2, cp=2, comm="p2p", packed=False, steps=3, moe=None, ep=1, tp=1, sp=False)
+TP2_CP2 = dict(CP2_PP2, pp=1, tp=2, sp=True)  # sequence parallelism: (b, s / (CP x TP), h) between layers
 SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even", "split_backward": True}
 CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F1B, CP2_PP2),
          ({"schedule": "interleaved", "virtual_stages": 2}, CP2_PP2), ({"schedule": "zb-h1"}, CP2_PP2),
@@ -37,7 +38,10 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
          # mixtures of experts (tests/pipe/test_moe_engine.py's): the balancing counts of the whole sequence, the
          # router losses' gradient shares; experts shared out over the CP pair (EP 2 of the data axis)
          ({"schedule": "1f1b"}, dict(CP2_PP2, moe="softmax", ep=2)), (SEQ1F1B, dict(CP2_PP2, moe="seq_aux", ep=2)),
-         (None, dict(CP2_PP2, moe="sigmoid"))]
+         (None, dict(CP2_PP2, moe="sigmoid")),
+         # with tensor and sequence parallelism (TP fastest, then CP): a rank's chunks split again over TP
+         ({"schedule": "1f1b"}, TP2_CP2), (None, dict(TP2_CP2, comm="allgather")),
+         ({"schedule": "zb-h1"}, dict(TP2_CP2, sp=False))]
 
 
 
@@ -46,7 +50,8 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
 def _case_id(case):
     pipeline, layout = case
     pipeline = pipeline or {"schedule": "stock"}
-    extra = ("-packed" if layout["packed"] else "") + (f"-moe-{layout['moe']}-ep{layout['ep']}" if layout["moe"] else "")
+    extra = ("-packed" if layout["packed"] else "") + (f"-tp{layout['tp']}{'-sp' if layout['sp'] else ''}"
+                                                        if layout["tp"] > 1 else "") + (f"-moe-{layout['moe']}-ep{layout['ep']}" if layout["moe"] else "")
     return f"{pipeline['schedule']}{pipeline.get('seq_splits', '')}-cp{layout['cp']}pp{layout['pp']}-{layout['comm']}{extra}"
 
 
@@ -71,8 +76,9 @@ def cp_engine_run(pipeline, layout):
     start = time.perf_counter()
     pp, cp = layout["pp"], layout["cp"]
     config = tiny_config(LAYERS, SEQ, **_model(layout, layout["ep"]), context_parallel_size=cp,
-                         cp_comm_type=layout["comm"])
-    dp = dist.get_world_size() // (pp * cp)
+                         cp_comm_type=layout["comm"], tensor_model_parallel_size=layout["tp"],
+                         sequence_parallel=layout["sp"])
+    dp = dist.get_world_size() // (pp * cp * layout["tp"])
     cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)  # train_batch_size counts samples
     module = build_pipeline_module(config, cfg, pp)
     engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR))
@@ -97,9 +103,10 @@ def cp_engine_run(pipeline, layout):
                 seconds=time.perf_counter() - start)
 
 
-def cp_auto_run(layout, budget=4):
+def cp_auto_run(layout, forced=None, budget=4):
     """"schedule": "auto" under CP: it starts on zb-h1, times it and its probe (Seq1F1B with 4 segments, each cut
-    2 x CP ways), decides and switches (through a checkpoint when the choice is placed otherwise)."""
+    2 x CP ways), decides (`forced`: picks that candidate) and switches (through a checkpoint when the choice is
+    placed otherwise, the new engine built of the ds_config in samples)."""
     import torch.distributed as dist
     from megatron_ds.schedules import auto
     from megatron_ds.pipe.auto import AutoSwitch
@@ -109,11 +116,13 @@ def cp_auto_run(layout, budget=4):
     config = tiny_config(LAYERS, SEQ, **_model(layout), context_parallel_size=cp, cp_comm_type=layout["comm"])
     dp = dist.get_world_size() // (pp * cp)
     build = auto_engine_builder(config, pp, dp, LR)
-    AutoSwitch.choose = staticmethod(auto.decide)
+    if forced:
+        from tests.pipe.test_auto_engine import forcing
+    AutoSwitch.choose = staticmethod(forcing(forced) if forced else auto.decide)
     pipeline = {"schedule": "auto", "memory_budget": budget, "timers_start_iter": 0, "timers_end_iter": 2,
                 "seq_split_method": "even"}
     engine = build(ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR))
-    probe, reports, grads, losses, norms = engine.auto.auto_plan.probe, [], [], [], []
+    probe, reports, grads, losses, norms, rebuilt = engine.auto.auto_plan.probe, [], [], [], [], False
     engine.on_auto_decision = reports.append
     capture_grads_before_reduce(engine, grads)
     data_rank = engine.grid.get_data_parallel_rank()
@@ -121,19 +130,20 @@ def cp_auto_run(layout, budget=4):
         batches = iter([micro_batch(step, data_rank // cp * GAS + j, config.vocab_size, SEQ) for j in range(GAS)])
         losses.append(float(engine.train_batch(batches)))
         norms.append(float(engine.get_global_grad_norm()))
-        if reports and reports[-1].rebuild and engine.auto is not None:
-            engine = switch_engine(engine, reports[-1].decision, build)
+        if reports and reports[-1].rebuild and not rebuilt:
+            engine, rebuilt = switch_engine(engine, reports[-1].decision, build), True
     module = engine.module
     weights = whole_tensors(engine, config, {layer_key(module, n): p.detach() for n, p in module.named_parameters()})
     eval_batches = iter([micro_batch(EVAL_STEP, data_rank // cp * GAS + j, config.vocab_size, SEQ) for j in range(GAS)])
-    return dict(losses=losses, grads=whole_tensors(engine, config, grads[0]), weights=weights, dp_rank=data_rank,
+    return dict(losses=losses, grads=grads[0], weights=weights, dp_rank=data_rank,  # TP 1: whole tensors (of the first module)
                 eval_loss=float(engine.eval_batch(eval_batches)), grad_norms=norms, probe=probe,
                 now=(engine.plan.schedule.name, engine.plan.schedule.seq_splits), reports=len(reports),
+                rebuilt=rebuilt,
                 message=None, train_batch_size=engine.train_batch_size(), seconds=0.0)
 
 
 def all_cases():
-    return [cp_engine_run(*case) for case in CASES] + [cp_auto_run(CP2_PP2)]
+    return [cp_engine_run(*case) for case in CASES] + [cp_auto_run(CP2_PP2), cp_auto_run(CP2_PP2, "zbv")]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +162,7 @@ def _reference(packed, dp, steps, moe=None):
 def test_context_parallel_equals_single_process_reference(cp_runs, index):
     pipeline, layout = CASES[index]
     results = [rank[index] for rank in cp_runs]
-    dp = WORLD // (layout["pp"] * layout["cp"])
+    dp = WORLD // (layout["pp"] * layout["cp"] * layout["tp"])
     ref = _reference(layout["packed"], dp, layout["steps"], layout["moe"])
     if layout["ep"] > 1:  # an expert's gradient on the EP rank holding it sums its EP group's tokens
         from tests.pipe.test_moe_engine import assert_expert_parallel_matches
@@ -163,20 +173,23 @@ def test_context_parallel_equals_single_process_reference(cp_runs, index):
         assert max(abs(a - b) for a, b in zip(r["grad_norms"], ref["grad_norms"])) < 1e-5, \
             (r["grad_norms"], ref["grad_norms"])
         if pipeline and (pipeline.get("seq_splits", 1) == 1 or pipeline.get("seq_split_method") == "even"):
-            assert r["message"] == (2, SEQ // pipeline.get("seq_splits", 1) // layout["cp"], 32)  # (b, s / CP, h)
+            shards = layout["cp"] * (layout["tp"] if layout["sp"] else 1)
+            assert r["message"] == (2, SEQ // pipeline.get("seq_splits", 1) // shards, 32)  # (b, s / CP, h)
         assert r["train_batch_size"] == 2 * GAS * dp * layout["cp"]  # DeepSpeed counts each CP rank as a replica
     assert ref["grad_norms"][0] > CLIP
     print(_case_id(CASES[index]), "losses", ref["losses"], "%.1f s" % max(r["seconds"] for r in results))
 
 
-def test_auto_chooses_and_switches_under_context_parallelism(cp_runs):
-    results = [rank[len(CASES)] for rank in cp_runs]
+@pytest.mark.parametrize("which", [0, 1], ids=["own-choice", "zbv-rebuilt"])
+def test_auto_chooses_and_switches_under_context_parallelism(cp_runs, which):
+    results = [rank[len(CASES) + which] for rank in cp_runs]
     ref = _reference(False, 1, CP2_PP2["steps"])
     assert_matches_reference(results, ref)
     for r in results:
         assert r["probe"] == {"schedule": "seq1f1b", "seq_splits": 4, "split_backward": True}
         assert r["reports"] == 1 and r["train_batch_size"] == 2 * GAS * 2
         assert max(abs(a - b) for a, b in zip(r["grad_norms"], ref["grad_norms"])) < 1e-5
+        assert not which or (r["now"] == ("zbv", 1) and r["rebuilt"])  # through a checkpoint, another placement
     print("auto under CP 2 x PP 2 chose", results[0]["now"])
 
 
