@@ -10,7 +10,8 @@ sequence); each op's tokens, position ids and labels are the rank's shard of the
 its own: ContextLayout.shard). A rank's loss is the sum of its tokens' losses over the micro-batch's scored tokens
 / CP: DeepSpeed's mean over DP x CP is then the true mean loss, and its gradient the true gradient.
 
-ScheduleEngine cuts each op's tokens (engine.py: _inputs, _labels); DeepSpeed's own engine, which loads a whole
+ScheduleEngine cuts each op's tokens (engine.py: _inputs, _labels; the vocabulary passes' alike, vocab_passes.py);
+DeepSpeed's own engine, which loads a whole
 micro-batch per stage and learns its message shapes from the first one it sends, gets its micro-batches cut
 already (context_parallel_engine), the loss's token count beside the labels.
 """

@@ -80,10 +80,6 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
 def check_context_parallel_run(settings: PipelineSettings, config) -> None:
     """What context parallelism does not combine with yet."""
     cp = f"--context-parallel-size {config.context_parallel_size}"
-    if settings.vocab_parallel:
-        raise ConfigError(f'{cp} with ds_config "pipeline.vocab_parallel" = true: the vocabulary passes read the '
-                          "whole sequence's tokens and labels, a context-parallel rank holds 1/CP of them; leave one "
-                          "out")
     moe = getattr(config, "moe", None)
     if moe is not None and moe.capacity_factor:
         raise ConfigError(f"{cp} with --moe-expert-capacity-factor: which tokens an expert drops depends on the "

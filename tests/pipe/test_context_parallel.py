@@ -41,7 +41,10 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
          (None, dict(CP2_PP2, moe="sigmoid")),
          # with tensor and sequence parallelism (TP fastest, then CP): a rank's chunks split again over TP
          ({"schedule": "1f1b"}, TP2_CP2), (None, dict(TP2_CP2, comm="allgather")),
-         ({"schedule": "zb-h1"}, dict(TP2_CP2, sp=False))]
+         ({"schedule": "zb-h1"}, dict(TP2_CP2, sp=False)),
+         # vocabulary parallelism: each CP rank's pipeline runs the slices' passes on its tokens
+         ({"schedule": "1f1b", "vocab_parallel": True}, CP2_PP2),
+         ({**SEQ1F1B, "vocab_parallel": True}, dict(CP2_PP2, packed=True))]
 
 
 
@@ -50,9 +53,11 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
 def _case_id(case):
     pipeline, layout = case
     pipeline = pipeline or {"schedule": "stock"}
+    extra_schedule = "-vocab" if pipeline.get("vocab_parallel") else ""
     extra = ("-packed" if layout["packed"] else "") + (f"-tp{layout['tp']}{'-sp' if layout['sp'] else ''}"
                                                         if layout["tp"] > 1 else "") + (f"-moe-{layout['moe']}-ep{layout['ep']}" if layout["moe"] else "")
-    return f"{pipeline['schedule']}{pipeline.get('seq_splits', '')}-cp{layout['cp']}pp{layout['pp']}-{layout['comm']}{extra}"
+    return (f"{pipeline['schedule']}{pipeline.get('seq_splits', '')}{extra_schedule}-cp{layout['cp']}pp{layout['pp']}-"
+            f"{layout['comm']}{extra}")
 
 
 def _model(layout, ep=1):
