@@ -196,9 +196,6 @@ def config_problem(c) -> str:
         return (f"--cp-comm-type a2a shares the attention heads out over the context-parallel ranks: the "
                 f"{kv} K/V heads{f' / TP {tp}' if tp > 1 else ''} must be divisible by --context-parallel-size "
                 f"({cp}); use --cp-comm-type p2p or allgather")
-    if cp > 1 and cp_comm == "p2p" and c.attention_dropout:
-        return ("--cp-comm-type p2p attends blockwise without dropout: set --attention-dropout 0 or use "
-                "--cp-comm-type allgather or a2a")
     if getattr(c, "moe", None) is not None:
         return moe_problem(c.moe, c.num_layers, c.tensor_model_parallel_size)
     return ""

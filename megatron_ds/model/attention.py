@@ -78,9 +78,6 @@ class CausalSelfAttention(nn.Module):
             per_rank = self.num_heads // cp  # the head group this rank attends after the all-to-all
             first = self.head_start + self.cp_layout.rank * per_rank
             self.bias_heads = slice(first, first + per_rank)
-        if self.cp_comm_type == "p2p" and self.attention_dropout:
-            raise ValueError("--cp-comm-type p2p attends blockwise without dropout: set --attention-dropout 0 or use "
-                             "--cp-comm-type allgather or a2a")
         self.cp_slopes = None
         if self.position_embedding_type == "alibi" and self.cp_comm_type == "p2p":
             self.cp_slopes = torch.tensor(alibi_slopes(self.total_heads), dtype=torch.float32)[self.bias_heads]
@@ -120,9 +117,15 @@ class CausalSelfAttention(nn.Module):
         core = functools.partial(prefix_attention, sdpa=self._attend, bias=self._document_bias(),
                                  recompute_documents=self._recomputable() and not self.recompute_core)
         slopes = None if self.cp_slopes is None else self.cp_slopes.to(q.device)
-        return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
-                                          segment.spans if segment is not None else ((0, length),), core, extend,
-                                          recomputed if self.recompute_core else None, slopes)
+        dropout = self.attention_dropout if self.training else 0.0
+        # p2p draws its dropout masks' seed here, each tensor-parallel rank's heads their own (allgather and a2a
+        # fork the tracker around their SDPA calls, _attend: never twice at once, which would replay its state)
+        p2p_fork = self.group is not None and dropout and self.cp_comm_type == "p2p"
+        rng = get_rng_tracker().fork() if p2p_fork else contextlib.nullcontext()
+        with rng:
+            return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
+                                              segment.spans if segment is not None else ((0, length),), core, extend,
+                                              recomputed if self.recompute_core else None, slopes, dropout)
 
     def _attend(self, q, k, v, mask):
         dropout = self.attention_dropout if self.training else 0.0

@@ -46,6 +46,13 @@ stays separate (the runtime runs one graph per op), and all of this happens in t
 op's backward for inputs (B), never in W. The buffers are released when the runtime
 frees the micro-batch: after segment 0's backward, or its last forward in evaluation.
 
+Context parallelism. A segment is laid out over the CP ranks on its own (context_parallel/layout.py) and its
+queries see every earlier position on every rank. Under allgather and a2a a rank caches the gathered segment
+(every position; a2a: its head group's), written at [start, stop) as without CP. Under p2p a rank caches only its
+own chunks of each segment (`extend(..., share=C)`: its buffers hold 1 / C of the positions, segment after
+segment), and the ring passes the whole cached prefix around; the segment's `spans` tell which global positions
+each rank's cached keys are. Either way the gradients owed to earlier positions wait here as without CP.
+
 Outside an open segment attention is plain full causal attention.
 """
 import contextlib

@@ -13,6 +13,7 @@ Cost per layer: three all-to-alls of q, k, v (and their gradients backward) and 
 import torch
 import torch.distributed as dist
 
+from ..tensor_parallel.comm import CommCounter
 from .layout import ContextLayout
 
 
@@ -23,6 +24,7 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        CommCounter.record("cp_all_to_all", x)
         dist.all_to_all_single(out, x.contiguous(), group=group)
         return out
 

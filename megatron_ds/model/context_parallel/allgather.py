@@ -13,6 +13,7 @@ selective recompute, gathers them again in backward instead of keeping them).
 import torch
 import torch.distributed as dist
 
+from ..tensor_parallel.comm import CommCounter
 from .layout import ContextLayout
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -26,12 +27,14 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((dist.get_world_size(group) * x.numel(),))
+        CommCounter.record("cp_all_gather", out)
         _all_gather_single(out, x.reshape(-1), group=group)  # flat: gloo gathers along dim 0 only
         return out.view(-1, *x.shape)
 
     @staticmethod
     def backward(ctx, grad):
         received = torch.empty_like(grad)
+        CommCounter.record("cp_all_to_all", grad)
         dist.all_to_all_single(received, grad.contiguous(), group=ctx.group)  # received[r]: rank r's of my part
         return received.float().sum(0).to(grad.dtype), None
 

@@ -9,12 +9,14 @@ and a2a, whose cache holds whole segments).
 
 `core(q, k, v, start)` attends queries at positions [start, start + lq), in order, to the keys [0, lk) with
 lk = start + lq (causal, within the open documents): allgather and a2a reduce to it, and the layer passes its own
-(ALiBi, dropout). p2p attends by blocks (blocks.py) with the documents' ids and ALiBi slopes it is given.
+(ALiBi, dropout). p2p attends by blocks (blocks.py) with the documents' ids, the ALiBi slopes and the attention
+dropout (with its masks' seed, or None to draw one) it is given.
 `recompute(fn, *tensors)`: selective recompute's checkpoint of the core (None: kept for backward).
 """
 import torch
 import torch.nn.functional as F
 
+from ..compile import outside_graph
 from ..documents import Documents, causal_arguments, documents_attention
 from ..kv_cache import queries_reversed
 from .a2a import heads_to_sequence, sequence_to_heads
@@ -53,8 +55,9 @@ def _run(recompute, fn, *tensors):
     return fn(*tensors) if recompute is None or not torch.is_grad_enabled() else recompute(fn, *tensors)
 
 
+@outside_graph  # a compiled layer runs its communication eagerly, between its graphs
 def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_attention, extend=None,
-                               recompute=None, slopes=None):
+                               recompute=None, slopes=None, dropout=0.0, seed=None):
     """This rank's attention output (b, heads, lq, d), in its local order, of its queries q (b, heads, lq, d) and
     keys/values k, v (b, kv heads, lq, d), RoPE already applied at their global positions."""
     layout = ContextLayout.of(group)
@@ -62,12 +65,13 @@ def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_
     if comm_type == "p2p":
         if extend is not None:
             k, v = extend(k, v, layout.size)
-        ids = Documents.current().ids if Documents.masking else None
+        documents = Documents.current() if Documents.masking else None
         query_spans = chunk_spans(layout, stop - start, start)
         key_spans = [[span for a, b in segments for span in chunk_spans(layout, b - a, a, r)]
                      for r in range(layout.size)]
-        return _run(recompute, lambda q, k, v: ring_attention(q, k, v, group, query_spans, key_spans, ids, slopes),
-                    q, k, v)
+        def ring(q, k, v):  # recomputed, it draws its dropout seed again from the restored RNG state
+            return ring_attention(q, k, v, group, query_spans, key_spans, documents, slopes, dropout=dropout, seed=seed)
+        return _run(recompute, ring, q, k, v)
     if comm_type == "allgather":
         if extend is None:  # recomputed, the gather runs again in backward: the layer keeps its own K/V only
             return _run(recompute, lambda q, k, v: _chunks(layout, q, *_gathered(k, v, group), start, core),

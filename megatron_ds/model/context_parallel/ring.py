@@ -2,8 +2,9 @@
 
 Step t of C, rank r holds the keys/values of rank r - t (its own at t = 0) and posts, before attending them, their
 send to r + 1 and the receive of r - t - 1's from r - 1 (one message: keys and values stacked). Every (query chunk,
-key chunk) pair is classified by global positions (blocks.py): the blocks above the causal diagonal are skipped,
-those below attended without a mask, and the rest under a mask of positions (and documents). The blocks' outputs
+key chunk) pair is classified by global positions and the documents' starts (blocks.py): the blocks above the causal
+diagonal, or split from the queries by a document border, are skipped, those below attended without a mask, and the
+rest under a mask of positions (and documents). The blocks' outputs
 merge by their log-sum-exp in fp32 (online softmax). The layer keeps q, k, v, the output and the log-sum-exp.
 
 Backward is a ring too: the keys/values travel as in forward, and with them the gradients of a block's keys and
@@ -21,11 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .blocks import NONE, SOME, Span, alibi_block, block_backward, block_forward, block_mask, merge, repeat_kv, \
-    sum_groups, visibility
+from .blocks import NONE, SOME, Span, alibi_block, block_backward, block_forward, block_mask, dropout_keep, merge, \
+    repeat_kv, sum_groups, visibility
+from ..tensor_parallel.comm import CommCounter
 from .layout import ContextLayout
 
 _KV_TAG, _GRAD_TAG = 1, 2  # distinct tags: a block's K/V and its gradients may be in flight to one peer at once
+TILE = 1024  # positions: chunks longer are attended in tiles, so a block's scores are at most b x heads x TILE^2
 
 
 def chunk_spans(layout: ContextLayout, length: int, start: int = 0, rank: int | None = None) -> list[Span]:
@@ -39,36 +42,51 @@ def chunk_spans(layout: ContextLayout, length: int, start: int = 0, rank: int | 
 class RingPlan:
     """What a ring attends: the group, the spans of this rank's queries (local order), each rank's key spans
     (local order; every rank's the same total length), the softmax scale, the documents' ids (b, s) of the whole
-    sequence or None, and this rank's heads' ALiBi slopes or None."""
+    sequence and each row's document starts (host integers) or None, this rank's heads' ALiBi slopes or None, and
+    the attention dropout with the seed of its masks (blocks.dropout_keep)."""
     group: object
     layout: ContextLayout
     query_spans: tuple
     key_spans: tuple  # per rank: tuple of Spans
     scale: float
     ids: object = None
+    starts: object = None
     slopes: object = None
+    dropout: float = 0.0
+    seed: int = 0
 
-    def blocks(self, src):
-        """(query slice, key slice, mask, bias) of every block of this rank's queries and `src`'s keys that sees
-        anything."""
-        device = None if self.ids is None else self.ids.device
+    def blocks(self, src, q):
+        """(query slice, key slice, mask, bias, dropout mask) of every block of this rank's queries q and `src`'s
+        keys that sees anything."""
+        device = q.device
         q_offset = 0
-        for qs in self.query_spans:
+        for qs in tiles(self.query_spans):
             k_offset = 0
-            for ks in self.key_spans[src]:
-                seen = visibility(qs, ks, self.ids is not None)
+            for ks in tiles(self.key_spans[src]):
+                seen = visibility(qs, ks, self.starts)
                 if seen != NONE:
                     mask = block_mask(qs, ks, self.ids, device) if seen == SOME else None
-                    bias = None if self.slopes is None else alibi_block(self.slopes, qs, ks, self.slopes.device)
-                    yield (slice(q_offset, q_offset + qs.length), slice(k_offset, k_offset + ks.length), mask, bias)
+                    bias = None if self.slopes is None else alibi_block(self.slopes, qs, ks, device)
+                    keep = None
+                    if self.dropout:
+                        shape = (q.shape[0], q.shape[1], qs.length, ks.length)
+                        keep = dropout_keep(self.seed, qs, ks, shape, self.dropout, device)
+                    yield (slice(q_offset, q_offset + qs.length), slice(k_offset, k_offset + ks.length), mask, bias,
+                           keep)
                 k_offset += ks.length
             q_offset += qs.length
+
+
+def tiles(spans):
+    """The spans cut into pieces of at most TILE positions, in order."""
+    return [Span(span.start + i, min(TILE, span.length - i)) for span in spans for i in range(0, span.length, TILE)]
 
 
 def _exchange(t, plan, tag):
     """Post the send of t to the next rank and the receive of the previous rank's: (received, works)."""
     size, rank = plan.layout.size, plan.layout.rank
     received = torch.empty_like(t)
+    CommCounter.record("cp_send", t)
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(plan.group, (rank + 1) % size), plan.group, tag),
            dist.P2POp(dist.irecv, received, dist.get_global_rank(plan.group, (rank - 1) % size), plan.group, tag)]
     return received, dist.batch_isend_irecv(ops)
@@ -92,8 +110,8 @@ class _Ring(torch.autograd.Function):
             if step < size - 1:
                 incoming, works = _exchange(kv, plan, _KV_TAG)
             kf, vf = repeat_kv(kv[0].float(), heads), repeat_kv(kv[1].float(), heads)
-            for qs, ks, mask, bias in plan.blocks((rank - step) % size):
-                o, l = block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], plan.scale, mask, bias)
+            for qs, ks, mask, bias, keep in plan.blocks((rank - step) % size, q):
+                o, l = block_forward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], plan.scale, mask, bias, keep)
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
             if step < size - 1:
                 _wait(works)
@@ -117,9 +135,9 @@ class _Ring(torch.autograd.Function):
             if step < size - 1:
                 incoming, works = _exchange(kv, plan, _KV_TAG)
             kf, vf = repeat_kv(kv[0].float(), heads), repeat_kv(kv[1].float(), heads)
-            for qs, ks, mask, bias in plan.blocks((rank - step) % size):
+            for qs, ks, mask, bias, keep in plan.blocks((rank - step) % size, q):
                 dq_b, dk_b, dv_b = block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], dyf[:, :, qs],
-                                                  delta[:, :, qs], lse[:, :, qs], plan.scale, mask, bias)
+                                                  delta[:, :, qs], lse[:, :, qs], plan.scale, mask, bias, keep)
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += sum_groups(dk_b, kv_heads)
                 dkv[1][:, :, ks] += sum_groups(dv_b, kv_heads)
@@ -131,10 +149,17 @@ class _Ring(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
-def ring_attention(q, k, v, group, query_spans, key_spans, ids=None, slopes=None, scale=None):
-    """Causal attention (within documents when `ids`, the (b, s) document ids of the whole sequence) of this rank's
+def ring_attention(q, k, v, group, query_spans, key_spans, documents=None, slopes=None, scale=None, dropout=0.0,
+                   seed=None):
+    """Causal attention (within `documents`' documents, a Documents of the whole sequence, when given) of this rank's
     queries q (b, heads, lq, d) at `query_spans` to the keys/values k, v (b, kv heads, lk, d) of every rank of the
-    CP `group`, rank r's at key_spans[r]. `slopes`: this rank's heads' ALiBi slopes, or None."""
+    CP `group`, rank r's at key_spans[r]. `slopes`: this rank's heads' ALiBi slopes, or None. `dropout`: of the
+    attention probabilities, its masks drawn from `seed` (None: one drawn from q's device's generator; a recomputed
+    call, whose RNG state is restored, draws the same)."""
+    ids, starts = (documents.ids, documents.starts) if documents is not None else (None, None)
+    if dropout and seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (1,), device=q.device).item())
     plan = RingPlan(group, ContextLayout.of(group), tuple(query_spans), tuple(tuple(s) for s in key_spans),
-                    scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), ids, slopes)
+                    scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), ids, starts, slopes, dropout,
+                    seed or 0)
     return _Ring.apply(q, k, v, plan)

@@ -23,7 +23,8 @@ def rank(group):
 
 
 class CommCounter:
-    """Records (op, bytes of the full tensor) for every tensor-parallel collective in its scope."""
+    """Records (op, bytes of the full tensor) for every tensor-parallel collective in its scope, and every
+    context-parallel one (ops named cp_*: model/context_parallel/)."""
     _active = None
 
     def __init__(self):

@@ -8,7 +8,12 @@ document, documents spanning chunks), with as many K/V heads as query heads and 
 as 2 and 4 uneven Seq1F1B segments attending to the cached K/V of the earlier ones; and CausalSelfAttention with
 LLaMA's options (RoPE at global positions, GQA, no bias) and BLOOM's (ALiBi), with and without selective recompute,
 packed documents (RoPE by their restarted positions) or not, against the layer at CP 1 (outputs, input gradients,
-weight gradients summed over the CP ranks). One launch per CP size serves every case (cp_ranks.run_all)."""
+weight gradients summed over the CP ranks); two LLaMA-style TransformerLayers run as Seq1F1B segments under CP
+(plain, activation-checkpointed, with packed documents and deferred weight gradients or selective recompute) against the whole sequence
+at CP 1, with the K/V each rank caches (p2p: 1/C of the positions; a2a: 1/C of the heads); and TP 2 x CP 2 with and
+without sequence parallelism; p2p's attention dropout against full attention under the same blocks' masks, and
+selective recompute drawing the same dropout masks for every comm type; the messages each comm type sends per
+layer; compiled layers. One launch per CP size serves every case (cp_ranks.run_all)."""
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
@@ -44,8 +49,19 @@ def _check(results, world, kind):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_alone_equals_full_attention(results, world):
-    # 3 comm types x (MHA, GQA) x (causal, documents) x (whole, 2 and 4 segments) x (out, dq, dk, dv) per rank
-    assert _check(results, world, "attention") == world * 3 * 2 * 2 * 3 * 4
+    # 3 comm types x (MHA, GQA) x (causal, documents) x (whole, 2 and 4 segments) x (out, dq, dk, dv) per rank,
+    # and (GQA, documents, 2 segments) p2p in tiles smaller than its chunks, allgather and a2a with the documents
+    # attended group by group (documents.py's long path)
+    assert _check(results, world, "attention") == world * (3 * 2 * 2 * 3 + 3) * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_attention_is_within_bf16_rounding(results, world):
+    # GQA, documents, 2 segments; bf16 keeps 8 bits of mantissa: 2^-8 = 3.9e-3 of a value
+    for rank, cases in enumerate(results(world)):
+        for comm in ("p2p", "allgather", "a2a"):
+            for what, (diff, scale) in cases[("bf16", comm)].items():
+                assert diff <= 2e-2 * max(1.0, scale), (world, rank, comm, what, diff, scale)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -61,10 +77,71 @@ def test_a2a_refuses_kv_heads_that_do_not_divide_in_one_line(results, world):
         assert "do not divide by --context-parallel-size" in message and "\n" not in message
 
 
-def test_p2p_with_attention_dropout_is_refused_in_one_line():
-    from megatron_ds.gpt_config import GPTConfig
-    shape = dict(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, max_position_embeddings=16,
-                 context_parallel_size=2, attention_dropout=0.1)
-    with pytest.raises(ValueError, match="--cp-comm-type p2p attends blockwise without dropout"):
-        GPTConfig(cp_comm_type="p2p", **shape)
-    GPTConfig(cp_comm_type="allgather", **shape)
+@pytest.mark.parametrize("world", [2, 4])
+def test_selective_recompute_draws_the_same_attention_dropout(results, world):
+    for rank, cases in enumerate(results(world)):
+        for comm in ("p2p", "allgather", "a2a"):
+            for what, (diff, scale) in cases[("recompute dropout", comm)].items():
+                assert diff == 0.0 and scale > 1e-3, (world, rank, comm, what)
+            assert cases[("dropout effect", comm)] > 0.05  # the masks did drop (relative to the output)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_p2p_attention_dropout_drops_each_block_alike_forward_and_backward(results, world):
+    assert _check(results, world, "dropout") == world * 3 * 4  # whole, 2 segments, and 2 in tiles
+    for cases in results(world):
+        for k in (1, 2):
+            assert 0.2 < cases[("dropped", k)] < 0.3  # p = 0.25 of the visible probabilities
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_seq1f1b_segments_under_cp_equal_the_whole_sequence(results, world):
+    # two LLaMA-style layers; 3 comm types x (2, 4 segments) x (plain, checkpointed, documents + deferred W,
+    # documents + selective recompute)
+    assert _check(results, world, "segmented") >= world * 3 * 2 * 4 * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_caches_a_cth_of_the_segments_kv(results, world):
+    s, kv_heads, head_dim = 16 * world, 4, 4
+    for cases in results(world):
+        for k in (2, 4):
+            assert cases[("kv", "p2p", k)] == [(2, 2, kv_heads, s // world, head_dim)]  # its own chunks
+            assert cases[("kv", "allgather", k)] == [(2, 2, kv_heads, s, head_dim)]  # every position
+            assert cases[("kv", "a2a", k)] == [(2, 2, kv_heads // world, s, head_dim)]  # its head group
+
+
+def test_tensor_parallel_times_context_parallel(results):
+    # TP 2 x CP 2: (p2p, allgather) x (LLaMA, BLOOM) + a2a x BLOOM, with and without sequence parallelism
+    assert _check(results, 4, "tp x cp") >= 4 * 5 * 2 * 3
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_comm_type_communicates_what_the_docs_say(results, world):
+    """Per layer (B = 2 rows of 16 x C tokens, head size 8, fp32): p2p sends the K/V C - 1 times forward, and
+    backward C - 1 times and their fp32 gradients C times; allgather gathers K and V once each and sends their
+    gradients back by one all-to-all each; a2a exchanges q, k, v and the output (forward), their gradients
+    (backward) by one all-to-all each."""
+    local, compared = 16, 0  # tokens per rank
+    for family, kv_heads in (("llama", 2), ("bloom", 4)):
+        kv_bytes = 2 * 2 * kv_heads * local * 8 * 4  # keys and values of one rank
+        q_bytes = 2 * 4 * local * 8 * 4
+        want = {
+            "p2p": ({"cp_send": (world - 1, (world - 1) * kv_bytes)},
+                    {"cp_send": (2 * world - 1, (2 * world - 1) * kv_bytes)}),
+            "allgather": ({"cp_all_gather": (2, world * kv_bytes)}, {"cp_all_to_all": (2, world * kv_bytes)}),
+            "a2a": ({"cp_all_to_all": (4, 2 * q_bytes + kv_bytes)}, {"cp_all_to_all": (4, 2 * q_bytes + kv_bytes)}),
+        }
+        for cases in results(world):
+            for comm, counts in want.items():
+                if (comm, family) in cases["comm"]:
+                    assert cases["comm"][(comm, family)] == counts, (world, comm, family)
+                    compared += 1
+    assert compared == world * (6 if world == 2 else 5)  # LLaMA's 2 K/V heads: no a2a at CP 4
+
+
+def test_compiled_layers_call_cp_attention_out_of_their_graphs(results):
+    assert _check(results, 2, "compiled") >= 2 * 4
+    for cases in results(2):
+        breaks, seconds = cases["graph breaks"]
+        assert breaks == {} and seconds > 0
