@@ -107,7 +107,9 @@ def test_experts_are_shared_out_over_data_times_context_parallel_ranks(tmp_path)
     args = parse("--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "4",
                  world=4, ds=ONE_F_ONE_B, tmp_path=tmp_path)
     assert args.data_parallel_size == 2 and args.gpt_config.moe.expert_model_parallel_size == 4  # EP 4 of DP 2 x CP 2
-    with pytest.raises(ArgumentsError, match="--expert-model-parallel-size 4 must divide"):
+    with pytest.raises(ArgumentsError, match=r"--expert-model-parallel-size 4 must divide the data-parallel x "
+                                             r"context-parallel size 1 x 2 = 2: an expert-parallel group is made of "
+                                             "data-parallel and context-parallel ranks"):
         parse("--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "4",
               world=2, ds=ONE_F_ONE_B, tmp_path=tmp_path)
 
