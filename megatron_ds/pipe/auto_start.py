@@ -62,11 +62,13 @@ def start_auto(settings: PipelineSettings, config, ds_config: dict, pp: int, mbs
     budget, text, unit, logits = settings.memory_budget, f"{settings.memory_budget}", None, 0.0
     if isinstance(budget, str):  # bytes: the logits count too (a chunked or fused loss holds none)
         dtype = 2 if any((ds_config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")) else 4
+        # context parallelism: a rank holds 1/CP of the tokens, its attention scores 1/CP of the queries' rows
+        cp = getattr(config, "context_parallel_size", 1)
         unit = auto.unit_bytes(config.num_layers / pp, seq, mbs, config.hidden_size,
-                               getattr(config, "num_attention_heads", 1), dtype)
+                               getattr(config, "num_attention_heads", 1), dtype) / cp
         budget = auto.parse_bytes(budget) / unit
         if not getattr(config, "head_hands_weight", False):
-            logits = auto.logits_units(seq, mbs, vocab_size(config), unit)
+            logits = auto.logits_units(seq, mbs, vocab_size(config), unit) / cp
         text = (f'"{settings.memory_budget}" = {budget:.4g} micro-batches of {unit:.0f} bytes, a micro-batch\'s '
                 f'logits {logits:.3g} of them (estimates: schedules/auto.py)')
     cuts = seq1f1b_cuts(settings, config, seq, keys)

@@ -139,3 +139,13 @@ def test_the_plan_cuts_messages_and_carriers_to_the_local_tokens():
     assert plan.message_shape((0, 0, 0, 1)) == (2, 16, 32)
     with pytest.raises(ConfigError, match=r"\[20, 20\] are not multiples of 2 x --context-parallel-size \(8\)"):
         make_plan(config(4), ds, 2, 1, 40)
+
+
+def test_a_byte_budget_counts_a_rank_s_share_of_the_tokens():
+    """"auto"'s memory unit (one micro-batch's activations on a stage) and the logits hold 1/CP of the tokens
+    on a context-parallel rank: the same bytes are CP times as many units."""
+    ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": 1},
+          "pipeline": {"schedule": "auto", "memory_budget": "64MiB"}}
+    plans = {cp: make_plan(config(cp), ds, 2, 1, 256)[1] for cp in (1, 2)}
+    assert plans[2].budget == pytest.approx(2 * plans[1].budget) and plans[1].budget > 4
+    assert plans[2].head_memory == pytest.approx(plans[1].head_memory)  # the logits, in units: the same share
