@@ -80,6 +80,10 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
 def check_context_parallel_run(settings: PipelineSettings, config) -> None:
     """What context parallelism does not combine with yet."""
     cp = f"--context-parallel-size {config.context_parallel_size}"
+    if settings.auto_recompute:
+        raise ConfigError(f'{cp} with ds_config "pipeline.auto_recompute": true: the recompute model '
+                          "(schedules/recompute.layer_memory) counts a layer holding the whole sequence; give the "
+                          "recompute flags yourself")
     moe = getattr(config, "moe", None)
     if moe is not None and moe.capacity_factor:
         raise ConfigError(f"{cp} with --moe-expert-capacity-factor: which tokens an expert drops depends on the "
@@ -239,6 +243,9 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
     seq = seq_length or config.max_position_embeddings
     if settings.vocab_parallel:
         check_vocab_parallel_run(settings, config, pp)
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp > 1:
+        check_context_parallel_run(settings, config)
     auto_plan = None
     if settings.auto:
         settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq, keys)
@@ -258,9 +265,6 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
                           "drops depends on the whole sequence, which a segment has not seen yet; leave the factor "
                           "out (dropless) or choose a schedule without segments")
     check_layers(schedule, config.num_layers, settings)
-    cp = getattr(config, "context_parallel_size", 1)
-    if cp > 1:
-        check_context_parallel_run(settings, config)
     lengths = None
     if schedule.seq_splits > 1:  # a schedule file may carry its own cut
         lengths = schedule.segment_lengths or segment_lengths(settings, config, seq, keys)

@@ -87,6 +87,8 @@ def test_a_layout_that_cannot_run_stops_at_parse_time(tmp_path, capsys, extra, w
 
 
 @pytest.mark.parametrize("cp, seq, ds, needle", [
+    (2, 32, {"pipeline": {"schedule": "auto", "memory_budget": 4, "auto_recompute": True}},
+     '--context-parallel-size 2 with ds_config "pipeline.auto_recompute": true'),
     (4, 40, {"pipeline": {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"}},
      "cuts --seq-length 40 into [20, 20], and [20, 20] are not multiples of 2 x --context-parallel-size (8)"),
 ])
