@@ -1,14 +1,15 @@
 """Context parallelism in the pipeline engines: a LLaMA-style GPT (RoPE, GQA, SwiGLU, RMSNorm, untied head) with
-each sequence split over 2 context-parallel ranks trains under the pipeline schedules exactly like the
+each sequence split over the context-parallel ranks trains under the pipeline schedules exactly like the
 single-process reference on the same samples (fp32, 1e-5: losses, every first-step gradient, every weight after
 the steps, the eval loss and the global gradient norm, with clipping active so that a miscounted norm would show).
 
-CP 2 x PP 2 (4 gloo ranks, one launch): 1f1b, zbv, seq1f1b k=2 with the B/W split, then interleaved, zb-h1,
-bitpipe, dualpipev, seq1f1b k=4 (balanced), packed documents (all three document flags) and the other comm
-types (allgather, a2a). Each rank reads its replica's whole micro-batch; the engine cuts each op's tokens,
-position ids and labels to the rank's two chunks (pipe/context_parallel.py), a message between stages holds
-(b, s / CP, h), and DeepSpeed's gradient mean and ZeRO-1 run over the data axis (DP x CP). DeepSpeed's own engine
-(no "pipeline.schedule") at PP 2 and PP 1 x DP 2 reads the micro-batches cut already."""
+One 4-rank launch: CP 2 x PP 2 under 1f1b, zbv, seq1f1b k=2 with the B/W split, interleaved, zb-h1, bitpipe,
+dualpipev, seq1f1b k=4 (balanced), packed documents (all three document flags), allgather and a2a, DeepSpeed's own
+engine (also CP 2 x DP 2), mixtures of experts (EP 2 over the CP pair), TP 2 x CP 2 with and without sequence
+parallelism, CP 4, vocabulary parallelism, and "auto" (its own choice; forced to zbv, a rebuild through a
+checkpoint). One 8-rank launch: CP 2 x PP 2 x DP 2. Each rank reads its replica's whole micro-batch; the engine
+cuts each op's tokens, position ids and labels to the rank's two chunks (pipe/context_parallel.py), a message
+between stages holds (b, s / CP, h), and DeepSpeed's gradient mean and ZeRO-1 run over the data axis (DP x CP)."""
 import dataclasses
 import functools
 import time
@@ -42,6 +43,8 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
          # with tensor and sequence parallelism (TP fastest, then CP): a rank's chunks split again over TP
          ({"schedule": "1f1b"}, TP2_CP2), (None, dict(TP2_CP2, comm="allgather")),
          ({"schedule": "zb-h1"}, dict(TP2_CP2, sp=False)),
+         # CP 4: one group of the four ranks, each holding chunks r and 7 - r
+         ({"schedule": "1f1b"}, dict(CP2_PP2, pp=1, cp=4)), (SEQ1F1B, dict(CP2_PP2, pp=1, cp=4, comm="allgather")),
          # vocabulary parallelism: each CP rank's pipeline runs the slices' passes on its tokens
          ({"schedule": "1f1b", "vocab_parallel": True}, CP2_PP2),
          ({**SEQ1F1B, "vocab_parallel": True}, dict(CP2_PP2, packed=True))]
