@@ -43,6 +43,11 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
          # with tensor and sequence parallelism (TP fastest, then CP): a rank's chunks split again over TP
          ({"schedule": "1f1b"}, TP2_CP2), (None, dict(TP2_CP2, comm="allgather")),
          ({"schedule": "zb-h1"}, dict(TP2_CP2, sp=False)),
+         # post-validation's optimizer step; full recompute (DeepSpeed's checkpoint of every layer) in Seq1F1B's B
+         ({"schedule": "zb-h1", "post_validation": True}, CP2_PP2),
+         ({**SEQ1F1B, "activation_checkpoint_interval": 1}, CP2_PP2),
+         # overlapped forward and backward units (a MoE's all-to-alls in flight)
+         ({"schedule": "1f1b", "overlap": True}, dict(CP2_PP2, moe="softmax", ep=2)),
          # CP 4: one group of the four ranks, each holding chunks r and 7 - r
          ({"schedule": "1f1b"}, dict(CP2_PP2, pp=1, cp=4)), (SEQ1F1B, dict(CP2_PP2, pp=1, cp=4, comm="allgather")),
          # vocabulary parallelism: each CP rank's pipeline runs the slices' passes on its tokens
@@ -56,7 +61,8 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
 def _case_id(case):
     pipeline, layout = case
     pipeline = pipeline or {"schedule": "stock"}
-    extra_schedule = "-vocab" if pipeline.get("vocab_parallel") else ""
+    extra_schedule = "".join(f"-{name}" for name in ("vocab_parallel", "post_validation", "overlap",
+                                                      "activation_checkpoint_interval") if pipeline.get(name))
     extra = ("-packed" if layout["packed"] else "") + (f"-tp{layout['tp']}{'-sp' if layout['sp'] else ''}"
                                                         if layout["tp"] > 1 else "") + (f"-moe-{layout['moe']}-ep{layout['ep']}" if layout["moe"] else "")
     return (f"{pipeline['schedule']}{pipeline.get('seq_splits', '')}{extra_schedule}-cp{layout['cp']}pp{layout['pp']}-"
@@ -88,7 +94,7 @@ def cp_engine_run(pipeline, layout):
                          sequence_parallel=layout["sp"])
     dp = dist.get_world_size() // (pp * cp * layout["tp"])
     cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)  # train_batch_size counts samples
-    module = build_pipeline_module(config, cfg, pp)
+    module = build_pipeline_module(config, cfg, pp, (pipeline or {}).get("activation_checkpoint_interval", 0))
     engine = initialize_engine(module, cfg, optimizer=optimizer_for(module.named_parameters(), LR))
     grads = []
     capture_grads_before_reduce(engine, grads)  # each CP rank's share (x CP) of its replica's gradient
