@@ -124,11 +124,16 @@ def moe_problem(m: MoEConfig, num_layers: int, tensor_parallel: int = 1) -> str:
     return ""
 
 
-def expert_parallel_problem(ep: int, data_parallel: int) -> str:
-    """'' when EP groups can be made of each stage's (and TP rank's) data-parallel ranks, else why not."""
-    if data_parallel % ep:
-        return (f"--expert-model-parallel-size {ep} must divide the data-parallel size {data_parallel}: an "
-                "expert-parallel group is made of data-parallel ranks of one pipeline stage and tensor-parallel rank")
+def expert_parallel_problem(ep: int, data_parallel: int, context_parallel: int = 1) -> str:
+    """'' when EP groups can be made of each stage's (and TP rank's) data-parallel ranks (under context
+    parallelism its data x context-parallel ranks: the topology's data axis), else why not."""
+    lanes = data_parallel * context_parallel
+    if lanes % ep:
+        size = (f"the data-parallel size {data_parallel}" if context_parallel == 1 else
+                f"the data-parallel x context-parallel size {data_parallel} x {context_parallel} = {lanes}")
+        return (f"--expert-model-parallel-size {ep} must divide {size}: an expert-parallel group is made of "
+                "data-parallel" + (" and context-parallel" if context_parallel > 1 else "") +
+                " ranks of one pipeline stage and tensor-parallel rank")
     return ""
 
 

@@ -1,4 +1,4 @@
-"""Start-up checks of a tensor/pipeline/data-parallel layout: pure functions, no process group.
+"""Start-up checks of a tensor/context/pipeline/data-parallel layout: pure functions, no process group.
 
 Each failure is one ParallelConfigError naming the flags and the rule broken; the
 training front end turns it into exit code 2 before any process group starts.
@@ -10,28 +10,33 @@ class ParallelConfigError(UserError, ValueError):
     pass
 
 
-def data_parallel_size(world_size: int, pipeline_parallel: int, tensor_parallel: int = 1) -> int:
-    """world / (TP x PP): the one home of the rule "TP x PP divides the world" (the flags, the pipeline's
-    topology and the tensor-parallel groups all ask here). Raise ParallelConfigError unless it does."""
-    tp, pp = tensor_parallel, pipeline_parallel
+def data_parallel_size(world_size: int, pipeline_parallel: int, tensor_parallel: int = 1,
+                       context_parallel: int = 1) -> int:
+    """world / (TP x CP x PP): the one home of the rule "TP x CP x PP divides the world" (the flags, the
+    pipeline's topology and the tensor-parallel groups all ask here). Raise ParallelConfigError unless it does.
+    The topology's "data" axis is DP x CP (context-parallel ranks inner: Megatron's tp-cp-dp-pp order), which
+    the callers building groups get by leaving `context_parallel` at 1."""
+    tp, pp, cp = tensor_parallel, pipeline_parallel, context_parallel
     if pp < 1 or world_size % pp:
         raise ParallelConfigError(f"--pipeline-model-parallel-size {pp} must divide the world size {world_size} "
                                   "(the number of processes the launcher started)")
-    if tp < 1:
-        raise ParallelConfigError(f"--tensor-model-parallel-size {tp} and --pipeline-model-parallel-size {pp} "
-                                  f"must be at least 1")
-    if world_size % (tp * pp):
-        raise ParallelConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = "
-                                  f"{tp * pp} must divide the world size {world_size} (the data-parallel size is "
-                                  f"world / (TP x PP))")
-    return world_size // (tp * pp)
+    if tp < 1 or cp < 1:
+        raise ParallelConfigError(f"--tensor-model-parallel-size {tp}"
+                                  + (f", --context-parallel-size {cp}" if cp != 1 else "")
+                                  + f" and --pipeline-model-parallel-size {pp} must be at least 1")
+    if world_size % (tp * cp * pp):
+        sizes = (f"--tensor-model-parallel-size {tp} x " + (f"--context-parallel-size {cp} x " if cp > 1 else "")
+                 + f"--pipeline-model-parallel-size {pp} = {tp * cp * pp}")
+        raise ParallelConfigError(f"{sizes} must divide the world size {world_size} (the data-parallel size is "
+                                  f"world / ({'TP x CP x PP' if cp > 1 else 'TP x PP'}))")
+    return world_size // (tp * cp * pp)
 
 
 def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num_attention_heads,
                           ffn_hidden_size, padded_vocab_size, num_key_value_heads=None,
-                          sequence_parallel=False):
-    """Raise ParallelConfigError unless TP x PP divides the world and the model splits over TP ranks."""
-    data_parallel_size(world_size, pipeline_parallel, tensor_parallel)
+                          sequence_parallel=False, context_parallel=1):
+    """Raise ParallelConfigError unless TP x CP x PP divides the world and the model splits over TP ranks."""
+    data_parallel_size(world_size, pipeline_parallel, tensor_parallel, context_parallel)
     check_model_split(tensor_parallel, num_attention_heads, ffn_hidden_size, padded_vocab_size, num_key_value_heads,
                       sequence_parallel)
 

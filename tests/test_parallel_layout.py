@@ -11,19 +11,24 @@ def test_data_parallel_size_is_world_over_tp_times_pp():
     assert data_parallel_size(8, 2) == 4
     assert data_parallel_size(8, 2, 2) == 2
     assert data_parallel_size(1, 1) == 1
+    assert data_parallel_size(16, 2, 2, 2) == 2  # context parallelism: world / (TP x CP x PP)
 
 
-@pytest.mark.parametrize("world, pp, tp, message", [
-    (4, 3, 1, "--pipeline-model-parallel-size 3 must divide the world size 4 (the number of processes the launcher "
-              "started)"),
-    (4, 0, 1, "--pipeline-model-parallel-size 0 must divide the world size 4"),
-    (4, 2, 0, "--tensor-model-parallel-size 0 and --pipeline-model-parallel-size 2 must be at least 1"),
-    (6, 2, 2, "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4 must divide the world size 6 "
-              "(the data-parallel size is world / (TP x PP))"),
+@pytest.mark.parametrize("world, pp, tp, cp, message", [
+    (4, 3, 1, 1, "--pipeline-model-parallel-size 3 must divide the world size 4 (the number of processes the "
+                 "launcher started)"),
+    (4, 0, 1, 1, "--pipeline-model-parallel-size 0 must divide the world size 4"),
+    (4, 2, 0, 1, "--tensor-model-parallel-size 0 and --pipeline-model-parallel-size 2 must be at least 1"),
+    (6, 2, 2, 1, "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4 must divide the world size 6 "
+                 "(the data-parallel size is world / (TP x PP))"),
+    (12, 2, 1, 4, "--tensor-model-parallel-size 1 x --context-parallel-size 4 x --pipeline-model-parallel-size 2 = 8 "
+                  "must divide the world size 12 (the data-parallel size is world / (TP x CP x PP))"),
+    (4, 2, 1, 0, "--tensor-model-parallel-size 1, --context-parallel-size 0 and --pipeline-model-parallel-size 2 "
+                 "must be at least 1"),
 ])
-def test_a_layout_that_does_not_divide_the_world_is_one_message(world, pp, tp, message):
+def test_a_layout_that_does_not_divide_the_world_is_one_message(world, pp, tp, cp, message):
     with pytest.raises(ParallelConfigError) as err:
-        data_parallel_size(world, pp, tp)
+        data_parallel_size(world, pp, tp, cp)
     assert message in str(err.value)
 
 

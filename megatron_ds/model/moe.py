@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
 from .compile import outside_graph
+from .context_parallel import context_parallel_group
 from .grouped_linear import grouped_linear, grouped_mm_fits
 from .kv_cache import SegmentKVCache
 from .linear import linear
@@ -109,8 +110,10 @@ class MicroBatchCounts:
 
 def whole_sequence(inputs, group):
     """A sequence shard's loss inputs with the counts and the token count of the whole sequence (summed over
-    the tensor-parallel ranks that hold its shards); the score sums stay the shard's: each rank's gradient is
-    its tokens' share, and the router's gradient is summed over those ranks (sequence_parallel)."""
+    the tensor-parallel ranks that hold its shards, or the context-parallel ones); the score sums stay the
+    shard's: each rank's gradient is its tokens' share, and the router's gradient is summed over those ranks
+    (sequence_parallel; under context parallelism the runtime scales it by CP before DeepSpeed's mean over
+    DP x CP, pipe/moe.router_grad_scale)."""
     counts = inputs.counts
     if counts is not None:
         counts = counts.clone()
@@ -211,6 +214,7 @@ class MoE(nn.Module):
         self._segments = {}  # Seq1F1B: micro-batch key -> MicroBatchCounts of its segments run forward
         self.drop = Dropout(config.hidden_dropout, partitioned=config.sequence_parallel)
         self.shard_group = tensor_parallel_group(config) if config.sequence_parallel else None
+        self.context_group = context_parallel_group(config)  # the ranks holding the sequence's other chunks
         for p in [*self.router.parameters(), *self.experts.parameters()]:
             p.sequence_parallel = config.sequence_parallel  # a sequence shard's tokens: summed over the TP group
         if self.ep_group is not None:  # DeepSpeed's marks of an expert parameter: reduced over its EDP group
@@ -230,6 +234,8 @@ class MoE(nn.Module):
             inputs = loss_inputs(logits, experts, kept, self.config, batch=shape[0])
             if self.shard_group is not None:  # sequence parallelism: the balancing counts are the whole sequence's
                 inputs = whole_sequence(inputs, self.shard_group)
+            if self.context_group is not None:  # context parallelism: so are they, over the CP ranks' chunks
+                inputs = whole_sequence(inputs, self.context_group)
             totals, offset = self._micro_batch(inputs)
             if torch.is_grad_enabled():
                 out = RouterLosses.apply(out, inputs.score_sums, inputs.z_sum, self, inputs, totals, offset)

@@ -14,7 +14,7 @@ from megatron_ds.schedules.seq_split import segment_costs
 
 from .config import ConfigError, PipelineSettings
 from .partition import layer_flops
-from .segments import flop_shape, segment_lengths, sequence_shards
+from .segments import context_shards, flop_shape, segment_lengths, sequence_shards
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,15 @@ class AutoPlan:
 def seq1f1b_cuts(settings: PipelineSettings, config, seq: int, keys=None) -> tuple:
     """The run's sequence cut as the engine would cut it for Seq1F1B (the settings' seq_split_method),
     at each segment count of auto.SEQ_SPLITS the sequence allows (under --sequence-parallel: each
-    segment a multiple of TP); `keys`: a document mask's (segment_lengths)."""
+    segment a multiple of TP; under context parallelism of 2 x CP); `keys`: a document mask's (segment_lengths)."""
     tp, sp = getattr(config, "tensor_model_parallel_size", 1), getattr(config, "sequence_parallel", False)
+    cp = getattr(config, "context_parallel_size", 1)
     cuts = []
     for k in auto.SEQ_SPLITS:
         try:
             lengths = segment_lengths(dataclasses.replace(settings, seq_splits=k), config, seq, keys)
             sequence_shards(tp, sp, seq, lengths)
+            context_shards(cp, tp, sp, seq, lengths)
         except ConfigError:
             continue
         costs = segment_costs(lengths, config.hidden_size, getattr(config, "ffn_hidden_size", None), **flop_shape(config),

@@ -24,6 +24,7 @@ from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 from megatron_ds.parallel_layout import data_parallel_size
 
 from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
+from .context_parallel import context_parallel_engine, context_parallel_size, deepspeed_batch, ensure_context_parallel
 from .engine import ScheduleEngine
 from .moe import ensure_expert_parallel, routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
@@ -60,7 +61,8 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
                           "--tensor-model-parallel-size > 1")
     if tp > 1:
         ensure_model_parallel(pp, tp)  # the layers take their TP group from it
-    topo = topology(pp, tp)
+    topo = topology(pp, tp)  # its data axis holds the context-parallel ranks too (DP x CP, CP inner)
+    context = ensure_context_parallel(config, topo)  # attention takes its CP group from the registry
     ensure_expert_parallel(config, topo)  # and a MoE's layers their expert-parallel group
     recompute = checked_recompute(config)  # Megatron's recompute flags (selective: the layers' own)
     if layers is None:  # under vocabulary parallelism the word embedding and the output layer sit beside them
@@ -81,17 +83,19 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
             module = CostPartitionedPipelineModule(parts=stock_cost_bounds(config, settings, pp), **common)
         else:
             module = PipelineModule(**common)
+        module.context_layout = context  # DeepSpeed's engine reads micro-batches cut to it (context_parallel.py)
         return compiled(module, settings, defer_weight_grads=False)
     packing = Packing.of(config) if getattr(config, "packs_documents", False) else None
     if plan is None:
         if settings.auto:  # the engine needs its AutoPlan, which only make_plan hands out
             raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan.make_plan, pass it '
                              "here and its AutoPlan to initialize_engine")
-        plan = PipelinePlan.from_config(config, ds_config, pp, topo.get_dim("data"), seq_length,
-                                        settings)
+        dp = topo.get_dim("data") // getattr(config, "context_parallel_size", 1)
+        plan = PipelinePlan.from_config(config, ds_config, pp, dp, seq_length, settings)
     parts = chunk_cost_bounds(settings.partition_method, config, plan.placement, settings.vocab_parallel)
     module = ChunkedPipelineModule(plan=plan, parts=parts, recompute=recompute, **common)
     module.packing = packing  # the engine reads each micro-batch's documents with it (model/documents.py)
+    module.context_layout = context  # the engine cuts each op's tokens and labels to this rank's (or None)
     if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab_passes.py)
         module.vocab_slice = VocabSlice(config, module.stage_id, pp)
     # "auto" may switch to a schedule that splits backward: its layers leave the linears eager from the start
@@ -144,9 +148,12 @@ def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None
             ds_config = sequence_parallel_ds_config(ds_config)
         traced, plain = ((TracedSequenceParallelPipelineEngine, SequenceParallelPipelineEngine) if sequence_parallel
                          else (TracedPipelineEngine, PipelineEngine))
+        if context_parallel_size(module) > 1:  # its micro-batches cut to this rank's tokens
+            traced, plain = context_parallel_engine(traced), context_parallel_engine(plain)
         factory = functools.partial(traced, tracer=tracer) if tracer.trace_dir else plain
     if routers(module):  # a mixture of experts: the router losses' scale, the expert bias update
         factory = _with_router_step(factory)
+    ds_config = deepspeed_batch(ds_config, context_parallel_size(module))
     kwargs = dict(model=module, config=ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                   model_parameters=model_parameters, **initialize_kwargs)
     with deepspeed_engine_class("PipelineEngine", factory):

@@ -26,6 +26,7 @@ from . import ds_internals as ds
 from . import instructions as ins
 from .activations import detached, input_grads, leaves
 from .auto import AutoSwitch
+from .context_parallel import local_inputs, local_labels
 from .messages import incoming_key, message_key, outgoing
 from .overlap import OverlapRunner, side_state
 from .p2p import P2P
@@ -69,6 +70,8 @@ class ScheduleEngine(PipelineEngine):
         # packed documents (model/documents.py): each micro-batch's Documents and scored-token count
         self.packing = getattr(self.module, "packing", None)
         self._documents, self._scored = None, None
+        # context parallelism: this rank's ContextLayout, whose shard of each op's tokens and labels it computes
+        self.context = getattr(self.module, "context_layout", None)
         self._stash = {}  # (replica, stage, mb, seq) -> (input leaf, output or loss)
         self._local = {}  # message key -> tensor handed over between chunks of this rank
         self._wgrad = {}  # (replica, stage, mb, seq) -> queued weight GEMMs
@@ -193,10 +196,12 @@ class ScheduleEngine(PipelineEngine):
     def _inputs(self, mb, seq):
         inputs, _ = self._batches[mb]
         cut = self.plan.segment(seq)
-        return tuple(t[:, cut] for t in inputs)
+        return local_inputs(self.context, tuple(t[:, cut] for t in inputs))
 
     def _labels(self, mb, seq):
         _, labels = self._batches[mb]
+        if self.context is not None:  # this rank's tokens of the segment, over the micro-batch's count / CP
+            return local_labels(self.context, labels[:, self.plan.segment(seq)], self.scored_tokens(mb))
         if self.sched.seq_splits == 1:
             return labels
         # A segment's loss is divided by the whole micro-batch's token count: they sum to its loss.
@@ -226,7 +231,7 @@ class ScheduleEngine(PipelineEngine):
         carriers = self._carriers[chunk]
         if carriers is None or not (self.module.training and torch.is_grad_enabled()):
             return contextlib.nullcontext()
-        return carriers.forward((self.plan.micro_batch_size, self.plan.segment_length(seq)))
+        return carriers.forward((self.plan.micro_batch_size, self.plan.local_length(seq)))
 
     # -- p2p and hand-over -----------------------------------------------------------------------
     def _emit(self, op, tensor):

@@ -19,6 +19,7 @@ from megatron_ds.moe_config import expert_parallel_problem
 
 from . import ds_internals as ds
 from .config import ConfigError
+from .context_parallel import context_parallel_size
 from .moe_checkpoint import check_layer_writes, dense_checkpoint, whole_experts
 
 
@@ -34,9 +35,10 @@ def routes_shards(routers_):
 
 def router_grad_scale(engine) -> float:
     """What the engine multiplies a micro-batch's loss by before its backward: 1 / micro-batches, and
-    fp16's loss scale (bf16 and fp32 have none)."""
+    fp16's loss scale (bf16 and fp32 have none); under context parallelism x CP, as a rank's share of the
+    language-model loss is (pipe/context_parallel.py): DeepSpeed averages the shares over DP x CP."""
     loss_scale = getattr(engine.optimizer, "loss_scale", 1.0) if engine.fp16_enabled() else 1.0
-    return float(loss_scale) / engine.micro_batches
+    return float(loss_scale) * context_parallel_size(engine.module) / engine.micro_batches
 
 
 def ensure_expert_parallel(config, topo):
@@ -138,7 +140,8 @@ def router_metrics(engine):
         for layer, counts in rank_loads.items():
             old = total_loads.get(layer, [0.0] * len(counts))
             total_loads[layer] = [a + b for a, b in zip(old, counts)]
-    per_micro_batch = engine.micro_batches * engine.grid.get_data_parallel_world_size() * max(1, len(total_loads))
+    replicas = engine.grid.get_data_parallel_world_size() // context_parallel_size(engine.module)  # CP: shares
+    per_micro_batch = engine.micro_batches * replicas * max(1, len(total_loads))
     metrics = {k: v / per_micro_batch for k, v in total_sums.items()}
     metrics["expert_load"] = {layer: max(c) / (sum(c) / len(c)) for layer, c in sorted(total_loads.items()) if sum(c)}
     return metrics

@@ -21,7 +21,7 @@ from .auto_start import AutoPlan, start_auto
 from .config import ConfigError, PipelineSettings, pipeline_settings
 from .messages import MessagePlan, lookahead, reads
 from .partition import is_cost_method
-from .segments import segment_lengths, sequence_shards
+from .segments import context_shards, segment_lengths, sequence_shards
 from .vocab_messages import token_shards, width
 
 
@@ -92,6 +92,20 @@ def check_vocab_parallel_run(settings: PipelineSettings, config, pp: int) -> Non
                           f"pad it to a multiple of {pp * tp} (--make-vocab-size-divisible-by)")
 
 
+def check_context_parallel_run(settings: PipelineSettings, config) -> None:
+    """What context parallelism does not combine with yet."""
+    cp = f"--context-parallel-size {config.context_parallel_size}"
+    if settings.auto_recompute:
+        raise ConfigError(f'{cp} with ds_config "pipeline.auto_recompute": true: the recompute model '
+                          "(schedules/recompute.layer_memory) counts a layer holding the whole sequence; give the "
+                          "recompute flags yourself")
+    moe = getattr(config, "moe", None)
+    if moe is not None and moe.capacity_factor:
+        raise ConfigError(f"{cp} with --moe-expert-capacity-factor: which tokens an expert drops depends on the "
+                          "whole sequence, which each context-parallel rank holds 1/CP of; leave the factor out "
+                          "(dropless)")
+
+
 @dataclass(frozen=True)
 class RankProgram:
     """What one rank runs for one batch size: its ops, the whole pipeline's messages, and for each
@@ -105,7 +119,8 @@ class RankProgram:
 @dataclass(frozen=True)
 class PipelinePlan:
     """Frozen: a switch of schedule ("auto") is a new plan, which the engine then holds. `sequence_shards`:
-    the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1. `make`: `(pp, m)`
+    the TP size under sequence parallelism (a message holds 1/TP of the tokens), else 1; `context_shards`: the
+    CP size (a message holds this context-parallel rank's 1/CP of the tokens). `make`: `(pp, m)`
     -> a searched schedule (schedules/auto.py) that "auto" switched to; None: the settings build it.
     An "auto" run's AutoPlan is not part of it: make_plan hands it out beside the plan, for the engine."""
     settings: PipelineSettings
@@ -118,6 +133,7 @@ class PipelinePlan:
     sequence_shards: int = 1
     make: object = None
     documents: bool = False  # every stage reads the micro-batches' tokens: its layers need their documents
+    context_shards: int = 1
     # memos of pure functions of the fields above (not state: a switch starts new ones)
     _schedules: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     _programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
@@ -205,11 +221,15 @@ class PipelinePlan:
         return self.segment_lengths[seq] if self.segment_lengths else self.seq_length
 
     def message_shape(self, key: tuple) -> tuple:
-        """(micro batch, tokens, hidden) of a message; its last field is the segment. Under sequence
-        parallelism a message is this TP rank's shard of the tokens. A vocabulary message's last
-        dimension is its own (vocab_messages.width)."""
-        seq = self.segment_length(key[-1])
+        """(micro batch, tokens, hidden) of a message; its last field is the segment. Under context
+        parallelism a message holds this CP rank's tokens, under sequence parallelism this TP rank's shard of
+        them. A vocabulary message's last dimension is its own (vocab_messages.width)."""
+        seq = self.local_length(key[-1])
         return (self.micro_batch_size, seq // token_shards(key, self.sequence_shards), width(key, self.hidden_size))
+
+    def local_length(self, seq: int) -> int:
+        """The tokens of segment `seq` (the sequence's when it is not split) one context-parallel rank holds."""
+        return self.segment_length(seq) // self.context_shards
 
     def needs_data(self, rank: int) -> bool:
         """Whether `rank` holds the first stage (inputs) or the loss stage (labels) of a replica; under
@@ -238,6 +258,9 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
     seq = seq_length or config.max_position_embeddings
     if settings.vocab_parallel:
         check_vocab_parallel_run(settings, config, pp)
+    cp = getattr(config, "context_parallel_size", 1)
+    if cp > 1:
+        check_context_parallel_run(settings, config)
     auto_plan = None
     if settings.auto:
         settings, auto_plan = start_auto(settings, config, ds_config, pp, mbs, gas, seq, keys)
@@ -265,6 +288,8 @@ def make_plan(config, ds_config: dict, pp: int, dp: int, seq_length: int | None 
                               f"add up to {sum(lengths)} tokens, --seq-length is {seq}")
     shards = sequence_shards(getattr(config, "tensor_model_parallel_size", 1),
                              getattr(config, "sequence_parallel", False), seq, lengths)
+    contexts = context_shards(cp, getattr(config, "tensor_model_parallel_size", 1),
+                              getattr(config, "sequence_parallel", False), seq, lengths)
     documents = bool(getattr(config, "documents_in_every_stage", False))
     return PipelinePlan(settings, pp, mbs, gas, seq, config.hidden_size, lengths, shards,
-                        documents=documents), auto_plan
+                        documents=documents, context_shards=contexts), auto_plan

@@ -1,5 +1,8 @@
-"""Seq1F1B's segments of a sequence and sequence parallelism's shards of it (pure data, no torch): the cut
-the plan runs (pipe/plan.py) and the cuts "auto" weighs (pipe/auto_start.py) come of the same rules here."""
+"""Seq1F1B's segments of a sequence, and sequence and context parallelism's shards of it (pure data, no torch):
+the cut the plan runs (pipe/plan.py) and the cuts "auto" weighs (pipe/auto_start.py) come of the same rules
+here."""
+import math
+
 from megatron_ds.schedules import ScheduleError
 from megatron_ds.schedules.flops import layer_shape
 from megatron_ds.schedules.seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
@@ -22,9 +25,18 @@ def segment_lengths(settings: PipelineSettings, config, seq_length: int, keys=No
         return even_segment_lengths(seq_length, k)
     try:
         return balanced_segment_lengths(seq_length, k, config.hidden_size, config.ffn_hidden_size,
-                                        SEGMENT_MULTIPLE, **flop_shape(config), keys=keys)
+                                        segment_multiple(config), **flop_shape(config), keys=keys)
     except ScheduleError as exc:
         raise ConfigError(f"{where}: {exc}; use fewer segments, a longer sequence or \"even\"") from None
+
+
+def segment_multiple(config) -> int:
+    """What every balanced segment length is a multiple of: SEGMENT_MULTIPLE, and under context parallelism
+    2 x CP (x TP with --sequence-parallel; context_shards). The layout is load-balanced, so a segment's
+    attention FLOPs split evenly over the CP ranks: the cut weighs the same costs as without CP."""
+    cp = getattr(config, "context_parallel_size", 1)
+    tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
+    return math.lcm(SEGMENT_MULTIPLE, 2 * cp * tp) if cp > 1 else SEGMENT_MULTIPLE
 
 
 def flop_shape(config) -> dict:
@@ -48,3 +60,25 @@ def sequence_shards(tp: int, sequence_parallel: bool, seq_length: int, lengths: 
                           f'ds_config "pipeline.seq_splits" cuts --seq-length {seq_length} into {lengths}, and '
                           f'{uneven} are not multiples of --tensor-model-parallel-size {tp}')
     return tp
+
+
+def context_shards(cp: int, tp: int, sequence_parallel: bool, seq_length: int, lengths: list | None = None) -> int:
+    """How many context-parallel ranks share a sequence (CP). Each rank holds 2 of its 2 x CP equal chunks
+    (model/context_parallel/layout.py), so 2 x CP divides the sequence and each Seq1F1B segment (cut on its own);
+    under --sequence-parallel a rank's tokens are cut TP ways again: 2 x CP x TP divides them."""
+    if cp == 1:
+        return 1
+    # the rule of model/context_parallel/layout.layout_problem, here without torch (the parse imports this module)
+    unit = 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
+    what = "2 x --context-parallel-size" + (" x --tensor-model-parallel-size (--sequence-parallel)" if unit > 2 * cp
+                                            else "")
+    if seq_length % unit:
+        raise ConfigError(f"--seq-length ({seq_length}) must be divisible by {what} ({unit}): the sequence is cut "
+                          "into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r"
+                          + (", each split again over the tensor-parallel ranks" if unit > 2 * cp else ""))
+    uneven = [n for n in lengths or [] if n % unit]
+    if uneven:
+        raise ConfigError(f'--context-parallel-size {cp} cuts each Seq1F1B segment into 2 x CP chunks: ds_config '
+                          f'"pipeline.seq_splits" cuts --seq-length {seq_length} into {lengths}, and {uneven} are not '
+                          f'multiples of {what} ({unit}); use "seq_split_method": "even" or fewer segments')
+    return cp

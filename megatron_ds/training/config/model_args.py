@@ -104,12 +104,13 @@ def check_liger():
 
 
 def run_gpt_config(args):
-    """The run's GPTConfig, built once at parse time, with the tensor-parallel split it runs under. The
+    """The run's GPTConfig, built once at parse time, with the tensor- and context-parallel split it runs under. The
     vocabulary is --pad-vocab-size-to's, else None until the tokenizer pads it (model_setup.model_config)."""
     try:
         return dataclasses.replace(gpt_config_from_args(args), vocab_size=args.pad_vocab_size_to,
                                    tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                   sequence_parallel=args.sequence_parallel, moe=moe_config_from_args(args))
+                                   sequence_parallel=args.sequence_parallel, moe=moe_config_from_args(args),
+                                   context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type)
     except ValueError as exc:  # GPTConfig's own rules (and ParallelConfigError: the split over TP ranks)
         raise ArgumentsError(str(exc)) from None
 

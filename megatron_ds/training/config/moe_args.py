@@ -138,8 +138,10 @@ def validate_moe_args(args):
 
 
 def check_expert_parallel_size(args):
-    """With the data-parallel size derived (ArgumentsError, exit 2, before any process group starts)."""
+    """With the data-parallel size derived (ArgumentsError, exit 2, before any process group starts). The experts
+    are shared out over the topology's data axis, which holds the context-parallel ranks too (DP x CP)."""
     moe = args.gpt_config.moe
-    problem = expert_parallel_problem(moe.expert_model_parallel_size, args.data_parallel_size) if moe else ""
+    cp = getattr(args, "context_parallel_size", 1)
+    problem = expert_parallel_problem(moe.expert_model_parallel_size, args.data_parallel_size, cp) if moe else ""
     if problem:
         raise ArgumentsError(problem)

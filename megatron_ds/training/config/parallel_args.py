@@ -1,15 +1,22 @@
-"""Tensor-parallel flags and the (pipe, data, model) layout of the ranks.
+"""Tensor- and context-parallel flags and the (pipe, data, model) layout of the ranks.
 
 The ranks are laid out as DeepSpeed's PipeModelDataParallelTopology: axes (pipe, data,
-model), model fastest. Rank r is tensor rank r % TP, data rank (r // TP) % DP and
-pipeline stage r // (TP x DP), with DP = world / (PP x TP).
+model), model fastest. Rank r is tensor rank r % TP, data-axis rank (r // TP) % (DP x CP) and
+pipeline stage r // (TP x DP x CP), with DP = world / (PP x TP x CP). Under context parallelism the
+data axis holds the CP ranks inner (Megatron's tp-cp-dp-pp order): data-axis rank d is context-parallel
+rank d % CP of data-parallel replica d // CP, and gradients and ZeRO-1 shards go over the whole axis.
+
+The context-parallel flags may sit in the ds_config's "context_parallel" section too, keyed by the flags'
+names with underscores ({"context_parallel": {"context_parallel_size": 2, "cp_comm_type": "p2p"}}, as the
+"moe" section carries the MoE flags); given twice they must agree.
 
 The layout and the model split are checked at parse time (no torch, no process group),
 so a bad combination is one line and exit code 2 before anything starts.
 """
+from megatron_ds.gpt_config import CP_COMM_TYPES
 from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
 from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
-from megatron_ds.pipe.segments import sequence_shards
+from megatron_ds.pipe.segments import context_shards, sequence_shards
 
 from ..errors import ArgumentsError
 
@@ -21,11 +28,50 @@ def add_parallel_args(parser):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="also split the sequence outside attention and MLP over the tensor-parallel ranks "
                         "(Megatron's sequence parallelism; pipeline messages carry the shards)")
+    g = parser.add_argument_group("context parallelism")
+    g.add_argument("--context-parallel-size", type=int, default=None,
+                   help="split each sequence over this many ranks, attention exchanging keys and values "
+                        "(Megatron-core's context parallelism; default 1)")
+    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=None,
+                   help="how attention exchanges them: p2p (a ring), allgather, a2a (heads <-> sequence; "
+                        "default p2p)")
+
+
+CP_SECTION = "context_parallel"  # ds_config {"context_parallel": {<a CP flag's dest>: value}}
+_CP_DEFAULTS = {"context_parallel_size": 1, "cp_comm_type": "p2p"}
+
+
+def merge_context_parallel(args, ds_config: dict):
+    """args.context_parallel_size and args.cp_comm_type from the flags and the ds_config's "context_parallel"
+    section (one may give what the other leaves out; given twice they must agree)."""
+    src = args.deepspeed_config
+    section = ds_config.get(CP_SECTION)
+    if section is None:
+        section = {}
+    if not isinstance(section, dict):
+        raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} must be an object, got {section!r}')
+    unknown = sorted(set(section) - set(_CP_DEFAULTS))
+    if unknown:
+        raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} has unknown key{"s" if len(unknown) > 1 else ""} '
+                             f'{", ".join(map(repr, unknown))}: its keys are {" and ".join(_CP_DEFAULTS)}')
+    merged = {}
+    for dest, default in _CP_DEFAULTS.items():
+        flag, value, given = "--" + dest.replace("_", "-"), section.get(dest), getattr(args, dest)
+        kind_ok = (isinstance(value, int) and not isinstance(value, bool)) if dest == "context_parallel_size" \
+            else value in CP_COMM_TYPES
+        if value is not None and not kind_ok:
+            raise ArgumentsError(f'ds_config "{CP_SECTION}.{dest}" = {value!r} in {src}: not a value {flag} takes')
+        if given is not None and value is not None and given != value:
+            raise ArgumentsError(f'{flag} {given} disagrees with ds_config "{CP_SECTION}.{dest}" = {value} in {src}; '
+                                 "give one of them, or make them equal")
+        merged[dest] = next(v for v in (given, value, default) if v is not None)
+    args.context_parallel_size, args.cp_comm_type = merged["context_parallel_size"], merged["cp_comm_type"]
 
 
 def check_parallel_args(args):
-    """Check TP x PP against the world and the model split (arguments.py derives data_parallel_size)."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    """Check TP x CP x PP against the world, the model split and the context-parallel cut of the sequence
+    (arguments.py derives data_parallel_size)."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     # Without --pad-vocab-size-to the tokenizer pads to a multiple of make_vocab_size_divisible_by x TP,
     # which TP divides by construction; the size itself is known only once the tokenizer is loaded.
     try:
@@ -33,14 +79,14 @@ def check_parallel_args(args):
                               num_attention_heads=args.num_attention_heads,
                               ffn_hidden_size=args.gpt_config.ffn_hidden_size,
                               padded_vocab_size=args.pad_vocab_size_to, num_key_value_heads=args.num_key_value_heads,
-                              sequence_parallel=args.sequence_parallel)
+                              sequence_parallel=args.sequence_parallel, context_parallel=cp)
     except ParallelConfigError as e:
         raise ArgumentsError(str(e)) from None
-    if args.sequence_parallel:
-        try:
-            sequence_shards(tp, True, args.seq_length)
-        except ConfigError as e:
-            raise ArgumentsError(str(e)) from None
+    try:
+        sequence_shards(tp, args.sequence_parallel, args.seq_length)
+        context_shards(cp, tp, args.sequence_parallel, args.seq_length)
+    except ConfigError as e:
+        raise ArgumentsError(str(e)) from None
 
 
 def check_sequence_parallel_ds_config(args):
@@ -55,7 +101,8 @@ def check_sequence_parallel_ds_config(args):
 def rank_coordinates(args, rank):
     """(pipeline stage, data-parallel rank, tensor-parallel rank) of `rank` in DeepSpeed's topology."""
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    cp = getattr(args, "context_parallel_size", 1)
     topo = PipeModelDataParallelTopology(num_pp=args.pipeline_model_parallel_size,
-                                         num_mp=args.tensor_model_parallel_size, num_dp=args.data_parallel_size)
+                                         num_mp=args.tensor_model_parallel_size, num_dp=args.data_parallel_size * cp)
     coord = topo.get_coord(rank)
-    return coord.pipe, coord.data, coord.model
+    return coord.pipe, coord.data // cp, coord.model

@@ -180,6 +180,23 @@ def _wrap(name, fn):
     return call
 
 
+def _unwrapping_p2p_op(base):
+    """torch's P2POp refuses an op that is not torch.distributed's own isend or irecv, which the wrapped ones
+    are not: it is handed the function they wrap (batch_isend_irecv, wrapped, still names a failed call)."""
+
+    class P2POp(base):
+        unwraps_ops = True
+
+        def __new__(cls, op, *args, **kwargs):
+            return base.__new__(cls, getattr(op, "__wrapped__", op), *args, **kwargs)
+
+        def __init__(self, op, *args, **kwargs):
+            super().__init__(getattr(op, "__wrapped__", op), *args, **kwargs)
+
+    P2POp.__doc__ = base.__doc__
+    return P2POp
+
+
 def report_and_exit(error, rank):
     """The one line every rank prints for a failed collective, then an exit that waits for nothing."""
     print_error(f"rank {rank}: {error}")
@@ -221,6 +238,8 @@ def install(timeout, grace=None):
         return new_group(*args, **kwargs)
 
     dist.new_group = c10d.new_group = new_group_with_timeout
+    if not getattr(dist.P2POp, "unwraps_ops", False):  # batched p2p (context parallelism's ring attention)
+        dist.P2POp = _unwrapping_p2p_op(dist.P2POp)
     for name in OPS:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "__wrapped_by_megatron_ds__", False):

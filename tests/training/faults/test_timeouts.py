@@ -69,3 +69,27 @@ def test_watchdog_ends_a_call_the_backend_never_times_out():
     waited = re.match(r"pretrain_gpt.py: error: rank 5: all_reduce on the world group still waiting after (\d+) s, "
                       r"past --distributed-timeout-minutes 0.0333333 \(watchdog\): a peer is frozen$", proc.stderr.strip())
     assert waited and 3 <= int(waited.group(1)) <= 6, proc.stderr
+
+
+def _batched_ring():
+    import torch
+    import torch.distributed as dist
+    from megatron_ds.training.faults import timeouts
+    timeouts.install(datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    received = torch.empty(2)
+    ops = [dist.P2POp(dist.isend, torch.full((2,), float(rank)), (rank + 1) % world),
+           dist.P2POp(dist.irecv, received, (rank - 1) % world)]
+    works = dist.batch_isend_irecv(ops)
+    for work in works:
+        work.wait()
+    return received.tolist(), type(works[0]).__name__
+
+
+def test_batched_p2p_takes_the_wrapped_send_and_receive():
+    """torch's P2POp accepts only its own isend/irecv: with them wrapped (context parallelism's ring attention
+    batches its K/V exchange) it is handed the functions they wrap; the batch's Works are wrapped as any call's."""
+    results = run_ranks(3, _batched_ring, timeout=300)
+    assert [r[0] for r in results] == [[2.0, 2.0], [0.0, 0.0], [1.0, 1.0]]
+    assert {r[1] for r in results} == {"_Work"}
