@@ -109,20 +109,20 @@ def ds_config(gas, dp, pipeline, zero=0):
             "steps_per_print": 10 ** 9, "pipeline": dict(pipeline)}
 
 
-def rank_runs(pp, gas, cases, steps=STEPS):
+def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None):
     """Per-rank side: for each (family, pipeline section, ZeRO stage, packed) in `cases` cut the model
     (pipe.hf.pipeline_module), build the engine (megatron_ds.initialize), train `steps` steps. Returns per case
     the losses, this rank's weights and (ZeRO 0: the optimizer sees whole gradients) first-step gradients by the
-    model's names."""
+    model's names; `save_dir`: then save_pretrained into save_dir/CASE_INDEX."""
     import deepspeed
     import torch.distributed as dist
 
     import megatron_ds
-    from megatron_ds.pipe.hf import PARTITION, hf_names, pipeline_module
+    from megatron_ds.pipe.hf import PARTITION, hf_names, pipeline_module, save_pretrained
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     out = []
-    for name, pipeline, zero, packed in cases:
+    for i, (name, pipeline, zero, packed) in enumerate(cases):
         model = build(name)
         user = pipeline_module(model, num_stages=pp)
         section = {"partition_method": PARTITION, **pipeline}
@@ -138,6 +138,8 @@ def rank_runs(pp, gas, cases, steps=STEPS):
         params = dict(engine.module.named_parameters())
         grads = ({names[n]: RecordingAdamW.first[p] for n, p in params.items() if p in RecordingAdamW.first}
                  if zero == 0 else None)
+        if save_dir is not None:
+            save_pretrained(engine, model, f"{save_dir}/{i}")
         out.append(dict(losses=losses, grads=grads, engine=type(engine).__name__, in_w=engine.weights_in_w,
                         weights={names[n]: p.detach().clone() for n, p in params.items()}))
     return out

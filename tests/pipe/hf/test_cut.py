@@ -126,3 +126,12 @@ def test_a_forward_the_cut_does_not_know_is_refused():
     model.forward = scaled.__get__(model)
     with pytest.raises(CutError, match="do not give the model's logits"):
         check_cut(model, Parts(model).layer_list())
+
+
+def test_save_pretrained_writes_a_new_folder_only(tmp_path):
+    from megatron_ds.pipe.hf.save import check_new_folder
+    assert check_new_folder(tmp_path / "new") == str(tmp_path / "new")
+    with pytest.raises(CutError, match="already exists"):
+        check_new_folder(tmp_path)
+    with pytest.raises(CutError, match="no such folder"):
+        check_new_folder(tmp_path / "a" / "b")

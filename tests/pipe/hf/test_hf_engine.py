@@ -3,11 +3,14 @@ transformers model trained on one process (tests/hf_harness.py): every step's lo
 and the weights after 3 AdamW steps within 1e-5 (fp32, dropout 0), by the model's own parameter names. LLaMA
 (tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; Qwen3, Mistral (a sliding
 window that bites), Gemma 3 (sliding layers with their own rotary, capped logits), Phi-3, OLMo 2 and Mixtral
-(MoE) under 1f1b or zbv, at PP 2; PP 2 x DP 2 with ZeRO-1 and with packed documents. One launch per layout."""
+(MoE) under 1f1b or zbv, at PP 2; PP 2 x DP 2 with ZeRO-1 and with packed documents. One launch per layout.
+Each run ends in save_pretrained, whose folder transformers loads with the same weights."""
+import functools
+
 import pytest
 
 from megatron_ds.testing.launcher import run_ranks
-from tests.hf_harness import assert_matches, rank_runs, reference_run
+from tests.hf_harness import assert_matches, build, rank_runs, reference_run
 
 GAS = 4
 SPLIT = {"zbv", "dualpipev"}
@@ -21,18 +24,24 @@ LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documen
 }
 
 
+@functools.lru_cache(maxsize=None)
+def reference(family, n, packed):
+    return reference_run(family, n, packed=packed)
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def launched(request):
+def launched(request, tmp_path_factory):
     world, pp, cases = LAYOUTS[request.param]
-    return request.param, cases, run_ranks(world, rank_runs, pp, GAS, cases, timeout=900, quiet=True)
+    saved = tmp_path_factory.mktemp(request.param)
+    per_rank = run_ranks(world, rank_runs, pp, GAS, cases, save_dir=str(saved), timeout=900, quiet=True)
+    return request.param, cases, per_rank, saved
 
 
 def test_hf_models_train_as_on_one_process(launched):
-    layout, cases, per_rank = launched
+    layout, cases, per_rank, _ = launched
     dp = len(per_rank) // LAYOUTS[layout][1]
-    refs = {}
     for i, (family, pipeline, zero, packed) in enumerate(cases):
-        ref = refs.setdefault((family, packed), reference_run(family, dp * GAS, packed=packed))
+        ref = reference(family, dp * GAS, packed)
         results = [r[i] for r in per_rank]
         try:
             assert_matches(results, ref)
@@ -42,3 +51,20 @@ def test_hf_models_train_as_on_one_process(launched):
         assert (zero == 0) == all(r["grads"] is not None for r in results)
         # the split schedules take the weight gradients in W ops (autograd's split), the others in the backward
         assert (sum(r["in_w"] for r in results) > 0) == (pipeline["schedule"] in SPLIT), (family, pipeline)
+
+
+def test_the_trained_weights_load_in_transformers(launched):
+    """save_pretrained's folder (the weights gathered from every pipeline rank) is a transformers model of the
+    same class whose weights are the reference's after 3 steps."""
+    from transformers import AutoModelForCausalLM
+    layout, cases, per_rank, saved = launched
+    dp = len(per_rank) // LAYOUTS[layout][1]
+    for i, (family, pipeline, _, packed) in enumerate(cases):
+        ref = reference(family, dp * GAS, packed)
+        model = AutoModelForCausalLM.from_pretrained(saved / str(i), local_files_only=True)
+        assert type(model).__name__ == type(build(family)).__name__
+        weights = dict(model.named_parameters())
+        assert set(weights) == set(ref["weights"])
+        for name, w in weights.items():
+            diff = (w - ref["weights"][name]).abs().max().item()
+            assert diff <= 1e-5, f"{layout} {family} {pipeline}: saved {name} differs by {diff:.3g}"
