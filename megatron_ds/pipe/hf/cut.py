@@ -16,9 +16,11 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from megatron_ds.errors import UserError
 
 from . import attention
-from .layers import HFDecoderLayer, HFEmbedding, HFHead, HFNorm, causal_lm_loss, tied_head
+from .layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm, causal_lm_loss, tied_head
 
-PARTITION = "type:HFDecoderLayer"  # the decoder layers balanced over the stages; embedding first, head last
+# the decoder layers balanced over the stages, embedding first, head last; the shipped ds_configs' "type:transformer"
+# (the GPT's layers) matches them too
+PARTITION = "type:HFTransformerLayer"
 
 
 class CutError(UserError):
@@ -94,7 +96,7 @@ class Parts:
     def layer_list(self):
         """The PipelineModule's layer list."""
         types = self.layer_types()
-        decoders = [HFDecoderLayer(layer, self.rotary, types[i]) for i, layer in enumerate(self.layers)]
+        decoders = [HFTransformerLayer(layer, self.rotary, types[i]) for i, layer in enumerate(self.layers)]
         if self.tied:
             ends = (TiedLayerSpec("embed", HFEmbedding, self.embed, self.lm_head, self.softcap),
                     TiedLayerSpec("embed", HFEmbedding, self.embed, self.lm_head, self.softcap, forward_fn=tied_head))

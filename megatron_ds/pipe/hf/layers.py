@@ -38,8 +38,8 @@ class HFEmbedding(torch.nn.Module):
         return self.embed_tokens(input_ids), position_ids
 
 
-class HFDecoderLayer(torch.nn.Module):
-    """One decoder layer of the model: its rotary cos/sin from the position ids (the model's rotary module, for
+class HFTransformerLayer(torch.nn.Module):
+    """One decoder layer of the model (named so that DeepSpeed's "type:transformer", the GPT's cut, finds it): its rotary cos/sin from the position ids (the model's rotary module, for
     this layer's type where the model has several), no mask (our attention makes it), no cache."""
 
     def __init__(self, layer, rotary, layer_type=None):

@@ -9,7 +9,7 @@ from megatron_ds.errors import UserError
 from megatron_ds.pipe.hf import CutError, load
 from megatron_ds.pipe.hf import attention as attn
 from megatron_ds.pipe.hf.cut import Parts, check_cut, sequential
-from megatron_ds.pipe.hf.layers import HFDecoderLayer, HFEmbedding, HFHead, HFNorm
+from megatron_ds.pipe.hf.layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm
 from tests.hf_harness import SIZES, build, config
 
 FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "mixtral"]
@@ -34,7 +34,7 @@ def test_the_cut_gives_the_models_logits(family):
     parts = Parts(model)
     layers = parts.layer_list()
     assert isinstance(layers[0], (HFEmbedding, type(layers[-1]))) and isinstance(layers[-2], HFNorm)
-    assert [type(x) for x in layers[1:-2]] == [HFDecoderLayer] * 4
+    assert [type(x) for x in layers[1:-2]] == [HFTransformerLayer] * 4
     assert parts.tied == (family in ("llama", "gemma3", "gemma2")) and isinstance(layers[-1], HFHead) != parts.tied
     ids = torch.randint(0, 64, (2, 14))
     positions = torch.tensor([list(range(9)) + list(range(5)), list(range(3)) + list(range(11))])
