@@ -3,7 +3,9 @@ tokenizer) on a Hugging Face causal LM cut by megatron_ds.pipe.hf. Three torchru
 a tiny LLaMA folder: 4 iterations under DeepSpeed's own engine (no schedule); 2 under zbv (the shipped ds_config,
 its "type:transformer" cut), saved; resumed from
 that save under 1f1b for iterations 3-4. Every iteration's loss equals the stock run's within 1e-5, and the
-Hugging Face folder each run saves at its end loads in transformers. Bad --hf-model input exits 2 with one line."""
+Hugging Face folder each run saves at its end loads in transformers. The documents are packed (positions restart
+after each end of document, attention within documents, the end-of-document predictions not scored). Bad
+--hf-model input exits 2 with one line."""
 import json
 import os
 import subprocess
@@ -44,7 +46,8 @@ def run(tmp_path, name, ds_config, *extra, nproc=2):
               "--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--pipeline-model-parallel-size", "2",
               "--data-path", str(tmp_path / "corpus"), "--split", "90,10,0", "--log-interval", "1",
               "--eval-interval", "2", "--eval-iters", "1", "--deepspeed", "--deepspeed_config", str(config),
-              "--metrics-file", str(metrics), *extra]
+              "--metrics-file", str(metrics), "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
+              *extra]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
            str(free_port()), *script]
     proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(ROOT, OMP_NUM_THREADS="1"), capture_output=True,
@@ -102,6 +105,7 @@ def test_the_end_of_a_run_saves_a_transformers_folder(runs):
     (["--hf-model", "no-such-folder"], "--hf-model no-such-folder: no such folder"),
     (["--hf-model", "HF", "--num-layers", "3"], "--num-layers 3 disagrees with --hf-model's num_hidden_layers 4"),
     (["--hf-model", "HF", "--swiglu"], "--swiglu describes our GPT's layers"),
+    (["--hf-model", "HF", "--reset-attention-mask"], "--hf-model with --reset-attention-mask alone"),
     ([], "missing required flags --num-layers, --hidden-size, --num-attention-heads"),  # no --hf-model: the GPT's
 ])
 def test_bad_hf_model_input_exits_2(tmp_path, flags, message):

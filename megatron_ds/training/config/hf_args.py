@@ -5,7 +5,9 @@ The folder's config.json gives the model's sizes (read here, torch-free, so a ba
 --num-layers, --hidden-size, --num-attention-heads and --ffn-hidden-size are taken from it, and one given that
 disagrees is refused; the tokenizer is the folder's (PretrainedFromHF) unless --tokenizer-name-or-path names
 another. The flags that describe our GPT's own layers, and the pipeline features that need them (Seq1F1B's
-segments, vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint), are refused.
+segments, vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint), are refused; so is
+one of --reset-position-ids and --reset-attention-mask without the other (the layers find documents where the
+position ids restart: pipe/hf/attention.py).
 """
 import os
 
@@ -80,3 +82,8 @@ def check_hf_pipeline(args):
         if on:
             raise ArgumentsError(f"--hf-model with {what}: not run yet for a Hugging Face model (the cut runs "
                                  "pipeline x data parallelism under the named schedules)")
+    if args.reset_position_ids != args.reset_attention_mask:
+        given, missing = (("--reset-position-ids", "--reset-attention-mask") if args.reset_position_ids
+                          else ("--reset-attention-mask", "--reset-position-ids"))
+        raise ArgumentsError(f"--hf-model with {given} alone: a Hugging Face model's layers see a new document where "
+                             f"the position ids restart, so give {missing} too")
