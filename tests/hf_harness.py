@@ -118,17 +118,24 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None):
     import torch.distributed as dist
 
     import megatron_ds
+    from megatron_ds.pipe.config import pipeline_settings
     from megatron_ds.pipe.hf import PARTITION, hf_names, pipeline_module, save_pretrained
+    from megatron_ds.pipe.hf.engine import build_engine
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     out = []
     for i, (name, pipeline, zero, packed) in enumerate(cases):
         model = build(name)
-        user = pipeline_module(model, num_stages=pp)
         section = {"partition_method": PARTITION, **pipeline}
         config = ds_config(gas, dist.get_world_size() // pp, section, zero)
         RecordingAdamW.first = None
-        engine = megatron_ds.initialize(model=user, optimizer=optimizer(user.parameters(), zero == 0), config=config)[0]
+        if pipeline.get("seq_splits", 1) > 1:  # Seq1F1B: pipe.hf's own engine (megatron_ds.initialize refuses it)
+            engine = build_engine(model, config, pipeline_settings(config), pp, dist.get_world_size() // pp,
+                                  lambda module: optimizer(module.parameters(), zero == 0), seq_length=SEQ)[0]
+        else:
+            user = pipeline_module(model, num_stages=pp)
+            engine = megatron_ds.initialize(model=user, optimizer=optimizer(user.parameters(), zero == 0),
+                                            config=config)[0]
         dp_rank = engine.grid.get_data_parallel_rank()
         losses = []
         for step in range(steps):
@@ -141,6 +148,7 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None):
         if save_dir is not None:
             save_pretrained(engine, model, f"{save_dir}/{i}")
         out.append(dict(losses=losses, grads=grads, engine=type(engine).__name__, in_w=engine.weights_in_w,
+                        segments=getattr(engine, "plan", None) and engine.plan.segment_lengths,
                         weights={names[n]: p.detach().clone() for n, p in params.items()}))
     return out
 

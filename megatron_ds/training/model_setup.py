@@ -61,7 +61,8 @@ def setup_hf_model(args):
                                  args.pipeline_model_parallel_size, args.data_parallel_size,
                                  lambda module: build_optimizer(module, args),
                                  lambda optimizer: lr_schedule(optimizer, args),
-                                 activation_checkpoint_interval=args.activation_checkpoint_interval)
+                                 activation_checkpoint_interval=args.activation_checkpoint_interval,
+                                 seq_length=args.seq_length)
     print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}; "
                  f"{type(model).__name__} from {args.hf_model}")
     return engine, engine.lr_scheduler, model

@@ -13,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from megatron_ds.errors import UserError
+from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 
 NAME = "megatron_ds"
 
@@ -44,18 +45,48 @@ def mask_from_positions(position_ids, length, window=None):
     return allowed[:, None]
 
 
+def _slot(module):
+    """The attention module's place in the segment K/V cache (a plain attribute: not a submodule or buffer)."""
+    slot = module.__dict__.get("_megatron_kv_slot")
+    if slot is None:
+        slot = module.__dict__["_megatron_kv_slot"] = KVSlot()
+    return slot
+
+
+def segment_mask(position_ids, offset, queries, keys, window=None):
+    """[queries, keys] mask (True: attend) of a Seq1F1B segment: query i is position offset + i, which sees keys
+    [0, offset + i] (and within `window` back). The segment's position ids must go on from the offset: a
+    document restarting inside a micro-batch split into segments would need the earlier segments' positions."""
+    if position_ids is not None:
+        expected = torch.arange(offset, offset + queries, device=position_ids.device)
+        if not bool((position_ids == expected).all()):
+            raise AttentionError("packed documents (position ids restarting) with Seq1F1B's segments: not run yet for "
+                                 "a Hugging Face model; leave the documents whole or choose a schedule without "
+                                 "segments")
+    q = torch.arange(offset, offset + queries)[:, None]
+    k = torch.arange(keys)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-interface signature: query [b, h, s, d], key/value [b, h_kv, s, d] ->
     ([b, s, h, d], no weights)."""
     if kwargs.get("s_aux") is not None:
         raise AttentionError(f"{type(module).__name__}: attention sinks (s_aux) are not in megatron_ds's attention; "
                              "this model cannot be cut into pipeline stages yet")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    segment = SegmentKVCache.current() if SegmentKVCache.opened else None
+    mask = attention_mask
+    if segment is not None:  # Seq1F1B: this segment's queries over the keys of every position up to its end
+        key, value = segment.extend(_slot(module), key, value)
+        mask = segment_mask(kwargs.get("position_ids"), segment.offset, query.shape[2], key.shape[2], window)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    mask = attention_mask
-    if mask is None:
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if mask is None and segment is None:
         mask = mask_from_positions(kwargs.get("position_ids"), query.shape[2], window)
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))

@@ -93,5 +93,10 @@ def tied_head(module, hidden):
 
 def causal_lm_loss(logits, labels):
     """Mean cross entropy of the next-token labels (already shifted: labels[t] follows input_ids[t]), -100
-    ignored, as transformers' ForCausalLMLoss on unshifted labels."""
+    ignored, as transformers' ForCausalLMLoss on unshifted labels. A Seq1F1B segment's labels come as (its
+    labels, the micro-batch's scored token count): its share, the segments' shares summing to the mean."""
+    if isinstance(labels, tuple):
+        labels, scored = labels
+        total = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        return total / scored
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -135,3 +135,13 @@ def test_save_pretrained_writes_a_new_folder_only(tmp_path):
         check_new_folder(tmp_path)
     with pytest.raises(CutError, match="no such folder"):
         check_new_folder(tmp_path / "a" / "b")
+
+
+def test_a_seq1f1b_segments_mask():
+    """Segment [4, 7) of a sequence: query i (position 4 + i) sees keys 0..4 + i, and a window 3 back of it."""
+    mask = attn.segment_mask(torch.tensor([[4, 5, 6]]), 4, 3, 7)
+    assert mask.tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False], [True] * 7]
+    windowed = attn.segment_mask(None, 4, 3, 7, window=3)
+    assert windowed.tolist()[0] == [False, False, True, True, True, False, False]
+    with pytest.raises(attn.AttentionError, match="packed documents .* with Seq1F1B's segments"):
+        attn.segment_mask(torch.tensor([[4, 0, 1]]), 4, 3, 7)  # a document starting inside the segment

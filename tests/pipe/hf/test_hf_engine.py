@@ -3,7 +3,8 @@ transformers model trained on one process (tests/hf_harness.py): every step's lo
 and the weights after 3 AdamW steps within 1e-5 (fp32, dropout 0), by the model's own parameter names. LLaMA
 (tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; Qwen3, Mistral (a sliding
 window that bites), Gemma 3 (sliding layers with their own rotary, capped logits), Phi-3, OLMo 2 and Mixtral
-(MoE) under 1f1b or zbv, at PP 2; PP 2 x DP 2 with ZeRO-1 and with packed documents. One launch per layout.
+(MoE) under 1f1b or zbv, and Seq1F1B in 2 segments (LLaMA, its B/W split; Mistral, a window across segments), at
+PP 2; PP 2 x DP 2 with ZeRO-1 and with packed documents. One launch per layout.
 Each run ends in save_pretrained, whose folder transformers loads with the same weights."""
 import functools
 
@@ -14,12 +15,15 @@ from tests.hf_harness import assert_matches, build, rank_runs, reference_run
 
 GAS = 4
 SPLIT = {"zbv", "dualpipev"}
+SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True}
 LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documents)]
     "pp2": (2, 2, [("llama", {"schedule": s}, 0, False) for s in ("1f1b", "zbv", "bitpipe", "dualpipev")] + [
         ("llama", {"schedule": "zbv"}, 0, True), ("qwen3", {"schedule": "zbv"}, 0, False),
         ("mistral", {"schedule": "1f1b"}, 0, True), ("gemma3", {"schedule": "zbv"}, 0, True),
         ("phi3", {"schedule": "1f1b"}, 0, False), ("olmo2", {"schedule": "zbv"}, 0, False),
-        ("mixtral", {"schedule": "zbv"}, 0, False)]),
+        ("mixtral", {"schedule": "zbv"}, 0, False),
+        # Seq1F1B, 2 segments: earlier segments' K/V in the engine's cache, B/W split; a window across segments
+        ("llama", SEQ1F1B, 0, False), ("mistral", {**SEQ1F1B, "seq_split_method": "even"}, 0, False)]),
     "pp2xdp2": (4, 2, [("llama", {"schedule": "zbv"}, 1, False), ("llama", {"schedule": "1f1b"}, 0, True)]),
 }
 
@@ -47,10 +51,13 @@ def test_hf_models_train_as_on_one_process(launched):
             assert_matches(results, ref)
         except AssertionError as exc:
             raise AssertionError(f"{layout} {family} {pipeline} zero={zero} packed={packed}: {exc}") from None
-        assert {r["engine"] for r in results} == {"ForeignScheduleEngine"}
+        segmented = pipeline["schedule"] == "seq1f1b"
+        assert {r["engine"] for r in results} == {"HFScheduleEngine" if segmented else "ForeignScheduleEngine"}
+        assert {r["segments"] for r in results} == ({(8, 8)} if segmented else {None})  # balanced: 8, 8 too
         assert (zero == 0) == all(r["grads"] is not None for r in results)
         # the split schedules take the weight gradients in W ops (autograd's split), the others in the backward
-        assert (sum(r["in_w"] for r in results) > 0) == (pipeline["schedule"] in SPLIT), (family, pipeline)
+        split = pipeline["schedule"] in SPLIT or pipeline.get("split_backward")
+        assert (sum(r["in_w"] for r in results) > 0) == bool(split), (family, pipeline)
 
 
 def test_the_trained_weights_load_in_transformers(launched):
