@@ -171,6 +171,9 @@ def pipeline_module(source, num_stages=None, topology=None, partition_method=PAR
     if check:
         check_cut(model, layers)
     use_our_attention(model)
+    # DeepSpeed's activation checkpoints take the decoder layers alone: a reentrant checkpoint of the embedding
+    # (integer inputs, no gradient asked) would leave its weights without one
+    kwargs.setdefault("checkpointable_layers", ["HFTransformerLayer"])
     return PipelineModule(layers=layers, num_stages=num_stages, topology=topology, loss_fn=causal_lm_loss,
                           partition_method=partition_method, **kwargs)
 
