@@ -84,7 +84,7 @@ def test_the_run_trains_as_deepspeeds_engine_and_resumes(runs):
     assert sorted(_losses(zbv)) == [1, 2] and sorted(_losses(resumed)) == [3, 4], (zbv, resumed)
     for it, loss in want.items():
         assert abs(got[it] - loss) <= 1e-5, (it, got[it], loss)
-    assert "ForeignScheduleEngine, schedule zbv; LlamaForCausalLM" in zbv_out
+    assert "HFScheduleEngine, schedule zbv; LlamaForCausalLM" in zbv_out
     assert "PipelineEngine, schedule" in stock_out
 
 
