@@ -27,14 +27,15 @@ from .plan import PipelinePlan, micro_batches_per_step, too_few_layers
 DEEPSPEED_METHODS = "DeepSpeed's partition methods (\"parameters\", \"uniform\", \"type:REGEX\")"
 
 
-def check_settings(settings, ds_config):
-    """The "pipeline" settings a user's own layers cannot run, refused with what a layer would need."""
+def check_settings(settings, ds_config, segments=False):
+    """The "pipeline" settings a user's own layers cannot run, refused with what a layer would need; `segments`:
+    its layers take Seq1F1B's segments (pipe/hf/: the K/V cache in their attention)."""
     where = 'ds_config "pipeline"'
     if settings.auto:
         raise ConfigError(f'{where}."schedule" = "auto" with your own PipelineModule: "auto" builds its candidates '
                           "from the GPT's sizes (layers, hidden size, sequence, vocabulary), which a PipelineModule's "
                           "layers do not state; name a schedule")
-    if settings.seq_splits > 1:
+    if settings.seq_splits > 1 and not segments:
         raise ConfigError(f'{where}."seq_splits" = {settings.seq_splits} with your own PipelineModule: Seq1F1B runs '
                           "each micro-batch as sequence segments, and a layer must know which tokens it holds and "
                           "keep the keys/values of earlier segments (megatron_ds.model's attention and its "
@@ -60,8 +61,9 @@ def _deepspeed_method(method):
     return method in ("uniform", "parameters") or method.startswith("type:")
 
 
-def plan_for(module, ds_config, settings):
-    """The PipelinePlan of `module` (a PipelineModule as its user built it) under the settings' schedule."""
+def plan_for(module, ds_config, settings, segments=None):
+    """The PipelinePlan of `module` (a PipelineModule as its user built it) under the settings' schedule;
+    `segments`: (sequence length, hidden size, the Seq1F1B segments' lengths) of layers that take segments."""
     topology = module.topology()
     if "model" in topology.get_axis_names() and topology.get_dim("model") > 1:
         raise ConfigError("a schedule with your own PipelineModule runs pipeline x data parallelism; its "
@@ -69,19 +71,21 @@ def plan_for(module, ds_config, settings):
                           f"{topology.get_dim('model')}, which megatron_ds.initialize does not run yet")
     pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
     mbs, gas = micro_batches_per_step(_deepspeed_batch(ds_config), dp)
+    seq_length, hidden_size, lengths = segments or (0, 0, None)
     try:
-        schedule = settings.build_schedule(pp, gas)
+        schedule = settings.build_schedule(pp, gas, lengths)
     except ScheduleError as exc:
         raise ConfigError(f'ds_config "pipeline": {exc}') from None
     if schedule.seq_splits > 1 or schedule.vocab_parallel:  # a schedule file may carry them
         check_settings(dataclasses.replace(settings, seq_splits=schedule.seq_splits,
-                                           vocab_parallel=schedule.vocab_parallel), ds_config)
+                                           vocab_parallel=schedule.vocab_parallel), ds_config, segments is not None)
     layers = len(ds.layer_specs(module))
     if layers < schedule.stages:
         raise ConfigError(too_few_layers(schedule, f"your PipelineModule's {layers} layers", layers,
                                          layer="layer"))
     # seq_length and hidden_size give the GPT's message shape; these messages learn theirs (pipe/learned_p2p.py)
-    return PipelinePlan(settings, pp, mbs, gas, seq_length=0, hidden_size=0)
+    return PipelinePlan(settings, pp, mbs, gas, seq_length=seq_length, hidden_size=hidden_size,
+                        segment_lengths=lengths)
 
 
 def _deepspeed_batch(ds_config):

@@ -317,6 +317,14 @@ class Trainer:
         self.codecarbon.stop()
 
 
+def save_hf_model(engine, model, save_dir, iteration):
+    """--hf-model: the trained weights as a Hugging Face folder beside the checkpoints (SAVE/hf_iter_N)."""
+    from megatron_ds.pipe.hf import save_pretrained  # lazy: transformers, only for --hf-model runs
+    folder = os.path.join(save_dir, f"hf_iter_{iteration:07d}")
+    save_pretrained(engine, model, folder)
+    print_rank_0(f"Hugging Face model saved to {folder}")
+
+
 def pretrain(args):
     tidy_output(args.rank)  # before DeepSpeed's import, where every rank says which accelerator it guessed
     # lazy: torch and DeepSpeed load only once the flags are checked (a bad flag fails in a fraction of a second)
@@ -326,7 +334,7 @@ def pretrain(args):
     from . import auto_schedule
     from .checkpoint.save_load import load_checkpoint
     from .initialize import initialize_distributed, set_random_seed, set_rng_state
-    from .model_setup import setup_model_and_optimizer
+    from .model_setup import check_hf_vocabulary, setup_hf_model, setup_model_and_optimizer
 
     start = time.time()
     # DeepSpeed broadcasts tied weights inside autograd; torch warns once per rank that c10d has no autograd
@@ -350,7 +358,12 @@ def pretrain(args):
     if train_ds is None:
         raise ArgumentsError(f"--split {args.split!r} leaves no documents for training")
     args, auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
-    engine, lr_scheduler = setup_model_and_optimizer(args, on_auto_decision=auto.report if auto else None)
+    hf_model = None
+    if args.hf_model:
+        engine, lr_scheduler, hf_model = setup_hf_model(args)
+        check_hf_vocabulary(tokenizer, hf_model, args)
+    else:
+        engine, lr_scheduler = setup_model_and_optimizer(args, on_auto_decision=auto.report if auto else None)
     if auto:
         auto.resume_search(engine)
     timeouts.label_groups(engine.grid, engine.module)
@@ -374,6 +387,8 @@ def pretrain(args):
         exit_reason = trainer.train()
         trainer.maybe_save(last=True)
         trainer.saves.wait(f"before {exit_reason or 'the end of training'}")
+        if hf_model is not None and args.save:
+            save_hf_model(engine, hf_model, args.save, trainer.iteration)
         if exit_reason:
             print_rank_0(exit_reason)
         else:

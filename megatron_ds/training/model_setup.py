@@ -10,6 +10,7 @@ from megatron_ds.pipe.moe import optimizer_param_groups
 from megatron_ds.schedules import simulate
 from megatron_ds.schedules.recompute import Recompute
 
+from .errors import ArgumentsError
 from .learning_rates import AnnealingLR
 
 
@@ -43,6 +44,37 @@ def model_config(args):
                                eod_token=getattr(args, "eod_token", None))
 
 
+def lr_schedule(optimizer, args):
+    """Megatron's AnnealingLR from the flags."""
+    return AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
+                       decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
+                       global_batch_size=args.batch_schedule.global_batch_size(0),
+                       use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
+                       override_lr_scheduler=args.override_lr_scheduler)
+
+
+def setup_hf_model(args):
+    """(engine, lr schedule, the transformers model) of --hf-model's folder (pipe/hf/engine.py)."""
+    from megatron_ds.pipe.hf.engine import build_engine  # lazy: transformers, only for --hf-model runs
+    print_rank_0(f"> building the Hugging Face model of {args.hf_model} ...")
+    engine, model = build_engine(args.hf_model, args.ds_config, args.pipeline_settings,
+                                 args.pipeline_model_parallel_size, args.data_parallel_size,
+                                 lambda module: build_optimizer(module, args),
+                                 lambda optimizer: lr_schedule(optimizer, args),
+                                 activation_checkpoint_interval=args.activation_checkpoint_interval,
+                                 seq_length=args.seq_length)
+    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}; "
+                 f"{type(model).__name__} from {args.hf_model}")
+    return engine, engine.lr_scheduler, model
+
+
+def check_hf_vocabulary(tokenizer, model, args):
+    """The tokenizer's ids must be rows of the model's embedding."""
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ArgumentsError(f"--hf-model {args.hf_model}: the tokenizer ({args.tokenizer_name_or_path}) has "
+                             f"{tokenizer.vocab_size} tokens, the model's embedding {model.config.vocab_size} rows")
+
+
 def setup_model_and_optimizer(args, on_auto_decision=None):
     """(engine, lr schedule); `on_auto_decision`: an "auto" run's hook (auto_schedule.AutoSchedule.report)."""
     print_rank_0("> building GPT model ...")
@@ -52,11 +84,7 @@ def setup_model_and_optimizer(args, on_auto_decision=None):
                                    seq_length=args.seq_length, settings=args.pipeline_settings,
                                    plan=args.pipeline_plan)
     optimizer = build_optimizer(module, args)
-    lr_scheduler = AnnealingLR(optimizer, max_lr=args.lr, min_lr=args.min_lr, warmup_steps=args.lr_warmup_steps,
-                               decay_steps=args.lr_decay_steps, decay_style=args.lr_decay_style,
-                               global_batch_size=args.batch_schedule.global_batch_size(0),
-                               use_checkpoint_lr_scheduler=args.use_checkpoint_lr_scheduler,
-                               override_lr_scheduler=args.override_lr_scheduler)
+    lr_scheduler = lr_schedule(optimizer, args)
     engine = initialize_engine(module, args.ds_config, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                settings=args.pipeline_settings, auto_plan=args.auto_plan,
                                on_auto_decision=on_auto_decision)

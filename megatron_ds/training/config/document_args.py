@@ -50,7 +50,7 @@ def check_document_args(args):
     if not config.documents_in_every_stage:
         return
     flag = " and ".join(f for f in _given(args) if f != "--eod-mask-loss")
-    if settings.stock:
+    if settings.stock and not getattr(args, "hf_model", None):  # a Hugging Face model's stages hand the position ids on (pipe/hf/)
         raise ArgumentsError(f"{flag} with DeepSpeed's own engine (no ds_config \"pipeline.schedule\"): its stages "
                              "after the first see hidden states only, not where documents end; name a schedule "
                              '("schedule": "1f1b" runs its order on our engine)')

@@ -1,0 +1,111 @@
+"""Our attention, registered in transformers' attention interface: a Hugging Face decoder layer cut out of its
+model calls it in place of the model's own.
+
+The model's forward makes one attention mask for all its layers; a layer run alone on a pipeline stage has no
+such mask, only the position ids that travel with the hidden states. So the mask is made here, per call, from
+the position ids: causal, a new document wherever the positions do not go on by one (packed documents, as
+transformers' own find_packed_sequence_indices reads them), and the layer's sliding window when it has one.
+A mask the caller did make (the whole model's forward under this implementation) is used as given.
+"""
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from megatron_ds.errors import UserError
+from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
+
+NAME = "megatron_ds"
+
+
+class AttentionError(UserError):
+    pass
+
+
+def documents(position_ids):
+    """[b, s] document index of each token: a document starts wherever the position is not the last one + 1."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def mask_from_positions(position_ids, length, window=None):
+    """[b, 1, s, s] boolean mask (True: attend) of causal attention within documents and within `window` tokens
+    back; None when plain causal attention is that mask (one document a row, no window that bites)."""
+    if position_ids is None:
+        position_ids = torch.arange(length).unsqueeze(0)
+    docs = documents(position_ids)
+    packed = bool((docs[:, -1] != 0).any())
+    if not packed and (window is None or window >= length):
+        return None
+    idx = torch.arange(length, device=position_ids.device)
+    allowed = idx[None, :] <= idx[:, None]
+    if window is not None:
+        allowed = allowed & (idx[:, None] - idx[None, :] < window)
+    allowed = allowed[None] & (docs[:, :, None] == docs[:, None, :])
+    return allowed[:, None]
+
+
+def _slot(module):
+    """The attention module's place in the segment K/V cache (a plain attribute: not a submodule or buffer)."""
+    slot = module.__dict__.get("_megatron_kv_slot")
+    if slot is None:
+        slot = module.__dict__["_megatron_kv_slot"] = KVSlot()
+    return slot
+
+
+def segment_mask(position_ids, offset, queries, keys, window=None):
+    """[queries, keys] mask (True: attend) of a Seq1F1B segment: query i is position offset + i, which sees keys
+    [0, offset + i] (and within `window` back). The segment's position ids must go on from the offset: a
+    document restarting inside a micro-batch split into segments would need the earlier segments' positions."""
+    if position_ids is not None:
+        expected = torch.arange(offset, offset + queries, device=position_ids.device)
+        if not bool((position_ids == expected).all()):
+            raise AttentionError("packed documents (position ids restarting) with Seq1F1B's segments: not run yet for "
+                                 "a Hugging Face model; leave the documents whole or choose a schedule without "
+                                 "segments")
+    q = torch.arange(offset, offset + queries)[:, None]
+    k = torch.arange(keys)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed = allowed & (q - k < window)
+    return allowed
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-interface signature: query [b, h, s, d], key/value [b, h_kv, s, d] ->
+    ([b, s, h, d], no weights)."""
+    if kwargs.get("s_aux") is not None:
+        raise AttentionError(f"{type(module).__name__}: attention sinks (s_aux) are not in megatron_ds's attention; "
+                             "this model cannot be cut into pipeline stages yet")
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    segment = SegmentKVCache.current() if SegmentKVCache.opened else None
+    mask = attention_mask
+    if segment is not None:  # Seq1F1B: this segment's queries over the keys of every position up to its end
+        key, value = segment.extend(_slot(module), key, value)
+        mask = segment_mask(kwargs.get("position_ids"), segment.offset, query.shape[2], key.shape[2], window)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if mask is None and segment is None:
+        mask = mask_from_positions(kwargs.get("position_ids"), query.shape[2], window)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
+                                             is_causal=mask is None and query.shape[2] > 1, scale=scale)
+    else:  # the scores are capped before the mask and softmax (Gemma 2's attention)
+        scores = torch.tanh(query @ key.transpose(2, 3) * scale / softcap) * softcap
+        if mask is None:
+            n = query.shape[2]
+            mask = torch.full((n, n), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
+        probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = F.dropout(probs, p=dropout, training=dropout > 0) @ value
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register():
+    """Make NAME an attention implementation (and its mask, for the whole model's forward) in transformers."""
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
