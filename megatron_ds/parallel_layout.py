@@ -32,6 +32,34 @@ def data_parallel_size(world_size: int, pipeline_parallel: int, tensor_parallel:
     return world_size // (tp * cp * pp)
 
 
+def context_unit(cp: int, tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
+    """What every sequence (and Seq1F1B segment) length must divide by at CP `cp`: 2 x CP (Megatron-core's
+    load-balanced layout, model/context_parallel/layout.py, cuts it into 2 x CP equal chunks, rank r holding
+    chunks r and 2CP-1-r), times TP under --sequence-parallel (a rank's tokens cut TP ways again)."""
+    return 2 * cp * (tensor_parallel if sequence_parallel and tensor_parallel > 1 else 1)
+
+
+def unit_name(cp: int, tensor_parallel: int = 1, sequence_parallel: bool = False) -> str:
+    """The flags `context_unit` multiplies, as the refusals name them."""
+    extra = context_unit(cp, tensor_parallel, sequence_parallel) > 2 * cp
+    return "2 x --context-parallel-size" + (" x --tensor-model-parallel-size (--sequence-parallel)" if extra else "")
+
+
+def layout_problem(length: int, cp: int, what: str = "--seq-length", tensor_parallel: int = 1,
+                   sequence_parallel: bool = False) -> str:
+    """Why `length` tokens cannot be laid out over `cp` context-parallel ranks ('' when they can): the one home
+    of the rule "2 x CP (x TP under --sequence-parallel) divides the sequence", torch-free so that the flags'
+    checks (pipe/segments.context_shards) and the layout (model/context_parallel/layout.py) share it."""
+    if cp < 1:
+        return f"--context-parallel-size must be at least 1, got {cp}"
+    unit = context_unit(cp, tensor_parallel, sequence_parallel)
+    if length % unit:
+        return (f"{what} ({length}) must be divisible by {unit_name(cp, tensor_parallel, sequence_parallel)} "
+                f"({unit}): the sequence is cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r"
+                + (", each split again over the tensor-parallel ranks" if unit > 2 * cp else ""))
+    return ""
+
+
 def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num_attention_heads,
                           ffn_hidden_size, padded_vocab_size, num_key_value_heads=None,
                           sequence_parallel=False, context_parallel=1):

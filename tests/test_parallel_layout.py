@@ -47,3 +47,14 @@ def test_a_plan_from_a_ds_config_alone_takes_any_two_batch_keys():
     with pytest.raises(ConfigError, match="train_batch_size 10 is not a multiple of gradient_accumulation_steps 3 x "
                                           "the data-parallel size 1"):
         micro_batches_per_step({"train_batch_size": 10, "gradient_accumulation_steps": 3}, 1)
+
+
+def test_layout_problem_is_the_one_rule_of_the_context_parallel_layout():
+    from megatron_ds.parallel_layout import context_unit, layout_problem
+    assert layout_problem(8, 2) == "" and context_unit(2) == 4
+    assert "--seq-length (6) must be divisible by 2 x --context-parallel-size (4)" in layout_problem(6, 2)
+    # under sequence parallelism a rank's tokens are cut TP ways again; without it TP changes nothing
+    assert context_unit(2, 2, True) == 8 and context_unit(2, 2, False) == 4
+    assert layout_problem(12, 2, "--seq-length", 2, False) == ""
+    assert ("must be divisible by 2 x --context-parallel-size x --tensor-model-parallel-size (--sequence-parallel) "
+            "(8)") in layout_problem(12, 2, "--seq-length", 2, True)

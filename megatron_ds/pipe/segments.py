@@ -3,6 +3,7 @@ the cut the plan runs (pipe/plan.py) and the cuts "auto" weighs (pipe/auto_start
 here."""
 import math
 
+from megatron_ds.parallel_layout import context_unit, layout_problem, unit_name
 from megatron_ds.schedules import ScheduleError
 from megatron_ds.schedules.flops import layer_shape
 from megatron_ds.schedules.seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
@@ -35,8 +36,8 @@ def segment_multiple(config) -> int:
     2 x CP (x TP with --sequence-parallel; context_shards). The layout is load-balanced, so a segment's
     attention FLOPs split evenly over the CP ranks: the cut weighs the same costs as without CP."""
     cp = getattr(config, "context_parallel_size", 1)
-    tp = getattr(config, "tensor_model_parallel_size", 1) if getattr(config, "sequence_parallel", False) else 1
-    return math.lcm(SEGMENT_MULTIPLE, 2 * cp * tp) if cp > 1 else SEGMENT_MULTIPLE
+    unit = context_unit(cp, getattr(config, "tensor_model_parallel_size", 1), getattr(config, "sequence_parallel", False))
+    return math.lcm(SEGMENT_MULTIPLE, unit) if cp > 1 else SEGMENT_MULTIPLE
 
 
 def flop_shape(config) -> dict:
@@ -68,17 +69,13 @@ def context_shards(cp: int, tp: int, sequence_parallel: bool, seq_length: int, l
     under --sequence-parallel a rank's tokens are cut TP ways again: 2 x CP x TP divides them."""
     if cp == 1:
         return 1
-    # the rule of model/context_parallel/layout.layout_problem, here without torch (the parse imports this module)
-    unit = 2 * cp * (tp if sequence_parallel and tp > 1 else 1)
-    what = "2 x --context-parallel-size" + (" x --tensor-model-parallel-size (--sequence-parallel)" if unit > 2 * cp
-                                            else "")
-    if seq_length % unit:
-        raise ConfigError(f"--seq-length ({seq_length}) must be divisible by {what} ({unit}): the sequence is cut "
-                          "into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r"
-                          + (", each split again over the tensor-parallel ranks" if unit > 2 * cp else ""))
-    uneven = [n for n in lengths or [] if n % unit]
+    problem = layout_problem(seq_length, cp, "--seq-length", tp, sequence_parallel)
+    if problem:
+        raise ConfigError(problem)
+    uneven = [n for n in lengths or [] if layout_problem(n, cp, "", tp, sequence_parallel)]
     if uneven:
         raise ConfigError(f'--context-parallel-size {cp} cuts each Seq1F1B segment into 2 x CP chunks: ds_config '
                           f'"pipeline.seq_splits" cuts --seq-length {seq_length} into {lengths}, and {uneven} are not '
-                          f'multiples of {what} ({unit}); use "seq_split_method": "even" or fewer segments')
+                          f'multiples of {unit_name(cp, tp, sequence_parallel)} ({context_unit(cp, tp, sequence_parallel)}); '
+                          'use "seq_split_method": "even" or fewer segments')
     return cp

@@ -11,15 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def layout_problem(length: int, cp: int, what: str = "--seq-length") -> str:
-    """Why `length` tokens cannot be laid out over `cp` ranks ('' when they can)."""
-    if cp < 1:
-        return f"--context-parallel-size must be at least 1, got {cp}"
-    if length % (2 * cp):
-        return (f"{what} ({length}) must be divisible by 2 x --context-parallel-size ({2 * cp}): the sequence is "
-                f"cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r")
-    return ""
+from megatron_ds.parallel_layout import layout_problem  # the rule's one home (torch-free: the flags' checks use it)
 
 
 @dataclass(frozen=True)

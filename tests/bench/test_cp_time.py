@@ -1,0 +1,43 @@
+"""bench.cp_time: the simulated step from measured rates (arithmetic against the ring model worked by hand), and
+the bench at toy size: the ring's waits and blocks are counted where they happen. Timings of a loaded test
+machine prove nothing, so the run is held to counts and finiteness only."""
+import argparse
+import math
+
+import pytest
+
+from bench import cp_time
+from bench.cp_memory import model_config
+
+
+def _config(seq=512):
+    args = argparse.Namespace(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=4, kv_heads=2,
+                              ffn_hidden_size=352, seq_length=seq)
+    return model_config(args, cp_time.CP)
+
+
+def test_simulated_step_adds_the_rings_exposed_transfer():
+    # a layer's forward blocks take 0.2 s: 0.1 s a ring step (backward twice that); a K/V block travels in 0.5 s,
+    # its fp32 gradient block (the same bytes in fp32) in 0.5 s. At CP 2 forward exposes 0.5 - 0.1 = 0.4 s,
+    # backward 0.5 + 0.5 - 0.2 = 0.8 s plus the last gradient block's 0.5 s: 1.7 s a layer, 2 layers, 1 micro-batch
+    sim = cp_time.simulated(_config(), 512, 1, compute=1.0, kv_transfer=0.5, block_f=0.2)
+    assert sim["exposed"] == pytest.approx(3.4) and sim["step"] == pytest.approx(4.4)
+    # sent: the K/V block forward, the K/V block and 2 gradient blocks backward (2.0 s); 1.7 s of it exposed
+    assert sim["hidden"] == pytest.approx(1 - 1.7 / 2.0)
+    fast = cp_time.simulated(_config(), 512, 2, compute=1.0, kv_transfer=1e-9, block_f=0.2)
+    assert fast["step"] == pytest.approx(1.0, abs=1e-6)  # nothing to wait for: the compute alone
+
+
+@pytest.mark.timeout(600)
+def test_cp_time_bench_at_toy_size_counts_the_rings_waits():
+    gas, layers, its = 2, 2, 2
+    ranks, sims, text = cp_time.main(["--seq-length", "256", "--gas", str(gas), "--num-layers", str(layers),
+                                      "--iterations", str(its)])
+    for res, sim in zip(ranks, sims):
+        # the last step's waits: a K/V block each way per layer and micro-batch, a gradient block per ring step
+        assert res["waits"] == {"kv_wait": gas * layers * 2 * (cp_time.CP - 1), "grad_wait": gas * layers * cp_time.CP}
+        assert len(res["times"]["overlapped"]) == len(res["times"]["serial"]) == its
+        for rings in res["rings"].values():
+            assert all(r["block_f"] > 0 and r["block_b"] > 0 for r in rings)  # blocks were attended, both ways
+        assert all(math.isfinite(sim[k]) and sim[k] > 0 for k in ("bandwidth", "flops", "step"))
+    assert text.count("\n| ") == 5  # two rows, the second table's header and two rows
