@@ -199,12 +199,13 @@ def config_problem(c) -> str:
     eod = getattr(c, "eod_token", None)
     if eod is not None and not 0 <= eod < (c.vocab_size or eod + 1):
         return f"the end-of-document token {eod} is not in the vocabulary of {c.vocab_size} ids"
-    cp, cp_comm = getattr(c, "context_parallel_size", 1), getattr(c, "cp_comm_type", "p2p")
+    cp, cp_comm = getattr(c, "context_parallel_size", None), getattr(c, "cp_comm_type", None) or "p2p"
+    cp = 1 if cp is None else cp  # flags read before their merge with the ds_config, or saved before CP existed
     if not isinstance(cp, int) or cp < 1:
         return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
     if cp_comm not in CP_COMM_TYPES:
         return f"--cp-comm-type {cp_comm!r}: choose one of {', '.join(CP_COMM_TYPES)}"
-    tp = c.tensor_model_parallel_size
+    tp = getattr(c, "tensor_model_parallel_size", None) or 1
     if cp > 1 and cp_comm == "a2a" and (kv // tp) % cp:
         return (f"--cp-comm-type a2a shares the attention heads out over the context-parallel ranks: the "
                 f"{kv} K/V heads{f' / TP {tp}' if tp > 1 else ''} must be divisible by --context-parallel-size "
