@@ -36,6 +36,9 @@ ITERS = 8
 # a slow disk: training runs on for iterations while the writers write (a copy that shared the live tensors
 # would be written after the optimizer changed them), and the next save waits for the one in flight
 SLOW = {"MEGATRON_DS_TEST_SAVE_DELAY_S": "0.6"}
+# the resumed run asserts that the save of iteration 8 waited for iteration 6's: its write outlasts two iterations
+# of a loaded machine (one iteration took up to 3 s with the 2 cores shared by 40 processes)
+SLOWER = {"MEGATRON_DS_TEST_SAVE_DELAY_S": "6"}
 ZBV = ("--num-layers", "4", "--save-write-probe-mib", "2")
 LINE = re.compile(r"checkpoint at iteration (\d+): training stopped (\d+\.\d+) s(?: to copy (\d+\.\d) MB to host "
                   r"memory)?, written (in the background|in it); per rank 0: (\d+\.\d) MB in (\d+\.\d+) s = "
@@ -62,7 +65,7 @@ def chain(tmp_path_factory):
     runs["killed"] = _run(dirs, "killed", "--async-save", env={"MEGATRON_DS_KILL_DURING_SAVE": "4:1", **SLOW})
     runs["enospc"] = _run(dirs, "enospc", "--async-save", "--inject-enospc", "6", "mp_rank_00_optim_states", env=SLOW)
     runs["final"] = _run(dirs, "final", "--async-save", "--keep-last-checkpoints", "2", "--exit-interval", str(ITERS),
-                         "--tensorboard-dir", str(root / "tb"), env=SLOW)
+                         "--tensorboard-dir", str(root / "tb"), env=SLOWER)
     yield ref_dir, dirs, str(root / "tb"), runs
     shutil.rmtree(root, ignore_errors=True)
 
