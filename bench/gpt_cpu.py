@@ -100,7 +100,7 @@ def build(name, opts):
     from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
     from megatron_ds.model import gpt_layer_specs, gpt_loss
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine, topology
-    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.plan.config import ConfigError
     from megatron_ds.schedules import ScheduleError
 
     config = gpt_config(opts, tensor_model_parallel_size=opts["tp"])

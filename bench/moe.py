@@ -57,7 +57,7 @@ def worker(name, opts):
     from megatron_ds.model import GPTConfig, position_ids_like
     from megatron_ds.moe_config import MoEConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.moe import optimizer_param_groups
+    from megatron_ds.pipe.moe.moe import optimizer_param_groups
 
     deepspeed.init_distributed(dist_backend="gloo")
     deepspeed.utils.logger.setLevel(logging.ERROR)

@@ -70,7 +70,7 @@ def model_config(args):
 def build(config, args, section):
     import torch
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.moe import optimizer_param_groups
+    from megatron_ds.pipe.moe.moe import optimizer_param_groups
     ds_config = {"train_micro_batch_size_per_gpu": args.micro_batch_size, "gradient_accumulation_steps": args.gas,
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
                  "pipeline": dict(section)}

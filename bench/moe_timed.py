@@ -173,7 +173,7 @@ def rank_weights(schedule, config, flags, vocab: int, untied: bool) -> list[floa
 
 def simulate_rows(args, costs, layers):
     """{schedule: simulated makespan, a2a share, per-rank activation and weight bytes}."""
-    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.schedules.costs import evaluate
     unit = sum(layers["bytes"]) / args.pp  # one micro-batch on one 1F1B stage
     config = layer_costs.setup(args)[0]

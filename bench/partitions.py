@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
-from megatron_ds.pipe.partition import cost_bounds, layer_costs, layer_flops
+from megatron_ds.pipe.plan.partition import cost_bounds, layer_costs, layer_flops
 from megatron_ds.schedules import build_schedule, simulate
 
 SCHEDULES = ("1f1b", "zb-h2", "zbv", "zbv-half", "dualpipev")

@@ -32,9 +32,9 @@ from deepspeed.pipe import LayerSpec
 from bench.options import add_model_args
 from megatron_ds.testing.timed import TimedCosts, TimedLayer, timed_loss
 from megatron_ds.pipe.build import initialize_engine, topology
-from megatron_ds.pipe.config import pipeline_settings
+from megatron_ds.pipe.plan.config import pipeline_settings
 from megatron_ds.pipe.module import ChunkedPipelineModule
-from megatron_ds.pipe.plan import PipelinePlan
+from megatron_ds.pipe.plan.plan import PipelinePlan
 
 
 class BallastLayer(TimedLayer):

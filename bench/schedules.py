@@ -74,7 +74,7 @@ def build_engine(name, p, costs, trace_dir):
     from megatron_ds.model import GPTConfig
     from megatron_ds.testing.timed import timed_layer_specs, timed_loss
     from megatron_ds.pipe.build import build_pipeline_module, deepspeed_engine_class, initialize_engine, topology
-    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.plan.config import ConfigError
     from megatron_ds.pipe.trace import TracedDualPipeVEngine, Tracer
     from megatron_ds.schedules import ScheduleError
 
@@ -165,7 +165,7 @@ def merge(results, part):
 def simulated(name, p, m, tf, tb, tw):
     """(makespan, bubble ratio) the simulator predicts for `name` with these stage costs."""
     from bench.ds_replay import replay
-    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.schedules import simulate
     if name in (STOCK, DUALPIPEV):
         makespan = replay("1f1b" if name == STOCK else "dualpipev", p, m, tf, tb, tw)

@@ -72,7 +72,7 @@ def worker(p, opts, out_root):
     import torch.distributed as dist
     from megatron_ds.model import GPTConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.pipe.plan.plan import make_plan
     from megatron_ds.testing.timed import TimedCosts, TimedLoss, timed_layer_specs
     from megatron_ds.training.auto_schedule import switch_engine
 
@@ -131,7 +131,7 @@ def worker(p, opts, out_root):
 
 def sim(sec, p, ratio, tf_ms):
     """(makespan s, peak memory) the simulator gives the schedule of ds_config section `sec`."""
-    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.schedules.costs import ModelCosts, evaluate
     tf, tb, tw = (x * tf_ms / 1e3 for x in RATIOS[ratio][:3])
     head = RATIOS[ratio][3]
@@ -202,7 +202,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_schedules_auto"))
     ap.add_argument("--timeout", type=float, default=3600)
     args = ap.parse_args(argv)
-    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.schedules.auto import peak_memory
     started, load = time.time(), os.getloadavg()
     print(f"# bench/schedules_auto.py on {os.cpu_count()} CPU cores, load average {load[0]:.2f} at start; "

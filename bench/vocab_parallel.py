@@ -5,7 +5,7 @@ loss costing c layers (F, B and W alike) and an embedding costing c/4 of a layer
 its scatter-add backward 2/3): a large vocabulary makes both dear. Three placements per schedule:
 - naive: L/S layers per stage, the embedding on stage 0, the head on the last stage (DeepSpeed's
   "type:transformer" cut);
-- by cost: the layer cut that balances the busiest rank's cost (pipe/partition.py,
+- by cost: the layer cut that balances the busiest rank's cost (pipe/plan/partition.py,
   "partition_method": "costs:[...]");
 - vocab: L/S layers per stage, the embedding and the head sliced over the p ranks, their passes
   placed by the schedule ("vocab_parallel": true).
@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megatron_ds.pipe.partition import balanced_bounds
+from megatron_ds.pipe.plan.partition import balanced_bounds
 from megatron_ds.schedules import build_schedule, simulate
 from megatron_ds.schedules.costs import ModelCosts, evaluate
 

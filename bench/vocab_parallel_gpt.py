@@ -43,8 +43,8 @@ def gpt_config(opts):
 
 
 def head_in_layers(opts) -> float:
-    """The head + loss's forward FLOPs per token over one transformer layer's (pipe/partition.py)."""
-    from megatron_ds.pipe.partition import layer_flops
+    """The head + loss's forward FLOPs per token over one transformer layer's (pipe/plan/partition.py)."""
+    from megatron_ds.pipe.plan.partition import layer_flops
     flops = layer_flops(gpt_config(opts))
     return flops[-1] / flops[1]
 

@@ -8,7 +8,7 @@ sleep one layer's cost each (F = B = W = --layer-ms), an output layer with its l
 - naive: L/S layers per virtual stage ("uniform"); the first layer also sleeps the embedding's cost,
   the last one the head's (TimedLayer's `scale`): DeepSpeed's "type:transformer" cut;
 - vocab: the same layers under ds_config "pipeline.vocab_parallel": true. Each rank's EF, S, T and EW
-  passes run the engine's own code (pipe/vocab_passes.py) on a real slice of a small vocabulary
+  passes run the engine's own code (pipe/vocab/vocab_passes.py) on a real slice of a small vocabulary
   (VOCAB_ROWS rows), then sleep the simulator's cost of the pass (schedules/kinds.py's traits: S the head's
   F + B over p, T its W over p, EF the embedding's F over p, EW its B + W over p), counted from the
   last message the pass waited for. The bench hands the engine these TimedVocabPasses in place of
@@ -65,7 +65,7 @@ def timed_vocab_passes(engine, costs, seconds):
     """The engine's VocabPasses (imported here: the launching process needs no torch), each pass then
     sleeping `seconds[kind]` counted from the last message it waited for (costs: the TimedCosts whose
     lateness the sleeps share)."""
-    from megatron_ds.pipe.vocab_passes import VocabPasses
+    from megatron_ds.pipe.vocab.vocab_passes import VocabPasses
     from megatron_ds.schedules.kinds import Kind
 
     class TimedVocabPasses(VocabPasses):

@@ -63,7 +63,7 @@ class GPTConfig:
     reset_attention_mask: bool = False  # a token attends to its own document only
     eod_mask_loss: bool = False  # the prediction made at an end-of-document token is not scored
     eod_token: Optional[int] = None  # the tokenizer's end-of-document id (known once it is built)
-    # Megatron's recompute (pipe/recompute.py): "selective" attends again in backward (model/recompute.py);
+    # Megatron's recompute (pipe/plan/recompute.py): "selective" attends again in backward (model/recompute.py);
     # "full" recomputes whole layers, the pipeline module checkpointing them by method "uniform" (groups of
     # recompute_num_layers) or "block" (the first recompute_num_layers of each virtual stage)
     recompute_granularity: Optional[str] = None

@@ -49,7 +49,7 @@ def layout_problem(length: int, cp: int, what: str = "--seq-length", tensor_para
                    sequence_parallel: bool = False) -> str:
     """Why `length` tokens cannot be laid out over `cp` context-parallel ranks ('' when they can): the one home
     of the rule "2 x CP (x TP under --sequence-parallel) divides the sequence", torch-free so that the flags'
-    checks (pipe/segments.context_shards) and the layout (model/context_parallel/layout.py) share it."""
+    checks (pipe/plan/segments.context_shards) and the layout (model/context_parallel/layout.py) share it."""
     if cp < 1:
         return f"--context-parallel-size must be at least 1, got {cp}"
     unit = context_unit(cp, tensor_parallel, sequence_parallel)
@@ -93,7 +93,7 @@ def check_model_split(tensor_parallel, num_attention_heads, ffn_hidden_size, pad
 
 # -- the batch: global = micro-batch x accumulation steps x data-parallel size (the one home of that arithmetic:
 # the flags' merge with the ds_config, training/config/arguments._merge_batch, and a plan made from a ds_config alone,
-# pipe/plan.micro_batches_per_step)
+# pipe/plan/plan.micro_batches_per_step)
 def global_batch_size(micro_batch: int, steps: int, data_parallel: int) -> int:
     return micro_batch * steps * data_parallel
 

@@ -1,8 +1,8 @@
 """megatron_ds.initialize: deepspeed.initialize, with our schedules for a user's own PipelineModule.
 
 Same arguments and return values as deepspeed.initialize. A PipelineModule and a ds_config whose
-"pipeline.schedule" names a schedule get our engine (pipe/foreign_engine.py) over the module's layers cut into
-the schedule's chunks (pipe/foreign.py); anything else goes to deepspeed.initialize untouched, DeepSpeed's
+"pipeline.schedule" names a schedule get our engine (pipe/foreign/foreign_engine.py) over the module's layers cut into
+the schedule's chunks (pipe/foreign/foreign.py); anything else goes to deepspeed.initialize untouched, DeepSpeed's
 own engine included. The module is built again for the chunks, so what was bound to its parameters is
 bound again to the new ones by parameter name: `model_parameters` (parameters or param groups), an optimizer
 object (rebuilt with its defaults and each param group's settings); an lr scheduler object, bound to the old
@@ -19,9 +19,9 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from megatron_ds.pipe.build import initialize_engine
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.foreign import check_parameters, check_settings, chunked, partition_method, plan_for
-from megatron_ds.pipe.foreign_engine import ForeignScheduleEngine
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.foreign.foreign import check_parameters, check_settings, chunked, partition_method, plan_for
+from megatron_ds.pipe.foreign.foreign_engine import ForeignScheduleEngine
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,

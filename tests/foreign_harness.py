@@ -317,7 +317,7 @@ def refusals_without_parameters(schedules):
     import megatron_ds
     from deepspeed.pipe import PipelineModule
 
-    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.plan.config import ConfigError
     dist = _distributed()
     out = []
     for schedule in schedules:

@@ -63,7 +63,7 @@ def auto_engine_builder(config, pp, dp, lr):
     """build(ds_config) -> an engine of `config` on pp x dp ranks with the plan (and "auto"'s start) the ds_config
     asks for: what a test starts "auto" with and training/auto_schedule.switch_engine rebuilds through."""
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.pipe.plan.plan import make_plan
 
     def build(cfg):
         plan, auto_plan = make_plan(config, cfg, pp, dp)
@@ -83,7 +83,7 @@ def optimizer_for(params_by_name, lr=1e-2):
     decay, no_decay = [], []
     for name, p in params_by_name:
         (no_decay if p.dim() == 1 else decay).append(p)
-    from megatron_ds.pipe.moe import optimizer_param_groups  # expert-parallel parameters in groups of their own
+    from megatron_ds.pipe.moe.moe import optimizer_param_groups  # expert-parallel parameters in groups of their own
     groups = [{"params": decay, "weight_decay": 0.1, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
     return torch.optim.AdamW(optimizer_param_groups(groups), lr=lr, betas=(0.9, 0.95), eps=1e-6)

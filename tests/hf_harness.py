@@ -118,7 +118,7 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None):
     import torch.distributed as dist
 
     import megatron_ds
-    from megatron_ds.pipe.config import pipeline_settings
+    from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.pipe.hf import PARTITION, hf_names, pipeline_module, save_pretrained
     from megatron_ds.pipe.hf.engine import build_engine
     if not dist.is_initialized():

@@ -14,13 +14,19 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 def tree():
-    """(subpackages, top-level modules, training modules) of megatron_ds/, as DESIGN.md's layout names them."""
+    """(subpackages, top-level modules, each room's modules) of megatron_ds/, as DESIGN.md's layout names them."""
     packages = {p.name + "/" for p in PKG.iterdir() if (p / "__init__.py").is_file()}
     top = {p.name for p in PKG.glob("*.py") if p.name != "__init__.py"}
-    training = {str(p.relative_to(PKG / "training")) for p in (PKG / "training").rglob("*.py")
-                if p.name != "__init__.py"}
-    training |= {str(p.parent.relative_to(PKG / "training")) + "/" for p in (PKG / "training").glob("*/__init__.py")}
-    return packages, top, training
+    return (packages, top) + tuple(room_tree(room) for room in ROOMS)
+
+
+ROOMS = ("training", "pipe")  # the packages whose every module and subpackage DESIGN.md's layout lists
+
+
+def room_tree(room):
+    """A room's modules and subpackages, as `loop.py`, `config/` and `config/arguments.py`."""
+    names = {str(p.relative_to(PKG / room)) for p in (PKG / room).rglob("*.py") if p.name != "__init__.py"}
+    return names | {str(p.parent.relative_to(PKG / room)) + "/" for p in (PKG / room).glob("*/__init__.py")}
 
 
 def all_packages():
@@ -45,26 +51,25 @@ def layout_entries(doc):
 
 
 def design_listed():
-    """(packages, top-level modules, training modules) DESIGN.md's layout names: `megatron_ds/` at indent 0,
-    its packages and modules at 2, training's modules and subpackages at 4, a subpackage's modules at 6 (as
-    `config/arguments.py`)."""
-    packages, top, training = set(), set(), set()
-    inside = in_training = False
-    sub = ""
+    """(packages, top-level modules, then each room's modules) DESIGN.md's layout names: `megatron_ds/` at indent
+    0, its packages and modules at 2, a room's (training/, pipe/) modules and subpackages at 4, a subpackage's
+    modules at 6 (as `config/arguments.py`)."""
+    packages, top, rooms = set(), set(), {room: set() for room in ROOMS}
+    inside, room, sub = False, None, ""
     for indent, names in layout_entries("docs/DESIGN.md"):
         if indent == 0:
-            inside, in_training = names[0] == "megatron_ds/", False
+            inside, room = names[0] == "megatron_ds/", None
             continue
         if indent == 2:
-            in_training = names[0] == "training/"
-        elif in_training:
+            room = names[0].rstrip("/") if inside and names[0].rstrip("/") in ROOMS else None
+        elif room:
             sub = names[0] if indent == 4 and names[0].endswith("/") else sub if indent == 6 else ""
-            training.update(n if indent == 4 else sub + n for n in names)
+            rooms[room].update(n if indent == 4 else sub + n for n in names)
             continue
         if inside:
             packages.update(n for n in names if n.endswith("/"))
             top.update(n for n in names if n.endswith(".py"))
-    return packages, top, training
+    return (packages, top) + tuple(rooms[room] for room in ROOMS)
 
 
 def readme_listed():
@@ -89,7 +94,7 @@ def test_design_names_every_schedule_of_the_catalogue():
 
 def test_the_layouts_list_the_package_tree():
     want = tree()
-    design = zip(("packages", "top-level modules", "training modules"), design_listed(), want)
+    design = zip(("packages", "top-level modules") + tuple(f"{room} modules" for room in ROOMS), design_listed(), want)
     packages, top = readme_listed()
     readme = (("packages", packages, all_packages()), ("top-level modules", top, want[1]))
     for doc, pairs in (("docs/DESIGN.md", design), ("README.md", readme)):

@@ -6,7 +6,7 @@ import pytest
 
 from megatron_ds.errors import UserError
 
-ERRORS = [("megatron_ds.training.config.arguments", "ArgumentsError"), ("megatron_ds.pipe.config", "ConfigError"),
+ERRORS = [("megatron_ds.training.config.arguments", "ArgumentsError"), ("megatron_ds.pipe.plan.config", "ConfigError"),
           ("megatron_ds.schedules", "ScheduleError"), ("megatron_ds.data.tokenizer", "TokenizerError"),
           ("megatron_ds.data.dataset_utils", "DataConfigError"),
           ("megatron_ds.data.indexed_dataset", "IndexedDatasetError"),

@@ -3,8 +3,8 @@ import pytest
 
 from megatron_ds.parallel_layout import (ParallelConfigError, accumulation_steps, data_parallel_size,
                                          global_batch_size, micro_batch_size)
-from megatron_ds.pipe.config import ConfigError
-from megatron_ds.pipe.plan import micro_batches_per_step
+from megatron_ds.pipe.plan.config import ConfigError
+from megatron_ds.pipe.plan.plan import micro_batches_per_step
 
 
 def test_data_parallel_size_is_world_over_tp_times_pp():

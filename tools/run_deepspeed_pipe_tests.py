@@ -77,7 +77,7 @@ def swap_engine():
 
     import megatron_ds
     from megatron_ds.errors import UserError
-    from megatron_ds.pipe.foreign_engine import ForeignScheduleEngine
+    from megatron_ds.pipe.foreign.foreign_engine import ForeignScheduleEngine
     stock = getattr(deepspeed.initialize, "stock", deepspeed.initialize)
 
     def initialize(*args, **kwargs):

@@ -7,8 +7,8 @@
         --micro-batches 4 --seq-length 64 --hidden-size 64 --out seq1f1b.png
 
 --ds-config draws a run's own schedule: its "pipeline" section read by the code the run reads it
-with (megatron_ds/pipe/config.py; DeepSpeed's own engine is 1F1B), the Seq1F1B segments cut as the
-run cuts them (megatron_ds/pipe/plan.segment_lengths) from the model flags given, which are
+with (megatron_ds/pipe/plan/config.py; DeepSpeed's own engine is 1F1B), the Seq1F1B segments cut as the
+run cuts them (megatron_ds/pipe/plan/plan.segment_lengths) from the model flags given, which are
 pretrain_gpt.py's.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from megatron_ds.schedules import CATALOG, Schedule, ScheduleError, build_schedu
 from megatron_ds.errors import UserError
 from megatron_ds.files import UnreadableFile, read_json
 from megatron_ds.gpt_config import GPTConfig
-from megatron_ds.pipe.config import pipeline_settings
-from megatron_ds.pipe.plan import segment_lengths
+from megatron_ds.pipe.plan.config import pipeline_settings
+from megatron_ds.pipe.plan.plan import segment_lengths
 from megatron_ds.schedules.catalog import KNOBS  # what a ds_config's "pipeline" section sets instead of the flags
 from megatron_ds.schedules.render import ascii_timeline, plot_timeline, summary_table
 

@@ -115,7 +115,7 @@ class Documents:
     @classmethod
     def make_current(cls, documents):
         """`documents` (or None) open from now on, with the flags compiled layers read; outside `opened`, the
-        overlapped unit's hand-over swaps each side's in (pipe/overlap.py)."""
+        overlapped unit's hand-over swaps each side's in (pipe/moe/overlap.py)."""
         cls._open = documents
         _set_flags(documents)
 

@@ -113,7 +113,7 @@ def whole_sequence(inputs, group):
     the tensor-parallel ranks that hold its shards, or the context-parallel ones); the score sums stay the
     shard's: each rank's gradient is its tokens' share, and the router's gradient is summed over those ranks
     (sequence_parallel; under context parallelism the runtime scales it by CP before DeepSpeed's mean over
-    DP x CP, pipe/moe.router_grad_scale)."""
+    DP x CP, pipe/moe/moe.router_grad_scale)."""
     counts = inputs.counts
     if counts is not None:
         counts = counts.clone()
@@ -220,7 +220,7 @@ class MoE(nn.Module):
         if self.ep_group is not None:  # DeepSpeed's marks of an expert parameter: reduced over its EDP group
             for p in self.experts.parameters():
                 p.allreduce, p.group_name = False, group_name(m.expert_model_parallel_size)
-            # a layer's state dict as saved holds every expert (pipe/moe_checkpoint.py): this rank keeps its own
+            # a layer's state dict as saved holds every expert (pipe/moe/moe_checkpoint.py): this rank keeps its own
             self.register_load_state_dict_pre_hook(self._other_experts_dropped)
 
     def forward(self, x):

@@ -7,12 +7,12 @@ receiver runs each local expert on the rows all peers sent it, and the results g
 The all-to-all's backward is the reverse all-to-all, so an expert's weight gradient sums its tokens from
 every peer: ZeRO then reduces it over the expert-data-parallel group (the ranks holding the same experts)
 and divides by the whole data-parallel size, which makes it the data-parallel mean (DeepSpeed's MoE groups,
-`pipe/moe.py` creates them).
+`pipe/moe/moe.py` creates them).
 
 The groups sit in DeepSpeed's registry (deepspeed.utils.groups, named "ep_size_<e>"): consecutive
 data-parallel ranks of one stage and TP rank form an EP group, and ranks e apart an expert-data-parallel group.
 
-Inside an overlapped unit (pipe/overlap.py: the forward of one micro-batch and the backward of another)
+Inside an overlapped unit (pipe/moe/overlap.py: the forward of one micro-batch and the backward of another)
 each all-to-all is issued asynchronously and, while it is in flight, `InFlight.meanwhile` runs the unit's other
 side until that side issues its own or ends; then this side waits on its handle. Outside a unit (and while
 AllToAllTimes times them) the collective blocks as before.
@@ -43,7 +43,7 @@ def expert_parallel_group(m):
     name = group_name(m.expert_model_parallel_size)
     if name not in groups._get_expert_parallel_group_dict():
         raise RuntimeError(f"expert parallelism {m.expert_model_parallel_size}: its process groups are not made "
-                           "(pipe/moe.ensure_expert_parallel, before the model is built)")
+                           "(pipe/moe/moe.ensure_expert_parallel, before the model is built)")
     return groups._get_expert_parallel_group(name)
 
 
@@ -65,7 +65,7 @@ class AllToAllTimes:
 
 class InFlight:
     """What runs while an all-to-all is in flight: `meanwhile()`, set by the runtime around an overlapped unit
-    (pipe/overlap.py), runs the unit's other side and returns when this side is due again; None: nothing, the
+    (pipe/moe/overlap.py), runs the unit's other side and returns when this side is due again; None: nothing, the
     collective blocks."""
     meanwhile = None
 

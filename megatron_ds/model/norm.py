@@ -4,7 +4,7 @@ head (--qk-layernorm, Qwen3's q_norm/k_norm).
 A head norm's weight is one vector of head_dim shared by every head. With tensor parallelism each rank holds
 whole heads and the whole weight, which on a rank sees only its own heads: its gradient there is a share,
 the sum over the TP group is the gradient. It is marked `tensor_parallel_partial`, and the engines sum it over
-the TP group once per step with the sequence-parallel gradients (pipe/sequence_parallel.py), as Megatron's
+the TP group once per step with the sequence-parallel gradients (pipe/parallel/sequence_parallel.py), as Megatron's
 finalize_model_grads sums its q/k layernorm gradients.
 """
 import torch

@@ -217,7 +217,7 @@ def _per_token(grad_loss, like: torch.Tensor) -> torch.Tensor:
 # --- the barrier as point-to-point messages ------------------------------------------------------
 # A pipeline runtime cannot call collectives: every rank runs its own op order, so the ranks would
 # enter them in different orders. It sends each slice's statistics to the ranks that need them
-# instead (pipe/vocab_messages.py), and each receiver merges them here, in slice order.
+# instead (pipe/plan/vocab_messages.py), and each receiver merges them here, in slice order.
 
 def statistics_message(s: SliceStatistics) -> torch.Tensor:
     """What every T (and the loss) needs of a slice: (max, sum of exp, target's logit) per token, (..., 3)."""

@@ -82,7 +82,7 @@ def normal_rows(shape: tuple, start: int, end: int, std: float, generator: torch
     dropped. torch's CPU normal_ turns uniform draws into normals 16 at a time (its last 16 from fresh
     draws when the size is no multiple of 16), so chunks of a multiple of 16 rows, the last (merged into
     its predecessor if under 16 numbers) ending the matrix, fill what the whole fill would (the slices
-    equal the single-process model's weights in tests/pipe/test_vocab_engine.py)."""
+    equal the single-process model's weights in tests/pipe/vocab/test_vocab_engine.py)."""
     rows, width = shape
     bounds = list(range(0, rows, CHUNK_ROWS)) + [rows]
     if len(bounds) > 2 and (bounds[-1] - bounds[-2]) * width < 16:

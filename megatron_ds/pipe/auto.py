@@ -1,6 +1,6 @@
 """The engine side of `"schedule": "auto"`: time the ops, decide on rank 0, broadcast, switch.
 
-The run starts on the schedule pipe/auto_start.start_auto picked (one that splits B and W and fits the
+The run starts on the schedule pipe/plan/auto_start.start_auto picked (one that splits B and W and fits the
 budget). During this process's training iterations [timers_start_iter, timers_end_iter) the
 engine's tracer hands every recorded iteration here (no files are written unless trace_dir is
 set): each compute op's time, from when its input had arrived to its end, and the runtime's time
@@ -47,9 +47,9 @@ from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 from megatron_ds.schedules.timeline import COMPUTE, P2P
 
-from . import ds_internals as ds
-from .config import AUTO_KEYS
-from .partition import layer_flops
+from .deepspeed import ds_internals as ds
+from .plan.config import AUTO_KEYS
+from .plan.partition import layer_flops
 
 PING_REPEATS = 5
 PIECE_REPEATS = 21  # piece_host's samples (a median: a loaded CPU's outliers)
@@ -69,7 +69,7 @@ class AutoDecision:
 
 
 class AutoSwitch:
-    """Owned by the ScheduleEngine of an "auto" run, with its AutoPlan (pipe/plan.py); see the module docstring."""
+    """Owned by the ScheduleEngine of an "auto" run, with its AutoPlan (pipe/plan/plan.py); see the module docstring."""
 
     choose = staticmethod(auto.decide)  # rank 0's decision: decide(pp, m, num_layers, budget, Measured, cuts)
 
@@ -288,7 +288,7 @@ def traced_runs(traced: list, schedules: list) -> list:
 def piece_host(runner, repeats: int = PIECE_REPEATS) -> float:
     """Seconds of host time one piece of an overlapped unit adds (ModelCosts.piece_host), on this rank: the
     runtime's own switching timed with nothing else in it. The window runs a plain start-up schedule, no unit, so a
-    unit cannot be timed against its two ops; instead `runner` (the engine's pipe/overlap.OverlapRunner) runs a
+    unit cannot be timed against its two ops; instead `runner` (the engine's pipe/moe/overlap.OverlapRunner) runs a
     unit whose sides do no work but hand the baton over where a MoE layer's all-to-alls are issued (3 in the
     forward: counts, rows, combine; 2 in the backward), each hand-over swapping the sides' process-wide state and
     waking the other thread, as a real unit does; the median of `repeats` such units, over the pieces a MoE

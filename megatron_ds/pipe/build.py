@@ -23,15 +23,16 @@ from megatron_ds.model.tensor_parallel import ensure_model_parallel
 from megatron_ds.model.vocab_slices import VocabSlice, vocab_layer_specs
 from megatron_ds.parallel_layout import data_parallel_size
 
-from .config import ConfigError, pipeline_settings, sequence_parallel_ds_config
-from .context_parallel import context_parallel_engine, context_parallel_size, deepspeed_batch, ensure_context_parallel
+from .plan.config import ConfigError, pipeline_settings, sequence_parallel_ds_config
+from .parallel.context_parallel import (context_parallel_engine, context_parallel_size, deepspeed_batch,
+                                        ensure_context_parallel)
 from .engine import ScheduleEngine
-from .moe import ensure_expert_parallel, routers, with_router_step
+from .moe.moe import ensure_expert_parallel, routers, with_router_step
 from .module import ChunkedPipelineModule, CostPartitionedPipelineModule
-from .partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
-from .plan import PipelinePlan
-from .recompute import checked as checked_recompute, stock_problem
-from .sequence_parallel import SequenceParallelPipelineEngine, on_sequence_shards, sequence_parallel_params
+from .plan.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
+from .plan.plan import PipelinePlan
+from .plan.recompute import checked as checked_recompute, stock_problem
+from .parallel.sequence_parallel import SequenceParallelPipelineEngine, on_sequence_shards, sequence_parallel_params
 from .trace import TracedPipelineEngine, TracedSequenceParallelPipelineEngine, Tracer
 
 CHECKPOINTABLE_LAYERS = ["TransformerLayer"]
@@ -88,7 +89,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     packing = Packing.of(config) if getattr(config, "packs_documents", False) else None
     if plan is None:
         if settings.auto:  # the engine needs its AutoPlan, which only make_plan hands out
-            raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan.make_plan, pass it '
+            raise ValueError('"schedule": "auto" without a parse: make the plan with pipe/plan/plan.make_plan, pass it '
                              "here and its AutoPlan to initialize_engine")
         dp = topo.get_dim("data") // getattr(config, "context_parallel_size", 1)
         plan = PipelinePlan.from_config(config, ds_config, pp, dp, seq_length, settings)
@@ -96,7 +97,7 @@ def build_pipeline_module(config: GPTConfig, ds_config: dict, pp: int, activatio
     module = ChunkedPipelineModule(plan=plan, parts=parts, recompute=recompute, **common)
     module.packing = packing  # the engine reads each micro-batch's documents with it (model/documents.py)
     module.context_layout = context  # the engine cuts each op's tokens and labels to this rank's (or None)
-    if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab_passes.py)
+    if settings.vocab_parallel:  # every pipeline rank holds a slice; the engine runs its passes (pipe/vocab/vocab_passes.py)
         module.vocab_slice = VocabSlice(config, module.stage_id, pp)
     # "auto" may switch to a schedule that splits backward: its layers leave the linears eager from the start
     return compiled(module, settings, defer_weight_grads=settings.auto or plan.splits_backward)
@@ -134,10 +135,10 @@ def _with_router_step(factory):
 def initialize_engine(module, ds_config: dict, optimizer=None, lr_scheduler=None, model_parameters=None,
                       settings=None, auto_plan=None, engine_class=ScheduleEngine, on_auto_decision=None,
                       **initialize_kwargs):
-    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan.make_plan), which the ScheduleEngine holds, and
+    """`auto_plan`: an "auto" run's AutoPlan (pipe/plan/plan.make_plan), which the ScheduleEngine holds, and
     `on_auto_decision` its owner's hook, called once with the AutoDecision (pipe/auto.py).
     `engine_class`: the ScheduleEngine (sub)class a chunked module gets (a user's own PipelineModule's:
-    pipe/foreign_engine.py); `initialize_kwargs`: more of deepspeed.initialize's arguments (training_data...)."""
+    pipe/foreign/foreign_engine.py); `initialize_kwargs`: more of deepspeed.initialize's arguments (training_data...)."""
     tracer = Tracer((settings or pipeline_settings(ds_config)).trace_dir)
     sequence_parallel = bool(sequence_parallel_params(module))  # gradient shares to sum over the TP group
     if isinstance(module, ChunkedPipelineModule):  # sums sequence-parallel gradients when there are any

@@ -22,19 +22,19 @@ from megatron_ds.model.weight_carriers import Carriers
 from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import VOCAB, Kind
 
-from . import ds_internals as ds
+from .deepspeed import ds_internals as ds
 from . import instructions as ins
 from .activations import detached, input_grads, leaves
 from .auto import AutoSwitch
-from .context_parallel import local_inputs, local_labels
-from .messages import incoming_key, message_key, outgoing
-from .overlap import OverlapRunner, side_state
+from .parallel.context_parallel import local_inputs, local_labels
+from .plan.messages import incoming_key, message_key, outgoing
+from .moe.overlap import OverlapRunner, side_state
 from .p2p import P2P
 from .post_validation import PostValidation
 from .replicas import idle_chunks
-from .sequence_parallel import with_sequence_parallel_reduction
+from .parallel.sequence_parallel import with_sequence_parallel_reduction
 from .trace import Tracer, through_tracer
-from .vocab_passes import VocabPasses
+from .vocab.vocab_passes import VocabPasses
 
 
 LAYOUT_KEY = "megatron_ds_pipeline_layout"
@@ -57,7 +57,7 @@ class ScheduleEngine(PipelineEngine):
     written against, and every other private of DeepSpeed's it touches: ds_internals.py."""
 
     def __init__(self, *args, plan, auto_plan=None, tracer=None, on_auto_decision=None, **kwargs):
-        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan.py); "auto" swaps in one placed alike
+        self.plan = plan  # the PipelinePlan the module was cut by (pipe/plan/plan.py); "auto" swaps in one placed alike
         self.tracer = tracer or Tracer()
         # gloo moves a message only once its receive is posted: there every receive of an iteration whose shape
         # is known is posted at its start (_exec_load_micro_batches; P2P.post_all says why not on NCCL)
@@ -85,7 +85,7 @@ class ScheduleEngine(PipelineEngine):
         self.auto = AutoSwitch(self, auto_plan) if auto_plan else None  # "schedule": "auto", until it decides
         self.vocab = VocabPasses(self) if plan.settings.vocab_parallel else None  # the vocabulary slice's passes
         self.on_auto_decision = on_auto_decision  # the owner's hook: called once with "auto"'s AutoDecision (pipe/auto.py)
-        self._overlap_runner = None  # runs overlapped units (pipe/overlap.py), made at the first
+        self._overlap_runner = None  # runs overlapped units (pipe/moe/overlap.py), made at the first
         self.overlapped_units_run = 0  # units this rank ran, all iterations: the log confirms them (training/loop.py)
 
     def use_plan(self, plan) -> None:
@@ -122,7 +122,7 @@ class ScheduleEngine(PipelineEngine):
         return ins.OpListSchedule(ops, micro_batches, self.num_stages, self.stage_id, train=train, paired=paired)
 
     def _new_p2p(self, messages):
-        """This iteration's P2P (a user's own PipelineModule's learns its shapes: pipe/learned_p2p.py)."""
+        """This iteration's P2P (a user's own PipelineModule's learns its shapes: pipe/foreign/learned_p2p.py)."""
         return P2P(messages, self.stage_id, lambda r: self.grid.stage_to_global(stage_id=r),
                    self.plan.message_shape, lambda key: VocabPasses.dtype_of(key, self._dtype), self.device)
 
@@ -320,7 +320,7 @@ class ScheduleEngine(PipelineEngine):
         self._backward_done(op)
 
     def _exec_overlapped_ops(self, ops):
-        """An overlapped unit (pipe/overlap.py): both ops' inputs taken first, the F computed here and the B or
+        """An overlapped unit (pipe/moe/overlap.py): both ops' inputs taken first, the F computed here and the B or
         BW on the unit's second thread, each one's all-to-all in flight while the other computes, both outputs
         handed on after, in list order (the validator proves that neither op needs the other's)."""
         inputs = [self._forward_input(op) if op.kind is Kind.F else self._backward_input(op) for op in ops]
@@ -438,7 +438,7 @@ class ScheduleEngine(PipelineEngine):
     # -- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         """Records the layout; what loads under another one is decided by training/checkpoint/save_load.py. Under
-        vocabulary parallelism the layer files hold the whole matrices (pipe/vocab_checkpoint.py)."""
+        vocabulary parallelism the layer files hold the whole matrices (pipe/vocab/vocab_checkpoint.py)."""
         state = dict(client_state or {})
         state[LAYOUT_KEY] = pipeline_layout(self)
         return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)

@@ -51,7 +51,7 @@ class EmbeddingSliceWeightOp(OpInstruction):
 
 
 class OverlappedOps(ds_schedule.PipeInstruction):
-    """An overlapped unit (pipe/overlap.py): kwarg `ops`, its two ops (an F and a B or BW) in list order."""
+    """An overlapped unit (pipe/moe/overlap.py): kwarg `ops`, its two ops (an F and a B or BW) in list order."""
 
 
 class ReduceReplicaGrads(ds_schedule.PipeInstruction):

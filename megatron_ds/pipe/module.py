@@ -11,11 +11,11 @@ import contextlib
 
 from deepspeed.pipe import PipelineModule
 
-from . import ds_internals as ds
-from .config import ConfigError
-from .recompute import chunk_groups, forward_in_groups, interval
+from .deepspeed import ds_internals as ds
+from .plan.config import ConfigError
+from .plan.recompute import chunk_groups, forward_in_groups, interval
 from .replicas import ReplicaSync
-from .vocab_checkpoint import gather_whole, load_slice, save_head, with_whole_embedding, without_whole_embedding
+from .vocab.vocab_checkpoint import gather_whole, load_slice, save_head, with_whole_embedding, without_whole_embedding
 
 
 def given_parts(module, parts, method):
@@ -44,7 +44,7 @@ class ChunkedPipelineModule(PipelineModule):
         """`plan` (a PipelinePlan) places the chunks: placement[replica][stage] -> pipeline rank.
         `parts`: the layer bounds of the virtual stages under a cost partition method
         (partition.chunk_cost_bounds; None: DeepSpeed's method cuts them). `recompute`: Megatron's whole-layer
-        recompute (schedules/recompute.Recompute, granularity "full"), run per chunk (pipe/recompute.py)."""
+        recompute (schedules/recompute.Recompute, granularity "full"), run per chunk (pipe/plan/recompute.py)."""
         self.plan, self.given_parts = plan, parts
         self.recompute = recompute if recompute is not None and recompute.full else None
         if self.recompute:
@@ -62,7 +62,7 @@ class ChunkedPipelineModule(PipelineModule):
         return len(self.placement[0])
 
     def _partition_layers(self, method="uniform"):
-        if self.given_parts is not None:  # a cost method cut them (pipe/partition.py)
+        if self.given_parts is not None:  # a cost method cut them (pipe/plan/partition.py)
             self.parts = given_parts(self, self.given_parts, method)
         else:
             # The parent cuts the layers into num_stages parts: make that the virtual-stage count
@@ -95,7 +95,7 @@ class ChunkedPipelineModule(PipelineModule):
             self.forward_funcs = []
             super()._build()
             self.chunk_funcs[chunk] = self.forward_funcs
-            if self.recompute:  # Megatron's groups, in place of DeepSpeed's interval (pipe/recompute.py)
+            if self.recompute:  # Megatron's groups, in place of DeepSpeed's interval (pipe/plan/recompute.py)
                 self.chunk_groups[chunk] = chunk_groups(self.recompute, self.forward_funcs)
         self.activate(self.chunks[0])
 

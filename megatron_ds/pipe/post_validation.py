@@ -54,8 +54,8 @@ from deepspeed.runtime.utils import (combine_grad_norm_groups, is_invalid_grad_n
 from deepspeed.runtime.zero import stage_1_and_2 as zero
 from deepspeed.runtime.zero.utils import get_norm_dtype
 
-from .config import ConfigError
-from .zero_internals import ZeroInternals
+from .plan.config import ConfigError
+from .deepspeed.zero_internals import ZeroInternals
 
 NORM_TYPE = 2.0
 # Optimizers whose step (single-tensor and foreach forms) reads the gradients and never writes them.

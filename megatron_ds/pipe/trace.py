@@ -40,9 +40,9 @@ from megatron_ds.schedules import Op
 from megatron_ds.schedules.kinds import Kind
 from megatron_ds.schedules.timeline import COMPUTE, FORMAT, P2P, STEP, THREADS, chrome_header, trace_path
 
-from . import ds_internals as ds
+from .deepspeed import ds_internals as ds
 from .instructions import INSTRUCTION_TO_KIND, OverlappedOps
-from .sequence_parallel import SequenceParallelPipelineEngine
+from .parallel.sequence_parallel import SequenceParallelPipelineEngine
 
 # Instruction class name -> op kind, for our instructions and DeepSpeed's.
 COMPUTE_KINDS = {**INSTRUCTION_TO_KIND, "ForwardPass": Kind.F, "BackwardPass": Kind.BW}

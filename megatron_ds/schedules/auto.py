@@ -56,7 +56,7 @@ EPS = 1e-9
 @dataclass(frozen=True)
 class Cut:
     """The run's sequence cut into k Seq1F1B segments: their token counts and relative costs
-    (seq_split.segment_costs: FLOPs), as the engine would cut it (pipe/segments.segment_lengths)."""
+    (seq_split.segment_costs: FLOPs), as the engine would cut it (pipe/plan/segments.segment_lengths)."""
     k: int
     lengths: tuple
     costs: tuple
@@ -107,7 +107,7 @@ def _candidates(pp: int, m: int, num_layers: int, cuts: tuple, names: tuple, voc
 
 
 def runs(schedule: Schedule, num_layers: int) -> bool:
-    """Whether pipe/plan.check_layers lets `num_layers` layers run it."""
+    """Whether pipe/plan/plan.check_layers lets `num_layers` layers run it."""
     stages = schedule.stages
     return num_layers >= stages and not (num_layers % stages and stages > schedule.pp)
 

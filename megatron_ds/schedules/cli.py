@@ -73,7 +73,7 @@ _triple, _pair = _costs("F,B,W"), _costs("F,B")
 
 
 def _segment_lengths(args):
-    """Token counts of the segments, as pipe/plan.py cuts them (None without --seq-length)."""
+    """Token counts of the segments, as pipe/plan/plan.py cuts them (None without --seq-length)."""
     if args.seq_length is None or args.seq_splits == 1:
         return None
     if args.seq_split_method == "even":

@@ -5,7 +5,7 @@ Settings (Megatron's flags, GPTConfig's fields): none; "selective" (the attentio
 backward, model/recompute.py); "full" with method "uniform" (the layers of each virtual stage in groups of N,
 each group recomputed from its input) or "block" (the first N layers of each virtual stage recomputed one by
 one, the others kept). `checkpoint_groups` is the one rule for which layers a chunk checkpoints; the pipeline
-module runs it (pipe/recompute.py).
+module runs it (pipe/plan/recompute.py).
 
 `layer_memory` counts, in bytes per micro-batch, what our layer's autograd keeps (model/layers.py as torch runs
 it; tests/model/test_recompute.py checks it against autograd's saved tensors): the norms' inputs and statistics,

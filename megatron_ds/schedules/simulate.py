@@ -8,7 +8,7 @@ a list is per stage of the replica and used as is (to model e.g. a heavier loss 
 `op_overhead` (F, B, W) is a fixed time every op pays whatever its size (launches, the runtime's
 own work): it is what makes many small ops (segments, chunks) dearer than their share. A BW op costs
 tb + tw, unless `tbw` gives its own time (as tf): a fused backward measured apart from a split one, which
-costs more where the split is autograd's (pipe/autograd_split.py).
+costs more where the split is autograd's (pipe/foreign/autograd_split.py).
 
 Activation memory, in units of one micro-batch's activations on one 1F1B stage: F holds M_B
 until the input-gradient backward, which keeps M_W of it for W; BW frees all of it. A sequence
@@ -34,7 +34,7 @@ holds only while it runs, on top of the level before it: a recomputed layer's ac
 
 An overlapped unit (Schedule.overlap: a forward and a backward of two other units, DualPipe's overlapped chunk)
 starts when both ops' inputs are there and ends, for both, when its last piece does. With `all_to_all_count`
-(F, B: the all-to-alls inside each stage's ops, as all_to_all) it runs piece by piece as pipe/overlap.py runs it
+(F, B: the all-to-alls inside each stage's ops, as all_to_all) it runs piece by piece as pipe/moe/overlap.py runs it
 (`piecewise`): a side of k all-to-alls is k + 1 equal pieces of its compute and host time with an all-to-all of
 a/k after each but the last; the unit's first op starts, each all-to-all issued hands over to the other side,
 which waits on its own in-flight one before its next piece, so both sides' all-to-alls may be in flight at once.
@@ -194,7 +194,7 @@ def _duration_fn(schedule, tf, tb, tw, seq_costs, op_overhead, vocab: dict, tbw=
 
 
 def piecewise(sides: list) -> float:
-    """The span of an overlapped unit run as pipe/overlap.py runs it: each side (compute c, all-to-all x, count k)
+    """The span of an overlapped unit run as pipe/moe/overlap.py runs it: each side (compute c, all-to-all x, count k)
     is k + 1 equal compute pieces with an all-to-all of x / k after each but the last; the first side starts, and
     a side that issues an all-to-all hands over to the other (while that one still runs), which first waits on
     its own in-flight all-to-all, then computes its next piece. Both sides' all-to-alls can be in flight at once."""

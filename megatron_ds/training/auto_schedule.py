@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.files import read_json
 from megatron_ds.pipe.auto import candidate_labels, chosen_ds_config
-from megatron_ds.pipe.context_parallel import context_parallel_size, samples_batch
+from megatron_ds.pipe.parallel.context_parallel import context_parallel_size, samples_batch
 from megatron_ds.schedules import auto
 from megatron_ds.schedules.flops import vocab_size
 

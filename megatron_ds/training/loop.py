@@ -80,7 +80,7 @@ class Trainer:
         self.consumed_train = state["consumed_train_samples"]
         self.consumed_valid = state["consumed_valid_samples"]
         # the replica whose samples this rank reads: under context parallelism its data-axis rank // CP (the CP
-        # ranks of a replica read the same samples; pipe/context_parallel.py)
+        # ranks of a replica read the same samples; pipe/parallel/context_parallel.py)
         self.dp_rank = engine.grid.get_data_parallel_rank() // getattr(args, "context_parallel_size", 1)
         self.train_iter = MicroBatchIterator(train_ds, self.consumed_train, args, self.dp_rank)
         self.valid_ds, self.test_ds = valid_ds, test_ds
@@ -108,7 +108,7 @@ class Trainer:
     def _apply_batch_size(self):
         gbs = self.args.batch_schedule.global_batch_size(self.consumed_train)
         if gbs != self.current_gbs:
-            # DeepSpeed counts each context-parallel rank as a data-parallel one (pipe/context_parallel.py)
+            # DeepSpeed counts each context-parallel rank as a data-parallel one (pipe/parallel/context_parallel.py)
             counted = gbs * getattr(self.args, "context_parallel_size", 1)
             if counted != self.engine.train_batch_size():
                 self.engine.set_train_batch_size(counted)

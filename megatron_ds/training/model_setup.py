@@ -6,7 +6,7 @@ import torch
 
 from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-from megatron_ds.pipe.moe import optimizer_param_groups
+from megatron_ds.pipe.moe.moe import optimizer_param_groups
 from megatron_ds.schedules import simulate
 from megatron_ds.schedules.recompute import Recompute
 

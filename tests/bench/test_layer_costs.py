@@ -42,7 +42,7 @@ def test_costs_out_feeds_the_costs_partition(tmp_path, capsys):
     """--costs-out writes one cost per pipeline layer; "costs:FILE" reads it and cuts by it."""
     import json
 
-    from megatron_ds.pipe.partition import cost_bounds
+    from megatron_ds.pipe.plan.partition import cost_bounds
     from megatron_ds.schedules import placement
 
     path = tmp_path / "costs.json"

@@ -36,7 +36,7 @@ def test_the_slice_is_all_a_rank_allocates(monkeypatch):
 def test_each_slice_holds_the_single_process_models_rows(untied):
     from megatron_ds.model.layers import Embedding, LMHead
     from tests.gpt_harness import tiny_config
-    from tests.pipe.test_vocab_engine import LLAMA
+    from tests.pipe.vocab.test_vocab_engine import LLAMA
     config = tiny_config(4, **(LLAMA if untied else {}))
     wte, head = Embedding(config, 0).wte.weight, LMHead(config, config.num_layers + 2).weight if untied else None
     for rank in range(4):

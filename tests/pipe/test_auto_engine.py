@@ -11,7 +11,7 @@ a budget only Seq1F1B and the search under a cap below p fit (it starts on 2 seg
 parallelism (every candidate carries the passes, whose measured times are the head's and the embedding's costs),
 in the same launch: the own choice (GPT-2, tied), zb-h2 and the searched zb-search cap=3 (swaps; LLaMA, untied),
 zbv (a rebuild that re-cuts the slices' Adam state; LLaMA), at lr 1e-3 as test_vocab_engine.py. At PP=2 x DP=2 (ZeRO-1 shards
-re-cut across the switch): the own choice and zbv. A mixture of experts (tests/pipe/test_moe_engine.py's) at PP=2: the
+re-cut across the switch): the own choice and zbv. A mixture of experts (tests/pipe/moe/test_moe_engine.py's) at PP=2: the
 own choice and zbv, and the own choice of a model whose first layer is dense (rank 0's decision names the MoE layers and
 costs each layer on its own)."""
 import dataclasses
@@ -19,8 +19,8 @@ import dataclasses
 import pytest
 
 from tests.gpt_harness import assert_matches_reference, reference_run, tiny_config
-from tests.pipe.test_moe_engine import MODELS
-from tests.pipe.test_vocab_engine import LLAMA, LR
+from tests.pipe.moe.test_moe_engine import MODELS
+from tests.pipe.vocab.test_vocab_engine import LLAMA, LR
 
 STEPS, LAYERS, GAS = 3, 4, 4
 MOE = MODELS["softmax"]  # 8 experts, top-2, a shared expert, aux and z losses
@@ -183,7 +183,7 @@ def test_a_moe_models_stages_and_all_to_all_as_rank_0_takes_them():
 
     from megatron_ds.model.gpt import gpt_layer_specs
     from megatron_ds.pipe.auto import inside, layer_kinds, moe_flops, with_experts
-    from megatron_ds.pipe.partition import layer_flops
+    from megatron_ds.pipe.plan.partition import layer_flops
     from megatron_ds.schedules import measurement
 
     config = tiny_config(6, **{**MOE, "moe": dataclasses.replace(MOE["moe"], layer_freq=(1, 0, 0, 1, 1, 0))})

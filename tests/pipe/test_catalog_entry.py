@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from megatron_ds.schedules import CATALOG, Op, Schedule, ScheduleError, ScheduleSpec
 from megatron_ds.schedules import placement
 from megatron_ds.schedules import auto as auto_choice

@@ -4,7 +4,7 @@ the steps, the eval loss), and each run's first loss equals the token-weighted m
 computed alone (tests/model/test_documents.py: the reference's own isolation), so no schedule lets attention leak
 across documents while its loss looks right.
 
-Every stage reads the micro-batch's tokens and finds the documents itself (pipe/plan.needs_data); a Seq1F1B
+Every stage reads the micro-batch's tokens and finds the documents itself (pipe/plan/plan.needs_data); a Seq1F1B
 segment's queries see the documents of the K/V cache's earlier positions. One launch of 2 ranks: every named
 schedule at PP=2 (GPT-2), Seq1F1B with 2 and 4 segments (documents crossing the cuts; the B/W split; activation
 recompute), LLaMA (RoPE at restarted positions) and BLOOM (ALiBi), the long path's per-document groups,
@@ -65,7 +65,7 @@ def auto_rank_run(label):
         deepspeed.init_distributed(dist_backend="gloo")
     from megatron_ds.pipe.auto import AutoSwitch
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.pipe.plan.plan import make_plan
     from megatron_ds.schedules import auto
     from megatron_ds.training.auto_schedule import switch_engine
     from tests.gpt_harness import EVAL_STEP, capture_grads_before_reduce, ds_config, layer_key, optimizer_for

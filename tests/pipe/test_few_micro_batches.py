@@ -4,7 +4,7 @@ schedule builds trains exactly as the single-process reference (loss, first-step
 (training/config/arguments._check_schedule_over_rampup). BitPipe at m <= p/2 leaves its up replica idle: it hung."""
 import pytest
 
-from megatron_ds.pipe.config import pipeline_settings
+from megatron_ds.pipe.plan.config import pipeline_settings
 from megatron_ds.schedules import ScheduleError
 from megatron_ds.testing.launcher import run_ranks
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config

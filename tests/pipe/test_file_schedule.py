@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from megatron_ds.schedules import CATALOG, build_schedule
 from megatron_ds.schedules.cli import main as schedules_cli
 from megatron_ds.testing.launcher import child_env, run_ranks

@@ -90,7 +90,7 @@ def run_case(pp, schedule, post_validation, clip, inf=False, bf16=False, shortcu
 def refusal(pp):
     """The message for bf16 with fp32 gradient accumulation (DeepSpeed's BF16_Optimizer)."""
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
-    from megatron_ds.pipe.config import ConfigError
+    from megatron_ds.pipe.plan.config import ConfigError
     cfg = ds_config(pp, 1, GAS, bf16=True, pipeline={"schedule": "zbv", "post_validation": True})
     cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     module = build_pipeline_module(tiny_config(4), cfg, pp)

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from megatron_ds.pipe.segments import segment_lengths
+from megatron_ds.pipe.plan.segments import segment_lengths
 from megatron_ds.schedules.seq_split import balanced_segment_lengths
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from tests.gpt_harness import assert_matches_reference, engine_rank_runs, reference_run, tiny_config
 from megatron_ds.testing.launcher import run_ranks
 

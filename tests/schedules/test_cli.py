@@ -112,8 +112,8 @@ def test_visualize_draws_the_run_of_a_ds_config(tmp_path):
     """--ds-config: the schedule the run of that ds_config runs, its knobs and Seq1F1B cut as the run reads them
     (the quick start drew seq1f1b with k=1 and interleaved with v=1)."""
     from megatron_ds.gpt_config import GPTConfig
-    from megatron_ds.pipe.config import pipeline_settings
-    from megatron_ds.pipe.segments import segment_lengths
+    from megatron_ds.pipe.plan.config import pipeline_settings
+    from megatron_ds.pipe.plan.segments import segment_lengths
     png = tmp_path / "s.png"
     shape = ["--seq-length", "64", "--hidden-size", "64", "--num-attention-heads", "4", "--num-key-value-heads", "2",
              "--swiglu"]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ds.pipe.partition import layer_flops
+from megatron_ds.pipe.plan.partition import layer_flops
 from megatron_ds.schedules.flops import model_flops_per_sequence, span_flops
 from megatron_ds.schedules.seq_split import balanced_segment_lengths, segment_costs
 
@@ -89,7 +89,7 @@ def test_a_moe_layer_counts_the_experts_a_token_runs_through():
     dense layers of the same model keep their MLP (the TFLOP/s of the log and the "flops" cuts)."""
     from megatron_ds.gpt_config import GPTConfig
     from megatron_ds.moe_config import MoEConfig
-    from megatron_ds.pipe.partition import layer_flops
+    from megatron_ds.pipe.plan.partition import layer_flops
     from megatron_ds.schedules.flops import linear_flops_per_token, model_flops_per_sequence
     h, f, fe, fs, s = 32, 48, 16, 8, 16
     moe = MoEConfig(num_experts=8, router_topk=2, ffn_hidden_size=fe, shared_expert_intermediate_size=fs,

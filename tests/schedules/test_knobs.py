@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from megatron_ds.pipe.config import PipelineSettings, pipeline_settings
+from megatron_ds.pipe.plan.config import PipelineSettings, pipeline_settings
 from megatron_ds.schedules import CATALOG, ScheduleError, build_schedule
 from megatron_ds.schedules.catalog import KNOBS, TAKES, takes
 

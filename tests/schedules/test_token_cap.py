@@ -38,10 +38,10 @@ def test_even_segments_leave_the_order_alone():
 
 def test_generator_caps_and_the_cli_exports_the_engines_order(capsys):
     """The cap lives in the seq1f1b generator: build_schedule with segment_lengths, the CLI export
-    with --seq-length/--hidden-size and the engine's plan (pipe/plan.py) give one op order."""
+    with --seq-length/--hidden-size and the engine's plan (pipe/plan/plan.py) give one op order."""
     from types import SimpleNamespace
 
-    from megatron_ds.pipe.plan import PipelinePlan
+    from megatron_ds.pipe.plan.plan import PipelinePlan
     from megatron_ds.schedules import Schedule
     from megatron_ds.schedules.cli import main
 

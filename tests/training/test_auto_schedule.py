@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_ds.pipe.auto import chosen_ds_config
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.plan import make_plan
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.plan import make_plan
 from megatron_ds.schedules import auto
 from megatron_ds.pipe.auto import AutoDecision
 from megatron_ds.training.auto_schedule import (FORMAT, NAME, AutoSchedule, differences, read_record, resume_choice,
@@ -173,7 +173,7 @@ def test_the_trainer_saves_the_decision_in_force(tmp_path):
 
 
 def test_the_auto_plan_weighs_the_head_by_flops():
-    from megatron_ds.pipe.partition import layer_flops
+    from megatron_ds.pipe.plan.partition import layer_flops
     for vocab in (1024, 256000):
         sizes = SimpleNamespace(**{**vars(SIZES), "vocab_size": vocab})
         flops = layer_flops(sizes)

@@ -9,7 +9,7 @@ from megatron_ds.testing.launcher import run_ranks
 def _parse_and_build(folder, pipeline):
     import deepspeed
 
-    from megatron_ds.pipe import plan as plan_module
+    from megatron_ds.pipe.plan import plan as plan_module
     from megatron_ds.training.config.arguments import parse_args
     from megatron_ds.training.model_setup import setup_model_and_optimizer
 
@@ -50,8 +50,8 @@ def test_the_start_up_line_says_what_the_schedule_name_does_not(tmp_path):
     """Seq1F1B's segment lengths, vocabulary parallelism, a schedule file's simulated makespan and "auto"'s budget
     in micro-batches."""
     from megatron_ds.gpt_config import GPTConfig
-    from megatron_ds.pipe.config import pipeline_settings
-    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.pipe.plan.config import pipeline_settings
+    from megatron_ds.pipe.plan.plan import make_plan
     from megatron_ds.schedules import build_schedule, simulate
     from megatron_ds.training.model_setup import engine_line
 

@@ -1,6 +1,6 @@
 """A mixture of experts resumed under another expert-parallel layout continues the same training.
 
-A checkpoint holds each expert under its global index whatever the EP size (pipe/moe_checkpoint.py), and the
+A checkpoint holds each expert under its global index whatever the EP size (pipe/moe/moe_checkpoint.py), and the
 experts' optimizer state, cut over their expert-data-parallel groups, is re-cut by name. Real launches of
 pretrain_gpt.py (4 ranks, gloo, fp32, no dropout) through universal_capture.py, which writes the fp32 master
 weights, Adam's moments and the module's weights by parameter name at a save and right after a load:

@@ -1,6 +1,6 @@
 """The engine of a Hugging Face causal LM cut into a PipelineModule (cut.py): pretrain_gpt.py --hf-model's, and
 Seq1F1B's for such a model. The module goes the path megatron_ds.initialize takes for a user's own module
-(pipe/foreign.py: the schedule's chunks), or to DeepSpeed's own engine when the ds_config names no schedule. The
+(pipe/foreign/foreign.py: the schedule's chunks), or to DeepSpeed's own engine when the ds_config names no schedule. The
 optimizer and lr schedule are built by the caller over the module the engine runs (the training layer's).
 
 Seq1F1B: the cut's layers take a micro-batch's sequence in segments, since their attention (attention.py) keeps
@@ -13,9 +13,9 @@ import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
 from ..build import initialize_engine
-from ..foreign import check_settings, chunked, plan_for
-from ..foreign_engine import ForeignScheduleEngine
-from ..segments import segment_lengths
+from ..foreign.foreign import check_settings, chunked, plan_for
+from ..foreign.foreign_engine import ForeignScheduleEngine
+from ..plan.segments import segment_lengths
 from .cut import PARTITION, load, pipeline_module
 
 

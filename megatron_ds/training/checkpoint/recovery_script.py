@@ -14,7 +14,7 @@ zero_to_fp32.py beside it, which is ours now) is removed.
 import os
 import stat
 
-from megatron_ds.pipe import ds_internals
+from megatron_ds.pipe.deepspeed import ds_internals
 
 from ..faults import disk_full
 

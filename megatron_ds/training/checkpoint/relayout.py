@@ -37,7 +37,7 @@ import re
 import torch
 
 from megatron_ds.model.vocab_slices import whole_name
-from megatron_ds.pipe.zero_internals import ZeroInternals
+from megatron_ds.pipe.deepspeed.zero_internals import ZeroInternals
 
 from . import safe_load
 

@@ -4,7 +4,7 @@ Layout (DeepSpeed's): SAVE/global_step{N}/layer_XX-model_states.pt,
 mp_rank_{stage:02d}_model_states.pt (holds the client state below),
 zero_pp_rank_{dp}_mp_rank_{stage:02d}_optim_states.pt, and SAVE/latest naming
 the newest complete tag (plus Megatron's latest_checkpointed_iteration.txt). A mixture of
-experts under expert parallelism writes the same files as without it (pipe/moe_checkpoint.py).
+experts under expert parallelism writes the same files as without it (pipe/moe/moe_checkpoint.py).
 
 `latest` is written only after every rank has finished writing its files (a
 barrier), by rank 0, through a temporary file and an atomic rename: a save that
@@ -27,7 +27,7 @@ layout; the lr schedule, DeepSpeed's step counters and the data position load
 unless --finetune; the optimizer state loads as DeepSpeed saved it under the same
 layout, and is re-cut parameter by parameter (relayout.py) under another
 schedule, pipeline or data-parallel size, or with vocabulary parallelism switched on
-or off (its layer files hold the whole matrices: pipe/vocab_checkpoint.py), so a
+or off (its layer files hold the whole matrices: pipe/vocab/vocab_checkpoint.py), so a
 resumed run continues the same training whatever layout it resumes under. Another tensor-parallel size goes through
 DeepSpeed's universal checkpoint (universal.py): every checkpoint carries the
 `universal_checkpoint_info` its converter needs, and a run with --universal-checkpoint
@@ -45,8 +45,8 @@ from megatron_ds.data.dist_utils import print_rank_0
 from megatron_ds.model.universal_info import universal_checkpoint_info
 from megatron_ds.moe_config import layer_pattern
 from megatron_ds.pipe.engine import LAYOUT_KEY, pipeline_layout, saved_layout
-from megatron_ds.pipe.vocab_checkpoint import universal_names
-from megatron_ds.pipe.zero_internals import ZeroInternals
+from megatron_ds.pipe.vocab.vocab_checkpoint import universal_names
+from megatron_ds.pipe.deepspeed.zero_internals import ZeroInternals
 
 from ..errors import CheckpointError
 from . import engine as checkpoint_engine, recovery_script, safe_load

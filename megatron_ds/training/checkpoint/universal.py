@@ -15,7 +15,7 @@ extracts rank 0's, universal_info) and names every parameter as the layout witho
 parallelism does, so the folder is the one a plain run's step converts into. A run with --universal-checkpoint, or ds_config
 "checkpoint": {"load_universal": true} (DeepSpeed's key, which the flag sets), loads that
 folder under any layout: DeepSpeed's ZeRO-1 loader cuts each parameter for this rank (under
-vocabulary parallelism each slice's rows: pipe/vocab_checkpoint.universal_names).
+vocabulary parallelism each slice's rows: pipe/vocab/vocab_checkpoint.universal_names).
 
 Checked at parse time (no torch): the flag and the key agree, and --load holds a converted
 checkpoint; otherwise one message that names the conversion command, exit code 2.

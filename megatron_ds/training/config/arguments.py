@@ -20,8 +20,8 @@ import sys
 from megatron_ds.data.tokenizer import gpt2_files
 from megatron_ds.files import UnreadableFile, read_json
 from megatron_ds.parallel_layout import ParallelConfigError, accumulation_steps, data_parallel_size, global_batch_size
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.ds_keys import deepspeed_keys, unknown_keys_line
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.ds_keys import deepspeed_keys, unknown_keys_line
 from megatron_ds.schedules import ScheduleError
 
 from ..batch_schedule import BatchSizeSchedule

@@ -4,7 +4,7 @@ agree. Read once at parse time, before the flags are checked (ArgumentsError, ex
 DeepSpeed never sees them (arguments.merge_ds_config takes them out)."""
 import argparse
 
-from megatron_ds.pipe.ds_keys import unknown_keys_line
+from megatron_ds.pipe.plan.ds_keys import unknown_keys_line
 
 from ..errors import ArgumentsError
 

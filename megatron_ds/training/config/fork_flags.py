@@ -14,9 +14,9 @@ import json
 import os
 
 from megatron_ds.errors import report_stop
-from megatron_ds.pipe.config import PipelineSettings
-from megatron_ds.pipe.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
-from megatron_ds.pipe.recompute import stock_problem
+from megatron_ds.pipe.plan.config import PipelineSettings
+from megatron_ds.pipe.plan.layout import PREFIX as LAYOUT_PREFIX, LayoutError, first_last_layout
+from megatron_ds.pipe.plan.recompute import stock_problem
 from megatron_ds.schedules.catalog import ANY, CATALOG, takes
 from megatron_ds.schedules.recompute import Recompute
 
@@ -263,7 +263,7 @@ def _apply_virtual_stages(args, pipe):
 
 
 def _apply_layout(args, pipe):
-    """Megatron-core's written cut: "pipeline.partition_method" = "layout:..." (pipe/layout.py)."""
+    """Megatron-core's written cut: "pipeline.partition_method" = "layout:..." (pipe/plan/layout.py)."""
     layout = args.pipeline_model_parallel_layout
     first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
     if layout is None and first is None and last is None:
@@ -290,7 +290,7 @@ def _apply_layout(args, pipe):
 
 
 def _apply_recompute(args, pipe):
-    """Megatron's recompute flags into the run's GPTConfig (its recompute_* fields, pipe/recompute.py), checked
+    """Megatron's recompute flags into the run's GPTConfig (its recompute_* fields, pipe/plan/recompute.py), checked
     against each other and against the engine; --checkpoint-activations stays DeepSpeed's interval."""
     granularity = args.recompute_granularity
     if args.recompute_activations and granularity not in (None, "selective"):

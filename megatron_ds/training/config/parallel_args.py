@@ -15,8 +15,8 @@ so a bad combination is one line and exit code 2 before anything starts.
 """
 from megatron_ds.gpt_config import CP_COMM_TYPES
 from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
-from megatron_ds.pipe.config import ConfigError, sequence_parallel_ds_config
-from megatron_ds.pipe.segments import context_shards, sequence_shards
+from megatron_ds.pipe.plan.config import ConfigError, sequence_parallel_ds_config
+from megatron_ds.pipe.plan.segments import context_shards, sequence_shards
 
 from ..errors import ArgumentsError
 
@@ -90,7 +90,7 @@ def check_parallel_args(args):
 
 
 def check_sequence_parallel_ds_config(args):
-    """DeepSpeed's stock engine must send sequence shards whole (pipe/config.py; the build applies it)."""
+    """DeepSpeed's stock engine must send sequence shards whole (pipe/plan/config.py; the build applies it)."""
     if args.sequence_parallel and args.pipeline_settings.stock:
         try:
             sequence_parallel_ds_config(args.ds_config)

@@ -3,16 +3,16 @@ micro-batches, layers per virtual stage, Seq1F1B segments) checked with the same
 a fraction of a second in, not 30 s; and the plan again for the schedule "auto" chose."""
 import dataclasses
 
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
-from megatron_ds.pipe.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
-from megatron_ds.pipe.plan import make_plan
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.partition import chunk_cost_bounds, is_cost_method, stock_cost_bounds
+from megatron_ds.pipe.plan.plan import make_plan
 
 from ..errors import ArgumentsError
 from .document_args import document_keys
 
 
 def planned(args) -> dict:
-    """{pipeline_plan, auto_plan (an "auto" run's, else None)}: pipe/plan.make_plan from the flags and the
+    """{pipeline_plan, auto_plan (an "auto" run's, else None)}: pipe/plan/plan.make_plan from the flags and the
     "pipeline" section (at parse time, and for the schedule "auto" chose), and under "auto_recompute" the
     recompute setting its start takes (recomputed()); under a document mask Seq1F1B's balanced cut weighs
     the corpus's documents (document_args.document_keys)."""
@@ -51,7 +51,7 @@ def check_schedule_shape(args):
     args.pipeline_plan = args.auto_plan = None
     if settings.stock and not is_cost_method(settings.partition_method):
         return
-    sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/partition.py)
+    sizes = args.gpt_config  # the "flops" cuts count the vocabulary padded later as 50304 (pipe/plan/partition.py)
     try:
         if settings.stock:
             stock_cost_bounds(sizes, settings, args.pipeline_model_parallel_size)

@@ -14,7 +14,7 @@ import os
 import sys
 
 from megatron_ds.errors import print_error
-from megatron_ds.pipe import ds_internals
+from megatron_ds.pipe.deepspeed import ds_internals
 
 from ..errors import ArgumentsError
 
@@ -77,7 +77,7 @@ def _op():
         instr = ds_internals.running_instruction(engine)
         return f"in {instr} {where}" if instr else where
     name, kw = running
-    if name == "OverlappedOps":  # an overlapped unit (pipe/overlap.py): both its ops run at once
+    if name == "OverlappedOps":  # an overlapped unit (pipe/moe/overlap.py): both its ops run at once
         ops = " and ".join(f"{op.kind.name} of micro-batch {op.mb} (replica {op.replica}, virtual stage {op.stage})"
                            for op in kw["ops"])
         return f"in the overlapped unit of {ops} {where}"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from megatron_ds.pipe.config import ConfigError, pipeline_settings
+from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from megatron_ds.training.config.arguments import ArgumentsError, parse_args
 
 # 4 layers, pipeline 2, micro-batch 2, 4 micro-batches, seq 16: as tests/training/test_auto_recompute_loop.py

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from megatron_ds.pipe.config import ConfigError
-from megatron_ds.pipe.plan import make_plan
-from megatron_ds.pipe.segments import context_shards, segment_lengths, segment_multiple
-from megatron_ds.pipe.config import pipeline_settings
+from megatron_ds.pipe.plan.config import ConfigError
+from megatron_ds.pipe.plan.plan import make_plan
+from megatron_ds.pipe.plan.segments import context_shards, segment_lengths, segment_multiple
+from megatron_ds.pipe.plan.config import pipeline_settings
 from megatron_ds.gpt_config import GPTConfig
 from megatron_ds.training.config.arguments import ArgumentsError, parse_args
 

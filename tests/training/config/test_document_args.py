@@ -33,7 +33,7 @@ def test_the_flags_reach_the_model_config_and_every_stage_reads(tmp_path):
     config = args.gpt_config
     assert (config.reset_position_ids, config.reset_attention_mask, config.eod_mask_loss) == (True, True, True)
     assert config.eod_token is None  # the tokenizer gives it at start-up
-    assert args.pipeline_plan.documents  # every stage reads the micro-batches (pipe/plan.needs_data)
+    assert args.pipeline_plan.documents  # every stage reads the micro-batches (pipe/plan/plan.needs_data)
     plain = parse(pipeline={"schedule": "1f1b"}, tmp_path=tmp_path)
     assert not plain.gpt_config.packs_documents and not plain.pipeline_plan.documents
     # learned positions restart in the embedding only: the middle stages need nothing

@@ -202,7 +202,7 @@ def test_enable_vocab_parallel_sets_the_key_and_refuses_what_the_engine_does_not
     section = pipeline("--enable-zbh1-pipeline", "--enable-vocab-parallel")
     assert section == {"schedule": "zb-h1", "vocab_parallel": True}
     args = parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--save", "ckpt", "--load", "ckpt")
-    assert (args.save, args.load) == ("ckpt", "ckpt")  # saved and loaded as any layout (pipe/vocab_checkpoint.py)
+    assert (args.save, args.load) == ("ckpt", "ckpt")  # saved and loaded as any layout (pipe/vocab/vocab_checkpoint.py)
     with pytest.raises(ArgumentsError, match="--universal-checkpoint: ckpt holds no universal checkpoint"):
         parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--load", "ckpt", "--universal-checkpoint")
     args = parse("--enable-zbh1-pipeline", "--enable-vocab-parallel", "--tensor-model-parallel-size", "2",

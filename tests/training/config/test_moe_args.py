@@ -73,8 +73,8 @@ def test_expert_parallelism_must_divide_the_data_parallel_ranks():
 
 def test_capacity_with_sequence_segments_is_refused():
     from megatron_ds.gpt_config import GPTConfig
-    from megatron_ds.pipe.config import ConfigError
-    from megatron_ds.pipe.plan import make_plan
+    from megatron_ds.pipe.plan.config import ConfigError
+    from megatron_ds.pipe.plan.plan import make_plan
     config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=4, max_position_embeddings=16,
                        moe=MoEConfig(num_experts=4, capacity_factor=1.0))
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "train_batch_size": 8,

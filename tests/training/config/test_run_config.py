@@ -10,7 +10,7 @@ import pytest
 import megatron_ds
 from megatron_ds.errors import UserError
 from megatron_ds.gpt_config import GPTConfig
-from megatron_ds.pipe.config import PipelineSettings
+from megatron_ds.pipe.plan.config import PipelineSettings
 from megatron_ds.training.batch_schedule import BatchSizeSchedule
 from megatron_ds.training.config.arguments import parse_args
 from megatron_ds.training.config.run_config import FrozenSettingsError, RunConfig
