@@ -134,7 +134,9 @@ class _Ring(torch.autograd.Function):
         delta = (dyf * y.float()).sum(-1)
         dq = torch.zeros_like(qf)
         kv = torch.stack((k, v)).contiguous()
-        arriving = None  # (buffer, works): the gradient sum of the K/V in hand from the ranks that held them before
+        # (received, works, sent): the gradient sum of the K/V in hand from the ranks that held them before; the sent
+        # buffer is held until its send is waited for, so no allocator hands its memory out while it travels
+        arriving = None
         for step in range(size):
             if step < size - 1:
                 incoming, works = _exchange(kv, plan, _KV_TAG)
@@ -150,7 +152,7 @@ class _Ring(torch.autograd.Function):
             if arriving is not None:
                 _wait(arriving[1])
                 dkv += arriving[0]
-            arriving = _exchange(dkv, plan, _GRAD_TAG)  # on to the next holder; after the last step, the owner
+            arriving = (*_exchange(dkv, plan, _GRAD_TAG), dkv)  # on to the next holder; after the last step, the owner
             if step < size - 1:
                 _wait(works)
                 kv = incoming
