@@ -5,13 +5,14 @@ micro-batches a step under 1f1b. Each step's ring is timed from inside (model/co
 wrapped): every wait for a posted K/V block (forward and backward) and for a gradient block, and every block's
 attention compute. Two modes, their steps alternated (bench/harness.alternated) so that the shared machine's load
 hits both alike:
-- overlapped: the ring as it runs, each K/V block in flight while the rank attends the block in hand; its K/V waits
-  are the transfer the compute left exposed;
-- serial: every transfer waited for as soon as it is posted, before any compute; its K/V waits are the whole
-  transfer time.
-K/V hidden = 1 - (overlapped K/V wait) / (serial K/V wait), per step (the medians). The gradient blocks are waited
-for at once in both modes (the ring sends each step's gradient sum on before the next step), so none of them is
-hidden; "all hidden" counts them in both (what the ring model's `hidden` counts).
+- overlapped: the ring as it runs, each K/V block in flight while the rank attends the block in hand, and each
+  backward step's gradient block while the next step's block is attended; its waits are the transfer the compute
+  left exposed;
+- serial: every transfer (K/V and gradient) waited for as soon as it is posted, before any compute; its waits are
+  the whole transfer time.
+K/V hidden = 1 - (overlapped K/V wait) / (serial K/V wait), per step (the medians); "all hidden" counts the
+gradient blocks' waits too (what the ring model's `hidden` counts: the last gradient block of each backward
+follows the last step's compute in both modes).
 
 Simulated (schedules/context_parallel.ring_times, schedules/simulate.py): the serial mode's compute (its step less
 all its ring waits) as the ops' compute, and the ring's exposed time from the measured rates: `bandwidth` = a K/V
@@ -60,6 +61,8 @@ class RingClock:
             kind = "kv_wait"
 
         def timed_wait(works):
+            if not works:  # waited for when posted (serial): counted then
+                return
             begin = time.perf_counter()
             wait(works)
             kind = getattr(works, "kind", "kv_wait")
@@ -70,7 +73,7 @@ class RingClock:
             received, works = exchange(t, plan, tag)
             works = Posted(works)
             works.kind = "kv_wait" if tag == ring._KV_TAG else "grad_wait"
-            if clock.serial and works.kind == "kv_wait":
+            if clock.serial:
                 timed_wait(works)  # the whole transfer before any compute
                 works = Posted()
             return received, works

@@ -9,8 +9,9 @@ layers, norms, the head and its logits) is a shorter sequence's; attention alone
 Memory of one layer and micro-batch (segment) on one rank (`layer_bytes`): the layer's activations at n / C
 tokens (recompute.layer_memory with the fused core, which keeps q, k, v, the output and the softmax statistics:
 flash on a GPU, and the ring's blocks on any device), plus what the communication keeps from F to B:
-- p2p (ring): nothing more; while a layer attends, two K/V blocks in flight forward, two K/V blocks and two of
-  their fp32 gradients backward (`in_flight`, held only while the op runs);
+- p2p (ring): nothing more; while a layer attends, two K/V blocks in flight forward, two K/V blocks and three of
+  their fp32 gradients backward (the one attended into, the one sent on, the one arriving: `in_flight`, held only
+  while the op runs);
 - allgather: the gathered K/V of the whole sequence (segment), kept for backward; backward holds their
   gradients whole twice (sent and received) while it runs;
 - a2a (Ulysses): q, k, v and the core's output in the head layout (the whole sequence, heads / C: as large as
@@ -32,11 +33,15 @@ allgather forward one all-gather of K/V, backward one all-to-all of their gradie
 a2a four all-to-alls each way (q, k, v, output; the output's gradient and q's, k's, v's), (C - 1) / C of a
 local tensor each.
 
-What the block compute hides (`ring_times`): a ring step's transfer of one block at `bandwidth` runs while the
-rank attends one block pair (its attention / C, every step alike under the layout) at `flops`, so a step hides
-min(1, compute / transfer) of it and the rest is on the op's critical path; backward's last gradient block
-follows the last step's compute, unhidden. allgather and a2a communicate before and after the attention:
-nothing hidden. Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
+What the block compute hides (`ring_times`): a ring step's transfers at `bandwidth` run while the rank attends
+one block pair (its attention / C, every step alike under the layout) at `flops`, so a step hides min(1, compute /
+transfer) of them and the rest is on the op's critical path. Forward, each of the first C - 1 steps carries the
+next K/V block. Backward (model/context_parallel/ring.py) a step attends into a fresh gradient buffer while the
+previous step's gradient block travels: the first step carries the next K/V block, the C - 2 middle ones it and
+a gradient block, the last a gradient block only, and the last step's own gradient block (home to its owner)
+follows its compute, unhidden. `step_hidden` is the share of what travels under the steps that they hide (forward
+one step's min(1, compute / transfer)). allgather and a2a communicate before and after the attention: nothing
+hidden. Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
 H100 and one H200 (393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way,
 two thirds of NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
 network's, e.g. 50 GB/s for 400 Gb/s InfiniBand).
@@ -160,8 +165,8 @@ def messages(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: in
 @dataclass(frozen=True)
 class Ring:
     """One layer and micro-batch (segment) on one rank, in seconds: compute (F, B, W); the communication's
-    transfer time (F, B) and of it what the compute does not hide (`exposed`); `step_hidden`: the share of one
-    ring step's transfer its block pair's attention hides, forward and backward (None: no ring)."""
+    transfer time (F, B) and of it what the compute does not hide (`exposed`); `step_hidden`: the share of what
+    travels under the ring's steps that their block pairs' attention hides, forward and backward (None: no ring)."""
     compute: tuple
     transfer: tuple = (0.0, 0.0)
     exposed: tuple = (0.0, 0.0)
@@ -185,8 +190,12 @@ def ring_times(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: 
         return Ring(compute, transfer, transfer)
     block, grad = (m.size / bandwidth for m in msgs.backward)
     step_f, step_b = att / cp / flops, 2 * att / cp / flops
-    exposed = ((cp - 1) * max(0.0, block - step_f), (cp - 1) * max(0.0, block + grad - step_b) + grad)
-    return Ring(compute, transfer, exposed, (min(1.0, step_f / block), min(1.0, step_b / (block + grad))))
+    # backward's steps carry: the first the next K/V block, the middle ones that and the previous step's gradient
+    # block, the last that gradient block only; the last step's own gradient block follows its compute
+    under_b = [block] + [block + grad] * (cp - 2) + [grad]
+    left_b = sum(max(0.0, t - step_b) for t in under_b)
+    exposed = ((cp - 1) * max(0.0, block - step_f), left_b + grad)
+    return Ring(compute, transfer, exposed, (min(1.0, step_f / block), 1.0 - left_b / sum(under_b)))
 
 
 @dataclass(frozen=True)
@@ -219,7 +228,7 @@ def layer_bytes(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes:
     cache = local * token if segmented and not gathered else 0.0
     if cp > 1 and comm == "p2p":
         blocks = 2 * (start + n) // cp * token
-        in_flight = (blocks, blocks * (1 + GRAD_BYTES / dtype_bytes))
+        in_flight = (blocks, blocks * (1 + 1.5 * GRAD_BYTES / dtype_bytes))  # 2 K/V blocks, 3 gradient blocks
     else:
         in_flight = (0.0, 2.0 * n * token if gathered else 0.0)
     return LayerBytes(own.kept, kept_comm, cache, own.for_w, in_flight)

@@ -18,12 +18,13 @@ def _config(seq=512):
 
 def test_simulated_step_adds_the_rings_exposed_transfer():
     # a layer's forward blocks take 0.2 s: 0.1 s a ring step (backward twice that); a K/V block travels in 0.5 s,
-    # its fp32 gradient block (the same bytes in fp32) in 0.5 s. At CP 2 forward exposes 0.5 - 0.1 = 0.4 s,
-    # backward 0.5 + 0.5 - 0.2 = 0.8 s plus the last gradient block's 0.5 s: 1.7 s a layer, 2 layers, 1 micro-batch
+    # its fp32 gradient block (the same bytes in fp32) in 0.5 s. At CP 2 forward exposes 0.5 - 0.1 = 0.4 s;
+    # backward's first step (0.2 s) carries the K/V block, its second the first step's gradient block (0.3 s
+    # exposed each), and the last gradient block's 0.5 s follows: 1.5 s a layer, 2 layers, 1 micro-batch
     sim = cp_time.simulated(_config(), 512, 1, compute=1.0, kv_transfer=0.5, block_f=0.2)
-    assert sim["exposed"] == pytest.approx(3.4) and sim["step"] == pytest.approx(4.4)
-    # sent: the K/V block forward, the K/V block and 2 gradient blocks backward (2.0 s); 1.7 s of it exposed
-    assert sim["hidden"] == pytest.approx(1 - 1.7 / 2.0)
+    assert sim["exposed"] == pytest.approx(3.0) and sim["step"] == pytest.approx(4.0)
+    # sent: the K/V block forward, the K/V block and 2 gradient blocks backward (2.0 s); 1.5 s of it exposed
+    assert sim["hidden"] == pytest.approx(1 - 1.5 / 2.0)
     fast = cp_time.simulated(_config(), 512, 2, compute=1.0, kv_transfer=1e-9, block_f=0.2)
     assert fast["step"] == pytest.approx(1.0, abs=1e-6)  # nothing to wait for: the compute alone
 

@@ -38,8 +38,8 @@ def test_memory_at_two_ranks_is_half_plus_the_named_kv_terms():
         assert layer_bytes(SHAPE, 64, 1, comm, 2).held == one.kept  # C=1: no communication at all
         two = layer_bytes(SHAPE, 64, 2, comm, 2)
         assert (two.kept, two.comm, two.cache) == (one.kept / 2, kept, 0)
-    p2p = layer_bytes(SHAPE, 64, 2, "p2p", 2)  # two K/V blocks of 32 tokens in flight; backward their fp32 grads
-    assert p2p.in_flight == (2 * 32 * token, 2 * 32 * token * 3)
+    p2p = layer_bytes(SHAPE, 64, 2, "p2p", 2)  # two K/V blocks of 32 tokens in flight; backward three fp32 grads
+    assert p2p.in_flight == (2 * 32 * token, 2 * 32 * token + 3 * 32 * token * 2)
     assert layer_bytes(SHAPE, 64, 2, "allgather", 2).in_flight == (0, 2 * 64 * token)
     # Seq1F1B: the K/V cache, 2 x K/V width per held token: local for p2p, gathered whole for allgather
     seg = layer_bytes(SHAPE, 32, 2, "p2p", 2, start=32, segmented=True)
@@ -71,7 +71,16 @@ def test_the_ring_hides_what_a_block_pairs_attention_covers():
         assert ring.compute == (lin + att, lin + 2 * att, lin)
         assert ring.step_hidden[0] == pytest.approx(min(1.0, c / t))
         assert ring.exposed[0] == pytest.approx(3 * max(0.0, t - c))
-        assert ring.exposed[1] == pytest.approx(3 * max(0.0, 3 * t - 2 * c) + 2 * t)  # the last gradient block
+        # backward's 4 steps (each 2c) carry: a K/V block (t); it and a gradient block (2t), twice; a gradient
+        # block; then the last gradient block travels alone
+        left = max(0.0, t - 2 * c) + 2 * max(0.0, 3 * t - 2 * c) + max(0.0, 2 * t - 2 * c)
+        assert ring.exposed[1] == pytest.approx(left + 2 * t)
+        assert ring.step_hidden[1] == pytest.approx(1 - left / (9 * t))
+    # a K/V block's transfer t twice a forward step's compute, by hand: forward 3 x 0.5t; backward (steps of t)
+    # 0 + 2 x 2t + t, then the last gradient block's 2t; the steps hide 4t of the 9t under them
+    ring = ring_times(SHAPE, 64, 4, "p2p", flops=1.0, bandwidth=block / (att / 4) / 2)
+    t = att / 4 * 2
+    assert ring.exposed == pytest.approx((1.5 * t, 7 * t)) and ring.step_hidden == pytest.approx((0.5, 4 / 9))
     gather = ring_times(SHAPE, 64, 4, "allgather", flops=1.0, bandwidth=1.0)
     assert gather.exposed == gather.transfer and gather.hidden == 0.0
 

@@ -9,12 +9,16 @@ merge by their log-sum-exp in fp32 (online softmax). The layer keeps q, k, v, th
 
 Backward is a ring too: the keys/values travel as in forward, and with them the gradients of a block's keys and
 values, to which each rank adds its queries' share before sending them on; after C steps they are back with their
-owner. The probabilities are recomputed from the saved log-sum-exp, block by block.
+owner. A step attends its block into a fresh gradient buffer while the previous step's gradient block travels,
+and only then waits for the sum that arrived, adds it and posts the whole on: C - 1 gradient transfers run under
+the next step's block compute, the last (home to the owner) after it. The probabilities are recomputed from the
+saved log-sum-exp, block by block.
 
 A rank's keys may be more than its chunks of one sequence: under Seq1F1B they are its local K/V cache, the chunks
 of every segment so far (`key_spans`: the same on every rank, as every rank holds the same number of positions).
 Cost per layer: C - 1 sends of the local K/V forward; C - 1 of them and C of their gradients (fp32) backward; no
-rank ever holds more than two blocks of K/V.
+rank ever holds more than two blocks of K/V, nor more than three of their gradients (the one attended into, the
+one in flight out, the one arriving).
 """
 import math
 from dataclasses import dataclass
@@ -130,10 +134,14 @@ class _Ring(torch.autograd.Function):
         delta = (dyf * y.float()).sum(-1)
         dq = torch.zeros_like(qf)
         kv = torch.stack((k, v)).contiguous()
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)  # of the K/V in hand, travelling with them
+        # (received, works, sent): the gradient sum of the K/V in hand from the ranks that held them before; the sent
+        # buffer is held until its send is waited for, so no allocator hands its memory out while it travels
+        arriving = None
         for step in range(size):
             if step < size - 1:
                 incoming, works = _exchange(kv, plan, _KV_TAG)
+            # this step's share goes into a fresh buffer, so the previous step's gradient block travels meanwhile
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=k.device)
             kf, vf = repeat_kv(kv[0].float(), heads), repeat_kv(kv[1].float(), heads)
             for qs, ks, mask, bias, keep in plan.blocks((rank - step) % size, q):
                 dq_b, dk_b, dv_b = block_backward(qf[:, :, qs], kf[:, :, ks], vf[:, :, ks], dyf[:, :, qs],
@@ -141,11 +149,15 @@ class _Ring(torch.autograd.Function):
                 dq[:, :, qs] += dq_b
                 dkv[0][:, :, ks] += sum_groups(dk_b, kv_heads)
                 dkv[1][:, :, ks] += sum_groups(dv_b, kv_heads)
-            dkv, grad_works = _exchange(dkv, plan, _GRAD_TAG)  # on to the next holder; after the last step, the owner
-            _wait(grad_works)
+            if arriving is not None:
+                _wait(arriving[1])
+                dkv += arriving[0]
+            arriving = (*_exchange(dkv, plan, _GRAD_TAG), dkv)  # on to the next holder; after the last step, the owner
             if step < size - 1:
                 _wait(works)
                 kv = incoming
+        _wait(arriving[1])  # the own K/V's sum, home after C sends: the one transfer no block compute hides
+        dkv = arriving[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
 
 
