@@ -1,7 +1,7 @@
 """The docs stay equal to what they describe: DESIGN.md's schedule names to the catalogue and its error list to
 the UserError subclasses; the layout blocks of DESIGN.md and README.md to the package tree; every file path
-the README and docs/*.md cite to a file; the README opens with the two commands that work on a fresh clone and
-is a door to every room of docs/. A module added, moved or removed without its line fails here."""
+the README, tests/README.md and docs/*.md cite to a file; the README opens with the two commands that work on a
+fresh clone and is a door to every room of docs/. A module added, moved or removed without its line fails here."""
 import ast
 import pathlib
 import re
@@ -11,6 +11,7 @@ from megatron_ds.schedules import CATALOG
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "megatron_ds"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [ROOT / "README.md", ROOT / "tests" / "README.md"] + DOCS  # every page whose paths and links are checked
 
 
 def tree():
@@ -152,7 +153,7 @@ def test_every_path_the_docs_cite_exists():
     names = {p.name for p in repo_files()}
     bases = [ROOT, ROOT / "docs", PKG] + sorted(p for p in PKG.iterdir() if (p / "__init__.py").is_file())
     missing = []
-    for doc in [ROOT / "README.md"] + DOCS:
+    for doc in PAGES:
         for path in sorted(set(cited_paths(doc.read_text()))):
             found = any((base / path).is_file() for base in bases) if "/" in path else path in names
             if not found:
@@ -184,7 +185,7 @@ def test_design_lists_every_user_error():
 def test_every_link_resolves_from_its_page():
     """A relative Markdown link or image is read from the page's own folder (as GitHub renders it)."""
     broken = []
-    for doc in [ROOT / "README.md"] + DOCS:
+    for doc in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
             path = target.split("#", 1)[0]
             if path and "://" not in path and not (doc.parent / path).exists():

@@ -6,7 +6,7 @@ from megatron_ds.testing.launcher import run_ranks
 STEPS, GAS = 3, 4
 
 
-def test_bf16_pp2():
+def test_bf16_1f1b_equals_deepspeed_bit_for_bit_and_zbv_follows_fp32():
     pipelines = [None, {"schedule": "1f1b"}, {"schedule": "zbv"}]
     per_rank = run_ranks(2, engine_rank_runs, 2, GAS, STEPS, pipelines, bf16=True)
     stock, ours, zbv = ([r[i] for r in per_rank] for i in range(3))

@@ -153,7 +153,7 @@ def _counts(per_rank, cases):
     return total
 
 
-def test_post_validation_pp2():
+def test_post_validation_changes_only_timing_at_pp2():
     cases = _pairs("zbv", shortcuts=False) + _pairs("1f1b", shortcuts=True)
     cases += _pairs("zbv", shortcuts=False, combined=True, bf16=True)
     cases += _pairs("zbv", shortcuts=False, combined=True, fp16=FP16)
@@ -171,7 +171,7 @@ def test_post_validation_pp2():
     assert total["skipped"] > total["rolled_back_skipped"], total  # some rank skipped without stepping early
 
 
-def test_post_validation_pp2_dp2_and_pp4_inf():
+def test_post_validation_changes_only_timing_at_pp2_dp2_and_a_pp4_inf_rolls_back_every_rank():
     """One launch of 4 ranks: PP=2 x DP=2 (clip on step 2, inf on step 3), then four stages (zbv: 8 chunks,
     two per rank) where the inf on one rank is seen by all and every rank rolls back."""
     dp2 = _pairs("zbv", shortcuts=False, dp=2, combined=True)

@@ -12,7 +12,7 @@ from megatron_ds.testing.launcher import child_env
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_export_contract(tmp_path):
+def test_export_writes_the_json_contract_that_reads_back_equal(tmp_path):
     out = tmp_path / "zbv.json"
     assert main(["export", "--schedule", "zbv", "--pp", "4", "--micro-batches", "8", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
@@ -40,7 +40,7 @@ def test_show_prints_timeline_and_summary(capsys):
     assert "peak activation memory 4.000" in out
 
 
-def test_compare_table(capsys):
+def test_compare_lists_every_schedule_with_its_makespan(capsys):
     assert main(["compare", "--pp", "4", "--micro-batches", "8"]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line for line in out.splitlines()[3:]}
@@ -63,7 +63,7 @@ def test_bad_setting_exits_2_with_one_line():
     assert proc.stdout == ""
 
 
-def test_visualize_tool(tmp_path):
+def test_visualize_writes_png_and_svg_and_prints_the_makespan(tmp_path):
     png, svg = tmp_path / "s.png", tmp_path / "s.svg"
     proc = subprocess.run([sys.executable, "tools/visualize_schedule.py", "--schedule", "zb-h1",
                            "--pp", "4", "--micro-batches", "8", "--out", str(png), "--out", str(svg)],

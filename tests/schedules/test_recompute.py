@@ -41,7 +41,7 @@ def test_megatrons_rules(settings, problem):
     assert problem in settings.problem()
 
 
-def test_labels():
+def test_recompute_labels_name_method_granularity_and_layers():
     assert [r.label for r in (Recompute(), Recompute("selective"), FULL, Recompute("full", "block", 2))] == \
         ["none", "selective", "full uniform 1", "full block 2"]
 

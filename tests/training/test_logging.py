@@ -20,7 +20,7 @@ def test_megatron_iteration_line():
     assert m.groups() == ("7", "300", "1.234568E+00")
 
 
-def test_validation_block():
+def test_validation_block_prints_loss_and_perplexity_in_megatrons_format():
     text = validation_block("iteration 10", 2.0)
     assert "validation loss at iteration 10 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00 |" in text
 

@@ -22,7 +22,7 @@ def test_another_layout_recuts_the_optimizer_and_keeps_progress():
     assert (plan({**ZBV, "pp": 4}, ZBV).optimizer, plan({**ZBV, "dp": 2}, ZBV).optimizer) == ("by_name", "by_name")
 
 
-def test_flags():
+def test_finetune_loads_neither_optimizer_nor_progress_no_load_optim_keeps_progress():
     assert (plan(ZBV, ONE_F_ONE_B, finetune=True).optimizer, plan(ZBV, ZBV, finetune=True).progress) == (None, False)
     p = plan(ZBV, ONE_F_ONE_B, no_load_optim=True)
     assert (p.optimizer, p.progress) == (None, True)

@@ -23,5 +23,5 @@ DUALPIPEV = [{"schedule": "dualpipev"}]
     (4, 2, 3, 4, V_SCHEDULES + FLEXIBLE),
     (4, 2, 4, 4, DUALPIPEV),
 ], ids=["pp2-m3", "pp2-dualpipev", "pp4-m10", "pp2xdp2-m3", "pp2xdp2-dualpipev"])
-def test_new_schedules_match_reference(world, pp, gas, layers, pipelines):
+def test_v_dualpipev_and_uneven_m_schedules_match_reference(world, pp, gas, layers, pipelines):
     assert_schedules_match_reference(world, pp, gas, layers, pipelines, STEPS, timeout=900)
