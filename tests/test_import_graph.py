@@ -11,111 +11,9 @@ matplotlib) are not checked here: schedules/test_purity.py and the modules' docs
 import ast
 import pathlib
 
+from megatron_ds.testing.import_graph import MARK, statement_blocks, circles, draw, modules
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MARK = "# lazy:"
-
-
-def modules(root, package="megatron_ds"):
-    """{dotted name: (path, is a package)} of every module under root/package."""
-    found = {}
-    for path in (root / package).rglob("*.py"):
-        parts = list(path.relative_to(root).with_suffix("").parts)
-        is_package = parts[-1] == "__init__"
-        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
-    return found
-
-
-def _targets(name, is_package, node, known):
-    """The package modules an import statement of module `name` loads (the most specific each names)."""
-    if isinstance(node, ast.Import):
-        wanted = [alias.name for alias in node.names]
-    else:
-        base = node.module or ""
-        if node.level:
-            here = name.split(".") if is_package else name.split(".")[:-1]
-            base = ".".join(here[:len(here) - node.level + 1] + ([base] if base else []))
-        wanted = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
-    out = []
-    for target in wanted:
-        while target and target not in known:
-            target = target.rpartition(".")[0]
-        if target:
-            out.append(target)
-    return out
-
-
-def _blocks(node):
-    for field in ("body", "orelse", "finalbody"):
-        block = getattr(node, field, None)
-        if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
-            yield block
-    for handler in getattr(node, "handlers", ()):
-        yield handler.body
-
-
-def _declared(block, i, parent, lines):
-    """Whether block[i] (an import) carries the mark, or its run of imports has it on a comment above."""
-    if MARK in lines[block[i].lineno - 1]:
-        return True
-    j = i
-    while j > 0 and isinstance(block[j - 1], (ast.Import, ast.ImportFrom)):
-        j -= 1
-    above = block[j - 1].end_lineno if j > 0 else parent.lineno
-    return any(MARK in line for line in lines[above:block[j].lineno - 1])
-
-
-def draw(root, package="megatron_ds"):
-    """(edges {module: {module}}, [(module, line, statement)] of undeclared function-local imports)."""
-    known = modules(root, package)
-    edges, undeclared = {name: set() for name in known}, []
-    for name, (path, is_package) in known.items():
-        text = path.read_text()
-        lines = text.splitlines()
-
-        def visit(node, in_function):
-            for block in _blocks(node):
-                for i, stmt in enumerate(block):
-                    if isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                        targets = _targets(name, is_package, stmt, known)
-                        edges[name].update(targets)
-                        if in_function and targets and not _declared(block, i, node, lines):
-                            undeclared.append((name, stmt.lineno, lines[stmt.lineno - 1].strip()))
-                    else:
-                        visit(stmt, in_function or isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)))
-
-        visit(ast.parse(text), False)
-    return edges, undeclared
-
-
-def circles(edges):
-    """The strongly connected components of more than one module (or a module importing itself)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def connect(v):
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(edges.get(v, ())):
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1 or v in edges.get(v, ()):
-                found.append(sorted(component))
-
-    for v in sorted(edges):
-        if v not in index:
-            connect(v)
-    return found
 
 
 def test_megatron_ds_has_no_import_circle():
@@ -205,7 +103,7 @@ def _imports_heavy(path):
                 found.extend(a.name for a in node.names if a.name.split(".")[0] in PURE)
             elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in PURE:
                 found.append(node.module)
-            for inner in _blocks(node):
+            for inner in statement_blocks(node):
                 visit(inner)
 
     visit(ast.parse(path.read_text()).body)
