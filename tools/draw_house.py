@@ -11,10 +11,9 @@ import collections
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from megatron_ds.testing.import_graph import circles, draw
 
-from megatron_ds.testing.import_graph import circles, draw  # noqa: E402 (the clone's own package, from any folder)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def folder(module):
