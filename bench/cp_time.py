@@ -25,16 +25,15 @@ over their measured compute. predicted = the simulated makespan; meas/sim = the 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
 
 from bench.cp_memory import model_config
 from bench.harness import Machine, add_output_args, alternated, emit, table
 from bench.options import add_model_args
+from megatron_ds.testing.launcher import run_ranks
 
 CP = 2
 FP32 = 4
@@ -90,10 +89,8 @@ class RingClock:
         ring.block_forward, ring.block_backward = timer(forward, "block_f"), timer(backward, "block_b")
 
 
-def rank_main(rank, args, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(CP), LOCAL_WORLD_SIZE=str(CP), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def rank_main(args):
+    """One CP rank (run_ranks gives it the launcher's environment and one thread): its timings and ring waits."""
     import deepspeed
     import torch.distributed as dist
     from megatron_ds.model import position_ids_like
@@ -131,27 +128,14 @@ def rank_main(rank, args, port, queue):
     engine.train_batch(iter(batches(0)))  # warm-up: optimizer state, allocator
     times = alternated({name: step(name) for name in rings}, args.iterations, start=1,
                        prepare=lambda name, s: batches(s))
-    queue.put((rank, dict(times=times, rings=rings, waits=dict(clock.waits))))
     dist.barrier()  # no rank tears gloo down while another's last messages are in flight
     dist.destroy_process_group()
+    return dict(times=times, rings=rings, waits=dict(clock.waits))
 
 
 def launch(args) -> list[dict]:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, port, queue)) for r in range(CP)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
-    results = dict(queue.get() for _ in procs)
-    return [results[r] for r in range(CP)]
+    """Every CP rank's result, rank order (a hang fails the bench after an hour instead of holding the machine)."""
+    return run_ranks(CP, rank_main, args, timeout=3600)
 
 
 def median_of(rings: list, key: str) -> float:
