@@ -217,3 +217,15 @@ def run_ranks(world_size, fn, *args, timeout=300, env=None, quiet=False, **kwarg
         raise RuntimeError(f"ranks {missing} gave no result within {timeout}s "
                            f"(exit codes {[p.exitcode for p in procs]})")
     return [results[r] for r in range(world_size)]
+
+
+def launches_by_world(fn, timeout=300):
+    """get(world) -> run_ranks(world, fn, world): one launch per world size, kept for every later call (a test
+    module's fixture shares a launch of all its cases between the tests that read them)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = run_ranks(world, fn, world, timeout=timeout)
+        return cache[world]
+    return get

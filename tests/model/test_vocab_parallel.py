@@ -6,20 +6,14 @@ One launch per world size serves every case."""
 import pytest
 
 from megatron_ds.model.vocab_parallel import vocab_range
-from megatron_ds.testing.launcher import run_ranks
+from megatron_ds.testing.launcher import launches_by_world
 
 from .vocab_parallel_ranks import run_all
 
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_ranks(world, run_all, world, timeout=300)
-        return cache[world]
-    return get
+    return launches_by_world(run_all, timeout=300)
 
 
 @pytest.mark.parametrize("world", [2, 4])

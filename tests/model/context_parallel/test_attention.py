@@ -16,7 +16,7 @@ selective recompute drawing the same dropout masks for every comm type; the mess
 layer; compiled layers. One launch per CP size serves every case (cp_ranks.run_all)."""
 import pytest
 
-from megatron_ds.testing.launcher import run_ranks
+from megatron_ds.testing.launcher import launches_by_world
 
 from .cp_ranks import run_all
 
@@ -25,13 +25,7 @@ TOLERANCE = {"out": 1e-6}  # gradients: 2e-6 (the module's docstring)
 
 @pytest.fixture(scope="module")
 def results():
-    cache = {}
-
-    def get(world):
-        if world not in cache:
-            cache[world] = run_ranks(world, run_all, world, timeout=600)
-        return cache[world]
-    return get
+    return launches_by_world(run_all, timeout=600)
 
 
 def _check(results, world, kind):
