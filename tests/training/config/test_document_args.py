@@ -7,7 +7,8 @@ import types
 import pytest
 
 from megatron_ds.data.tokenizer import TokenizerError
-from megatron_ds.training.config.arguments import ArgumentsError, parse_args
+from megatron_ds.training.config.arguments import ArgumentsError
+from tests.training.config.parsing import parse_with
 from megatron_ds.training.config.document_args import eod_token
 from tests.training.test_cli import run as run_cli
 
@@ -21,11 +22,7 @@ pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.
 
 
 def parse(*extra, pipeline=None, tmp_path=None):
-    argv = BASE + list(extra)
-    if pipeline is not None:
-        (tmp_path / "ds.json").write_text(json.dumps({"pipeline": pipeline}))
-        argv += ["--deepspeed_config", str(tmp_path / "ds.json")]
-    return parse_args(argv, env={"WORLD_SIZE": "2", "RANK": "0"})
+    return parse_with(BASE, *extra, world=2, ds=None if pipeline is None else {"pipeline": pipeline}, folder=tmp_path)
 
 
 def test_the_flags_reach_the_model_config_and_every_stage_reads(tmp_path):

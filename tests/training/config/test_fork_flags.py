@@ -10,6 +10,7 @@ import pytest
 from megatron_ds.schedules.catalog import CATALOG
 from megatron_ds.testing.launcher import child_env
 from megatron_ds.training.config.arguments import ArgumentsError, parse_args
+from tests.training.config.parsing import parse_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # 8 layers, pipeline 2 x data 2, micro-batch 1, 4 micro-batches per step
@@ -23,12 +24,7 @@ pytestmark = pytest.mark.usefixtures("empty_corpus")  # tests/training/conftest.
 
 
 def parse(*extra, ds=None, base=BASE):
-    argv = base + list(extra)
-    if ds is not None:
-        with open("ds.json", "w") as fh:
-            json.dump(ds, fh)
-        argv += ["--deepspeed_config", "ds.json"]
-    return parse_args(argv, env={"WORLD_SIZE": "4", "RANK": "0"})
+    return parse_with(base, *extra, world=4, ds=ds)
 
 
 def pipeline(*extra, ds=None):
