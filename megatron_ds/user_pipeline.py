@@ -3,13 +3,15 @@
 Same arguments and return values as deepspeed.initialize. A PipelineModule and a ds_config whose
 "pipeline.schedule" names a schedule get our engine (pipe/foreign/foreign_engine.py) over the module's layers cut into
 the schedule's chunks (pipe/foreign/foreign.py); anything else goes to deepspeed.initialize untouched, DeepSpeed's
-own engine included. The module is built again for the chunks, so what was bound to its parameters is
+own engine included. Under the ds_config's "context_parallel" section the sequence is split over the CP ranks
+(pipe/foreign/foreign_context.py). The module is built again for the chunks, so what was bound to its parameters is
 bound again to the new ones by parameter name: `model_parameters` (parameters or param groups), an optimizer
 object (rebuilt with its defaults and each param group's settings); an lr scheduler object, bound to the old
 optimizer, cannot be, so a scheduler comes as a callable or from the ds_config.
 """
 import copy
 import inspect
+import types
 
 import deepspeed
 import torch
@@ -21,7 +23,9 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from megatron_ds.pipe.build import initialize_engine
 from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.foreign.foreign import check_parameters, check_settings, chunked, partition_method, plan_for
+from megatron_ds.pipe.foreign.foreign_context import check_layers, check_run, context_settings
 from megatron_ds.pipe.foreign.foreign_engine import ForeignScheduleEngine
+from megatron_ds.pipe.parallel.context_parallel import ensure_context_parallel
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
@@ -34,17 +38,24 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                  config_params=config_params)
     ds_config = _ds_config(args, config if config is not None else config_params)
     settings = pipeline_settings(ds_config or {})
+    cp, cp_comm = context_settings(ds_config or {})
+    check_run(cp, settings.stock, training_data)
     if settings.stock:
         return deepspeed.initialize(**given)
     if not isinstance(model, PipelineModule):
         raise ConfigError(f'ds_config "pipeline.schedule" = {settings.schedule!r} runs a deepspeed.pipe.PipelineModule; '
                           f"the model is a {type(model).__name__}")
     check_settings(settings, ds_config)
-    plan = plan_for(model, ds_config, settings)
+    plan = plan_for(model, ds_config, settings, cp=cp)
     method = partition_method(model, ds_config, plan.schedule.stages)
     if optimizer is not None or "optimizer" in ds_config:  # DeepSpeed builds one on every rank
         check_parameters(model, plan, method)
+    # the CP group registered before the chunks are built: their attention takes it (pipe/foreign/foreign_context.py)
+    context = ensure_context_parallel(types.SimpleNamespace(context_parallel_size=cp), model.topology()) \
+        if cp > 1 else None
     module = chunked(model, plan, method, seed_layers=ds_config["pipeline"].get("seed_layers", False))
+    check_layers(module, cp, cp_comm)
+    module.context_layout = context  # the engine cuts each micro-batch to this rank's tokens (or None)
     optimizer, model_parameters = _rebound(model, module, optimizer, model_parameters, lr_scheduler)
     engine = initialize_engine(module, ds_config, optimizer, lr_scheduler, model_parameters, settings,
                                engine_class=ForeignScheduleEngine, args=_without_config(args),

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
-from .context_parallel import ContextLayout, context_parallel_group
+from .context_parallel import ContextLayout, context_parallel_group, context_parallel_registered
 from .context_parallel.a2a import heads_problem
 from .context_parallel.attend import context_parallel_attention, prefix_attention
 from .documents import Documents, documents_attention, documents_rope_tables, rope_tables_of_positions
@@ -65,12 +65,26 @@ class CausalSelfAttention(nn.Module):
         self.kv_slot = KVSlot()  # where the runtime puts this layer's K/V buffers of the open Seq1F1B segment
         self.recompute_core = config.recompute_granularity == "selective"
         self.bias_heads = slice(self.head_start, self.head_start + self.num_heads)  # of ALiBi's, this rank's
-        self.cp_group = context_parallel_group(config)
-        if self.cp_group is not None:
+        self.context_parallel_size, self.cp_comm_type = config.context_parallel_size, config.cp_comm_type
+        self._cp_config, self._cp_group = None, None
+        if self.context_parallel_size > 1:
+            if context_parallel_registered():
+                self._init_context_parallel(config)
+            else:  # a user's own PipelineModule is built before megatron_ds.initialize registers the CP group
+                self._cp_config = config
+
+    @property
+    def cp_group(self):
+        """The CP group attention exchanges K/V over (None without CP); taken from the registry when the layer
+        was built before it (at the first forward: a missing or other-sized group is refused then)."""
+        if self._cp_config is not None:
+            config, self._cp_config = self._cp_config, None
             self._init_context_parallel(config)
+        return self._cp_group
 
     def _init_context_parallel(self, config):
-        self.cp_layout, self.cp_comm_type = ContextLayout.of(self.cp_group), config.cp_comm_type
+        self._cp_group = context_parallel_group(config)
+        self.cp_layout = ContextLayout.of(self._cp_group)
         cp = self.cp_layout.size
         if self.cp_comm_type == "a2a":  # GPTConfig checks it too; a layer built otherwise must not attend wrongly
             problem = heads_problem(self.num_kv_heads, cp)

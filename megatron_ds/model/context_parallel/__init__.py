@@ -5,5 +5,5 @@ groups (the CP process group the runtime registers and attention asks for), atte
 CP attention by --cp-comm-type), then one module per comm type: ring (p2p, over blocks.py's block attention with
 log-sum-exp merging), allgather, a2a (Ulysses).
 """
-from .groups import context_parallel_group, set_context_parallel_group
+from .groups import context_parallel_group, context_parallel_registered, set_context_parallel_group
 from .layout import ContextLayout, layout_problem

@@ -19,3 +19,8 @@ def context_parallel_group(config):
         raise RuntimeError(f"the model asks for context parallelism {cp}, the registered context-parallel group "
                            f"has {_SIZE if _GROUP is not None else 'not been made'}")
     return _GROUP
+
+
+def context_parallel_registered() -> bool:
+    """Whether the runtime has registered a CP group in this process."""
+    return _GROUP is not None

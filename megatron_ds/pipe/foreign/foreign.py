@@ -61,15 +61,20 @@ def _deepspeed_method(method):
     return method in ("uniform", "parameters") or method.startswith("type:")
 
 
-def plan_for(module, ds_config, settings, segments=None):
+def plan_for(module, ds_config, settings, segments=None, cp=1):
     """The PipelinePlan of `module` (a PipelineModule as its user built it) under the settings' schedule;
-    `segments`: (sequence length, hidden size, the Seq1F1B segments' lengths) of layers that take segments."""
+    `segments`: (sequence length, hidden size, the Seq1F1B segments' lengths) of layers that take segments;
+    `cp`: the context-parallel ranks of each replica, inner on the topology's data axis (DP x CP)."""
     topology = module.topology()
     if "model" in topology.get_axis_names() and topology.get_dim("model") > 1:
         raise ConfigError("a schedule with your own PipelineModule runs pipeline x data parallelism; its "
                           "topology has a tensor-parallel axis (\"model\") of size "
                           f"{topology.get_dim('model')}, which megatron_ds.initialize does not run yet")
     pp, dp = topology.get_dim("pipe"), topology.get_dim("data")
+    if dp % cp:
+        raise ConfigError(f'ds_config "context_parallel.context_parallel_size" = {cp} must divide the topology\'s '
+                          f"data axis ({dp} ranks = data-parallel x context-parallel)")
+    dp //= cp  # the batch counts samples, as without CP
     mbs, gas = micro_batches_per_step(_deepspeed_batch(ds_config), dp)
     seq_length, hidden_size, lengths = segments or (0, 0, None)
     try:

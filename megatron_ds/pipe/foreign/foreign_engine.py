@@ -21,6 +21,7 @@ from ..deepspeed import ds_internals as ds
 from .. import instructions as ins
 from ..activations import detached, floating
 from .autograd_split import Split
+from .foreign_context import local_batch
 from ..plan.config import ConfigError
 from ..engine import ScheduleEngine
 from .learned_p2p import LearnedP2P, Shapes
@@ -103,10 +104,18 @@ class ForeignScheduleEngine(ScheduleEngine):
             batch = self.batch_fn(batch)
         # reentrant activation checkpointing needs the first stage's inputs to ask for gradients (DeepSpeed's rule)
         needs_grad = self.module.training and ds.reentrant_activation_checkpointing(self)
-        return on_device(batch[0], self.device, needs_grad), labels_on_device(batch[1], self.device)
+        inputs, labels = batch
+        if self.context is not None:  # this rank's tokens of every tensor (foreign_context.py)
+            inputs, labels = local_batch(self.context, self.module.loss_fn, inputs, labels)
+        return on_device(inputs, self.device, needs_grad), labels_on_device(labels, self.device)
 
     def _inputs(self, mb, seq):
         return self._batches[mb][0]
+
+    def _labels(self, mb, seq):
+        if self.context is not None:
+            return self._batches[mb][1]  # cut when loaded (no segments under CP)
+        return super()._labels(mb, seq)
 
     def _stage_loss(self, out, mb, seq):
         computed = self._computes_loss and self.module.loss_fn is not None
