@@ -5,34 +5,64 @@ optimizer and lr schedule are built by the caller over the module the engine run
 
 Seq1F1B: the cut's layers take a micro-batch's sequence in segments, since their attention (attention.py) keeps
 earlier segments' keys and values in the engine's SegmentKVCache; HFScheduleEngine hands each F its segment of
-the token and position ids and the loss its segment's labels with the micro-batch's scored token count.
+the token and position ids and the loss its segment's labels with the micro-batch's scored token count, and opens
+the micro-batch's packed documents (found from its whole position ids) around each op: a segment's queries see
+the cached keys of their own document only.
+Every stage reads the micro-batches then (the documents are the whole sequence's).
 """
+import contextlib
+import dataclasses
 import types
 
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+from megatron_ds.model.documents import opened
+
 from ..build import initialize_engine
 from ..foreign.foreign import check_settings, chunked, plan_for
 from ..foreign.foreign_engine import ForeignScheduleEngine
 from ..plan.segments import segment_lengths
+from . import attention
 from .cut import PARTITION, load, pipeline_module
 
 
 class HFScheduleEngine(ForeignScheduleEngine):
-    """ForeignScheduleEngine whose F ops take Seq1F1B's segments of the (token ids, position ids)."""
+    """ForeignScheduleEngine whose F ops take Seq1F1B's segments of the (token ids, position ids), each op run with
+    the micro-batch's documents open."""
 
     def _inputs(self, mb, seq):
         inputs = self._batches[mb][0]
         if self.sched.seq_splits == 1:
             return inputs
         if torch.is_tensor(inputs):  # token ids alone: positions 0..s-1, cut with them
-            inputs = (inputs, torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1))
+            inputs = (inputs, _positions(inputs))
         cut = self.plan.segment(seq)
         return tuple(t[:, cut] for t in inputs)
 
+    @contextlib.contextmanager
+    def _open_segment(self, replica, stage, mb, seq):
+        with super()._open_segment(replica, stage, mb, seq), opened(self._position_documents(mb)):
+            yield
+
+    def _position_documents(self, mb):
+        """Micro-batch `mb`'s documents (attention.PositionDocuments), made once an iteration, where a segment
+        needs them (a whole sequence's attention reads them from its position ids)."""
+        if self._batches is None or self.sched.seq_splits == 1:
+            return None
+        if getattr(self, "_documents_of", None) is not self._batches:
+            self._documents_of, self._position_docs = self._batches, {}
+        if mb not in self._position_docs:
+            inputs = self._batches[mb][0]
+            self._position_docs[mb] = None if torch.is_tensor(inputs) else attention.PositionDocuments.of(inputs[1])
+        return self._position_docs[mb]
+
     def scored_tokens(self, mb):
         return int((self._batches[mb][1] != -100).sum())
+
+
+def _positions(ids):
+    return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
 
 
 def layer_shape(config):
@@ -64,7 +94,10 @@ def build_engine(source, ds_config, settings, pp, dp, make_optimizer, make_lr_sc
                 raise ValueError("Seq1F1B's segments need the sequence length")
             shape = layer_shape(model.config)
             segments = (seq_length, shape.hidden_size, tuple(segment_lengths(settings, shape, seq_length)))
-        module = chunked(module, plan_for(module, ds_config, settings, segments), method)
+        plan = plan_for(module, ds_config, settings, segments)
+        if segmented:  # every stage's attention needs the micro-batch's documents
+            plan = dataclasses.replace(plan, documents=True)
+        module = chunked(module, plan, method)
         engine_class = HFScheduleEngine
     optimizer = make_optimizer(module)
     lr_scheduler = make_lr_scheduler(optimizer) if make_lr_scheduler else None

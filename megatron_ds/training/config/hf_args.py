@@ -5,8 +5,7 @@ The folder's config.json gives the model's sizes (read here, torch-free, so a ba
 --num-layers, --hidden-size, --num-attention-heads and --ffn-hidden-size are taken from it, and one given that
 disagrees is refused; the tokenizer is the folder's (PretrainedFromHF) unless --tokenizer-name-or-path names
 another. The flags that describe our GPT's own layers, and the pipeline features not run for such a model yet
-(vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint, Seq1F1B's segments with packed
-documents), are refused; so is
+(vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint), are refused; so is
 one of --reset-position-ids and --reset-attention-mask without the other (the layers find documents where the
 position ids restart: pipe/hf/attention.py).
 """
@@ -78,10 +77,8 @@ def check_hf_pipeline(args):
     if args.hf_model is None:
         return
     settings = args.pipeline_settings
-    documents = args.reset_position_ids or args.reset_attention_mask
     refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
                ('"schedule": "auto"', settings.auto),
-               ("Seq1F1B's segments and packed documents", settings.seq_splits > 1 and documents),
                ("vocabulary parallelism", settings.vocab_parallel),
                ("--universal-checkpoint", args.universal_checkpoint)]
     for what, on in refused:

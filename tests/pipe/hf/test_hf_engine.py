@@ -4,8 +4,9 @@ and the weights after 3 AdamW steps within 1e-5 (fp32, dropout 0), by the model'
 (tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; Qwen3, Mistral (a sliding
 window that bites), Gemma 3 (sliding layers with their own rotary, capped logits), Phi-3, OLMo 2 and Mixtral
 (MoE) under 1f1b or zbv, and Seq1F1B in 2 segments (LLaMA, its B/W split; Mistral, a window across segments), at
-PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents. One
-launch per layout.
+PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents.
+Seq1F1B with packed documents (LLaMA): a document begun in the first segment is attended through the K/V cache,
+its own keys only. One launch per layout.
 Each run ends in save_pretrained, whose folder transformers loads with the same weights."""
 import functools
 
@@ -25,6 +26,8 @@ LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documen
         ("mixtral", {"schedule": "zbv"}, 0, False),
         # Seq1F1B, 2 segments: earlier segments' K/V in the engine's cache, B/W split; a window across segments
         ("llama", SEQ1F1B, 0, False), ("mistral", {**SEQ1F1B, "seq_split_method": "even"}, 0, False),
+        # packed documents in segments: a document begun in segment 0 seen through the cache, its own keys only
+        ("llama", SEQ1F1B, 0, True),
         # DeepSpeed's activation checkpoints over the decoder layers (not the embedding: its integer inputs)
         ("llama", {"schedule": "zbv", "activation_checkpoint_interval": 1}, 0, True)]),
     "pp2xdp2": (4, 2, [("llama", {"schedule": "zbv"}, 1, False), ("llama", {"schedule": "1f1b"}, 0, True)]),
