@@ -11,7 +11,14 @@ Seq1F1B: a segment's queries see the keys of every earlier position in the engin
 documents, only those of their own document, which the segment's position ids alone cannot say (a document may
 have begun in an earlier segment). So the engine opens the micro-batch's documents, read from its whole position
 ids (PositionDocuments, model/documents.py's Documents), around each op, as it opens our GPT's.
+
+Context parallelism: while the engine has a context-parallel group open (`context_parallel`), a rank holds its two
+chunks of the sequence (or of the open segment) and the model's rotary has rotated them by the position ids of
+those tokens; the attention is model/context_parallel's (attend.py: ring p2p, allgather or a2a), causal by the
+tokens' places in the sequence and within the open documents. Sliding windows and capped scores are not in it and
+are refused.
 """
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +26,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from megatron_ds.errors import UserError
+from megatron_ds.model.context_parallel import ContextLayout
+from megatron_ds.model.context_parallel.attend import context_parallel_attention
 from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 
@@ -104,6 +113,41 @@ def segment_mask(position_ids, offset, queries, keys, window=None, device=None):
     return allowed
 
 
+_CONTEXT = None  # (group, comm type) of the op the engine runs under context parallelism, None outside one
+
+
+@contextlib.contextmanager
+def context_parallel(group, comm_type):
+    """Our attention runs context-parallel over `group` by `comm_type` (--cp-comm-type) inside; nothing to open
+    with `group` None."""
+    global _CONTEXT
+    previous = _CONTEXT
+    _CONTEXT = None if group is None else (group, comm_type)
+    try:
+        yield
+    finally:
+        _CONTEXT = previous
+
+
+def _context_parallel(module, query, key, value, dropout, scaling, window, segment):
+    """This rank's attention output [b, heads, s / CP, d] of its chunks, over the open context-parallel group."""
+    group, comm_type = _CONTEXT
+    length = segment.total if segment is not None else query.shape[2] * ContextLayout.of(group).size
+    if window is not None and window < length:
+        raise AttentionError(f"{type(module).__name__}: a sliding window ({window} tokens) under context "
+                             "parallelism: the context-parallel attention has no window; run without "
+                             "--context-parallel-size")
+    d = query.shape[-1]
+    if scaling is not None and scaling != d ** -0.5:  # the CP attention scales by 1 / sqrt(d)
+        query = query * (scaling * d ** 0.5)
+    extend = None
+    if segment is not None:
+        def extend(k, v, share):
+            return segment.extend(_slot(module), k, v, share)
+    spans = segment.spans if segment is not None else ((0, length),)
+    return context_parallel_attention(query, key, value, group, comm_type, spans, extend=extend, dropout=dropout)
+
+
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-interface signature: query [b, h, s, d], key/value [b, h_kv, s, d] ->
     ([b, s, h, d], no weights)."""
@@ -112,6 +156,12 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
                              "this model cannot be cut into pipeline stages yet")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     segment = SegmentKVCache.current() if SegmentKVCache.opened else None
+    if _CONTEXT is not None:
+        if kwargs.get("softcap") is not None:
+            raise AttentionError(f"{type(module).__name__}: capped attention scores (softcap) under context "
+                                 "parallelism: the context-parallel attention does not cap them")
+        out = _context_parallel(module, query, key, value, dropout, scaling, window, segment)
+        return out.transpose(1, 2).contiguous(), None
     mask = attention_mask
     if segment is not None:  # Seq1F1B: this segment's queries over the keys of every position up to its end
         key, value = segment.extend(_slot(module), key, value)
