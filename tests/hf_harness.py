@@ -109,11 +109,13 @@ def ds_config(gas, dp, pipeline, zero=0):
             "steps_per_print": 10 ** 9, "pipeline": dict(pipeline)}
 
 
-def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None):
+def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None, cp=1):
     """Per-rank side: for each (family, pipeline section, ZeRO stage, packed) in `cases` cut the model
     (pipe.hf.pipeline_module), build the engine (megatron_ds.initialize), train `steps` steps. Returns per case
     the losses, this rank's weights and (ZeRO 0: the optimizer sees whole gradients) first-step gradients by the
-    model's names; `save_dir`: then save_pretrained into save_dir/CASE_INDEX."""
+    model's names; `save_dir`: then save_pretrained into save_dir/CASE_INDEX. `cp` > 1: context parallelism
+    (pipe.hf.engine.build_engine, pretrain_gpt's path), by the section's "cp_comm_type" (p2p if none); the CP
+    ranks of a replica read its micro-batches."""
     import deepspeed
     import torch.distributed as dist
 
@@ -124,19 +126,21 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None):
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     out = []
+    dp = dist.get_world_size() // (pp * cp)
     for i, (name, pipeline, zero, packed) in enumerate(cases):
         model = build(name)
-        section = {"partition_method": PARTITION, **pipeline}
-        config = ds_config(gas, dist.get_world_size() // pp, section, zero)
+        section = {"partition_method": PARTITION, **{k: v for k, v in pipeline.items() if k != "cp_comm_type"}}
+        config = ds_config(gas, dp, section, zero)
         RecordingAdamW.first = None
-        if pipeline.get("seq_splits", 1) > 1:  # Seq1F1B: pipe.hf's own engine (megatron_ds.initialize refuses it)
-            engine = build_engine(model, config, pipeline_settings(config), pp, dist.get_world_size() // pp,
-                                  lambda module: optimizer(module.parameters(), zero == 0), seq_length=SEQ)[0]
+        if pipeline.get("seq_splits", 1) > 1 or cp > 1:  # pipe.hf's own engine (megatron_ds.initialize has neither)
+            engine = build_engine(model, config, pipeline_settings(config), pp, dp,
+                                  lambda module: optimizer(module.parameters(), zero == 0), seq_length=SEQ, cp=cp,
+                                  comm_type=pipeline.get("cp_comm_type", "p2p"))[0]
         else:
             user = pipeline_module(model, num_stages=pp)
             engine = megatron_ds.initialize(model=user, optimizer=optimizer(user.parameters(), zero == 0),
                                             config=config)[0]
-        dp_rank = engine.grid.get_data_parallel_rank()
+        dp_rank = engine.grid.get_data_parallel_rank() // cp
         losses = []
         for step in range(steps):
             data = iter([micro_batch(step, dp_rank * gas + j, packed) for j in range(gas)])

@@ -62,9 +62,12 @@ def setup_hf_model(args):
                                  lambda module: build_optimizer(module, args),
                                  lambda optimizer: lr_schedule(optimizer, args),
                                  activation_checkpoint_interval=args.activation_checkpoint_interval,
-                                 seq_length=args.seq_length)
+                                 seq_length=args.seq_length, cp=args.context_parallel_size,
+                                 comm_type=args.cp_comm_type)
+    layout = getattr(engine.module, "context_layout", None)
+    cp = f"; each sequence over {layout.size} context-parallel ranks ({args.cp_comm_type})" if layout else ""
     print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}; "
-                 f"{type(model).__name__} from {args.hf_model}")
+                 f"{type(model).__name__} from {args.hf_model}{cp}")
     return engine, engine.lr_scheduler, model
 
 

@@ -2,7 +2,8 @@
 tokenizer) on a Hugging Face causal LM cut by megatron_ds.pipe.hf. Three torchrun launches of 2 ranks (PP 2) on
 a tiny LLaMA folder: 4 iterations under DeepSpeed's own engine (no schedule); 2 under zbv (the shipped ds_config,
 its "type:transformer" cut), saved; resumed from
-that save under 1f1b for iterations 3-4. Every iteration's loss equals the stock run's within 1e-5, and the
+that save under 1f1b for iterations 3-4; and one more of 2 ranks, each sequence over them (--context-parallel-size
+2, the p2p ring, PP 1, 1f1b). Every iteration's loss equals the stock run's within 1e-5, and the
 Hugging Face folder each run saves at its end loads in transformers. The documents are packed (positions restart
 after each end of document, attention within documents, the end-of-document predictions not scored). Bad
 --hf-model input exits 2 with one line."""
@@ -88,6 +89,21 @@ def test_the_run_trains_as_deepspeeds_engine_and_resumes(runs):
     assert "PipelineEngine, schedule" in stock_out
 
 
+def test_a_context_parallel_run_trains_as_deepspeeds_engine(runs):
+    """The same samples with each sequence over 2 context-parallel ranks (the p2p ring, packed documents, the
+    end-of-document predictions unscored): every iteration's loss as the stock run's."""
+    tmp_path, (stock, _) = runs[0], runs[1]
+    records, out = run(tmp_path, "cp", {"zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
+                                        "pipeline": {"schedule": "1f1b"}},
+                       "--train-iters", "4", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "2")
+    want, got = _losses(stock), _losses(records)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4], records
+    for it, loss in want.items():
+        assert abs(got[it] - loss) <= 1e-5, (it, got[it], loss)
+    assert "HFScheduleEngine, schedule 1f1b; LlamaForCausalLM from" in out
+    assert "each sequence over 2 context-parallel ranks (p2p)" in out
+
+
 def test_the_end_of_a_run_saves_a_transformers_folder(runs):
     from transformers import AutoModelForCausalLM
     tmp_path = runs[0]
@@ -108,19 +124,40 @@ def test_the_end_of_a_run_saves_a_transformers_folder(runs):
     (["--hf-model", "HF", "--reset-attention-mask"], "--hf-model with --reset-attention-mask alone"),
     (["--hf-model", "HF", "--rope-scaling-type", "linear", "--rope-scaling-factor", "2"],
      "--rope-scaling-type describes our GPT's layers"),
-    (["--hf-model", "HF", "--context-parallel-size", "2"], "--context-parallel-size describes our GPT's layers"),
     ([], "missing required flags --num-layers, --hidden-size, --num-attention-heads"),  # no --hf-model: the GPT's
 ])
 def test_bad_hf_model_input_exits_2(tmp_path, flags, message):
+    _refused(tmp_path, flags, message)
+
+
+@pytest.mark.parametrize("config,flags,message", [
+    ({}, [], "--context-parallel-size 2 under DeepSpeed's own engine (no \"pipeline.schedule\"): name a schedule"),
+    ({"sliding_window": 8}, ["--deepspeed", "--deepspeed_config", "pipe.json"],
+     "its sliding window (8 tokens) is shorter than --seq-length 16, and the context-parallel attention has no window"),
+    ({"attn_logit_softcapping": 50.0}, ["--deepspeed", "--deepspeed_config", "pipe.json"],
+     "its attention caps the scores (attn_logit_softcapping)"),
+    ({"num_key_value_heads": 1}, ["--deepspeed", "--deepspeed_config", "pipe.json", "--cp-comm-type", "a2a"],
+     "--cp-comm-type a2a shares the attention heads out over the context-parallel ranks"),
+])
+def test_what_context_parallelism_cannot_run_exits_2(tmp_path, config, flags, message):
+    """--hf-model with --context-parallel-size 2 (2 ranks): refused at parse time where the run could not be
+    exact (the engine's own check of the built model: tests/pipe/hf/test_cut.py)."""
+    (tmp_path / "pipe.json").write_text(json.dumps({"pipeline": {"schedule": "1f1b"}}))
+    _refused(tmp_path, ["--hf-model", "HF", "--context-parallel-size", "2", *flags], message, config, WORLD_SIZE="2")
+
+
+def _refused(tmp_path, flags, message, config=None, **env):
+    """pretrain_gpt.py with `flags` on a folder whose config.json holds `config` too exits 2 with one line."""
     (tmp_path / "HF").mkdir()
     (tmp_path / "HF" / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}))
+        {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
+         **(config or {})}))
     for ext in (".bin", ".idx"):
         (tmp_path / f"corpus{ext}").write_bytes(b"")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--seq-length", "16",
            "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "2",
            "--data-path", "corpus"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(ROOT), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=child_env(ROOT, **env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -5,34 +5,91 @@ optimizer and lr schedule are built by the caller over the module the engine run
 
 Seq1F1B: the cut's layers take a micro-batch's sequence in segments, since their attention (attention.py) keeps
 earlier segments' keys and values in the engine's SegmentKVCache; HFScheduleEngine hands each F its segment of
-the token and position ids and the loss its segment's labels with the micro-batch's scored token count.
+the token and position ids and the loss its segment's labels with the micro-batch's scored token count, and opens
+the micro-batch's packed documents (found from its whole position ids) around each op: a segment's queries see
+the cached keys of their own document only.
+
+Context parallelism (`cp` > 1, `comm_type` as --cp-comm-type): the topology's data axis is DP x CP, CP inner, as
+for our GPT (pipe/parallel/context_parallel.py); each op's token ids, position ids and labels are this rank's two
+chunks of them (the position ids travel with the hidden states, so every decoder layer's rotary rotates its tokens
+by theirs), and the attention runs over the CP group, which the engine opens around each op with the documents.
+Every stage reads the micro-batches then (the documents are the whole sequence's).
 """
+import contextlib
+import dataclasses
 import types
 
 import torch
 from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
+from megatron_ds.model.context_parallel import context_parallel_group
+from megatron_ds.model.context_parallel.a2a import heads_problem
+from megatron_ds.model.documents import opened
+
 from ..build import initialize_engine
 from ..foreign.foreign import check_settings, chunked, plan_for
 from ..foreign.foreign_engine import ForeignScheduleEngine
-from ..plan.segments import segment_lengths
-from .cut import PARTITION, load, pipeline_module
+from ..parallel.context_parallel import deepspeed_batch, ensure_context_parallel, local_inputs
+from ..plan.config import ConfigError
+from ..plan.segments import context_shards, segment_lengths
+from . import attention
+from .cut import PARTITION, CutError, load, pipeline_module
 
 
 class HFScheduleEngine(ForeignScheduleEngine):
-    """ForeignScheduleEngine whose F ops take Seq1F1B's segments of the (token ids, position ids)."""
+    """ForeignScheduleEngine whose F ops take Seq1F1B's segments and context-parallel chunks of the (token ids,
+    position ids), and whose ops run with the micro-batch's documents and the CP group open."""
 
     def _inputs(self, mb, seq):
         inputs = self._batches[mb][0]
-        if self.sched.seq_splits == 1:
+        if self.sched.seq_splits == 1 and self.context is None:
             return inputs
         if torch.is_tensor(inputs):  # token ids alone: positions 0..s-1, cut with them
-            inputs = (inputs, torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1))
+            inputs = (inputs, _positions(inputs))
         cut = self.plan.segment(seq)
-        return tuple(t[:, cut] for t in inputs)
+        return local_inputs(self.context, tuple(t[:, cut] for t in inputs))
+
+    @contextlib.contextmanager
+    def _open_segment(self, replica, stage, mb, seq):
+        group = None if self.context is None else context_parallel_group(self.module)
+        with super()._open_segment(replica, stage, mb, seq), opened(self._position_documents(mb)), \
+                attention.context_parallel(group, getattr(self.module, "cp_comm_type", "p2p")):
+            yield
+
+    def _position_documents(self, mb):
+        """Micro-batch `mb`'s documents (attention.PositionDocuments), made once an iteration, where a segment or
+        a context-parallel rank needs them (a whole sequence's attention reads them from its position ids)."""
+        if self._batches is None or (self.sched.seq_splits == 1 and self.context is None):
+            return None
+        if getattr(self, "_documents_of", None) is not self._batches:
+            self._documents_of, self._position_docs = self._batches, {}
+        if mb not in self._position_docs:
+            inputs = self._batches[mb][0]
+            self._position_docs[mb] = None if torch.is_tensor(inputs) else attention.PositionDocuments.of(inputs[1])
+        return self._position_docs[mb]
 
     def scored_tokens(self, mb):
         return int((self._batches[mb][1] != -100).sum())
+
+
+def _positions(ids):
+    return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+
+
+def context_problem(config, cp, comm_type, seq_length):
+    """Why `config`'s model cannot run under context parallelism `cp` by `comm_type` ('' when it can)."""
+    if cp == 1:
+        return ""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if window is not None and (seq_length is None or window < seq_length):
+        return (f"a sliding window ({window} tokens, shorter than the sequence) under --context-parallel-size {cp}: "
+                "the context-parallel attention has no window")
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"capped attention scores (attn_logit_softcapping) under --context-parallel-size {cp}"
+    if comm_type == "a2a":
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        return heads_problem(kv_heads, cp)
+    return ""
 
 
 def layer_shape(config):
@@ -46,13 +103,21 @@ def layer_shape(config):
 
 
 def build_engine(source, ds_config, settings, pp, dp, make_optimizer, make_lr_scheduler=None,
-                 activation_checkpoint_interval=0, seq_length=None):
+                 activation_checkpoint_interval=0, seq_length=None, cp=1, comm_type="p2p"):
     """(engine, the transformers model it trains): `make_optimizer(module)`, `make_lr_scheduler(optimizer)`;
-    `seq_length`: the tokens of a micro-batch's sequence, which Seq1F1B's segments cut."""
+    `seq_length`: the tokens of a micro-batch's sequence, which Seq1F1B's segments cut; `cp`, `comm_type`:
+    context parallelism (--context-parallel-size, --cp-comm-type; `dp` the data-parallel size without it)."""
     model = load(source)
+    problem = context_problem(model.config, cp, comm_type, seq_length)
+    if problem:
+        raise CutError(f"{type(model).__name__}: {problem}")
+    if cp > 1 and settings.stock:
+        raise ConfigError(f"--context-parallel-size {cp} with a Hugging Face model under DeepSpeed's own engine (no "
+                          '"pipeline.schedule"): name a schedule ("1f1b" is its order on our engine)')
     method = (ds_config.get("pipeline") or {}).get("partition_method", PARTITION)
     segmented = settings.seq_splits > 1
-    module = pipeline_module(model, topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
+    topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp * cp)  # the data axis: DP x CP, CP inner
+    module = pipeline_module(model, topology=topology,
                              partition_method=method, activation_checkpoint_interval=activation_checkpoint_interval,
                              dynamic_shape=segmented)  # segments of other lengths: each message says its shape
     engine_class = None
@@ -64,7 +129,15 @@ def build_engine(source, ds_config, settings, pp, dp, make_optimizer, make_lr_sc
                 raise ValueError("Seq1F1B's segments need the sequence length")
             shape = layer_shape(model.config)
             segments = (seq_length, shape.hidden_size, tuple(segment_lengths(settings, shape, seq_length)))
-        module = chunked(module, plan_for(module, ds_config, settings, segments), method)
+        plan = plan_for(module, deepspeed_batch(ds_config, cp), settings, segments)
+        if segmented or cp > 1:  # every stage's attention needs the micro-batch's documents
+            if cp > 1 and seq_length is None:
+                raise ValueError("context parallelism needs the sequence length")
+            shards = context_shards(cp, 1, False, seq_length, segments and list(segments[2]))
+            plan = dataclasses.replace(plan, documents=True, context_shards=shards)
+        module = chunked(module, plan, method)
+        module.context_layout = ensure_context_parallel(types.SimpleNamespace(context_parallel_size=cp), topology)
+        module.context_parallel_size, module.cp_comm_type = cp, comm_type  # the engine opens the CP group
         engine_class = HFScheduleEngine
     optimizer = make_optimizer(module)
     lr_scheduler = make_lr_scheduler(optimizer) if make_lr_scheduler else None

@@ -5,10 +5,11 @@ The folder's config.json gives the model's sizes (read here, torch-free, so a ba
 --num-layers, --hidden-size, --num-attention-heads and --ffn-hidden-size are taken from it, and one given that
 disagrees is refused; the tokenizer is the folder's (PretrainedFromHF) unless --tokenizer-name-or-path names
 another. The flags that describe our GPT's own layers, and the pipeline features not run for such a model yet
-(vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint, Seq1F1B's segments with packed
-documents), are refused; so is
+(vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint), are refused; so is
 one of --reset-position-ids and --reset-attention-mask without the other (the layers find documents where the
-position ids restart: pipe/hf/attention.py).
+position ids restart: pipe/hf/attention.py). --context-parallel-size runs (pipe/hf/engine.py) under a named
+schedule, for a model whose attention has no sliding window shorter than --seq-length and no capped scores (the
+context-parallel attention has neither; the folder's config.json says).
 """
 import os
 
@@ -20,8 +21,7 @@ SIZES = (("num_layers", "num_hidden_layers"), ("hidden_size", "hidden_size"),
          ("num_attention_heads", "num_attention_heads"), ("ffn_hidden_size", "intermediate_size"))
 GPT_ONLY = ("swiglu", "qk_layernorm", "embed_layernorm", "untie_embeddings_and_output_weights",
             "use_rotary_position_embeddings", "loss_chunk_size", "use_liger_kernel", "num_experts",
-            "use_rope_scaling", "rope_scaling_type",  # the folder's config.json says its rope_parameters
-            "context_parallel_size")
+            "use_rope_scaling", "rope_scaling_type")  # the folder's config.json says its rope_parameters
 
 
 def add_hf_args(parser):
@@ -62,8 +62,7 @@ def apply_hf_model(args):
     args.num_layers, args.hidden_size = sizes["num_layers"], sizes["hidden_size"]
     args.num_attention_heads, args.ffn_hidden_size = sizes["num_attention_heads"], sizes["ffn_hidden_size"]
     args.num_key_value_heads = config.get("num_key_value_heads") or args.num_key_value_heads
-    given = [f"--{name.replace('_', '-')}" for name in GPT_ONLY if getattr(args, name, None)
-             and not (name == "context_parallel_size" and args.context_parallel_size == 1)]
+    given = [f"--{name.replace('_', '-')}" for name in GPT_ONLY if getattr(args, name, None)]
     if given:
         raise ArgumentsError(f"{given[0]} describes our GPT's layers; with --hf-model the model is the folder's")
     if args.tokenizer_type == "GPT2BPETokenizer" and (args.vocab_file or args.merge_file):
@@ -78,18 +77,37 @@ def check_hf_pipeline(args):
     if args.hf_model is None:
         return
     settings = args.pipeline_settings
-    documents = args.reset_position_ids or args.reset_attention_mask
     refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
                ('"schedule": "auto"', settings.auto),
-               ("Seq1F1B's segments and packed documents", settings.seq_splits > 1 and documents),
                ("vocabulary parallelism", settings.vocab_parallel),
                ("--universal-checkpoint", args.universal_checkpoint)]
     for what, on in refused:
         if on:
             raise ArgumentsError(f"--hf-model with {what}: not run yet for a Hugging Face model (the cut runs "
                                  "pipeline x data parallelism under the named schedules)")
+    check_hf_context_parallel(args)
     if args.reset_position_ids != args.reset_attention_mask:
         given, missing = (("--reset-position-ids", "--reset-attention-mask") if args.reset_position_ids
                           else ("--reset-attention-mask", "--reset-position-ids"))
         raise ArgumentsError(f"--hf-model with {given} alone: a Hugging Face model's layers see a new document where "
                              f"the position ids restart, so give {missing} too")
+
+
+def check_hf_context_parallel(args):
+    """--context-parallel-size with --hf-model: what the context-parallel attention cannot do for the folder's model
+    (pipe/hf/engine.context_problem checks the model itself again when it is built)."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.pipeline_settings.stock:
+        raise ArgumentsError(f"--hf-model with --context-parallel-size {cp} under DeepSpeed's own engine (no "
+                             '"pipeline.schedule"): name a schedule ("1f1b" is its order on our engine)')
+    config = hf_config(args.hf_model)
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    if isinstance(window, int) and window < args.seq_length:
+        raise ArgumentsError(f"--hf-model {args.hf_model} with --context-parallel-size {cp}: its sliding window "
+                             f"({window} tokens) is shorter than --seq-length {args.seq_length}, and the "
+                             "context-parallel attention has no window")
+    if config.get("attn_logit_softcapping"):
+        raise ArgumentsError(f"--hf-model {args.hf_model} with --context-parallel-size {cp}: its attention caps the "
+                             "scores (attn_logit_softcapping), which the context-parallel attention does not")

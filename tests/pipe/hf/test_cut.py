@@ -143,5 +143,49 @@ def test_a_seq1f1b_segments_mask():
     assert mask.tolist() == [[True] * 5 + [False] * 2, [True] * 6 + [False], [True] * 7]
     windowed = attn.segment_mask(None, 4, 3, 7, window=3)
     assert windowed.tolist()[0] == [False, False, True, True, True, False, False]
-    with pytest.raises(attn.AttentionError, match="packed documents .* with Seq1F1B's segments"):
+    with pytest.raises(attn.AttentionError, match="without the micro-batch's documents open"):
         attn.segment_mask(torch.tensor([[4, 0, 1]]), 4, 3, 7)  # a document starting inside the segment
+
+
+def test_a_segment_sees_the_cached_keys_of_its_own_document():
+    """With the micro-batch's documents open (the engine's PositionDocuments of its whole position ids), segment
+    [4, 7) of the rows 0 1 2 3 4 | 0 1 and 0 1 | 0 1 2 3 4: each query sees the earlier keys of its document only,
+    the second row's document begun in the earlier segment too."""
+    from megatron_ds.model.documents import opened
+    whole = torch.tensor([[0, 1, 2, 3, 4, 0, 1], [0, 1, 0, 1, 2, 3, 4]])
+    docs = attn.PositionDocuments.of(whole)
+    assert docs.ids.tolist() == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1]]
+    assert docs.starts == [[0, 5], [0, 2]]
+    with opened(docs):
+        mask = attn.segment_mask(whole[:, 4:], 4, 3, 7)
+    assert mask.shape == (2, 1, 3, 7)
+    assert mask[0, 0].int().tolist() == [[1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 1]]
+    assert mask[1, 0].int().tolist() == [[0, 0, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1]]
+    with opened(attn.PositionDocuments.of(whole)):
+        windowed = attn.segment_mask(whole[:, 4:], 4, 3, 7, window=2)
+    assert windowed[1, 0, 2].int().tolist() == [0, 0, 0, 0, 0, 1, 1]
+    assert attn.PositionDocuments.of(torch.arange(7).repeat(2, 1)) is None  # one document a row: plain causal
+
+
+@pytest.mark.parametrize("family,cp,comm,seq,message", [
+    ("mistral", 2, "p2p", 16, "a sliding window (4 tokens, shorter than the sequence) under --context-parallel-size 2"),
+    ("gemma2", 2, "allgather", 16, "a sliding window"),
+    ("llama", 4, "a2a", 16, "2 K/V heads per tensor-parallel rank do not divide by --context-parallel-size 4"),
+])
+def test_what_context_parallelism_cannot_run_is_refused(family, cp, comm, seq, message):
+    from megatron_ds.pipe.hf.engine import context_problem
+    cfg = _other(family) if family == "gemma2" else config(family)
+    assert message in context_problem(cfg, cp, comm, seq)
+    assert context_problem(cfg, 1, comm, seq) == ""
+
+
+def test_what_context_parallelism_runs_is_not_refused():
+    """No window, or one no shorter than the sequence; a2a where the K/V heads divide by CP; capped scores refused
+    alone."""
+    import transformers as T
+    from megatron_ds.pipe.hf.engine import context_problem
+    assert context_problem(config("llama"), 2, "a2a", 16) == ""
+    assert context_problem(config("qwen3"), 2, "p2p", 16) == ""
+    assert context_problem(T.MistralConfig(**SIZES, sliding_window=16), 2, "p2p", 16) == ""
+    capped = T.Gemma2Config(**SIZES, head_dim=8, sliding_window=16)
+    assert "capped attention scores" in context_problem(capped, 2, "p2p", 16)

@@ -4,8 +4,11 @@ and the weights after 3 AdamW steps within 1e-5 (fp32, dropout 0), by the model'
 (tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; Qwen3, Mistral (a sliding
 window that bites), Gemma 3 (sliding layers with their own rotary, capped logits), Phi-3, OLMo 2 and Mixtral
 (MoE) under 1f1b or zbv, and Seq1F1B in 2 segments (LLaMA, its B/W split; Mistral, a window across segments), at
-PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents. One
-launch per layout.
+PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents.
+Seq1F1B with packed documents (LLaMA): a document begun in the first segment is attended through the K/V cache,
+its own keys only. Context parallelism, CP 2 x PP 2 (pipe.hf.engine.build_engine, pretrain_gpt's path): LLaMA
+under 1f1b (packed documents) and zbv over the p2p ring, zbv over a2a, Seq1F1B's segments over the ring (packed),
+Qwen3 (q/k norms, head_dim apart from hidden / heads) over allgather. One launch per layout.
 Each run ends in save_pretrained, whose folder transformers loads with the same weights."""
 import functools
 
@@ -17,7 +20,7 @@ from tests.hf_harness import assert_matches, build, rank_runs, reference_run
 GAS = 4
 SPLIT = {"zbv", "dualpipev"}
 SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True}
-LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documents)]
+LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documents)], context-parallel size
     "pp2": (2, 2, [("llama", {"schedule": s}, 0, False) for s in ("1f1b", "zbv", "bitpipe", "dualpipev")] + [
         ("llama", {"schedule": "zbv"}, 0, True), ("qwen3", {"schedule": "zbv"}, 0, False),
         ("mistral", {"schedule": "1f1b"}, 0, True), ("gemma3", {"schedule": "zbv"}, 0, True),
@@ -25,9 +28,16 @@ LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documen
         ("mixtral", {"schedule": "zbv"}, 0, False),
         # Seq1F1B, 2 segments: earlier segments' K/V in the engine's cache, B/W split; a window across segments
         ("llama", SEQ1F1B, 0, False), ("mistral", {**SEQ1F1B, "seq_split_method": "even"}, 0, False),
+        # packed documents in segments: a document begun in segment 0 seen through the cache, its own keys only
+        ("llama", SEQ1F1B, 0, True),
         # DeepSpeed's activation checkpoints over the decoder layers (not the embedding: its integer inputs)
-        ("llama", {"schedule": "zbv", "activation_checkpoint_interval": 1}, 0, True)]),
-    "pp2xdp2": (4, 2, [("llama", {"schedule": "zbv"}, 1, False), ("llama", {"schedule": "1f1b"}, 0, True)]),
+        ("llama", {"schedule": "zbv", "activation_checkpoint_interval": 1}, 0, True)], 1),
+    "pp2xdp2": (4, 2, [("llama", {"schedule": "zbv"}, 1, False), ("llama", {"schedule": "1f1b"}, 0, True)], 1),
+    # each sequence over 2 ranks (chunks r and 3 - r of 4): the ring, allgather, a2a ("cp_comm_type")
+    "cp2xpp2": (4, 2, [("llama", {"schedule": "1f1b"}, 0, True), ("llama", {"schedule": "zbv"}, 0, False),
+                       ("llama", {"schedule": "zbv", "cp_comm_type": "a2a"}, 0, True),
+                       ("llama", {**SEQ1F1B, "seq_split_method": "even"}, 0, True),
+                       ("qwen3", {"schedule": "1f1b", "cp_comm_type": "allgather"}, 0, True)], 2),
 }
 
 
@@ -38,15 +48,16 @@ def reference(family, n, packed):
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def launched(request, tmp_path_factory):
-    world, pp, cases = LAYOUTS[request.param]
+    world, pp, cases, cp = LAYOUTS[request.param]
     saved = tmp_path_factory.mktemp(request.param)
-    per_rank = run_ranks(world, rank_runs, pp, GAS, cases, save_dir=str(saved), timeout=900, quiet=True)
+    per_rank = run_ranks(world, rank_runs, pp, GAS, cases, save_dir=str(saved), cp=cp, timeout=900, quiet=True)
     return request.param, cases, per_rank, saved
 
 
 def test_hf_models_train_as_on_one_process(launched):
     layout, cases, per_rank, _ = launched
-    dp = len(per_rank) // LAYOUTS[layout][1]
+    _, pp, _, cp = LAYOUTS[layout]
+    dp = len(per_rank) // (pp * cp)
     for i, (family, pipeline, zero, packed) in enumerate(cases):
         ref = reference(family, dp * GAS, packed)
         results = [r[i] for r in per_rank]
@@ -55,7 +66,8 @@ def test_hf_models_train_as_on_one_process(launched):
         except AssertionError as exc:
             raise AssertionError(f"{layout} {family} {pipeline} zero={zero} packed={packed}: {exc}") from None
         segmented = pipeline["schedule"] == "seq1f1b"
-        assert {r["engine"] for r in results} == {"HFScheduleEngine" if segmented else "ForeignScheduleEngine"}
+        ours = segmented or cp > 1  # pipe.hf's engine, else megatron_ds.initialize's
+        assert {r["engine"] for r in results} == {"HFScheduleEngine" if ours else "ForeignScheduleEngine"}
         assert {r["segments"] for r in results} == ({(8, 8)} if segmented else {None})  # balanced: 8, 8 too
         assert (zero == 0) == all(r["grads"] is not None for r in results)
         # the split schedules take the weight gradients in W ops (autograd's split), the others in the backward
@@ -69,7 +81,8 @@ def test_the_trained_weights_load_in_transformers(launched):
     same class whose weights are the reference's after 3 steps."""
     from transformers import AutoModelForCausalLM
     layout, cases, per_rank, saved = launched
-    dp = len(per_rank) // LAYOUTS[layout][1]
+    _, pp, _, cp = LAYOUTS[layout]
+    dp = len(per_rank) // (pp * cp)
     for i, (family, pipeline, _, packed) in enumerate(cases):
         ref = reference(family, dp * GAS, packed)
         model = AutoModelForCausalLM.from_pretrained(saved / str(i), local_files_only=True)
