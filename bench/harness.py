@@ -4,6 +4,7 @@
   wall clock, the order reversed every other iteration, so that a drift of the machine's load hits all alike;
   `paired_ratio` is the median of the ratios of neighbouring iterations (slow drifts cancel), `medians` each
   contestant's median after the warm-up.
+- `Timer`: a region's seconds, CUDA events on a CUDA device.
 - `Machine`: the load average and the cores, at the start and at the end, in the two forms the outputs use.
 - `best_of`: the fastest of a few repeats of one thing (what a bench of a single process times).
 - `rounds`: the cells of a launch-per-cell bench, round after round, every other round reversed (drifts hit all).
@@ -31,19 +32,39 @@ def _barrier():
         dist.barrier()
 
 
-def alternated(runs: dict, iterations: int, start: int = 0, swap: bool = True, prepare=None) -> dict:
+def alternated(runs: dict, iterations: int, start: int = 0, swap: bool = True, prepare=None, timer=None) -> dict:
     """{name: [seconds]}: `runs[name](x)` for each name, every iteration, after a barrier (the ranks start
     together), the order reversed every other iteration when `swap`. x is the step (start + iteration), or what
-    `prepare(name, step)` makes of it off the clock (the step's batches, a trace switched on)."""
-    names, times = list(runs), {name: [] for name in runs}
+    `prepare(name, step)` makes of it off the clock (the step's batches, a trace switched on). `timer(fn)`:
+    the seconds of fn() (default the wall clock; a `Timer` for a CUDA device)."""
+    names, times, timer = list(runs), {name: [] for name in runs}, timer or Timer()
     for it in range(iterations):
         for name in (names[::-1] if swap and it % 2 else names):
             x = prepare(name, start + it) if prepare else start + it
             _barrier()
-            begin = time.perf_counter()
-            runs[name](x)
-            times[name].append(time.perf_counter() - begin)
+            times[name].append(timer(lambda: runs[name](x)))
     return times
+
+
+class Timer:
+    """Seconds of a region on `device`: CUDA events around it (synchronised), else the wall clock."""
+
+    def __init__(self, device=None):
+        self.cuda = device is not None and device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            import torch  # lazy: the CPU benches and `python -m bench` need no torch here
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
 
 
 def paired_ratio(numerator: list, denominator: list) -> float:

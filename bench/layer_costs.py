@@ -51,8 +51,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
+from bench.harness import Timer
 from bench.moe_costs import layer_names, measure_all_to_all, moe_config, moe_layers, single_process
 from megatron_ds.schedules.costs import ModelCosts
 from megatron_ds.training.config.model_args import add_model_args, validate_model_args
@@ -117,28 +117,6 @@ def parse_args(argv=None):
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16: choose one")
     return args
-
-
-class Timer:
-    """Seconds of a region on `device`: CUDA events around it (synchronised), else the wall clock."""
-
-    def __init__(self, device):
-        import torch
-        self.cuda = device.type == "cuda"
-        self.torch = torch
-
-    def __call__(self, fn):
-        if self.cuda:
-            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-            self.torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            self.torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
 
 def setup(args, vocab_size=64):
