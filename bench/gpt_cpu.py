@@ -166,8 +166,10 @@ def run_table(args, opts):
 
 
 def model_opts(args) -> dict:
-    """The workers' opts of parsed bench flags: pp, gas, iterations, warmup and the model's sizes."""
-    return dict(pp=args.pp, gas=args.gas, iterations=args.iterations, warmup=args.warmup, mbs=args.micro_batch_size,
+    """The workers' opts of parsed bench flags: pp, gas, iterations, warmup (0 without the flag) and the model's
+    sizes."""
+    return dict(pp=args.pp, gas=args.gas, iterations=args.iterations, warmup=getattr(args, "warmup", 0),
+                mbs=args.micro_batch_size,
                 seq=args.seq_length, hidden=args.hidden_size, layers=args.num_layers, heads=args.num_attention_heads,
                 vocab=args.vocab_size)
 
