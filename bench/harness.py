@@ -1,7 +1,7 @@
-"""What the benches repeat: the paired timing loop, the machine noted, the markdown table, the docs/perf file.
+"""What the benches repeat: flags, the paired timing loop, the machine noted, the table, the docs/perf file.
 
 - `alternated`: every contestant (an engine, a setting) runs once per iteration after a barrier, timed by the
-  wall clock, the order reversed every other iteration, so that a drift of the machine's load hits all alike;
+  wall clock (or a `Timer`), the order reversed every other iteration, so that a drift of the load hits all alike;
   `paired_ratio` is the median of the ratios of neighbouring iterations (slow drifts cancel), `medians` each
   contestant's median after the warm-up.
 - `Timer`: a region's seconds, CUDA events on a CUDA device.

@@ -26,7 +26,6 @@ bitpipe's two replicas.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
@@ -36,7 +35,7 @@ import torch
 
 from bench import layer_costs
 from bench.moe_costs import layer_parameters
-from bench.harness import Machine, add_output_args, alternated, emit, table
+from bench.harness import Machine, alternated, emit, parser, table
 from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.testing.timed import TimedLayer
 
@@ -211,12 +210,11 @@ def markdown(args, costs, layers, rows, opts) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--iterations", type=int, default=5, help="timed iterations per engine")
     ap.add_argument("--timed-warmup", type=int, default=1, help="untimed iterations per engine")
     ap.add_argument("--time-scale", type=float, default=4.0, help="the timed layers sleep the measured costs x this")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
-    add_output_args(ap)
     own, rest = ap.parse_known_args(argv)
     machine = Machine()
     head = (f"# bench/moe_timed.py on {machine.cores} CPU cores, {machine.at_start()}; layer_costs flags: "
