@@ -94,3 +94,11 @@ def test_python_m_bench_lists_every_bench_with_its_purpose():
     assert "What megatron_ds.initialize costs on a user's own PipelineModule" in line
     runnable = dict((name, run) for name, _, run in benches())
     assert runnable["moe_overlap"] and not runnable["harness"] and not runnable["options"]
+
+
+def test_every_perf_file_says_the_command_that_made_it_at_its_top():
+    import re
+    perf = os.path.join(ROOT, "docs", "perf")
+    silent = [name for name in sorted(os.listdir(perf)) if name.endswith(".md") and not re.search(
+        r"`(python -m bench\.|python bench/|bash bench/)", "\n".join(open(os.path.join(perf, name)).read().split("\n")[:6]))]
+    assert not silent, f"docs/perf files without the command that made them in their first lines: {silent}"
