@@ -80,13 +80,14 @@ def bench_ds_config(opts, pipeline=None, **extra):
     return {**config, "pipeline": dict(pipeline)} if pipeline else config
 
 
-def random_batches(config, opts):
-    """batches(step): the step's opts["gas"] micro-batches of random tokens, ((tokens, positions), labels)."""
+def random_batches(config, opts, dp_rank=None):
+    """batches(step): the step's opts["gas"] micro-batches of random tokens, ((tokens, positions), labels); with
+    `dp_rank`, each data-parallel rank its own."""
     import torch
     from megatron_ds.model import position_ids_like
 
     def batches(step):
-        g = torch.Generator().manual_seed(step)
+        g = torch.Generator().manual_seed(step if dp_rank is None else 1000 * step + dp_rank)
         for _ in range(opts["gas"]):
             tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
             x = tokens[:, :-1].contiguous()

@@ -19,7 +19,7 @@ import sys
 import time
 import warnings
 
-from bench.gpt_cpu import timed_iterations
+from bench.gpt_cpu import gpt_config, random_batches, timed_iterations
 from bench.harness import Machine, Report, parser, rounds, table
 from megatron_ds.testing.launcher import run_ranks
 
@@ -52,7 +52,6 @@ class AllToAllClock:
 def worker(name, opts):
     import deepspeed
     import torch
-    from megatron_ds.model import GPTConfig, position_ids_like
     from megatron_ds.moe_config import MoEConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.pipe.moe.moe import optimizer_param_groups
@@ -63,10 +62,8 @@ def worker(name, opts):
     torch.set_num_threads(1)
     moe = MoEConfig(num_experts=opts["experts"], router_topk=opts["topk"], expert_model_parallel_size=opts["ep"],
                     aux_loss_coeff=0.01)
-    config = GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
-                       num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"], swiglu=True,
-                       normalization="rmsnorm", position_embedding_type="rope", add_bias_linear=False,
-                       untie_embeddings_and_output_weights=True, moe=moe)
+    config = gpt_config(opts, swiglu=True, normalization="rmsnorm", position_embedding_type="rope",
+                        add_bias_linear=False, untie_embeddings_and_output_weights=True, moe=moe)
     ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
     if ENGINES[name]:
@@ -76,13 +73,7 @@ def worker(name, opts):
     optimizer = torch.optim.AdamW(optimizer_param_groups(groups), lr=1e-4)
     engine = initialize_engine(module, ds_config, optimizer=optimizer)
 
-    def batches(step):
-        g = torch.Generator().manual_seed(1000 * step + engine.grid.get_data_parallel_rank())
-        for _ in range(opts["gas"]):
-            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
-            x = tokens[:, :-1].contiguous()
-            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
-
+    batches = random_batches(config, opts, engine.grid.get_data_parallel_rank())
     times, losses, every = timed_iterations(engine, batches, opts, AllToAllClock())
     return {"times": times, "losses": losses, "ranks": every,
             "load": (engine.router_metrics or {}).get("expert_load", {})}
