@@ -47,6 +47,7 @@ import statistics
 import sys
 import warnings
 
+from bench.gpt_cpu import random_batches
 from bench.harness import Machine, alternated, emit, paired_ratio, parser, table
 from megatron_ds.testing.launcher import run_ranks
 
@@ -76,16 +77,6 @@ def build(config, args, section):
     optimizer = torch.optim.AdamW(optimizer_param_groups([{"params": list(module.parameters()), "name": "all"}]),
                                   lr=1e-4)
     return initialize_engine(module, ds_config, optimizer=optimizer)
-
-
-def batches(config, args, dp_rank, step):
-    import torch
-    from megatron_ds.model import position_ids_like
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    for _ in range(args.gas):
-        tokens = torch.randint(0, config.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
-        x = tokens[:, :-1].contiguous()
-        yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
 
 
 def timed(engines: dict, data, iterations: int, start: int) -> dict:
@@ -222,8 +213,7 @@ def rank_main(args):
     dist.all_gather_object(hosts, piece_host(first._overlap()))  # the runtime's switching (pipe/auto.py)
     host = statistics.median(hosts)
 
-    def data(step):
-        return batches(config, args, dp_rank, step)
+    data = random_batches(config, {"gas": args.gas, "mbs": args.micro_batch_size, "seq": args.seq_length}, dp_rank)
 
     def both(name):
         return {k: e for k, e in engines.items() if k[0] == name}
