@@ -60,9 +60,11 @@ def setting_key(p, m, ratio):
 
 # -- worker side (one process per pipeline rank) -------------------------------------------------
 
-def ds_config(p, pipeline, trace_dir):
+def ds_config(p, pipeline, trace_dir, m=None):
+    """The timed-layer benches' ds_config: MBS-sequence micro-batches, m of them (default 2p), ZeRO-1, SGD
+    (the engine's), the `pipeline` section cut uniformly."""
     section = dict(pipeline or {}, partition_method="uniform", trace_dir=trace_dir)
-    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 2 * p,
+    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m or 2 * p,
             "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10 ** 9, "pipeline": section}
 

@@ -38,12 +38,12 @@ import sys
 import time
 
 from bench.harness import Machine, alternated, emit, parser, table
+from bench.schedules import HIDDEN, MBS, SEQ, ds_config
 from bench.vocab_parallel import EMBED_SHARE, SCHEDULES, run as simulate_placements
 from megatron_ds.files import write_atomic
 from megatron_ds.testing.launcher import run_ranks
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-HIDDEN, MBS, SEQ = 64, 2, 16
 VOCAB_ROWS = 256            # rows of the real vocabulary slices' matrices (their time is slept, not computed)
 PLACEMENTS = ("naive", "vocab")
 
@@ -96,15 +96,6 @@ def timed_vocab_passes(engine, costs, seconds):
     return TimedVocabPasses(engine)
 
 
-def ds_config(schedule, placement, m):
-    pipeline = dict(SCHEDULES[schedule], schedule=schedule, partition_method="uniform")
-    if placement == "vocab":
-        pipeline["vocab_parallel"] = True
-    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m, "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
-            "pipeline": pipeline}
-
-
 def build_engine(schedule, placement, opts, costs):
     import torch
     from deepspeed.pipe import LayerSpec
@@ -120,7 +111,8 @@ def build_engine(schedule, placement, opts, costs):
         scales[0] = [1.0 + x for x in embed]
         scales[-1] = [1.0 + head] * 3
     specs = [LayerSpec(TimedLayer, HIDDEN, costs, tuple(s)) for s in scales]
-    cfg = ds_config(schedule, placement, opts["micro_batches"])
+    section = dict(SCHEDULES[schedule], schedule=schedule, vocab_parallel=placement == "vocab")
+    cfg = ds_config(opts["pp"], section, None, opts["micro_batches"])
     shape = GPTConfig(vocab_size=VOCAB_ROWS, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=1,
                       max_position_embeddings=SEQ)
     module = build_pipeline_module(shape, cfg, p, layers=specs, loss_fn=timed_loss)
