@@ -7,12 +7,11 @@ its .npz cache (what every launch after the first does), and megatron-core's C++
 Weights are drawn once per row (fixed seed). Prints seconds (best of 3) and checks that the arrays equal
 megatron-core's where it is installed (pip install megatron-core; its helpers_cpp may compile on import).
 """
-import argparse
 import tempfile
-import time
 
 import numpy as np
 
+from bench import harness
 from megatron_ds.data.blendable_dataset import cached_blending_indices
 from megatron_ds.data.helpers import build_blending_indices
 
@@ -36,41 +35,32 @@ def mcore_helper():
     return build
 
 
-def best_of(fn, repeat=3):
-    best, out = None, None
-    for _ in range(repeat):
-        start = time.perf_counter()
-        out = fn()
-        seconds = time.perf_counter() - start
-        best = seconds if best is None else min(best, seconds)
-    return best, out
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = harness.parser(__doc__)
     p.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 4_000_000])
     p.add_argument("--datasets", type=int, nargs="+", default=[3, 10, 40])
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    out = harness.Report(a.perf_file, "bench.blending_indices", argv)
     mcore = mcore_helper()
     rng = np.random.default_rng(0)
-    print(f"| {'datasets':>8s} | {'samples':>10s} | {'ours, build (s)':>15s} | {'ours, cached (s)':>16s} | "
-          f"{'megatron-core C++ (s)':>21s} | {'build / C++':>11s} | {'cached / C++':>12s} |")
-    print("|" + "|".join("-" * (w + 2) for w in (8, 10, 15, 16, 21, 11, 12)) + "|")
+    out(*harness.table(["datasets", "samples", "ours, build (s)", "ours, cached (s)", "megatron-core C++ (s)",
+                        "build / C++", "cached / C++"], "rrrrrrr", []))
     with tempfile.TemporaryDirectory() as cache:
         for k in a.datasets:
             for size in a.sizes:
                 weights = rng.dirichlet(np.ones(k))
-                build, ours = best_of(lambda: build_blending_indices(weights, size))
+                build, ours = harness.best_of(lambda: build_blending_indices(weights, size), 3)
                 cached_blending_indices(weights, size, cache)  # writes the cache
-                cached, again = best_of(lambda: cached_blending_indices(weights, size, cache))
+                cached, again = harness.best_of(lambda: cached_blending_indices(weights, size, cache), 3)
                 assert all(np.array_equal(x, y) for x, y in zip(ours, again))
                 if mcore is None:
-                    row = f"{'not installed':>21s} | {'-':>11s} | {'-':>12s}"
+                    row = ["not installed", "-", "-"]
                 else:
-                    cpp, theirs = best_of(lambda: mcore(weights, size))
+                    cpp, theirs = harness.best_of(lambda: mcore(weights, size), 3)
                     assert all(np.array_equal(x, y) for x, y in zip(ours, theirs)), "differs from megatron-core"
-                    row = f"{cpp:21.3f} | {build / cpp:10.1f}x | {cached / cpp:11.1f}x"
-                print(f"| {k:8d} | {size:10,d} | {build:15.3f} | {cached:16.3f} | {row} |")
+                    row = [f"{cpp:.3f}", f"{build / cpp:.1f}x", f"{cached / cpp:.1f}x"]
+                out(harness.row([k, f"{size:,d}", f"{build:.3f}", f"{cached:.3f}", *row]))
+    out.save()
 
 
 if __name__ == "__main__":

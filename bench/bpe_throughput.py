@@ -10,10 +10,10 @@ over the batch, no offsets). Two corpora: English prose (Python's pydoc topics, 
 CPU second (this process, all threads; what does not depend on the machine's load) and per wall second,
 best of --repeat, and checks every id list is equal.
 """
-import argparse
 import random
 import time
 
+from bench import harness
 from megatron_ds.data.tokenizer import GPT2BPETokenizer, default_gpt2_files
 
 
@@ -63,38 +63,27 @@ def encoders(vocab, merges):
             "HF tokenizers encode_batch_fast": hf_batch}
 
 
-def measure(make, docs, repeat):
-    best_cpu = best_wall = None
-    for _ in range(repeat):
-        encode = make()
-        wall, cpu = time.perf_counter(), time.process_time()
-        ids = encode(docs)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        best_cpu = cpu if best_cpu is None else min(best_cpu, cpu)
-        best_wall = wall if best_wall is None else min(best_wall, wall)
-    return ids, best_cpu, best_wall
-
-
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = harness.parser(__doc__)
     p.add_argument("--mb", type=float, default=2)
     p.add_argument("--repeat", type=int, default=3)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    out = harness.Report(a.perf_file, "bench.bpe_throughput", argv)
     vocab, merges = default_gpt2_files()
-    print(f"| {'corpus':8s} | {'encoder':31s} | {'tokens/CPU s':>12s} | {'tokens/s wall':>13s} | "
-          f"{'ours / this (CPU)':>17s} |")
-    print(f"|{'-' * 10}|{'-' * 33}|{'-' * 14}|{'-' * 15}|{'-' * 19}|")
+    out(*harness.table(["corpus", "encoder", "tokens/CPU s", "tokens/s wall", "ours / this (CPU)"], "llrrr", []))
     for corpus, docs in (("prose", prose(a.mb)), ("unseen", unseen(a.mb))):
         reference, ours_rate = None, None
         for name, make in encoders(vocab, merges).items():
-            ids, cpu, wall = measure(make, docs, a.repeat)
+            cpu, wall, ids = harness.best_of(lambda encode: encode(docs), a.repeat, make,
+                                             (time.process_time, time.perf_counter))
             reference = reference or ids
             assert ids == reference, f"{corpus}: {name} gives other ids"
             tokens = sum(map(len, ids))
             ours_rate = ours_rate or tokens / cpu
-            print(f"| {corpus:8s} | {name:31s} | {tokens / cpu:12,.0f} | {tokens / wall:13,.0f} | "
-                  f"{ours_rate / (tokens / cpu):16.2f}x |")
-    print(f"({a.mb} MB per corpus, best of {a.repeat}, a fresh tokenizer each time; ids identical in every row)")
+            out(harness.row([corpus, name, f"{tokens / cpu:,.0f}", f"{tokens / wall:,.0f}",
+                             f"{ours_rate / (tokens / cpu):.2f}x"]))
+    out(f"({a.mb} MB per corpus, best of {a.repeat}, a fresh tokenizer each time; ids identical in every row)")
+    out.save()
 
 
 if __name__ == "__main__":

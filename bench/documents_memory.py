@@ -22,14 +22,13 @@ boolean mask of the whole sequence (documents.DENSE_SIDE raised to the sequence 
 """
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
 import torch.multiprocessing as mp
 
-from bench.options import add_model_args
+from bench import harness
 
 MB = 2 ** 20
 EOD = 0
@@ -98,8 +97,8 @@ def run(args, mean, dense=False):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(parser, seq_length=8192, hidden_size=256, num_layers=2, num_attention_heads=4, vocab_size=512)
+    parser = harness.parser(__doc__, seq_length=8192, hidden_size=256, num_layers=2, num_attention_heads=4,
+                            vocab_size=512)
     parser.add_argument("--means", type=float, nargs="+", default=[64, 512, 4096],
                         help="mean document lengths (tokens), one row each")
     parser.add_argument("--dense-mean", type=float, default=512,
@@ -113,16 +112,15 @@ def main(argv=None):
     for name, mean, dense in rows:
         runs = [run(args, mean, dense) for _ in range(args.rounds)]
         results[name] = min(runs, key=lambda r: r["step"])
-    base = results["causal"]
-    print(f"\nseq={args.seq_length} hidden={args.hidden_size} heads={args.num_attention_heads} "
-          f"layers={args.num_layers} vocab={args.vocab_size}, mbs 1, fp32 on CPU, no dropout; one forward + backward "
-          f"after a warm-up, lowest step peak of {args.rounds} fresh processes\n")
-    print("| attention | documents | saved MB | x causal | step peak MB | x causal | step s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, _, _ in rows:
-        r = results[name]
-        print(f"| {name} | {r['documents']} | {r['saved'] / MB:.1f} | {r['saved'] / base['saved']:.3f} | "
-              f"{r['step'] / MB:.1f} | {r['step'] / base['step']:.3f} | {r['seconds']:.2f} |")
+    base, out = results["causal"], harness.Report(args.perf_file, "bench.documents_memory", argv)
+    out("", f"seq={args.seq_length} hidden={args.hidden_size} heads={args.num_attention_heads} "
+        f"layers={args.num_layers} vocab={args.vocab_size}, mbs 1, fp32 on CPU, no dropout; one forward + backward "
+        f"after a warm-up, lowest step peak of {args.rounds} fresh processes", "")
+    out(*harness.table(["attention", "documents", "saved MB", "x causal", "step peak MB", "x causal", "step s"],
+                       "lrrrrrr", [[name, r["documents"], f"{r['saved'] / MB:.1f}", f"{r['saved'] / base['saved']:.3f}",
+                                    f"{r['step'] / MB:.1f}", f"{r['step'] / base['step']:.3f}", f"{r['seconds']:.2f}"]
+                                   for name, r in results.items()]))
+    out.save()
 
 
 if __name__ == "__main__":

@@ -27,13 +27,12 @@ Two comparisons, in one launch of p gloo ranks (one thread each):
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 import time
 
-from bench.harness import Machine, add_output_args, alternated, emit, paired_ratio, table
+from bench.harness import Machine, alternated, emit, paired_ratio, parser, table
 from megatron_ds.testing.launcher import run_ranks
 
 SPLIT = ["1f1b", "zbv", "dualpipev"]  # 1f1b: the control, whose measured/simulated ratio is the machine's
@@ -255,19 +254,18 @@ def report(result, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--gas", type=int, default=8, help="micro-batches per iteration")
-    parser.add_argument("--mbs", type=int, default=64)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=16, help="Linear layers (each followed by a Tanh)")
-    parser.add_argument("--iterations", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--trace-dir", help="keep the split schedules' traces here (default: a temporary folder)")
-    parser.add_argument("--split", nargs="*", default=SPLIT, help="schedules measured against the simulator")
-    parser.add_argument("--timeout", type=float, default=1800)
-    add_output_args(parser)
-    args = parser.parse_args(argv)
+    ap = parser(__doc__)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--gas", type=int, default=8, help="micro-batches per iteration")
+    ap.add_argument("--mbs", type=int, default=64)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=16, help="Linear layers (each followed by a Tanh)")
+    ap.add_argument("--iterations", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--trace-dir", help="keep the split schedules' traces here (default: a temporary folder)")
+    ap.add_argument("--split", nargs="*", default=SPLIT, help="schedules measured against the simulator")
+    ap.add_argument("--timeout", type=float, default=1800)
+    args = ap.parse_args(argv)
     machine = Machine()
     with tempfile.TemporaryDirectory(prefix="foreign_cost_") as scratch:
         results = run_ranks(args.pp, rank_main, args, args.trace_dir or scratch, timeout=args.timeout, quiet=True)

@@ -13,15 +13,13 @@ posting at the start is faster). Same model and data as bench/gpt_cpu.py.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import warnings
 
 from bench.engines import STOCK, DUALPIPEV, engines
 from bench.gpt_cpu import build, model_opts, random_batches
-from bench.harness import Machine, add_output_args, alternated, emit, paired_ratio, table
-from bench.options import add_model_args
+from bench.harness import Machine, alternated, emit, paired_ratio, parser, table
 from megatron_ds.testing.launcher import run_ranks
 
 ENGINES = [name for name in engines() if name not in (STOCK, DUALPIPEV)]  # ours: DeepSpeed's post their own way
@@ -51,14 +49,12 @@ def worker(name, opts):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap, pp=4, gas=8, micro_batch_size=2, seq_length=256, hidden_size=256, num_layers=8,
-                   num_attention_heads=8, vocab_size=2048)
+    ap = parser(__doc__, pp=4, gas=8, micro_batch_size=2, seq_length=256, hidden_size=256, num_layers=8,
+                num_attention_heads=8, vocab_size=2048)
     ap.add_argument("--iterations", type=int, default=6, help="timed iterations of each way")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--engines", nargs="+", default=["zbv", "1f1b"], choices=ENGINES, metavar="NAME",
                     help=f"subset of: {', '.join(ENGINES)}")
-    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {**model_opts(args), "tp": 1}
     machine = Machine()

@@ -20,7 +20,6 @@ devices. The timed-layer bench (bench/schedules.py) measures the schedules thems
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -32,7 +31,7 @@ import time
 import warnings
 
 from bench.engines import DUALPIPEV, STOCK, engines
-from bench.options import add_model_args
+from bench.harness import Machine, Report, alternated, parser, rounds, table
 from megatron_ds.testing.launcher import run_ranks
 
 ENGINES = engines()
@@ -81,13 +80,14 @@ def bench_ds_config(opts, pipeline=None, **extra):
     return {**config, "pipeline": dict(pipeline)} if pipeline else config
 
 
-def random_batches(config, opts):
-    """batches(step): the step's opts["gas"] micro-batches of random tokens, ((tokens, positions), labels)."""
+def random_batches(config, opts, dp_rank=None):
+    """batches(step): the step's opts["gas"] micro-batches of random tokens, ((tokens, positions), labels); with
+    `dp_rank`, each data-parallel rank its own."""
     import torch
     from megatron_ds.model import position_ids_like
 
     def batches(step):
-        g = torch.Generator().manual_seed(step)
+        g = torch.Generator().manual_seed(step if dp_rank is None else 1000 * step + dp_rank)
         for _ in range(opts["gas"]):
             tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
             x = tokens[:, :-1].contiguous()
@@ -143,14 +143,10 @@ def timed_iterations(engine, batches, opts, clock=None):
     import torch.distributed as dist
     for step in range(opts["warmup"]):
         engine.train_batch(batches(step))
-    before = rss_bytes()
-    times, losses = [], []
+    before, losses = rss_bytes(), []
     with RssSampler() as sampler, (clock or contextlib.nullcontext()):
-        for step in range(opts["warmup"], opts["warmup"] + opts["iterations"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            losses.append(float(engine.train_batch(batches(step))))
-            times.append(time.perf_counter() - t0)
+        times = alternated({"": lambda step: losses.append(float(engine.train_batch(batches(step))))},
+                           opts["iterations"], opts["warmup"])[""]
     mine = {"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "train": sampler.peak - before}
     if clock is not None:
         mine["clock"] = clock.seconds
@@ -161,29 +157,27 @@ def timed_iterations(engine, batches, opts, clock=None):
 
 def run_table(args, opts):
     """{(engine, tp): [launch result]}: every engine at every TP size, every other round reversed."""
-    cells = [(name, tp) for tp in args.tp for name in args.engines]
-    runs = {cell: [] for cell in cells}
-    for rnd in range(args.rounds):  # every other round in reverse order, so drifting load hits all alike
-        for name, tp in (cells if rnd % 2 == 0 else cells[::-1]):
-            if runs[name, tp] and "na" in runs[name, tp][0]:
-                continue
-            print(f"round {rnd + 1}: {name} TP={tp} ...", file=sys.stderr, flush=True)
-            runs[name, tp].append(run_ranks(args.pp * tp, worker, name, {**opts, "tp": tp}, timeout=1800,
-                                            quiet=True)[0])
+    runs = {(name, tp): [] for tp in args.tp for name in args.engines}
+    for rnd, (name, tp) in rounds(list(runs), args.rounds):  # drifting load hits all alike
+        if runs[name, tp] and "na" in runs[name, tp][0]:
+            continue
+        print(f"round {rnd + 1}: {name} TP={tp} ...", file=sys.stderr, flush=True)
+        runs[name, tp].append(run_ranks(args.pp * tp, worker, name, {**opts, "tp": tp}, timeout=1800, quiet=True)[0])
     return runs
 
 
 def model_opts(args) -> dict:
-    """The workers' opts of parsed bench flags: pp, gas, iterations, warmup and the model's sizes."""
-    return dict(pp=args.pp, gas=args.gas, iterations=args.iterations, warmup=args.warmup, mbs=args.micro_batch_size,
+    """The workers' opts of parsed bench flags: pp, gas, iterations, warmup (0 without the flag) and the model's
+    sizes."""
+    return dict(pp=args.pp, gas=args.gas, iterations=args.iterations, warmup=getattr(args, "warmup", 0),
+                mbs=args.micro_batch_size,
                 seq=args.seq_length, hidden=args.hidden_size, layers=args.num_layers, heads=args.num_attention_heads,
                 vocab=args.vocab_size)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap, pp=4, gas=8, micro_batch_size=2, seq_length=256, hidden_size=256, num_layers=8,
-                   num_attention_heads=8, vocab_size=2048)
+    ap = parser(__doc__, pp=4, gas=8, micro_batch_size=2, seq_length=256, hidden_size=256, num_layers=8,
+                num_attention_heads=8, vocab_size=2048)
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--tp", type=int, nargs="+", default=[1],
@@ -194,44 +188,36 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if STOCK not in args.engines:
         args.engines.insert(0, STOCK)
-    opts = model_opts(args)
-    load = os.getloadavg()
-    cores = os.cpu_count()
-    print(f"# bench/gpt_cpu.py: GPT {opts['layers']} layers, hidden {opts['hidden']}, {opts['heads']} heads, "
-          f"seq {opts['seq']}, vocab {opts['vocab']}; p={args.pp}, TP={'/'.join(map(str, args.tp))}, m={args.gas}, "
-          f"micro-batch {opts['mbs']}; "
-          f"ZeRO-1 AdamW fp32; "
-          f"median of {args.iterations} iterations after {args.warmup} warm-up, best of {args.rounds} launches")
+    opts, machine, out = model_opts(args), Machine(), Report(args.perf_file, "bench.gpt_cpu", argv)
     procs = args.pp * max(args.tp)
-    print(f"# up to {procs} processes on {cores} CPU cores" + (" (oversubscribed: ranks compete for cores)"
-                                                               if procs > cores else "")
-          + f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start", flush=True)
+    out(f"# bench/gpt_cpu.py: GPT {opts['layers']} layers, hidden {opts['hidden']}, {opts['heads']} heads, "
+        f"seq {opts['seq']}, vocab {opts['vocab']}; p={args.pp}, TP={'/'.join(map(str, args.tp))}, m={args.gas}, "
+        f"micro-batch {opts['mbs']}; ZeRO-1 AdamW fp32; median of {args.iterations} iterations after "
+        f"{args.warmup} warm-up, best of {args.rounds} launches",
+        f"# up to {procs} processes on {machine.cores} CPU cores"
+        + (" (oversubscribed: ranks compete for cores)" if procs > machine.cores else "") + f"; {machine.at_start()}")
     runs = run_table(args, opts)
     # A launch's figure is its median iteration; the best launch is the one least disturbed from outside.
     best = {cell: min(statistics.median(r["times"]) for r in rs) for cell, rs in runs.items() if "na" not in rs[0]}
-    mb = 1024 * 1024
-    print("\n| schedule | TP | iteration (s) | per launch (s) | tokens/s | iteration / DS 1F1B's (lower is better) | "
-          "iteration / TP=1's (lower is better) | "
-          "peak RSS per rank (MB) | train RSS per rank (MB) | loss |")
-    print("|---|---:|---:|---|---:|---:|---:|---|---|---:|")
+    rows = []
     for (name, tp), rs in runs.items():
         if "na" in rs[0]:
-            print(f"| {name} | {tp} | n/a: {rs[0]['na']} | | | | | | | |")
+            rows.append([name, tp, f"n/a: {rs[0]['na']}"] + [""] * 7)
             continue
-        it = best[name, tp]
-        vs_tp1 = f"{it / best[name, 1]:.3f}" if (name, 1) in best else ""
+        it, mb, ranks = best[name, tp], 1024 * 1024, range(len(rs[0]["memory"]))
         tokens = args.gas * opts["mbs"] * opts["seq"] * rs[0]["dp"]
-        ranks = range(len(rs[0]["memory"]))
-        peak = " ".join(f"{max(r['memory'][k]['peak'] for r in rs) / mb:.0f}" for k in ranks)
-        train = " ".join(f"{max(r['memory'][k]['train'] for r in rs) / mb:.0f}" for k in ranks)
-        launches = " ".join(f"{statistics.median(r['times']):.2f}" for r in rs)
-        print(f"| {name} | {tp} | {it:.3f} | {launches} | {tokens / it:.0f} | {it / best[STOCK, tp]:.3f} | {vs_tp1} | "
-              f"{peak} | {train} | "
-              f"{rs[0]['losses'][-1]:.4f} |")
-    load = os.getloadavg()
-    print(f"\n# iteration / DS 1F1B's = this iteration / DS 1F1B's (same TP); iteration / TP=1's = this iteration / "
-          f"the schedule's at TP=1; memory: the highest over launches; load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at end")
+        rows.append([name, tp, f"{it:.3f}", " ".join(f"{statistics.median(r['times']):.2f}" for r in rs),
+                     f"{tokens / it:.0f}", f"{it / best[STOCK, tp]:.3f}",
+                     f"{it / best[name, 1]:.3f}" if (name, 1) in best else "",
+                     " ".join(f"{max(r['memory'][k]['peak'] for r in rs) / mb:.0f}" for k in ranks),
+                     " ".join(f"{max(r['memory'][k]['train'] for r in rs) / mb:.0f}" for k in ranks),
+                     f"{rs[0]['losses'][-1]:.4f}"])
+    out("", *table(["schedule", "TP", "iteration (s)", "per launch (s)", "tokens/s",
+                     "iteration / DS 1F1B's (lower is better)", "iteration / TP=1's (lower is better)",
+                     "peak RSS per rank (MB)", "train RSS per rank (MB)", "loss"], "lrrlrrrllr", rows))
+    out("", "# iteration / DS 1F1B's = this iteration / DS 1F1B's (same TP); iteration / TP=1's = this iteration / "
+        f"the schedule's at TP=1; memory: the highest over launches; {machine.at_end()}")
+    out.save()
     return 0
 
 

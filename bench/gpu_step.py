@@ -29,13 +29,15 @@ Liger-Kernel (CUDA, when installed): "transformers-liger" patches LlamaForCausal
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
 import os
 import statistics
 import time
+
+from bench import harness
+from megatron_ds.files import write_atomic
 
 ENGINE_CASES = {  # name -> ds_config "pipeline" section (None: DeepSpeed's own engine)
     "deepspeed": None,
@@ -60,7 +62,7 @@ TOY_MODEL = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_key_va
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--toy", action="store_true", help="a small fp32 model, shape 64x2, 3 timed iterations (CPU)")
     p.add_argument("--cases", default=",".join([*ENGINE_CASES, *HF_CASES]),
                    help=f"comma-separated, of {', '.join([*ENGINE_CASES, *HF_CASES])}")
@@ -249,25 +251,23 @@ def table(shape, rows, flops_per_iteration, peak):
     ok = [(name, r) for name, r in rows if "error" not in r]
     base = next((r["ms"] for name, r in ok if name == "deepspeed"), None)
     anchor = next((r["ms"] for name, r in ok if name == "transformers compiled"), None)
-    lines = [f"## {shape}", "",
-             "| run | ms / iteration | CPU ms | vs DeepSpeed | vs transformers compiled | TFLOP/s | MFU | peak GB "
-             "| loss first -> last | aten ops | launches | syncs | compile s | graphs not captured |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for name, r in rows:
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error']} |" + " |" * 12)
+            cells.append([name, f"failed: {r['error']}"] + [""] * 12)
             continue
         tflops = flops_per_iteration / (r["ms"] / 1000.0) / 1e12
-        cells = [name, f"{r['ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
-                 f"{r['ms'] / anchor:.3f}" if anchor else "-", f"{tflops:.2f}",
-                 f"{100 * tflops / peak:.1f} %" if peak else "-",
-                 f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
-                 f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
-                 *(str(r[k]) if r[k] is not None else "-" for k in ("ops", "launches", "syncs")),
-                 f"{r['compile_s']:.1f}",
-                 str(r["graph_skips"]) if name.endswith(VARIANTS["graphs"]) and r["graph_skips"] is not None else "-"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells.append([name, f"{r['ms']:.1f}", f"{r['cpu_ms']:.1f}", f"{r['ms'] / base:.3f}" if base else "-",
+                      f"{r['ms'] / anchor:.3f}" if anchor else "-", f"{tflops:.2f}",
+                      f"{100 * tflops / peak:.1f} %" if peak else "-",
+                      f"{r['peak_gb']:.1f}" if r["peak_gb"] is not None else "-",
+                      f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}",
+                      *(str(r[k]) if r[k] is not None else "-" for k in ("ops", "launches", "syncs")),
+                      f"{r['compile_s']:.1f}",
+                      str(r["graph_skips"]) if name.endswith(VARIANTS["graphs"]) and r["graph_skips"] is not None else "-"])
+    return [f"## {shape}", ""] + harness.table(
+        ["run", "ms / iteration", "CPU ms", "vs DeepSpeed", "vs transformers compiled", "TFLOP/s", "MFU", "peak GB",
+         "loss first -> last", "aten ops", "launches", "syncs", "compile s", "graphs not captured"], "l" * 14, cells)
 
 
 def shapes_of(args):
@@ -301,7 +301,8 @@ def main(argv=None):
     init_process_group()
     peak = this_device_peak()
     device = torch.cuda.get_device_name() if cuda else "CPU"
-    print(f"device: {device}; bf16 peak {peak or '-'} TFLOP/s; torch {torch.__version__}", flush=True)
+    out = harness.Report(args.perf_file, "bench.gpu_step", argv)
+    out(f"device: {device}; bf16 peak {peak or '-'} TFLOP/s; torch {torch.__version__}")
     results = {}
     for shape in shapes_of(args):
         config = model_config(args.toy, shape.seq)
@@ -317,14 +318,14 @@ def main(argv=None):
                 runs.append((case + VARIANTS[variant], make))
         for label, make in runs:
             rows.append((label, measured_or_error(make, shape, config, warmup, iterations, args.count_ops)))
-            print(f"  {label}: " + (f"failed: {rows[-1][1]['error']}" if "error" in rows[-1][1] else
-                                    f"{rows[-1][1]['ms']:.1f} ms, compile {rows[-1][1]['compile_s']:.1f} s"), flush=True)
+            out(f"  {label}: " + (f"failed: {rows[-1][1]['error']}" if "error" in rows[-1][1] else
+                                  f"{rows[-1][1]['ms']:.1f} ms, compile {rows[-1][1]['compile_s']:.1f} s"))
             results[f"{shape.seq}x{shape.mb}"] = dict(rows)
             if args.json:
                 write_json(args.json, device, results)
         flops = model_flops_per_sequence(config, shape.seq) * shape.mb * shape.gas
-        print(table(shape, rows, flops, peak), flush=True)
-        print(flush=True)
+        out(*table(shape, rows, flops, peak), "")
+    out.save()
     return results
 
 
@@ -348,10 +349,7 @@ def measured_or_error(make, shape, config, warmup, iterations, ops):
 
 
 def write_json(path, device, results):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump({"device": device, "shapes": results}, fh, indent=1)
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps({"device": device, "shapes": results}, indent=1))
 
 
 if __name__ == "__main__":

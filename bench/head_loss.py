@@ -14,16 +14,15 @@ the loss and how far its gradients are from eager's. --loss-only times the loss 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from bench.layer_costs import Timer
+from bench import harness
 
 FORMS = ("eager", "compiled", "chunked", "chunked-compiled", "liger")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--tokens", type=int, default=8192,
                    help="tokens of one micro-batch (the reference model's: seq 2048 x 4)")
     p.add_argument("--hidden-size", type=int, default=2048)
@@ -79,7 +78,7 @@ def measure(fn, hidden, weight, labels, warmup, repeats, count_input=False):
     cuda = hidden.is_cuda
     for _ in range(warmup):
         run_once(fn, hidden, weight, labels)
-    timer = Timer(hidden.device)
+    timer = harness.Timer(hidden.device)
     times = [1000 * timer(lambda: run_once(fn, hidden, weight, labels)) for _ in range(repeats)]
     if cuda:
         torch.cuda.synchronize()
@@ -114,9 +113,9 @@ def main(argv=None):
     labels = torch.randint(0, args.vocab_size, (args.tokens,), generator=g).to(device)
     shape = f"loss of {args.tokens} tokens x" if args.loss_only else \
         f"head + loss: {args.tokens} tokens x hidden {args.hidden_size} ->"
-    print(f"{shape} vocabulary {args.vocab_size}, {dtype}, "
-          f"{torch.cuda.get_device_name() if cuda else 'CPU'}; logits {args.tokens * args.vocab_size * dtype.itemsize / 2 ** 30:.2f} GiB",
-          flush=True)
+    out = harness.Report(args.perf_file, "bench.head_loss", argv)
+    out(f"{shape} vocabulary {args.vocab_size}, {dtype}, {torch.cuda.get_device_name() if cuda else 'CPU'}; "
+        f"logits {args.tokens * args.vocab_size * dtype.itemsize / 2 ** 30:.2f} GiB")
     rows = {}
     for form in forms:
         try:
@@ -124,26 +123,26 @@ def main(argv=None):
                                  args.warmup, args.repeats, count_input=args.loss_only)
         except Exception as exc:  # noqa: BLE001 - a bench row: the table says what failed
             rows[form] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-    print(table(rows))
+    out(*table(rows))
+    out.save()
     return rows
 
 
 def table(rows):
     base = rows.get("eager")
     base = None if isinstance(base, str) else base
-    lines = [f"{'form':17} {'ms':>9} {'/ eager':>8} {'kept MiB':>9} {'peak GiB':>9} {'loss':>10} "
-             f"{'|dh - eager|':>13} {'|dw - eager|':>13}"]
+    cells = []
     for form, row in rows.items():
         if isinstance(row, str):
-            lines.append(f"{form:17} failed: {row}")
+            cells.append([form, f"failed: {row}"] + [""] * 6)
             continue
         ms, (loss, dh, dw, kept), peak = row
-        ratio = f"{ms / base[0]:.3f}" if base else "-"
-        dh_err = f"{(dh.float() - base[1][1].float()).abs().max().item():.2e}" if base else "-"
-        dw_err = f"{(dw.float() - base[1][2].float()).abs().max().item():.2e}" if base else "-"
-        lines.append(f"{form:17} {ms:9.2f} {ratio:>8} {kept / 2 ** 20:9.1f} {'-' if peak is None else f'{peak:.2f}':>9} "
-                     f"{loss.item():10.6f} {dh_err:>13} {dw_err:>13}")
-    return "\n".join(lines)
+        gaps = [f"{(g.float() - e.float()).abs().max().item():.2e}" if base else "-"
+                for g, e in ((dh, base and base[1][1]), (dw, base and base[1][2]))]
+        cells.append([form, f"{ms:.2f}", f"{ms / base[0]:.3f}" if base else "-", f"{kept / 2 ** 20:.1f}",
+                      "-" if peak is None else f"{peak:.2f}", f"{loss.item():.6f}", *gaps])
+    return harness.table(["form", "ms", "/ eager", "kept MiB", "peak GiB", "loss", r"\|dh - eager\|",
+                          r"\|dw - eager\|"], "lrrrrrrr", cells)  # a cell's own bars escaped
 
 
 if __name__ == "__main__":

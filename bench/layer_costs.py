@@ -49,11 +49,11 @@ all-to-all, which their ops wait for) and adds "all_to_all_ms" per layer and "mo
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import time
 
+from bench.harness import Report, Timer, add_output_args, alternated, medians, table
 from bench.moe_costs import layer_names, measure_all_to_all, moe_config, moe_layers, single_process
+from megatron_ds.files import write_atomic
 from megatron_ds.schedules.costs import ModelCosts
 from megatron_ds.training.config.model_args import add_model_args, validate_model_args
 from megatron_ds.training.config.moe_args import add_moe_args, validate_moe_args
@@ -89,7 +89,7 @@ def build_parser():
                         "its FLOP share")
     g.add_argument("--costs-out", default=None,
                    help='write the per-layer costs as JSON for "pipeline.partition_method": "costs:FILE"')
-    return parser
+    return add_output_args(parser)
 
 
 def parse_args(argv=None):
@@ -117,28 +117,6 @@ def parse_args(argv=None):
     if args.bf16 and args.fp16:
         parser.error("--bf16 and --fp16: choose one")
     return args
-
-
-class Timer:
-    """Seconds of a region on `device`: CUDA events around it (synchronised), else the wall clock."""
-
-    def __init__(self, device):
-        import torch
-        self.cuda = device.type == "cuda"
-        self.torch = torch
-
-    def __call__(self, fn):
-        if self.cuda:
-            start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
-            self.torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            self.torch.cuda.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
 
 def setup(args, vocab_size=64):
@@ -177,23 +155,22 @@ def time_passes(args, timer, forward, backward, reset):
     output) inside WeightGradStore.deferring (input gradients; the weight GEMMs a B/W split defers are
     queued), W = draining the queue; reset() after each run."""
     from megatron_ds.model import WeightGradStore
+    out, queue = {}, []
 
-    times = {"F": [], "B": [], "W": []}
-    for i in range(args.warmup + args.repeats):
-        out = {}
-        tf = timer(lambda: out.setdefault("y", forward()))
-        queue = []
+    def backward_input(_):
+        with WeightGradStore.deferring(queue):
+            backward(out["y"])
 
-        def backward_input():
-            with WeightGradStore.deferring(queue):
-                backward(out["y"])
-        tb = timer(backward_input)
-        tw = timer(lambda: WeightGradStore.drain(queue))
-        if i >= args.warmup:
-            for kind, t in zip("FBW", (tf, tb, tw)):
-                times[kind].append(t)
-        reset()
-    return tuple(statistics.median(times[k]) for k in "FBW")
+    def before(kind, step):  # off the clock
+        if kind == "F":
+            reset()
+            out.clear()
+            queue.clear()
+    times = alternated({"F": lambda _: out.setdefault("y", forward()), "B": backward_input,
+                        "W": lambda _: WeightGradStore.drain(queue)}, args.warmup + args.repeats, swap=False,
+                       prepare=before, timer=timer)
+    reset()
+    return tuple(medians(times, args.warmup)[k] for k in "FBW")
 
 
 def saved_bytes(forward, params) -> int:
@@ -265,7 +242,7 @@ def measure_segments(args, k):
     return [(n, *(statistics.median(t[args.warmup:]) for t in kinds)) for n, kinds in zip(lengths, times)]
 
 
-def print_segments(args, tf, tb, tw):
+def print_segments(out, args, tf, tb, tw):
     """Each Seq1F1B segment's measured share of the whole layer's F + B + W beside its FLOP share
     (what the simulator and "auto" charge it), and the segments' sum over the unsplit layer."""
     from megatron_ds.schedules.seq_split import segment_costs
@@ -274,10 +251,10 @@ def print_segments(args, tf, tb, tw):
         rows = measure_segments(args, k)
         flops = segment_costs([n for n, *_ in rows], args.hidden_size, args.ffn_hidden_size)
         total = sum(f + b + w for _, f, b, w in rows)
-        print(f"\nSeq1F1B k={k}: the segments together take {total / whole:.3f} of the unsplit layer's F+B+W")
-        print(f"{'tokens':>8}{'F ms':>9}{'B ms':>9}{'W ms':>9}{'share':>8}{'FLOPs':>8}")
-        for (n, f, b, w), share in zip(rows, flops):
-            print(f"{n:>8}{f * 1e3:>9.3f}{b * 1e3:>9.3f}{w * 1e3:>9.3f}{(f + b + w) / whole:>8.3f}{share / k:>8.3f}")
+        out("", f"Seq1F1B k={k}: the segments together take {total / whole:.3f} of the unsplit layer's F+B+W",
+            *table(["tokens", "F ms", "B ms", "W ms", "share", "FLOPs"], "rrrrrr", [
+                [n, f"{f * 1e3:.3f}", f"{b * 1e3:.3f}", f"{w * 1e3:.3f}", f"{(f + b + w) / whole:.3f}",
+                 f"{share / k:.3f}"] for (n, f, b, w), share in zip(rows, flops)]))
 
 
 def measure_ends(args):
@@ -332,7 +309,7 @@ def measure_layers(args) -> dict:
 
 
 def write_costs(args, layers, ends):
-    """The per-layer costs file of "pipeline.partition_method": "costs:FILE" (written whole, then renamed):
+    """The per-layer costs file of "pipeline.partition_method": "costs:FILE" (atomically; the line saying so):
     a MoE layer's cost includes its all-to-all, which its F and B wait for."""
     import json
     body = [sum(t) + sum(c) for t, c in zip(layers["times"], layers["all_to_all"])]
@@ -342,11 +319,8 @@ def write_costs(args, layers, ends):
             "device": layers["device"], "vocab_size": args.vocab_size}
     if any(layers["flags"]):
         data.update(moe_layers=layers["flags"], all_to_all_ms=[round(sum(c) * 1e3, 6) for c in layers["all_to_all"]])
-    tmp = args.costs_out + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=1)
-    os.replace(tmp, args.costs_out)
-    print(f"\nwrote {args.costs_out}")
+    write_atomic(args.costs_out, json.dumps(data, indent=1))
+    return f"\nwrote {args.costs_out}"
 
 
 def model_costs(args, layers, ends) -> ModelCosts:
@@ -385,74 +359,74 @@ def label(row: dict) -> str:
     return f"{row['schedule']} {row['setting']}".strip()
 
 
-def print_layers(args, layers):
+def print_layers(out, args, layers):
     """The timed layers' lines: the dense layer's, the MoE layer's and its all-to-all."""
     ms = lambda t: t * 1e3  # noqa: E731
     dense, moe = layers["timed"].get("dense"), layers["timed"].get("MoE")
-    print(f"one transformer layer, hidden {args.hidden_size}, heads {args.num_attention_heads}"
+    out(f"one transformer layer, hidden {args.hidden_size}, heads {args.num_attention_heads}"
           f"{f' (K/V {args.num_key_value_heads})' if args.num_key_value_heads != args.num_attention_heads else ''}, "
           f"seq {args.seq_length}, micro-batch {args.micro_batch_size}, on {layers['device']} "
           f"(median of {args.repeats} after {args.warmup} warm-up):")
     if dense:
         tf, tb, tw, _ = dense
-        print(f"  TF {ms(tf):.3f} ms   TB {ms(tb):.3f} ms   TW {ms(tw):.3f} ms   (TB+TW)/TF {(tb + tw) / tf:.2f}")
+        out(f"  TF {ms(tf):.3f} ms   TB {ms(tb):.3f} ms   TW {ms(tw):.3f} ms   (TB+TW)/TF {(tb + tw) / tf:.2f}")
     if moe:
         m = setup(args)[0].moe  # its expert FFN size resolved
         tf, tb, tw, held = moe
         shared = f", shared expert {m.shared_expert_intermediate_size}" if m.shared_expert_intermediate_size else ""
         versus = (f"  = {sum(moe[:3]) / sum(dense[:3]):.2f} dense layers, activations {held / dense[3]:.2f}x"
                   if dense else "")
-        print(f"  MoE layer ({sum(layers['flags'])} of {args.num_layers}: {m.num_experts} experts, "
+        out(f"  MoE layer ({sum(layers['flags'])} of {args.num_layers}: {m.num_experts} experts, "
               f"top-{m.router_topk}, expert FFN {m.ffn_hidden_size}{shared}; router and experts at "
               f"{args.micro_batch_size * args.seq_length * m.router_topk} routed rows)")
-        print(f"  TF {ms(tf):.3f} ms   TB {ms(tb):.3f} ms   TW {ms(tw):.3f} ms   "
+        out(f"  TF {ms(tf):.3f} ms   TB {ms(tb):.3f} ms   TW {ms(tw):.3f} ms   "
               f"(TB+TW)/TF {(tb + tw) / tf:.2f}{versus}")
         f, b = next(c for c, flag in zip(layers["all_to_all"], layers["flags"]) if flag)
         ep = m.expert_model_parallel_size
-        print(f"  all-to-all per MoE layer, EP {ep} over gloo: F {ms(f):.3f} ms (counts, dispatch, combine)   "
+        out(f"  all-to-all per MoE layer, EP {ep} over gloo: F {ms(f):.3f} ms (counts, dispatch, combine)   "
               f"B {ms(b):.3f} ms (their reverse)" if ep > 1 else "  no all-to-all (--expert-model-parallel-size 1)")
 
 
 def main(argv=None):
     args = parse_args(argv)
+    out = Report(args.perf_file, "bench.layer_costs", argv)
     layers = measure_layers(args)
     ends = measure_ends(args)
     costs = model_costs(args, layers, ends)
     layer = sum(map(sum, layers["times"])) / args.num_layers  # the mean layer's F + B + W
     per_stage = args.num_layers / args.pp
-    print_layers(args, layers)
+    print_layers(out, args, layers)
     for name, what in (("embedding", "embedding"), ("head", "head + loss"), ("norm", "final norm")):
         f, b, w = ends[name]
-        print(f"  {what:<12} F {f * 1e3:.3f}  B {b * 1e3:.3f}  W {w * 1e3:.3f} ms  = {(f + b + w) / layer:.2f} layers"
-              f"{f' (vocabulary {args.vocab_size})' if name != 'norm' else ' (left out of the simulation)'}")
-    print(f"  one micro-batch's logits hold {costs.head_memory:.2f} of a 1F1B stage's activations")
-    print(f"\npp={args.pp}, {args.micro_batches} micro-batches, {args.num_layers} layers "
-          f"({per_stage:g} per 1F1B stage), the embedding on the first stage and the head + loss "
-          f"({sum(ends['head']) / layer:.2f} layers) on the last, simulated:")
+        out(f"  {what:<12} F {f * 1e3:.3f}  B {b * 1e3:.3f}  W {w * 1e3:.3f} ms  = {(f + b + w) / layer:.2f} layers"
+            f"{f' (vocabulary {args.vocab_size})' if name != 'norm' else ' (left out of the simulation)'}")
+    out(f"  one micro-batch's logits hold {costs.head_memory:.2f} of a 1F1B stage's activations", "",
+        f"pp={args.pp}, {args.micro_batches} micro-batches, {args.num_layers} layers "
+        f"({per_stage:g} per 1F1B stage), the embedding on the first stage and the head + loss "
+        f"({sum(ends['head']) / layer:.2f} layers) on the last, simulated:")
     rows = schedule_rows(args, costs)
     base = next(r["makespan"] for r in rows if label(r) == "1f1b")
     done = sorted((r for r in rows if "error" not in r), key=lambda r: r["makespan"])
     comm = bool(costs.all_to_all)
-    print(f"{'schedule':<34}{'iteration ms':>14}{'bubble':>8}{'peak act':>10}{'/ 1F1B':>8}{'/ ideal':>9}"
-          + (f"{'a2a':>7}" if comm else ""))
-    for r in done:
-        print(f"{label(r):<34}{r['makespan'] * 1e3:>14.3f}{r['bubble']:>8.3f}{r['peak_memory']:>10.2f}"
-              f"{r['makespan'] / base:>8.3f}{r['makespan'] / r['ideal']:>9.3f}"
-              + (f"{r['all_to_all'] / r['makespan']:>7.1%}" if comm else ""))
-    print('\n"+vocab" rows: vocabulary parallelism ("pipeline": {"vocab_parallel": true}), the embedding and '
-          'the head sliced over the ranks; "/ ideal": over the same schedule with their time spread evenly')
+    out(*table(["schedule", "iteration ms", "bubble", "peak act", "/ 1F1B", "/ ideal"] + ["a2a"] * comm,
+               "lrrrrr" + "r" * comm, [
+                   [label(r), f"{r['makespan'] * 1e3:.3f}", f"{r['bubble']:.3f}", f"{r['peak_memory']:.2f}",
+                    f"{r['makespan'] / base:.3f}", f"{r['makespan'] / r['ideal']:.3f}"]
+                   + [f"{r['all_to_all'] / r['makespan']:.1%}"] * comm for r in done]))
+    out('\n"+vocab" rows: vocabulary parallelism ("pipeline": {"vocab_parallel": true}), the embedding and '
+        'the head sliced over the ranks; "/ ideal": over the same schedule with their time spread evenly')
     if comm:
-        print('"a2a": the all-to-all\'s share of the iteration on the rank that spends the most time in it')
+        out('"a2a": the all-to-all\'s share of the iteration on the rank that spends the most time in it')
     tf, tb, tw = costs.mean_op_times(args.pp)
-    print(f'"costed" rows: ds_config "pipeline": {{"schedule": "zbv-half", "op_costs": '
-          f'[{tf * 1e3 / per_stage:.3g}, {tb * 1e3 / per_stage:.3g}, {tw * 1e3 / per_stage:.3g}]}} (or zbv-min) '
-          'runs that order')
-    for r in (r for r in rows if "error" in r):
-        print(f"{label(r):<34}{'n/a':>14}  {r['error']}")
+    out(f'"costed" rows: ds_config "pipeline": {{"schedule": "zbv-half", "op_costs": '
+        f'[{tf * 1e3 / per_stage:.3g}, {tb * 1e3 / per_stage:.3g}, {tw * 1e3 / per_stage:.3g}]}} (or zbv-min) '
+        'runs that order')
+    out(*(f"{label(r)}: n/a: {r['error']}" for r in rows if "error" in r))
     if args.time_segments:
-        print_segments(args, *layers["times"][0])
+        print_segments(out, args, *layers["times"][0])
     if args.costs_out:
-        write_costs(args, layers, ends)
+        out(write_costs(args, layers, ends))
+    out.save()
     return costs, rows
 
 

@@ -13,16 +13,14 @@ that waits for a peer's compute counts that wait.
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import statistics
 import sys
 import time
 import warnings
 
-from bench.gpt_cpu import timed_iterations
-from bench.options import add_model_args
+from bench.gpt_cpu import gpt_config, random_batches, timed_iterations
+from bench.harness import Machine, Report, parser, rounds, table
 from megatron_ds.testing.launcher import run_ranks
 
 ENGINES = {"DS 1F1B (stock)": None, "1f1b": {"schedule": "1f1b"}, "zb-h1": {"schedule": "zb-h1"},
@@ -54,7 +52,6 @@ class AllToAllClock:
 def worker(name, opts):
     import deepspeed
     import torch
-    from megatron_ds.model import GPTConfig, position_ids_like
     from megatron_ds.moe_config import MoEConfig
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.pipe.moe.moe import optimizer_param_groups
@@ -65,10 +62,8 @@ def worker(name, opts):
     torch.set_num_threads(1)
     moe = MoEConfig(num_experts=opts["experts"], router_topk=opts["topk"], expert_model_parallel_size=opts["ep"],
                     aux_loss_coeff=0.01)
-    config = GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
-                       num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"], swiglu=True,
-                       normalization="rmsnorm", position_embedding_type="rope", add_bias_linear=False,
-                       untie_embeddings_and_output_weights=True, moe=moe)
+    config = gpt_config(opts, swiglu=True, normalization="rmsnorm", position_embedding_type="rope",
+                        add_bias_linear=False, untie_embeddings_and_output_weights=True, moe=moe)
     ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
                  "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9}
     if ENGINES[name]:
@@ -78,22 +73,15 @@ def worker(name, opts):
     optimizer = torch.optim.AdamW(optimizer_param_groups(groups), lr=1e-4)
     engine = initialize_engine(module, ds_config, optimizer=optimizer)
 
-    def batches(step):
-        g = torch.Generator().manual_seed(1000 * step + engine.grid.get_data_parallel_rank())
-        for _ in range(opts["gas"]):
-            tokens = torch.randint(0, config.vocab_size, (opts["mbs"], opts["seq"] + 1), generator=g)
-            x = tokens[:, :-1].contiguous()
-            yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
-
+    batches = random_batches(config, opts, engine.grid.get_data_parallel_rank())
     times, losses, every = timed_iterations(engine, batches, opts, AllToAllClock())
     return {"times": times, "losses": losses, "ranks": every,
             "load": (engine.router_metrics or {}).get("expert_load", {})}
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap, pp=2, gas=8, micro_batch_size=2, seq_length=128, hidden_size=128, num_layers=4,
-                   num_attention_heads=4, vocab_size=2048)
+    ap = parser(__doc__, pp=2, gas=8, micro_batch_size=2, seq_length=128, hidden_size=128, num_layers=4,
+                num_attention_heads=4, vocab_size=2048)
     ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks per stage")
     ap.add_argument("--ep", type=int, default=2, help="expert-parallel size (divides --dp)")
     ap.add_argument("--experts", type=int, default=8)
@@ -106,35 +94,30 @@ def main(argv=None):
     opts = dict(pp=args.pp, gas=args.gas, mbs=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size,
                 layers=args.num_layers, heads=args.num_attention_heads, vocab=args.vocab_size, ep=args.ep,
                 experts=args.experts, topk=args.topk, iterations=args.iterations, warmup=args.warmup)
-    procs = args.pp * args.dp
-    load = os.getloadavg()
-    print(f"# bench/moe.py: MoE GPT {opts['layers']} layers, hidden {opts['hidden']}, {args.experts} experts top-"
-          f"{args.topk} (SwiGLU, RMSNorm, RoPE), seq {opts['seq']}, vocab {opts['vocab']}; p={args.pp} x dp={args.dp}, "
-          f"EP {args.ep}, m={args.gas}, micro-batch {opts['mbs']}; ZeRO-1 AdamW fp32; median of {args.iterations} "
-          f"iterations after {args.warmup} warm-up, best of {args.rounds} launches; {procs} processes on "
-          f"{os.cpu_count()} cores; load average {load[0]:.2f} at start", flush=True)
+    procs, machine, out = args.pp * args.dp, Machine(), Report(args.perf_file, "bench.moe", argv)
+    out(f"# bench/moe.py: MoE GPT {opts['layers']} layers, hidden {opts['hidden']}, {args.experts} experts top-"
+        f"{args.topk} (SwiGLU, RMSNorm, RoPE), seq {opts['seq']}, vocab {opts['vocab']}; p={args.pp} x dp={args.dp}, "
+        f"EP {args.ep}, m={args.gas}, micro-batch {opts['mbs']}; ZeRO-1 AdamW fp32; median of {args.iterations} "
+        f"iterations after {args.warmup} warm-up, best of {args.rounds} launches; {procs} processes on "
+        f"{machine.cores} cores; {machine.at_start()}")
     runs = {name: [] for name in args.engines}
-    for rnd in range(args.rounds):
-        for name in (args.engines if rnd % 2 == 0 else args.engines[::-1]):
-            print(f"round {rnd + 1}: {name} ...", file=sys.stderr, flush=True)
-            runs[name].append(run_ranks(procs, worker, name, opts, timeout=1800, quiet=True)[0])
+    for rnd, name in rounds(args.engines, args.rounds):
+        print(f"round {rnd + 1}: {name} ...", file=sys.stderr, flush=True)
+        runs[name].append(run_ranks(procs, worker, name, opts, timeout=1800, quiet=True)[0])
     best = {name: min(statistics.median(r["times"]) for r in rs) for name, rs in runs.items()}
-    base = best.get("DS 1F1B (stock)")
-    mb = 1024 * 1024
-    print("\n| schedule | iteration (s) | per launch (s) | iteration / DS 1F1B's (lower is better) | all-to-all share "
-          "of the step | peak RSS per rank (MB) | train RSS per rank (MB) | expert load max/mean (last step) | loss |")
-    print("|---|---:|---|---:|---:|---|---|---|---:|")
+    base, mb, rows = best.get("DS 1F1B (stock)"), 1024 * 1024, []
     for name, rs in runs.items():
-        it = best[name]
         launch = min(rs, key=lambda r: statistics.median(r["times"]))
         share = statistics.mean(k["clock"] for k in launch["ranks"]) / sum(launch["times"])
-        peak = " ".join(f"{k['peak'] / mb:.0f}" for k in launch["ranks"])
-        train = " ".join(f"{k['train'] / mb:.0f}" for k in launch["ranks"])
-        loads = " ".join(f"{v:.2f}" for _, v in sorted(launch["load"].items()))
-        ratio = f"{it / base:.3f}" if base else ""
-        launches = " ".join(f"{statistics.median(r['times']):.2f}" for r in rs)
-        print(f"| {name} | {it:.3f} | {launches} | {ratio} | "
-              f"{share:.1%} | {peak} | {train} | {loads} | {launch['losses'][-1]:.4f} |")
+        rows.append([name, f"{best[name]:.3f}", " ".join(f"{statistics.median(r['times']):.2f}" for r in rs),
+                     f"{best[name] / base:.3f}" if base else "", f"{share:.1%}",
+                     " ".join(f"{k['peak'] / mb:.0f}" for k in launch["ranks"]),
+                     " ".join(f"{k['train'] / mb:.0f}" for k in launch["ranks"]),
+                     " ".join(f"{v:.2f}" for _, v in sorted(launch["load"].items())), f"{launch['losses'][-1]:.4f}"])
+    out("", *table(["schedule", "iteration (s)", "per launch (s)", "iteration / DS 1F1B's (lower is better)",
+                    "all-to-all share of the step", "peak RSS per rank (MB)", "train RSS per rank (MB)",
+                    "expert load max/mean (last step)", "loss"], "lrlrrlllr", rows), "", machine.at_end())
+    out.save()
 
 
 if __name__ == "__main__":

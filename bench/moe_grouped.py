@@ -12,10 +12,7 @@ the grouped kernel ran is printed per case (grouped_linear.grouped_mm_fits: on C
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-
-from bench.layer_costs import Timer
+from bench import harness
 
 # name: (hidden, expert FFN, experts, top-k, tokens of a micro-batch)
 CASES = {"cpu-8": (256, 512, 8, 2, 1024), "cpu-64": (256, 128, 64, 8, 512),
@@ -26,7 +23,7 @@ CASES = {"cpu-8": (256, 512, 8, 2, 1024), "cpu-64": (256, 128, 64, 8, 512),
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--cases", default="cpu-8,cpu-64", help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--device", default=None, help="default cuda when there is one, else cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default bf16 on CUDA, fp32 on CPU")
@@ -54,7 +51,6 @@ def measure(case, device, dtype, repeats, warmup):
     import torch
     from megatron_ds.model import grouped_linear
     from megatron_ds.model.moe import RouterLossLog, expert_loop, grouped_experts
-    timer = Timer(device)
     layers = {g: moe_layer(case, device, dtype, g) for g in (False, True)}
     tokens = CASES[case][4]
     torch.manual_seed(1)
@@ -82,19 +78,15 @@ def measure(case, device, dtype, repeats, warmup):
             for w in weights:
                 torch.stack(w)
 
-    times = {}
-    for i in range(warmup + repeats):
-        for name, fn in (("layer", layer_step), ("experts", experts_step)):
-            for g in (False, True):
-                seconds = timer(lambda: fn(g))
-                for layer in layers.values():
-                    layer.zero_grad(set_to_none=True)
-                if i >= warmup:
-                    times.setdefault((name, g), []).append(seconds)
-        if i >= warmup:
-            times.setdefault("stacks", []).append(timer(stacks))
+    def reset(key, step):  # off the clock
+        for layer in layers.values():
+            layer.zero_grad(set_to_none=True)
+    runs = {(name, g): (lambda fn, g: lambda _: fn(g))(fn, g)
+            for name, fn in (("layer", layer_step), ("experts", experts_step)) for g in (False, True)}
+    times = harness.alternated({**runs, "stacks": lambda _: stacks()}, warmup + repeats, swap=False,
+                               prepare=reset, timer=harness.Timer(device))
     ran = all(grouped_linear.grouped_mm_fits(x.device, dtype, w) for w in weights)
-    median = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    median = {k: v * 1e3 for k, v in harness.medians(times, warmup).items()}
     return median, ran
 
 
@@ -104,17 +96,18 @@ def main(argv=None):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# {name}, {str(dtype).split('.')[-1]}, torch {torch.__version__}, median of {args.repeats} (ms, forward + "
-          "backward)")
-    print("| case (hidden, FFN, experts, top-k, tokens) | grouped kernel | layer: loop | grouped | grouped / loop | "
-          "experts: loop | grouped | grouped / loop | weight stacks |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    out = harness.Report(args.perf_file, "bench.moe_grouped", argv)
+    out(f"# {name}, {str(dtype).split('.')[-1]}, torch {torch.__version__}, median of {args.repeats} (ms, forward + "
+        "backward)", *harness.table(["case (hidden, FFN, experts, top-k, tokens)", "grouped kernel", "layer: loop",
+                                     "grouped", "grouped / loop", "experts: loop", "grouped", "grouped / loop",
+                                     "weight stacks"], "llrrrrrrr", []))
     for case in args.cases.split(","):
         t, ran = measure(case, device, dtype, args.repeats, args.warmup)
-        print(f"| {case} {CASES[case]} | {'yes' if ran else 'no: the loop'} | {t['layer', False]:.2f} | "
-              f"{t['layer', True]:.2f} | {t['layer', True] / t['layer', False]:.3f} | {t['experts', False]:.2f} | "
-              f"{t['experts', True]:.2f} | {t['experts', True] / t['experts', False]:.3f} | {t['stacks']:.2f} |",
-              flush=True)
+        out(harness.row([f"{case} {CASES[case]}", "yes" if ran else "no: the loop", f"{t['layer', False]:.2f}",
+                         f"{t['layer', True]:.2f}", f"{t['layer', True] / t['layer', False]:.3f}",
+                         f"{t['experts', False]:.2f}", f"{t['experts', True]:.2f}",
+                         f"{t['experts', True] / t['experts', False]:.3f}", f"{t['stacks']:.2f}"]))
+    out.save()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ units at m = 8 (its warm-up and cool-down are fixed), 27 of 32 at m = 16; 1f1b 5
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
@@ -48,8 +47,8 @@ import statistics
 import sys
 import warnings
 
-from bench.harness import Machine, add_output_args, alternated, emit, paired_ratio, table
-from bench.options import add_model_args
+from bench.gpt_cpu import random_batches
+from bench.harness import Machine, alternated, emit, paired_ratio, parser, table
 from megatron_ds.testing.launcher import run_ranks
 
 SCHEDULES = ("dualpipev", "1f1b")
@@ -78,16 +77,6 @@ def build(config, args, section):
     optimizer = torch.optim.AdamW(optimizer_param_groups([{"params": list(module.parameters()), "name": "all"}]),
                                   lr=1e-4)
     return initialize_engine(module, ds_config, optimizer=optimizer)
-
-
-def batches(config, args, dp_rank, step):
-    import torch
-    from megatron_ds.model import position_ids_like
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    for _ in range(args.gas):
-        tokens = torch.randint(0, config.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=g)
-        x = tokens[:, :-1].contiguous()
-        yield (x, position_ids_like(x)), tokens[:, 1:].contiguous()
 
 
 def timed(engines: dict, data, iterations: int, start: int) -> dict:
@@ -224,8 +213,7 @@ def rank_main(args):
     dist.all_gather_object(hosts, piece_host(first._overlap()))  # the runtime's switching (pipe/auto.py)
     host = statistics.median(hosts)
 
-    def data(step):
-        return batches(config, args, dp_rank, step)
+    data = random_batches(config, {"gas": args.gas, "mbs": args.micro_batch_size, "seq": args.seq_length}, dp_rank)
 
     def both(name):
         return {k: e for k, e in engines.items() if k[0] == name}
@@ -302,9 +290,8 @@ def report(result, args) -> str:
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap, pp=2, gas=16, micro_batch_size=2, seq_length=32, hidden_size=64, num_layers=4,
-                   num_attention_heads=4, vocab_size=256)
+    ap = parser(__doc__, pp=2, gas=16, micro_batch_size=2, seq_length=32, hidden_size=64, num_layers=4,
+                num_attention_heads=4, vocab_size=256)
     ap.add_argument("--experts", type=int, default=4, help="experts per MoE layer (even: EP 2 splits them)")
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--shares", nargs="+", type=float, default=list(SHARES),
@@ -316,7 +303,6 @@ def parse(argv=None):
     ap.add_argument("--traced", type=int, default=4, help="traced plain iterations per row, alternated with the timed "
                                                           "ones (the simulation's costs)")
     ap.add_argument("--timeout", type=float, default=1800)
-    add_output_args(ap)
     args = ap.parse_args(argv)
     problems = [f"--shares {s}: each must be in [0, 1)" for s in args.shares if not 0 <= s < 1]
     problems += [f"--{k} {getattr(args, k)}: must be at least 1" for k in ("iterations", "calibrate", "traced")

@@ -26,7 +26,6 @@ bitpipe's two replicas.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
@@ -35,8 +34,9 @@ import time
 import torch
 
 from bench import layer_costs
+from bench.harness import Machine, alternated, emit, parser, table
 from bench.moe_costs import layer_parameters
-from bench.harness import Machine, add_output_args, alternated, emit, table
+from bench.schedules import HIDDEN, MBS, SEQ, ds_config  # the timed layers' tensors (their time is slept)
 from megatron_ds.testing.launcher import run_ranks
 from megatron_ds.testing.timed import TimedLayer
 
@@ -46,7 +46,6 @@ MODEL = ["--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "
          "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
          "--num-experts", "8", "--moe-router-topk", "2", "--moe-layer-freq", "2", "--expert-model-parallel-size", "2",
          "--moe-aux-loss-coeff", "0.01", "--pp", "4", "--micro-batches", "8"]
-HIDDEN, MBS, SEQ = 64, 2, 16  # the timed layers' tensors (their time is slept)
 
 
 def layer_seconds(costs, num_layers: int, pp: int) -> list[tuple]:
@@ -111,9 +110,7 @@ def build_engine(schedule, opts, costs):
     scale = opts["time_scale"]
     specs = [LayerSpec(TimedMoELayer, HIDDEN, costs, tuple(x * scale for x in compute),
                        tuple(x * scale for x in comm)) for compute, comm in opts["layers"]]
-    cfg = {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": opts["micro_batches"],
-           "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
-           "steps_per_print": 10 ** 9, "pipeline": {"schedule": schedule, "partition_method": "uniform"}}
+    cfg = ds_config(opts["pp"], {"schedule": schedule}, None, opts["micro_batches"])
     shape = GPTConfig(vocab_size=1, hidden_size=HIDDEN, num_layers=len(specs), num_attention_heads=1,
                       max_position_embeddings=SEQ)
     module = build_pipeline_module(shape, cfg, opts["pp"], layers=specs, loss_fn=timed_loss)
@@ -211,12 +208,11 @@ def markdown(args, costs, layers, rows, opts) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--iterations", type=int, default=5, help="timed iterations per engine")
     ap.add_argument("--timed-warmup", type=int, default=1, help="untimed iterations per engine")
     ap.add_argument("--time-scale", type=float, default=4.0, help="the timed layers sleep the measured costs x this")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds for the launch")
-    add_output_args(ap)
     own, rest = ap.parse_known_args(argv)
     machine = Machine()
     head = (f"# bench/moe_timed.py on {machine.cores} CPU cores, {machine.at_start()}; layer_costs flags: "

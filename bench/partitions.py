@@ -13,9 +13,9 @@ simulated iteration in units of one layer's F, and its ratio to the default cut'
 """
 from __future__ import annotations
 
-import argparse
 from types import SimpleNamespace
 
+from bench import harness
 from megatron_ds.pipe.plan.partition import cost_bounds, layer_costs, layer_flops
 from megatron_ds.schedules import build_schedule, simulate
 
@@ -40,10 +40,9 @@ def evaluate(schedule, weights, bounds):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag, default in (("--hidden-size", 1024), ("--num-layers", 32), ("--vocab-size", 50304),
-                          ("--seq-length", 2048), ("--num-attention-heads", 16), ("--num-key-value-heads", 0),
-                          ("--ffn-hidden-size", 0), ("--pp", 4), ("--micro-batches", 8)):
+    ap = harness.parser(__doc__, hidden_size=1024, num_layers=32, vocab_size=50304, seq_length=2048,
+                        num_attention_heads=16, pp=4)
+    for flag, default in (("--num-key-value-heads", 0), ("--ffn-hidden-size", 0), ("--micro-batches", 8)):
         ap.add_argument(flag, type=int, default=default)
     ap.add_argument("--swiglu", action="store_true")
     ap.add_argument("--costs", help="a bench/layer_costs.py --costs-out file: adds a costs:FILE cut")
@@ -59,11 +58,11 @@ def main(argv=None):
     if args.costs:
         measured = layer_costs(f"costs:{args.costs}", config, len(flops))
         weights = [w / measured[1] for w in measured]  # the cut is judged by what was measured
-    print(f"h={args.hidden_size} L={args.num_layers} V={args.vocab_size} s={args.seq_length} ffn={ffn}"
+    out = harness.Report(args.perf_file, "bench.partitions", argv)
+    out(f"h={args.hidden_size} L={args.num_layers} V={args.vocab_size} s={args.seq_length} ffn={ffn}"
           f"{' swiglu' if args.swiglu else ''}: head = {weights[-1]:.2f} layers, embedding = {weights[0]:.3f}; "
-          f"p={args.pp} m={args.micro_batches}; costs from {'--costs ' + args.costs if args.costs else 'FLOPs'}\n")
-    print("| schedule | cut | transformer layers per stage | busiest rank (layers) | iteration | / default |")
-    print("|---|---|---|---:|---:|---:|")
+          f"p={args.pp} m={args.micro_batches}; costs from {'--costs ' + args.costs if args.costs else 'FLOPs'}", "")
+    rows = []
     for name in args.schedules:
         schedule = build_schedule(name, args.pp, args.micro_batches)
         cuts = {"type:transformer": default_cut(args.num_layers, schedule.stages),
@@ -74,8 +73,11 @@ def main(argv=None):
         for method, bounds in cuts.items():
             layers, busiest, makespan = evaluate(schedule, weights, bounds)
             base = base or makespan
-            print(f"| {name} | {method} | {' '.join(map(str, layers))} | {busiest:.2f} | {makespan:.1f} | "
-                  f"{makespan / base:.3f} |")
+            rows.append([name, method, " ".join(map(str, layers)), f"{busiest:.2f}", f"{makespan:.1f}",
+                         f"{makespan / base:.3f}"])
+    out(*harness.table(["schedule", "cut", "transformer layers per stage", "busiest rank (layers)", "iteration",
+                        "/ default"], "lllrrr", rows))
+    out.save()
     return 0
 
 

@@ -20,7 +20,6 @@ on/off ratios (each "on" block paired with the "off" block next to it).
 The last form models the optimizer step's time by a sleep as the layers do (steadier on a busy CPU; the
 kept copy then costs next to nothing, as the copies of a small partition do).
 """
-import argparse
 import statistics
 import time
 
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.pipe import LayerSpec
 
-from bench.options import add_model_args
+from bench.harness import Report, alternated, paired_ratio, parser, table
 from megatron_ds.testing.timed import TimedCosts, TimedLayer, timed_loss
 from megatron_ds.pipe.build import initialize_engine, topology
 from megatron_ds.pipe.plan.config import pipeline_settings
@@ -108,63 +107,58 @@ def gather(value):
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", default="zbv,zb-h2,1f1b")
-    add_model_args(parser, gas=8, micro_batch_size=2, seq_length=16)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers-per-rank", type=int, default=2)
-    parser.add_argument("--tf", type=float, default=0.015, help="seconds per layer and micro-batch")
-    parser.add_argument("--tb", type=float, default=0.015)
-    parser.add_argument("--tw", type=float, default=0.015)
-    parser.add_argument("--ballast", type=int, default=3_000_000, help="optimizer-only parameters per rank")
-    parser.add_argument("--optimizer-ms", type=float, default=0.0,
+def main(argv=None):
+    ap = parser(__doc__, gas=8, micro_batch_size=2, seq_length=16)
+    ap.add_argument("--schedules", default="zbv,zb-h2,1f1b")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers-per-rank", type=int, default=2)
+    ap.add_argument("--tf", type=float, default=0.015, help="seconds per layer and micro-batch")
+    ap.add_argument("--tb", type=float, default=0.015)
+    ap.add_argument("--tw", type=float, default=0.015)
+    ap.add_argument("--ballast", type=int, default=3_000_000, help="optimizer-only parameters per rank")
+    ap.add_argument("--optimizer-ms", type=float, default=0.0,
                         help="the optimizer step also sleeps this long (use with a small --ballast)")
-    parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--block-iterations", type=int, default=3)
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--block-iterations", type=int, default=3)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args(argv)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
     pp = dist.get_world_size()
     rows = []
     for schedule in args.schedules.split(","):
         engines = {pv: make_engine(schedule, pv, args, pp) for pv in (False, True)}
-        times = {pv: [] for pv in engines}
-        for block in range(args.blocks + 1):  # block 0 warms up (shape exchange, optimizer state)
-            for pv in ((False, True) if block % 2 else (True, False)):  # alternate which goes first
-                engine = engines[pv]
-                dist.barrier()
-                engine.step_reached.clear()
-                start = time.perf_counter()
-                for _ in range(args.block_iterations):
-                    engine.train_batch(batches(args))
+
+        def block(pv):
+            def run(_):
+                for _ in range(args.block_iterations):  # no barrier inside a block: an early rank may go on
+                    engines[pv].train_batch(batches(args))
                 dist.barrier()  # the block ends when every rank is done
-                if block:
-                    times[pv].append((time.perf_counter() - start) / args.block_iterations)
+            return run
+        times = alternated({pv: block(pv) for pv in engines}, args.blocks + 1,
+                           prepare=lambda pv, step: engines[pv].step_reached.clear())
+        times = {pv: [t / args.block_iterations for t in ts[1:]] for pv, ts in times.items()}  # block 0 warms up
         reached = gather(engines[False].step_reached)  # every rank's step start, off engine, last block
         gaps = [max(r[i] for r in reached) - min(r[i] for r in reached) for i in range(len(reached[0]))]
         opt_seconds = gather(statistics.median(engines[False].optimizer_seconds[2:] or engines[False].optimizer_seconds))
         counts = gather(engines[True]._post_validation.counts)
         norm = float(engines[False].get_global_grad_norm())
         off, on = (statistics.median(times[pv]) for pv in (False, True))
-        ratio = statistics.median(b / a for a, b in zip(times[False], times[True]))  # paired blocks
-        rows.append((schedule, off, on, ratio, statistics.median(gaps), max(opt_seconds), norm, counts))
+        paths = " ".join(f"{c['optimistic']}/{c['redone']}/{c['steps']}" for c in counts)
+        rows.append([schedule, f"{off * 1e3:.1f}", f"{on * 1e3:.1f}", f"{paired_ratio(times[True], times[False]):.3f}",
+                     f"{statistics.median(gaps) * 1e3:.1f}", f"{max(opt_seconds) * 1e3:.1f}", f"{norm:.3g}", paths])
         for engine in engines.values():
             engine.destroy()
     if dist.get_rank() == 0:
-        print(f"\npp={pp} m={args.gas} layers/rank={args.layers_per_rank} TF=TB=TW per layer "
-              f"{args.tf * 1e3:.0f}/{args.tb * 1e3:.0f}/{args.tw * 1e3:.0f} ms, optimizer-only parameters "
-              f"per rank {args.ballast:,}, optimizer sleep {args.optimizer_ms:g} ms, clip {args.clip}; "
-              f"median of {args.blocks} blocks of "
-              f"{args.block_iterations} iterations")
-        print(f"{'schedule':<10}{'off ms/it':>11}{'on ms/it':>10}{'on/off':>8}{'finish gap ms':>15}"
-              f"{'optimizer ms':>14}{'grad norm':>11}  steps early/redone/all (per rank)")
-        for schedule, off, on, ratio, gap, opt, norm, counts in rows:
-            paths = " ".join(f"{c['optimistic']}/{c['redone']}/{c['steps']}" for c in counts)
-            print(f"{schedule:<10}{off * 1e3:>11.1f}{on * 1e3:>10.1f}{ratio:>8.3f}{gap * 1e3:>15.1f}"
-                  f"{opt * 1e3:>14.1f}{norm:>11.3g}  {paths}")
+        out = Report(args.perf_file, "bench.post_validation", argv)
+        out("", f"pp={pp} m={args.gas} layers/rank={args.layers_per_rank} TF=TB=TW per layer "
+            f"{args.tf * 1e3:.0f}/{args.tb * 1e3:.0f}/{args.tw * 1e3:.0f} ms, optimizer-only parameters "
+            f"per rank {args.ballast:,}, optimizer sleep {args.optimizer_ms:g} ms, clip {args.clip}; "
+            f"median of {args.blocks} blocks of {args.block_iterations} iterations")
+        out(*table(["schedule", "off ms/it", "on ms/it", "on/off", "finish gap ms", "optimizer ms", "grad norm",
+                    "steps early/redone/all (per rank)"], "lrrrrrrl", rows))
+        out.save()
 
 
 if __name__ == "__main__":

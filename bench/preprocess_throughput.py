@@ -12,7 +12,6 @@ tokenization, writing, renaming; the many-cores tool also merges shards). The
 CPU s column (this process and its workers) shows the work, which does not
 depend on how busy the machine is.
 """
-import argparse
 import json
 import os
 import random
@@ -22,6 +21,7 @@ import shutil
 import tempfile
 import time
 
+from bench import harness
 from megatron_ds.data.preprocessing import many_cores, pipeline
 from megatron_ds.data.preprocessing.args import build_parser
 from megatron_ds.data.tokenizer import default_gpt2_files
@@ -44,15 +44,12 @@ def generate_corpus(path, megabytes, seed=1234):
     return docs, written
 
 
-def run_once(tool, corpus, out_prefix, workers):
+def tool_args(tool, corpus, out_prefix, workers):
     vocab, merges = default_gpt2_files()
     argv = ["--input", corpus, "--output-prefix", out_prefix, "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", str(workers),
             "--log-interval", "0"]
-    args = build_parser("bench", many_cores=tool is many_cores).parse_args(argv)
-    cpu0, start = _cpu_seconds(), time.time()
-    stats = tool.run(args)
-    return stats, time.time() - start, _cpu_seconds() - cpu0
+    return build_parser("bench", many_cores=tool is many_cores).parse_args(argv)
 
 
 def _cpu_seconds():
@@ -64,36 +61,35 @@ def _cpu_seconds():
     return total
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = harness.parser(__doc__)
     p.add_argument("--mb", type=float, default=16.0, help="size of the generated corpus in MB (10**6 bytes)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--repeat", type=int, default=2,
                    help="runs per configuration; the best is reported (shared machines are noisy)")
     p.add_argument("--keep", default=None, help="write corpus and outputs here instead of a temp dir")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    out = harness.Report(args.perf_file, "bench.preprocess_throughput", argv)
     work = args.keep or tempfile.mkdtemp(prefix="preprocess_bench_")
     os.makedirs(work, exist_ok=True)
     try:
         corpus = os.path.join(work, "generated.jsonl")
         docs, size = generate_corpus(corpus, args.mb)
-        print(f"generated corpus: {docs} documents, {size / 1e6:.2f} MB ({os.cpu_count()} CPUs visible)",
-              flush=True)
+        out(f"generated corpus: {docs} documents, {size / 1e6:.2f} MB ({os.cpu_count()} CPUs visible)")
         rows = []
         for tool, name in ((pipeline, "preprocess_data"), (many_cores, "preprocess_data_many_cores")):
             for workers in args.workers:
                 if tool is many_cores and workers < 2:
                     continue
-                runs = [run_once(tool, corpus, os.path.join(work, f"{name}_{workers}"), workers)
-                        for _ in range(max(1, args.repeat))]
-                stats, wall, cpu = min(runs, key=lambda r: r[1])
-                rows.append((name, workers, stats["docs"], size / 1e6, wall, cpu))
-        print()
-        print(f"{'tool':<28} {'workers':>7} {'docs':>8} {'MB':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7}")
-        for name, workers, n, mb, wall, cpu in rows:
-            print(f"{name:<28} {workers:>7} {n:>8} {mb:>7.2f} {wall:>8.2f} {mb / wall:>7.2f} {cpu:>7.2f}")
-        print(f"\nload average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs "
+                wall, cpu, stats = harness.best_of(
+                    tool.run, args.repeat, lambda: tool_args(tool, corpus, os.path.join(work, f"{name}_{workers}"),
+                                                             workers), (time.time, _cpu_seconds))
+                rows.append([name, workers, stats["docs"], f"{size / 1e6:.2f}", f"{wall:.2f}",
+                             f"{size / 1e6 / wall:.2f}", f"{cpu:.2f}"])
+        out("", *harness.table(["tool", "workers", "docs", "MB", "seconds", "MB/s", "CPU s"], "lrrrrrr", rows))
+        out(f"\nload average: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs "
               f"(MB/s scales with workers only while CPUs are free; CPU s is the work done)")
+        out.save()
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -26,14 +26,13 @@ the modes timed in turns in this process (printed above the table, as each mode'
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 import types
 
 from bench.gpt_cpu import bench_ds_config, gpt_config as bench_gpt_config, random_batches
-from bench.options import add_model_args
+from bench.harness import Machine, Report, alternated, parser, rounds, table
 from megatron_ds.testing.launcher import run_ranks
 
 MB = 2 ** 20
@@ -52,7 +51,6 @@ def worker(schedule, mode, opts):
     """One cell on this rank: {"peak": metered bytes, "times": [s], "cpu": [s], "loss": last loss}."""
     import deepspeed
     import torch
-    import torch.distributed as dist
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     from megatron_ds.testing.saved_memory import SavedMemory
 
@@ -68,21 +66,22 @@ def worker(schedule, mode, opts):
     meter = SavedMemory(exclude=list(module.parameters()))
     with meter.recording():
         engine.train_batch(batches(1))
-    times, cpu = [], []
-    for step in range(2, 2 + opts["iterations"]):
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        loss = float(engine.train_batch(batches(step)))
-        times.append(time.perf_counter() - t0)
+    cpu, losses = [], []
+
+    def step(i):
+        c0 = time.process_time()
+        losses.append(float(engine.train_batch(batches(i))))
         cpu.append(time.process_time() - c0)
-    return {"peak": meter.peak, "times": times, "cpu": cpu, "loss": loss}
+    times = alternated({"": step}, opts["iterations"], 2)[""]
+    return {"peak": meter.peak, "times": times, "cpu": cpu, "loss": losses[-1]}
 
 
 def layer_times(opts, repeats=7):
     """(TF, TB, TW, the attention core's forward) seconds of one layer (none), medians, as bench/layer_costs
     times a layer."""
     import torch
-    from bench.layer_costs import Timer, time_passes
+    from bench.harness import Timer
+    from bench.layer_costs import time_passes
     from megatron_ds.model import TransformerLayer
 
     torch.set_num_threads(1)
@@ -114,19 +113,16 @@ def layer_step_times(opts, modes, repeats=9):
     shape = (opts["mbs"], opts["seq"], opts["hidden"])
     x, grad = torch.randn(shape, requires_grad=True), torch.randn(shape)
     layers = {mode: TransformerLayer(gpt_config(opts, mode), 1) for mode in modes}
-    best = {mode: float("inf") for mode in modes}
-    for i in range(repeats + 1):
-        for mode, layer in layers.items():
-            whole = MODES[mode].get("recompute_granularity") == "full"
-            t0 = time.perf_counter()
-            y = checkpoint(layer, x) if whole else layer(x)
-            torch.autograd.backward(y, grad)
-            seconds = time.perf_counter() - t0
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
-            if i:  # the first is a warm-up
-                best[mode] = min(best[mode], seconds)
-    return best
+
+    def run(mode):
+        whole = MODES[mode].get("recompute_granularity") == "full"
+        return lambda _: torch.autograd.backward(checkpoint(layers[mode], x) if whole else layers[mode](x), grad)
+
+    def reset(mode, i):  # off the clock
+        x.grad = None
+        layers[mode].zero_grad(set_to_none=True)
+    times = alternated({mode: run(mode) for mode in modes}, repeats + 1, swap=False, prepare=reset)
+    return {mode: min(t[1:]) for mode, t in times.items()}  # the first is a warm-up
 
 
 def simulated(opts, schedule, mode, times, core_share):
@@ -149,12 +145,10 @@ def simulated(opts, schedule, mode, times, core_share):
 
 
 def run_cells(args, opts):
-    cells = [(s, m) for s in args.schedules for m in args.modes]
-    runs = {cell: [] for cell in cells}
-    for rnd in range(args.rounds):
-        for schedule, mode in (cells if rnd % 2 == 0 else cells[::-1]):
-            print(f"round {rnd + 1}: {schedule} {LABELS[mode]} ...", file=sys.stderr, flush=True)
-            runs[schedule, mode].append(run_ranks(args.pp, worker, schedule, mode, opts, timeout=1800, quiet=True))
+    runs = {(s, m): [] for s in args.schedules for m in args.modes}
+    for rnd, (schedule, mode) in rounds(list(runs), args.rounds):
+        print(f"round {rnd + 1}: {schedule} {LABELS[mode]} ...", file=sys.stderr, flush=True)
+        runs[schedule, mode].append(run_ranks(args.pp, worker, schedule, mode, opts, timeout=1800, quiet=True))
     return runs
 
 
@@ -164,39 +158,38 @@ def busiest(ranks):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(parser, pp=2, gas=8, micro_batch_size=1, seq_length=512, hidden_size=256, num_layers=8,
-                   num_attention_heads=8, vocab_size=512)
-    parser.add_argument("--attention-dropout", type=float, default=0.1)
-    parser.add_argument("--hidden-dropout", type=float, default=0.1)
-    parser.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"])
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args(argv)
+    ap = parser(__doc__, pp=2, gas=8, micro_batch_size=1, seq_length=512, hidden_size=256, num_layers=8,
+                num_attention_heads=8, vocab_size=512)
+    ap.add_argument("--attention-dropout", type=float, default=0.1)
+    ap.add_argument("--hidden-dropout", type=float, default=0.1)
+    ap.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"])
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--iterations", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+    out = Report(args.perf_file, "bench.recompute", argv)
     opts = dict(pp=args.pp, gas=args.gas, mbs=args.micro_batch_size, seq=args.seq_length, hidden=args.hidden_size,
                 layers=args.num_layers, heads=args.num_attention_heads, vocab=args.vocab_size,
                 attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                 iterations=args.iterations)
+    machine = Machine()
     times, steps = layer_times(opts), layer_step_times(opts, sorted(set(args.modes) | {"none", "selective", "full"}))
     # the core's share of a layer's forward: what selective adds over what a whole-layer recompute adds (both
     # timed in turns), steadier than the core timed alone
     core_share = (steps["selective"] - steps["none"]) / (steps["full"] - steps["none"])
     runs = run_cells(args, opts)
-    print(f"\npp={args.pp} m={args.gas} mbs={args.micro_batch_size} seq={args.seq_length} hidden={args.hidden_size} "
-          f"heads={args.num_attention_heads} layers={args.num_layers} vocab={args.vocab_size}, dropout "
-          f"{args.attention_dropout} (attention) / {args.hidden_dropout} (hidden), fp32 on CPU, {args.rounds} "
-          f"launches per cell, best kept")
-    print(f"one layer: F {times[0] * 1e3:.1f} ms, B {times[1] * 1e3:.1f} ms, W {times[2] * 1e3:.1f} ms; the "
-          f"attention core's forward alone {times[3] * 1e3:.1f} ms ({times[3] / times[0]:.0%} of F), its share of F "
-          f"from the turns below {core_share:.0%} (the simulation's)")
-    print("one layer's forward + backward, the modes taking turns (fastest of 9): " + ", ".join(
-        f"{LABELS[m]} {steps[m] * 1e3:.1f} ms ({steps[m] / steps['none']:.2f}x)" for m in MODES if m in steps) + "\n")
-    print(f"{'schedule':<9}{'recompute':<16}{'rank':>4}{'peak MB':>9}{'sim MB':>8}{'saving MB':>11}{'sim':>8}"
-          f"{'sim/meas':>9}{'step s':>8}{'x none':>8}{'cpu s':>7}{'x none':>8}{'sim x':>7}")
+    out("", f"pp={args.pp} m={args.gas} mbs={args.micro_batch_size} seq={args.seq_length} hidden={args.hidden_size} "
+        f"heads={args.num_attention_heads} layers={args.num_layers} vocab={args.vocab_size}, dropout "
+        f"{args.attention_dropout} (attention) / {args.hidden_dropout} (hidden), fp32 on CPU, {args.rounds} "
+        f"launches per cell, best kept",
+        f"one layer: F {times[0] * 1e3:.1f} ms, B {times[1] * 1e3:.1f} ms, W {times[2] * 1e3:.1f} ms; the "
+        f"attention core's forward alone {times[3] * 1e3:.1f} ms ({times[3] / times[0]:.0%} of F), its share of F "
+        f"from the turns below {core_share:.0%} (the simulation's)",
+        "one layer's forward + backward, the modes taking turns (fastest of 9): " + ", ".join(
+            f"{LABELS[m]} {steps[m] * 1e3:.1f} ms ({steps[m] / steps['none']:.2f}x)" for m in MODES if m in steps), "")
+    rows = []
     for schedule in args.schedules:
         base = min(runs[schedule, args.modes[0]], key=lambda ranks: statistics.median(ranks[0]["times"]))
-        base_cpu = busiest(base)
         base_sim = simulated(opts, schedule, args.modes[0], times, core_share)
         for mode in args.modes:
             best = min(runs[schedule, mode], key=lambda ranks: statistics.median(ranks[0]["times"]))
@@ -204,12 +197,15 @@ def main(argv=None):
             step = statistics.median(best[0]["times"])
             for rank, res in enumerate(best):
                 saving, sim_saving = base[rank]["peak"] - res["peak"], base_sim[0][rank] - peaks[rank]
-                ratio = f"{sim_saving / saving:.3f}" if saving > 0 else "-"
-                timing = (f"{step:>8.2f}{step / statistics.median(base[0]['times']):>8.2f}{busiest(best):>7.2f}"
-                          f"{busiest(best) / base_cpu:>8.2f}{makespan / base_sim[1]:>7.2f}") if rank == 0 else ""
-                print(f"{schedule if mode == args.modes[0] and rank == 0 else '':<9}"
-                      f"{LABELS[mode] if rank == 0 else '':<16}{rank:>4}{res['peak'] / MB:>9.1f}{peaks[rank] / MB:>8.1f}"
-                      f"{saving / MB:>11.1f}{sim_saving / MB:>8.1f}{ratio:>9}{timing}")
+                timing = [f"{step:.2f}", f"{step / statistics.median(base[0]['times']):.2f}", f"{busiest(best):.2f}",
+                          f"{busiest(best) / busiest(base):.2f}", f"{makespan / base_sim[1]:.2f}"] if rank == 0 else []
+                rows.append([schedule if mode == args.modes[0] and rank == 0 else "", LABELS[mode] if rank == 0 else "",
+                             rank, f"{res['peak'] / MB:.1f}", f"{peaks[rank] / MB:.1f}", f"{saving / MB:.1f}",
+                             f"{sim_saving / MB:.1f}", f"{sim_saving / saving:.3f}" if saving > 0 else "-"]
+                            + (timing or [""] * 5))
+    out(*table(["schedule", "recompute", "rank", "peak MB", "sim MB", "saving MB", "sim", "sim/meas", "step s",
+                "x none", "cpu s", "x none", "sim x"], "llrrrrrrrrrrr", rows), "", machine.before_after())
+    out.save()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ streams, bench/ds_replay.py); meas/sim = iteration / sim; vs DS = iteration / De
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -33,6 +32,8 @@ import sys
 import time
 
 from bench.engines import DUALPIPEV, STOCK, engines, unsupported
+from bench.harness import Machine, Report, alternated, parser, table as table_lines
+from megatron_ds.files import write_atomic
 from megatron_ds.testing.launcher import run_ranks
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -59,9 +60,11 @@ def setting_key(p, m, ratio):
 
 # -- worker side (one process per pipeline rank) -------------------------------------------------
 
-def ds_config(p, pipeline, trace_dir):
+def ds_config(p, pipeline, trace_dir, m=None):
+    """The timed-layer benches' ds_config: MBS-sequence micro-batches, m of them (default 2p), ZeRO-1, SGD
+    (the engine's), the `pipeline` section cut uniformly."""
     section = dict(pipeline or {}, partition_method="uniform", trace_dir=trace_dir)
-    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": 2 * p,
+    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m or 2 * p,
             "gradient_clipping": 0.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10 ** 9, "pipeline": section}
 
@@ -133,16 +136,16 @@ def worker(p, opts, out_root):
         for _ in range(opts["warmup"]):
             for e in live.values():
                 e.train_batch(iter(data[:m]))
-        rows = {n: {"times": [], "steps": [], "trace_dir": os.path.join(out_root, key, slug(n))} for n in live}
-        for _ in range(opts["iterations"]):
+        rows = {n: {"steps": [], "trace_dir": os.path.join(out_root, key, slug(n))} for n in live}
+
+        def trace(name, step):  # off the clock: only the engine about to run traces
             for n, e in live.items():
-                e.tracer.trace_dir = rows[n]["trace_dir"]
-                rows[n]["steps"].append(e.global_steps)
-                dist.barrier()
-                start = time.perf_counter()
-                e.train_batch(iter(data[:m]))
-                rows[n]["times"].append(time.perf_counter() - start)
-                e.tracer.trace_dir = None
+                e.tracer.trace_dir = rows[n]["trace_dir"] if n == name else None
+            rows[name]["steps"].append(live[name].global_steps)
+        times = alternated({n: lambda _, e=e: e.train_batch(iter(data[:m])) for n, e in live.items()},
+                           opts["iterations"], swap=False, prepare=trace)
+        for n, e in live.items():
+            rows[n]["times"], e.tracer.trace_dir = times[n], None
         results["settings"][key] = {"p": p, "m": m, "ratio": ratio, "rows": rows}
         if rank == 0:
             print(f"  {key}: {time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", file=sys.stderr,
@@ -214,18 +217,13 @@ def analyse(results, opts):
 def markdown(table, tf_ms):
     t = table
     tf, tb, tw = (x * tf_ms for x in RATIOS[t["ratio"]])
-    lines = [f"**p={t['p']}, m={t['m']}, TF:TB:TW = {t['ratio']}** (TF={tf:g} ms, TB={tb:g} ms, TW={tw:g} ms "
-             "per 1F1B stage)", "",
-             "| schedule | iteration (s) | bubble | sim. makespan (s) | sim. bubble | measured/sim. | vs DS 1F1B |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for name, r in t["rows"].items():
-        if "na" in r:
-            lines.append(f"| {name} | n/a: {r['na']} | | | | | |")
-            continue
-        vs = f"{r['vs_stock']:.3f}" if "vs_stock" in r else "-"
-        lines.append(f"| {name} | {r['iteration']:.3f} | {r['bubble']:.3f} | {r['sim']:.3f} | "
-                     f"{r['sim_bubble']:.3f} | {r['meas_sim']:.3f} | {vs} |")
-    return "\n".join(lines)
+    rows = [[name, f"n/a: {r['na']}"] + [""] * 5 if "na" in r else
+            [name, f"{r['iteration']:.3f}", f"{r['bubble']:.3f}", f"{r['sim']:.3f}", f"{r['sim_bubble']:.3f}",
+             f"{r['meas_sim']:.3f}", f"{r['vs_stock']:.3f}" if "vs_stock" in r else "-"] for name, r in t["rows"].items()]
+    return "\n".join([f"**p={t['p']}, m={t['m']}, TF:TB:TW = {t['ratio']}** (TF={tf:g} ms, TB={tb:g} ms, "
+                      f"TW={tw:g} ms per 1F1B stage)", ""] + table_lines(
+        ["schedule", "iteration (s)", "bubble", "sim. makespan (s)", "sim. bubble", "measured/sim.", "vs DS 1F1B"],
+        "lrrrrrr", rows))
 
 
 def summary(tables, column="vs_stock", title="iteration / DS 1F1B's"):
@@ -233,11 +231,9 @@ def summary(tables, column="vs_stock", title="iteration / DS 1F1B's"):
     keys = list(tables)
     names = list(dict.fromkeys(n for t in tables.values() for n in t["rows"]))
     head = [f"p={tables[k]['p']} m={tables[k]['m']} {tables[k]['ratio']}" for k in keys]
-    lines = [f"**{title}**", "", "| schedule | " + " | ".join(head) + " |", "|---|" + "---:|" * len(keys)]
-    for name in names:
-        cells = [tables[k]["rows"].get(name, {}).get(column) for k in keys]
-        lines.append(f"| {name} | " + " | ".join("n/a" if c is None else f"{c:.3f}" for c in cells) + " |")
-    return "\n".join(lines)
+    cells = [[tables[k]["rows"].get(name, {}).get(column) for k in keys] for name in names]
+    return "\n".join([f"**{title}**", ""] + table_lines(["schedule", *head], "l" + "r" * len(keys), [
+        [name, *("n/a" if c is None else f"{c:.3f}" for c in row)] for name, row in zip(names, cells)]))
 
 
 DUALPIPEV_CLAIM = 0.946  # our DualPipeV's iteration must stay below this fraction of DeepSpeed 1F1B's
@@ -277,7 +273,7 @@ def pictures(tables, key, out_dir, tf_ms):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--tf-ms", type=float, default=100.0, help="TF of one 1F1B stage, milliseconds")
     ap.add_argument("--micro-batches", type=int, nargs="+", default=None, help="default: p and 2p")
@@ -298,11 +294,9 @@ def main(argv=None):
         args.engines.insert(0, STOCK)
     opts = {"tf_ms": args.tf_ms, "iterations": args.iterations, "warmup": args.warmup, "engines": args.engines,
             "micro_batches": args.micro_batches, "ratios": args.ratios}
-    started = time.time()
-    load_before = os.getloadavg()
-    print(f"# bench/schedules.py on {os.cpu_count()} CPU cores, load average {load_before[0]:.2f} "
-          f"{load_before[1]:.2f} {load_before[2]:.2f} at start; TF={args.tf_ms:g} ms per 1F1B stage, "
-          f"{args.iterations} timed iterations (+{args.warmup} warm-up) per engine and setting", flush=True)
+    machine, report = Machine(), Report(args.perf_file, "bench.schedules", argv)
+    report(f"# bench/schedules.py on {machine.cores} CPU cores, {machine.at_start()}; TF={args.tf_ms:g} ms per "
+           f"1F1B stage, {args.iterations} timed iterations (+{args.warmup} warm-up) per engine and setting")
     tables = {}
     for p in args.pp:
         print(f"p={p}: launching {p} ranks", file=sys.stderr, flush=True)
@@ -316,22 +310,15 @@ def main(argv=None):
                 merge(results, run_ranks(p, worker, p, dict(opts, engines=[name]), out, timeout=args.timeout,
                                          quiet=True)[0])
         tables.update(analyse(results, opts))
-        for key, table in tables.items():
-            if table["p"] == p:
-                print("\n" + markdown(table, args.tf_ms), flush=True)
-    print("\n" + summary(tables) + "\n\n" + summary(tables, "meas_sim", "measured / simulated makespan"))
-    for line in claims(tables):
-        print(line)
-    load_after = os.getloadavg()
-    print(f"\n# done in {time.time() - started:.0f} s; load average {load_after[0]:.2f} {load_after[1]:.2f} "
-          f"{load_after[2]:.2f} at end")
+        report(*("\n" + markdown(table, args.tf_ms) for table in tables.values() if table["p"] == p))
+    report("\n" + summary(tables) + "\n\n" + summary(tables, "meas_sim", "measured / simulated makespan"),
+           *claims(tables), f"\n# {machine.at_end()}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"tf_ms": args.tf_ms, "load_start": load_before, "load_end": load_after, "tables": tables}, fh,
-                  indent=1)
+    write_atomic(os.path.join(args.out, "results.json"), json.dumps(
+        {"tf_ms": args.tf_ms, "load_start": machine.load, "load_end": os.getloadavg(), "tables": tables}, indent=1))
     if args.pictures and args.picture_setting in tables:
-        for path in pictures(tables, args.picture_setting, args.pictures, args.tf_ms):
-            print(f"wrote {path}")
+        report(*(f"wrote {path}" for path in pictures(tables, args.picture_setting, args.pictures, args.tf_ms)))
+    report.save()
     return 0
 
 

@@ -20,16 +20,16 @@ named schedule that fits the same budget.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import statistics
 import sys
-import time
 
 from bench.engines import engines
+from bench.harness import Machine, Report, alternated, parser, table
 from bench.schedules import HIDDEN, MBS, ROOT, SEQ, ds_config, slug
+from megatron_ds.files import write_atomic
 from megatron_ds.testing.launcher import run_ranks
 
 # (TF, TB, TW, head) per 1F1B stage, relative to TF; head: the LM head's F and B, in stages
@@ -111,17 +111,13 @@ def worker(p, opts, out_root):
                 engine = switch_engine(engine, decision, build)
         for _ in range(opts["warmup"]):
             engine.train_batch(iter(data))
-        row = {"times": [], "steps": [], "trace_dir": os.path.join(out_root, f"p{p}_{slug(ratio)}", slug(name)),
+        row = {"steps": [], "trace_dir": os.path.join(out_root, f"p{p}_{slug(ratio)}", slug(name)),
                "schedule": engine.plan.schedule.name, "section": decision["choice"]["section"] if decision else None,
                "decision": decision}
-        for _ in range(opts["iterations"]):
-            engine.tracer.trace_dir = row["trace_dir"]
-            row["steps"].append(engine.global_steps)
-            dist.barrier()
-            start = time.perf_counter()
-            engine.train_batch(iter(data))
-            row["times"].append(time.perf_counter() - start)
-            engine.tracer.trace_dir = None
+        engine.tracer.trace_dir = row["trace_dir"]
+        row["times"] = alternated({name: lambda _, e=engine: e.train_batch(iter(data))}, opts["iterations"],
+                                  prepare=lambda _, step, e=engine: row["steps"].append(e.global_steps))[name]
+        engine.tracer.trace_dir = None
         results[ratio] = row
     dist.barrier()
     return results if dist.get_rank() == 0 else None
@@ -164,21 +160,16 @@ def analyse(p, runs, tf_ms):
 def markdown(p, ratio, rows, tf_ms):
     tf, tb, tw = (x * tf_ms for x in RATIOS[ratio][:3])
     head = RATIOS[ratio][3]
-    lines = [f"**p={p}, m={2 * p}, TF:TB:TW = {ratio}** (TF={tf:g} ms, TB={tb:g} ms, TW={tw:g} ms per 1F1B stage"
-             + (f", head F={head * tf:g} ms B={head * tb:g} ms on the loss stage" if head else "") + ")", "",
-             "| schedule | runs | iteration (s) | bubble | sim. makespan (s) | measured/sim. | sim. memory |",
-             "|---|---|---:|---:|---:|---:|---:|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {r['schedule']} | {r['iteration']:.3f} | {r['bubble']:.3f} | {r['sim']:.3f} | "
-                     f"{r['meas_sim']:.3f} | {r['memory']:g} |")
-    return "\n".join(lines)
+    return "\n".join([f"**p={p}, m={2 * p}, TF:TB:TW = {ratio}** (TF={tf:g} ms, TB={tb:g} ms, TW={tw:g} ms per 1F1B "
+                      "stage" + (f", head F={head * tf:g} ms B={head * tb:g} ms on the loss stage" if head else "")
+                      + ")", ""] + table(
+        ["schedule", "runs", "iteration (s)", "bubble", "sim. makespan (s)", "measured/sim.", "sim. memory"], "llrrrrr",
+        [[name, r["schedule"], f"{r['iteration']:.3f}", f"{r['bubble']:.3f}", f"{r['sim']:.3f}", f"{r['meas_sim']:.3f}",
+          f"{r['memory']:g}"] for name, r in rows.items()]))
 
 
 def summary(p, tables):
-    lines = [f"**p={p}: auto vs the fastest named schedule that fits the same budget (measured)**", "",
-             "| setting | budget | auto runs | auto (s) | best named that fits | its time (s) | auto / best |",
-             "|---|---:|---|---:|---|---:|---:|"]
-    verdicts = []
+    cells, verdicts = [], []
     for ratio, rows in tables.items():
         for budget in budgets(p):
             a = rows.get(auto_name(budget))
@@ -186,15 +177,16 @@ def summary(p, tables):
             if a is None or not fits:
                 continue
             best = min(fits, key=lambda n: fits[n]["iteration"])
-            q = a["iteration"] / fits[best]["iteration"]
-            verdicts.append(q)
-            lines.append(f"| {ratio} | {budget:g} | {a['schedule']} | {a['iteration']:.3f} | {best} | "
-                         f"{fits[best]['iteration']:.3f} | {q:.3f} |")
-    return "\n".join(lines), verdicts
+            verdicts.append(a["iteration"] / fits[best]["iteration"])
+            cells.append([ratio, f"{budget:g}", a["schedule"], f"{a['iteration']:.3f}", best,
+                          f"{fits[best]['iteration']:.3f}", f"{verdicts[-1]:.3f}"])
+    return "\n".join([f"**p={p}: auto vs the fastest named schedule that fits the same budget (measured)**", ""] + table(
+        ["setting", "budget", "auto runs", "auto (s)", "best named that fits", "its time (s)", "auto / best"],
+        "lrlrlrr", cells)), verdicts
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--tf-ms", type=float, default=50.0, help="TF of one 1F1B stage, milliseconds")
     ap.add_argument("--iterations", type=int, default=3)
@@ -204,9 +196,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.schedules.auto import peak_memory
-    started, load = time.time(), os.getloadavg()
-    print(f"# bench/schedules_auto.py on {os.cpu_count()} CPU cores, load average {load[0]:.2f} at start; "
-          f"TF={args.tf_ms:g} ms per 1F1B stage, {args.iterations} timed iterations (+{args.warmup} warm-up)")
+    machine, report = Machine(), Report(args.perf_file, "bench.schedules_auto", argv)
+    report(f"# bench/schedules_auto.py on {machine.cores} CPU cores, load average {machine.load[0]:.2f} at start; "
+           f"TF={args.tf_ms:g} ms per 1F1B stage, {args.iterations} timed iterations (+{args.warmup} warm-up)")
     everything = {}
     for p in args.pp:
         top = max(budgets(p))
@@ -226,16 +218,14 @@ def main(argv=None):
                 runs[name].update(run_ranks(p, worker, p, dict(opts, engine=name, ratios=[ratio]),
                                             os.path.join(args.out, f"p{p}"), timeout=args.timeout, quiet=True)[0])
         tables = analyse(p, runs, args.tf_ms)
-        for ratio, rows in tables.items():
-            print("\n" + markdown(p, ratio, rows, args.tf_ms), flush=True)
         text, verdicts = summary(p, tables)
-        print("\n" + text, flush=True)
+        report(*("\n" + markdown(p, ratio, rows, args.tf_ms) for ratio, rows in tables.items()), "\n" + text)
         everything[p] = {"tables": tables, "verdicts": verdicts}
-    load = os.getloadavg()
-    print(f"\n# done in {time.time() - started:.0f} s; load average {load[0]:.2f} at end")
+    report(f"\n# {machine.at_end()}")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"tf_ms": args.tf_ms, "results": everything}, fh, indent=1, default=str)
+    write_atomic(os.path.join(args.out, "results.json"),
+                 json.dumps({"tf_ms": args.tf_ms, "results": everything}, indent=1, default=str))
+    report.save()
     return 0
 
 

@@ -18,11 +18,11 @@ of the tensor), so both variants move the same volume. Prints a table; never a t
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
 
+from bench import harness
 from megatron_ds.model import GPTConfig, TransformerLayer
 from megatron_ds.model.tensor_parallel import CommCounter, initialize_model_parallel
 from megatron_ds.testing.launcher import run_ranks
@@ -65,29 +65,29 @@ def _rank(b, s, h, heads):
     return {sp: count_layer(tp, sp, b, s, h, heads) for sp in (False, True)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    p = harness.parser(__doc__)
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=16)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=8)
-    a = p.parse_args()
-    b, s, h = a.batch, a.seq, a.hidden
-    print(f"b={b} s={s} h={h} heads={a.heads}, fp32: b*s*h = {b * s * h * 4} bytes; per layer per micro-batch\n")
-    print("| TP | SP | pass | collective | counted | Megatron | counted bytes | Megatron bytes | ring bytes sent/rank |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    mismatches = 0
+    a = p.parse_args(argv)
+    b, s, h, out, rows = a.batch, a.seq, a.hidden, harness.Report(a.perf_file, "bench.tensor_parallel_comm", argv), []
+    out(f"b={b} s={s} h={h} heads={a.heads}, fp32: b*s*h = {b * s * h * 4} bytes; per layer per micro-batch", "")
     for tp in a.tp:
         counted = run_ranks(tp, _rank, b, s, h, a.heads, timeout=3600, quiet=True)[0]
         for sp in (False, True):
             formula = megatron_formula(tp, sp, b, s, h)
             for key in sorted(set(formula) | set(counted[sp]), key=lambda k: (k[0] != "forward", k[1])):
                 (n, nb), (fn, fb) = counted[sp].get(key, (0, 0)), formula.get(key, (0, 0))
-                mismatches += (n, nb) != (fn, fb)
-                sent = round(nb * RING_FACTOR[key[1]] * (tp - 1) / tp)
-                print(f"| {tp} | {'on' if sp else 'off'} | {key[0]} | {key[1]} | {n} | {fn} | {nb} | {fb} | {sent} |")
-    print(f"\n{'all counts equal the formulas' if not mismatches else f'{mismatches} rows differ from the formulas'}")
+                rows.append([tp, "on" if sp else "off", *key, n, fn, nb, fb,
+                             round(nb * RING_FACTOR[key[1]] * (tp - 1) / tp), (n, nb) != (fn, fb)])
+    out(*harness.table(["TP", "SP", "pass", "collective", "counted", "Megatron", "counted bytes", "Megatron bytes",
+                        "ring bytes sent/rank"], "lllllllll", [r[:-1] for r in rows]))
+    mismatches = sum(r[-1] for r in rows)
+    out(f"\n{'all counts equal the formulas' if not mismatches else f'{mismatches} rows differ from the formulas'}")
+    out.save()
     return 1 if mismatches else 0
 
 

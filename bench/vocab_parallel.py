@@ -27,9 +27,9 @@ balances.
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
+from bench import harness
 from megatron_ds.pipe.plan.partition import balanced_bounds
 from megatron_ds.schedules import build_schedule, simulate
 from megatron_ds.schedules.costs import ModelCosts, evaluate
@@ -116,38 +116,35 @@ def _spread(values: list) -> float:
     return max(values) / min(values)
 
 
-def table(pps=(4, 8), heads=(1, 3, 6), layers: int = 32) -> str:
-    built = build_all(pps, layers)
-    head = (f"{'schedule':<12} {'p':>2} {'m':>3} {'c':>2} | {'naive':>7} {'by cost':>7} {'vocab':>7} "
-            f"{'ideal':>7} | {'naive/v':>7} {'cost/v':>7} {'v/ideal':>7} | {'max mem: naive':>14} {'cost':>6} "
-            f"{'vocab':>6} | {'max/min: naive':>14} {'cost':>5} {'vocab':>5} | {'vocab part: naive':>17} "
-            f"{'vocab':>6} {'max/min':>7}")
-    lines = [head, "-" * len(head)]
+def table(pps=(4, 8), heads=(1, 3, 6), layers: int = 32) -> list:
+    built, rows = build_all(pps, layers), []
     for pp in pps:
         for m in (2 * pp, 4 * pp):
             for c in heads:
                 for name in SCHEDULES:
                     r = run(name, pp, m, c, layers, built)
                     n, k, v, i = (r[x] for x in ("naive", "cost", "vocab", "ideal"))
-                    lines.append(
-                        f"{name:<12} {pp:>2} {m:>3} {c:>2g} | {n.makespan:>7.1f} {k.makespan:>7.1f} "
-                        f"{v.makespan:>7.1f} {i.makespan:>7.1f} | {n.makespan / v.makespan:>7.3f} "
-                        f"{k.makespan / v.makespan:>7.3f} {v.makespan / i.makespan:>7.3f} | "
-                        f"{max(n.peak):>14.1f} {max(k.peak):>6.1f} {max(v.peak):>6.1f} | "
-                        f"{_spread(n.peak):>14.2f} {_spread(k.peak):>5.2f} {_spread(v.peak):>5.2f} | "
-                        f"{max(n.vocab_peak):>17.1f} {max(v.vocab_peak):>6.1f} {_spread(v.vocab_peak):>7.3f}")
-    return "\n".join(lines)
+                    rows.append([name, pp, m, f"{c:g}", *(f"{x.makespan:.1f}" for x in (n, k, v, i)),
+                                 *(f"{a.makespan / b.makespan:.3f}" for a, b in ((n, v), (k, v), (v, i))),
+                                 *(f"{max(x.peak):.1f}" for x in (n, k, v)), *(f"{_spread(x.peak):.2f}" for x in (n, k, v)),
+                                 f"{max(n.vocab_peak):.1f}", f"{max(v.vocab_peak):.1f}", f"{_spread(v.vocab_peak):.3f}"])
+    return harness.table(["schedule", "p", "m", "c", "naive", "by cost", "vocab", "ideal", "naive/v", "cost/v",
+                          "v/ideal", "max mem: naive", "max mem: cost", "max mem: vocab", "max/min: naive",
+                          "max/min: cost", "max/min: vocab", "vocab part: naive", "vocab part: vocab",
+                          "vocab part: max/min"], "l" + "r" * 19, rows)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--heads", type=float, nargs="+", default=[1, 3, 6], help="head + loss cost, in layers")
     args = ap.parse_args(argv)
-    print(f"L={args.layers} layers, F=B=W=1 per layer; head = c layers; embedding = c/4 layers; "
-          "times in one layer's F, memory in one layer's activations of one micro-batch")
-    print(table(tuple(args.pp), tuple(args.heads), args.layers))
+    out = harness.Report(args.perf_file, "bench.vocab_parallel", argv)
+    out(f"L={args.layers} layers, F=B=W=1 per layer; head = c layers; embedding = c/4 layers; "
+        "times in one layer's F, memory in one layer's activations of one micro-batch",
+        *table(tuple(args.pp), tuple(args.heads), args.layers))
+    out.save()
 
 
 if __name__ == "__main__":

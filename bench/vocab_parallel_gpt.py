@@ -22,24 +22,17 @@ schedules themselves, on timed layers).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import statistics
 import sys
 import warnings
 
-from bench.harness import Machine, add_output_args, alternated, emit, table
-from bench.options import add_model_args
+from bench.gpt_cpu import bench_ds_config, gpt_config, random_batches
+from bench.harness import Machine, alternated, emit, parser, table
 from bench.vocab_parallel import SCHEDULES
 from megatron_ds.testing.launcher import run_ranks
 
 PLACEMENTS = ("naive", "vocab")
-
-
-def gpt_config(opts):
-    from megatron_ds.model import GPTConfig
-    return GPTConfig(vocab_size=opts["vocab"], hidden_size=opts["hidden"], num_layers=opts["layers"],
-                     num_attention_heads=opts["heads"], max_position_embeddings=opts["seq"])
 
 
 def head_in_layers(opts) -> float:
@@ -54,23 +47,9 @@ def head_in_layers(opts) -> float:
 def build_engine(schedule, placement, opts):
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
     pipeline = dict(SCHEDULES[schedule], schedule=schedule, vocab_parallel=placement == "vocab")
-    ds_config = {"train_micro_batch_size_per_gpu": opts["mbs"], "gradient_accumulation_steps": opts["gas"],
-                 "gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 9,
-                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}, "pipeline": pipeline}
+    ds_config = bench_ds_config(opts, pipeline, gradient_clipping=1.0)
     module = build_pipeline_module(gpt_config(opts), ds_config, opts["pp"], seq_length=opts["seq"])
     return initialize_engine(module, ds_config, model_parameters=list(module.parameters()))
-
-
-def batches(opts, step):
-    import torch
-    from megatron_ds.model import position_ids_like
-    g = torch.Generator().manual_seed(step)
-    out = []
-    for _ in range(opts["gas"]):
-        tokens = torch.randint(0, opts["vocab"], (opts["mbs"], opts["seq"] + 1), generator=g)
-        x = tokens[:, :-1].contiguous()
-        out.append(((x, position_ids_like(x)), tokens[:, 1:].contiguous()))
-    return out
 
 
 def worker(opts):
@@ -87,9 +66,10 @@ def worker(opts):
 
     def run(cell):
         return lambda data: losses[cell].append(float(engines[cell].train_batch(iter(data))))
-    drawn = {}  # each step's batches, drawn once off the clock: every engine trains on the same ones
+    # each step's batches, drawn once off the clock: every engine trains on the same ones
+    drawn, draw = {}, random_batches(gpt_config(opts), opts)
     times = alternated({cell: run(cell) for cell in cells}, opts["warmup"] + opts["iterations"],
-                       prepare=lambda cell, step: drawn.setdefault(step, batches(opts, step)))
+                       prepare=lambda cell, step: drawn.setdefault(step, list(draw(step))))
     return {f"{s}|{pl}": {"times": times[(s, pl)], "losses": losses[(s, pl)]} for s, pl in cells}
 
 
@@ -125,14 +105,12 @@ def markdown(results, opts):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(ap, pp=4, gas=8, micro_batch_size=2, seq_length=128, hidden_size=128, num_layers=8,
-                   num_attention_heads=4, vocab_size=8192)
+    ap = parser(__doc__, pp=4, gas=8, micro_batch_size=2, seq_length=128, hidden_size=128, num_layers=8,
+                num_attention_heads=4, vocab_size=8192)
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"], choices=list(SCHEDULES))
     ap.add_argument("--iterations", type=int, default=7, help="timed iterations per engine")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the launch")
-    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {"pp": args.pp, "gas": args.gas, "mbs": args.micro_batch_size, "seq": args.seq_length,
             "hidden": args.hidden_size, "layers": args.num_layers, "heads": args.num_attention_heads,

@@ -29,7 +29,6 @@ first op start to last op end over all ranks) and bubble its measured bubble rat
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -38,12 +37,13 @@ import statistics
 import sys
 import time
 
-from bench.harness import Machine, add_output_args, alternated, emit, table
+from bench.harness import Machine, alternated, emit, parser, table
+from bench.schedules import HIDDEN, MBS, SEQ, ds_config
 from bench.vocab_parallel import EMBED_SHARE, SCHEDULES, run as simulate_placements
+from megatron_ds.files import write_atomic
 from megatron_ds.testing.launcher import run_ranks
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-HIDDEN, MBS, SEQ = 64, 2, 16
 VOCAB_ROWS = 256            # rows of the real vocabulary slices' matrices (their time is slept, not computed)
 PLACEMENTS = ("naive", "vocab")
 
@@ -96,15 +96,6 @@ def timed_vocab_passes(engine, costs, seconds):
     return TimedVocabPasses(engine)
 
 
-def ds_config(schedule, placement, m):
-    pipeline = dict(SCHEDULES[schedule], schedule=schedule, partition_method="uniform")
-    if placement == "vocab":
-        pipeline["vocab_parallel"] = True
-    return {"train_micro_batch_size_per_gpu": MBS, "gradient_accumulation_steps": m, "gradient_clipping": 0.0,
-            "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
-            "pipeline": pipeline}
-
-
 def build_engine(schedule, placement, opts, costs):
     import torch
     from deepspeed.pipe import LayerSpec
@@ -120,7 +111,8 @@ def build_engine(schedule, placement, opts, costs):
         scales[0] = [1.0 + x for x in embed]
         scales[-1] = [1.0 + head] * 3
     specs = [LayerSpec(TimedLayer, HIDDEN, costs, tuple(s)) for s in scales]
-    cfg = ds_config(schedule, placement, opts["micro_batches"])
+    section = dict(SCHEDULES[schedule], schedule=schedule, vocab_parallel=placement == "vocab")
+    cfg = ds_config(opts["pp"], section, None, opts["micro_batches"])
     shape = GPTConfig(vocab_size=VOCAB_ROWS, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=1,
                       max_position_embeddings=SEQ)
     module = build_pipeline_module(shape, cfg, p, layers=specs, loss_fn=timed_loss)
@@ -238,7 +230,7 @@ def claims(table):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--pp", type=int, default=4)
     ap.add_argument("--layers", type=int, default=16, help="transformer layers L (L/p per rank)")
     ap.add_argument("--head", type=float, default=3.0, help="head + loss cost c, in layers")
@@ -250,7 +242,6 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "runs", "bench_vocab_parallel_timed"),
                     help="traces and results.json go here")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for the launch")
-    add_output_args(ap)
     args = ap.parse_args(argv)
     opts = {"pp": args.pp, "layers": args.layers, "head": args.head, "layer_ms": args.layer_ms,
             "micro_batches": args.micro_batches or 2 * args.pp, "schedules": args.schedules,
@@ -267,8 +258,7 @@ def main(argv=None):
     emit(f"\n{markdown(rows, opts)}\n\n" + "\n".join(claims(rows)) + f"\n\n# {machine.at_end()}", args.perf_file,
          "bench.vocab_parallel_timed", argv, printed_before=head + "\n")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as fh:
-        json.dump({"opts": opts, "table": rows}, fh, indent=1)
+    write_atomic(os.path.join(args.out, "results.json"), json.dumps({"opts": opts, "table": rows}, indent=1))
     return 0
 
 

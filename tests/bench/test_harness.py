@@ -33,6 +33,39 @@ def test_paired_ratio_and_medians():
 def test_table_is_markdown():
     assert harness.table(["schedule", "ms"], "lr", [["1f1b", "1.0"], "| zbv | n/a |"]) == [
         "| schedule | ms |", "|---|---:|", "| 1f1b | 1.0 |", "| zbv | n/a |"]
+    assert harness.row(["zbv", 2, "0.5"]) == "| zbv | 2 | 0.5 |"
+
+
+def test_best_of_keeps_each_clocks_fewest_and_sets_up_off_the_clock():
+    ticks = iter([0, 10, 20, 23, 30, 37])  # a fake clock: calls take 10, 3 and 7
+    made = []
+    best, out = harness.best_of(lambda: "x", 3, clocks=(lambda: next(ticks),))
+    assert (best, out) == (3, "x")
+    ticks = iter([0, 5, 100, 101])
+    cpu, wall, out = harness.best_of(lambda x: x * 2, 2, lambda: made.append(1) or len(made),
+                                     (lambda: 0, lambda: next(ticks)))
+    assert (cpu, wall, out, made) == (0, 1, 4, [1, 1])
+
+
+def test_rounds_reverse_every_other_round():
+    assert list(harness.rounds(["a", "b"], 3)) == [(0, "a"), (0, "b"), (1, "b"), (1, "a"), (2, "a"), (2, "b")]
+
+
+def test_parser_has_the_model_flags_asked_for_and_the_perf_file():
+    args = harness.parser("What it asks.\n\nMore.", pp=2, seq_length=64).parse_args(["--pp", "4"])
+    assert (args.pp, args.seq_length, args.perf_file) == (4, 64, None)
+    assert harness.parser("What it asks.").description == "What it asks."
+
+
+def test_report_prints_as_it_goes_and_saves_with_the_command(tmp_path, capsys):
+    path = tmp_path / "perf.md"
+    out = harness.Report(str(path), "bench.partitions", ["--pp", "2"])
+    out("first", "")
+    assert capsys.readouterr().out == "first\n\n" and not path.exists()
+    out("| a |")
+    assert out.save() == "first\n\n| a |"
+    assert path.read_text() == "Made by `python -m bench.partitions --pp 2`:\n\nfirst\n\n| a |\n"
+    assert harness.Report(None, "bench.partitions").save() == ""
 
 
 def test_the_machine_lines():
@@ -61,3 +94,11 @@ def test_python_m_bench_lists_every_bench_with_its_purpose():
     assert "What megatron_ds.initialize costs on a user's own PipelineModule" in line
     runnable = dict((name, run) for name, _, run in benches())
     assert runnable["moe_overlap"] and not runnable["harness"] and not runnable["options"]
+
+
+def test_every_perf_file_says_the_command_that_made_it_at_its_top():
+    import re
+    perf = os.path.join(ROOT, "docs", "perf")
+    silent = [name for name in sorted(os.listdir(perf)) if name.endswith(".md") and not re.search(
+        r"`(python -m bench\.|python bench/|bash bench/)", "\n".join(open(os.path.join(perf, name)).read().split("\n")[:6]))]
+    assert not silent, f"docs/perf files without the command that made them in their first lines: {silent}"

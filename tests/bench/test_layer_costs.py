@@ -11,6 +11,11 @@ TINY = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32
         "--micro-batches", "4", "--repeats", "2", "--warmup", "1", "--device", "cpu"]
 
 
+def cells(line):
+    """The cells of one markdown table row."""
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 @pytest.mark.parametrize("family", [[], ["--swiglu", "--normalization", "rmsnorm", "--position-embedding-type",
                                          "rope", "--num-key-value-heads", "2", "--disable-bias-linear"]])
 def test_layer_costs_measures_and_simulates_every_catalogue_schedule(family, capsys):
@@ -18,8 +23,8 @@ def test_layer_costs_measures_and_simulates_every_catalogue_schedule(family, cap
     assert costs.tf > 0 and costs.tb > 0 and costs.tw > 0 and sum(costs.head) > 0 and sum(costs.embed) > 0
     assert costs.head_memory > 0
     out = capsys.readouterr().out
-    table = out[out.index("schedule "):].split("\n\n")[0].splitlines()[1:]
-    labels = [line[:34].strip() for line in table]
+    table = [cells(line) for line in out[out.index("| schedule |"):].split("\n\n")[0].splitlines()[2:]]
+    labels = [row[0] for row in table]
     assert {label.split()[0] for label in labels} == set(CATALOG)
     assert {"zbv-half costed", "zbv-min costed"} <= set(labels)  # the V orders built for the measured times
     assert {f"{name} +vocab" for name in ("1f1b", "zb-h1", "zbv", "gpipe", "dualpipev")} <= set(labels)
@@ -28,8 +33,8 @@ def test_layer_costs_measures_and_simulates_every_catalogue_schedule(family, cap
     timed = [r for r in rows if "error" not in r]
     assert len(timed) == len(rows)
     assert all(r["makespan"] > 0 and 0 <= r["bubble"] < 1 and r["ideal"] > 0 for r in timed)
-    assert [float(line.split()[-2]) for line in table if line[:34].strip() == "1f1b"] == [1.0]
-    assert [line.split()[-5] for line in table] == sorted((line.split()[-5] for line in table), key=float)
+    assert [float(row[4]) for row in table if row[0] == "1f1b"] == [1.0]  # / 1F1B
+    assert [row[1] for row in table] == sorted((row[1] for row in table), key=float)  # iteration ms, fastest first
 
 
 def test_bad_model_flags_exit_2():
@@ -61,7 +66,7 @@ def test_time_segments_prints_each_segment_beside_its_flop_share(capsys):
     for k in (2, 4):
         block = out[out.index(f"Seq1F1B k={k}: the segments together take "):].split("\n\n")[0].splitlines()
         assert float(block[0].split("take ")[1].split()[0]) > 0
-        rows = [line.split() for line in block[2:]]
+        rows = [cells(line) for line in block[3:]]  # under the header and its rule
         assert [int(r[0]) for r in rows] == balanced_segment_lengths(32, k, 32)
         assert all(float(v) > 0 for r in rows for v in r[1:])
         assert abs(sum(float(r[-1]) for r in rows) - 1.0) < 0.01  # FLOP shares of the whole layer
@@ -135,14 +140,14 @@ def test_moe_layers_cost_their_own_and_the_all_to_all_is_timed_apart(tmp_path, c
     assert cost[1] == cost[3] == pytest.approx(sum(costs.layers[1]) * 1e3, abs=1e-5)
     assert "MoE layer (2 of 4: 4 experts, top-2, expert FFN 128; router and experts at 64 routed rows)" in out
     assert "all-to-all per MoE layer, EP 2 over gloo: F " in out
-    header = next(line for line in out.splitlines() if line.startswith("schedule "))
-    assert header.split()[-1] == "a2a"
+    header = next(cells(line) for line in out.splitlines() if line.startswith("| schedule |"))
+    assert header[-1] == "a2a"
     by = {layer_costs.label(r): r for r in rows}
     for name in ("1f1b", "zbv", "dualpipev"):  # every row is the simulation of these costs
         res = evaluate(build_schedule(name, 2, 4), costs)
         assert by[name]["makespan"] == res.makespan and by[name]["all_to_all"] == max(res.all_to_all) > 0
-        line = next(line for line in out.splitlines() if line[:34].strip() == name)
-        assert line.split()[-1] == f"{max(res.all_to_all) / res.makespan:.1%}"
+        row = next(cells(line) for line in out.splitlines() if line.startswith(f"| {name} |"))
+        assert row[-1] == f"{max(res.all_to_all) / res.makespan:.1%}"
 
 
 @pytest.mark.parametrize("flags", [["--moe-router-topk", "2"],
