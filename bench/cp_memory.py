@@ -19,10 +19,10 @@ import os
 import resource
 
 import torch
-import torch.multiprocessing as mp
 
 from bench.harness import Machine, add_output_args, emit, table
 from bench.options import add_model_args
+from megatron_ds.testing.launcher import run_ranks
 
 MB = 2 ** 20
 FP32 = 4
@@ -38,10 +38,8 @@ def model_config(args, cp: int):
                      context_parallel_size=cp, cp_comm_type="p2p", **LLAMA)
 
 
-def rank_main(rank, world, args, cp, pipeline, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def rank_main(args, cp, pipeline):
+    """One rank (run_ranks gives it the launcher's environment and one thread): its stage and memory numbers."""
     import deepspeed
     from megatron_ds.model import position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
@@ -65,31 +63,20 @@ def rank_main(rank, world, args, cp, pipeline, port, queue):
     meter = SavedMemory(exclude=list(module.parameters()), cache=getattr(engine, "_kv", None))
     with PeakRSS() as rss, meter.recording():
         engine.train_batch(batches())
-    queue.put((rank, dict(stage=module.stage_id, saved=meter.peak, kv=meter.at_peak["kv"], left=meter.now,
-                          rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_growth=rss.growth,
-                          lengths=list(module.plan.segment_lengths or ()))))
     torch.distributed.barrier()  # no rank tears gloo down while another's last messages are in flight
     torch.distributed.destroy_process_group()
+    return dict(stage=module.stage_id, saved=meter.peak, kv=meter.at_peak["kv"], left=meter.now,
+                rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_growth=rss.growth,
+                lengths=list(module.plan.segment_lengths or ()))
 
 
 def run(args, cp: int, pipeline: dict) -> list[dict]:
     """Per pipeline stage: the largest saved peak over its CP ranks (and that rank's other numbers)."""
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))  # freed tensors leave the RSS
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    world = args.pp * cp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, args, cp, pipeline, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"CP {cp} {pipeline}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    results = [queue.get()[1] for _ in procs]
+    # fresh interpreters in which tensors of 64 KiB and more get their own mappings, returned to the system when
+    # freed: the RSS follows the live tensors instead of glibc's heap high-water mark
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    results = run_ranks(args.pp * cp, rank_main, args, cp, pipeline, timeout=3600,
+                        startup_env={"MALLOC_MMAP_THRESHOLD_": threshold})
     return [max((r for r in results if r["stage"] == s), key=lambda r: r["saved"]) for s in range(args.pp)]
 
 
