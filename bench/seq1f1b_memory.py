@@ -23,17 +23,15 @@ import os
 import resource
 
 import torch
-import torch.multiprocessing as mp
 
 from bench.options import add_model_args
+from megatron_ds.testing.launcher import run_ranks
 
 MB = 2 ** 20
 
 
-def rank_main(rank, args, pipeline, port, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(args.pp), LOCAL_WORLD_SIZE=str(args.pp), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def rank_main(args, pipeline):
+    """One pipeline rank (run_ranks gives it the launcher's environment and one thread): its memory numbers."""
     import deepspeed
     from megatron_ds.model import GPTConfig, position_ids_like
     from megatron_ds.pipe.build import build_pipeline_module, initialize_engine
@@ -58,31 +56,20 @@ def rank_main(rank, args, pipeline, port, queue):
     meter = SavedMemory(exclude=list(module.parameters()), cache=getattr(engine, "_kv", None))
     with PeakRSS() as rss, meter.recording():
         engine.train_batch(batches())
-    queue.put((rank, dict(saved=meter.peak, kv=meter.at_peak["kv"], mask=meter.at_peak["mask"], left=meter.now,
-                          rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                          rss_growth=rss.growth,
-                          lengths=module.plan.segment_lengths)))
+    torch.distributed.barrier()  # no rank tears gloo down while another's last messages are in flight
+    torch.distributed.destroy_process_group()
+    return dict(saved=meter.peak, kv=meter.at_peak["kv"], mask=meter.at_peak["mask"], left=meter.now,
+                rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_growth=rss.growth,
+                lengths=module.plan.segment_lengths)
 
 
 def run(args, pipeline):
-    # Tensors of 64 KiB and more get their own mappings, returned to the system when freed, so
-    # the RSS follows the live tensors instead of glibc's heap high-water mark.
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=rank_main, args=(r, args, pipeline, port, queue)) for r in range(args.pp)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"{pipeline}: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    results = dict(queue.get() for _ in procs)
-    return [results[r] for r in range(args.pp)]
+    """Every rank's numbers, rank order: fresh interpreters (run_ranks' startup_env), in which tensors of 64 KiB
+    and more get their own mappings, returned to the system when freed, so the RSS follows the live tensors
+    instead of glibc's heap high-water mark."""
+    threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(64 * 1024))
+    return run_ranks(args.pp, rank_main, args, pipeline, timeout=3600,
+                     startup_env={"MALLOC_MMAP_THRESHOLD_": threshold})
 
 
 def tokens_in_flight_ratio(pp, m, k, lengths, rank):

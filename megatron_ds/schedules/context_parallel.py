@@ -10,8 +10,8 @@ Memory of one layer and micro-batch (segment) on one rank (`layer_bytes`): the l
 tokens (recompute.layer_memory with the fused core, which keeps q, k, v, the output and the softmax statistics:
 flash on a GPU, and the ring's blocks on any device), plus what the communication keeps from F to B:
 - p2p (ring): nothing more; while a layer attends, two K/V blocks in flight forward, two K/V blocks and three of
-  their fp32 gradients backward (the one attended into, the one sent on, the one arriving: `in_flight`, held only
-  while the op runs);
+  their fp32 gradients backward (the one attended into, the one sent on, the one arriving; at C = 2 one K/V
+  block beside the three, as the last step receives none: `in_flight`, held only while the op runs);
 - allgather: the gathered K/V of the whole sequence (segment), kept for backward; backward holds their
   gradients whole twice (sent and received) while it runs;
 - a2a (Ulysses): q, k, v and the core's output in the head layout (the whole sequence, heads / C: as large as
@@ -227,8 +227,9 @@ def layer_bytes(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes:
         else 0.0
     cache = local * token if segmented and not gathered else 0.0
     if cp > 1 and comm == "p2p":
-        blocks = 2 * (start + n) // cp * token
-        in_flight = (blocks, blocks * (1 + 1.5 * GRAD_BYTES / dtype_bytes))  # 2 K/V blocks, 3 gradient blocks
+        block = (start + n) // cp * token
+        # forward 2 K/V blocks; backward 3 gradient blocks beside 2 K/V blocks (C = 2: beside 1, the last step's)
+        in_flight = (2 * block, (2 if cp > 2 else 1) * block + 3 * block * GRAD_BYTES / dtype_bytes)
     else:
         in_flight = (0.0, 2.0 * n * token if gathered else 0.0)
     return LayerBytes(own.kept, kept_comm, cache, own.for_w, in_flight)

@@ -5,7 +5,10 @@ torch, DeepSpeed and the pipeline package once per calling process: a spawned ra
 on those imports, which on a 2-core machine was most of a test launch. Each rank still starts from
 that clean, just-imported state, with the caller's environment, working directory and stdout/stderr
 of the moment. With CUDA the ranks are spawned (DeepSpeed's accelerator probe initialises the CUDA
-driver at import, and a child forked after that cannot use the GPU).
+driver at import, and a child forked after that cannot use the GPU). `startup_env` spawns them too, each a fresh
+interpreter with those variables in its environment from the start: what a process reads once as it starts
+(glibc's MALLOC_MMAP_THRESHOLD_, which a memory benchmark sets so that freed tensors leave the RSS) cannot be
+changed in a forked one.
 
 Each rank gets the torch.distributed environment of a launcher (MASTER_ADDR/PORT, RANK,
 LOCAL_RANK, WORLD_SIZE) and one thread. A rank that raises fails the launch with its
@@ -16,6 +19,7 @@ the handler it had before (by default the process ends), so no further launch st
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -188,9 +192,26 @@ def _stdio(environ, stdout, stderr):
     return out
 
 
-def run_ranks(world_size, fn, *args, timeout=300, env=None, quiet=False, **kwargs):
-    """[fn(*args, **kwargs) on rank r for r in range(world_size)]; fn must be importable (as for spawn)."""
-    ctx = _context()
+@contextlib.contextmanager
+def _environment(extra: dict):
+    """os.environ with `extra` while inside (what a spawned child starts with), as it was after."""
+    before = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_ranks(world_size, fn, *args, timeout=300, env=None, startup_env=None, quiet=False, **kwargs):
+    """[fn(*args, **kwargs) on rank r for r in range(world_size)]; fn must be importable (as for spawn). `env`:
+    set in each rank before fn runs; `startup_env`: each rank spawned with it in its environment from its
+    interpreter's start (module docstring)."""
+    ctx = mp.get_context("spawn") if startup_env else _context()
     stdio = _Stdio() if ctx.get_start_method() == "forkserver" else None
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -199,9 +220,10 @@ def run_ranks(world_size, fn, *args, timeout=300, env=None, quiet=False, **kwarg
     results, errors = {}, []
     signals = _Signals()
     try:
-        for p in procs:
-            signals.check()
-            p.start()
+        with _environment({k: str(v) for k, v in (startup_env or {}).items()}):
+            for p in procs:
+                signals.check()
+                p.start()
         results, errors = _collect(procs, queue, timeout, signals)
     except _Stopped:
         pass

@@ -15,11 +15,17 @@ saves through the hooks too, so the peak includes what a recomputed layer holds 
 
 A Seq1F1B run's K/V cache (`cache`, model/kv_cache.SegmentKVCache) is counted from the cache itself: its buffers
 at their full length whenever anything is saved (the views saved of them add nothing), its masks as "mask";
-`at_peak` splits the peak into those kinds. `PeakRSS` is the process's side: its resident memory's high-water
+`at_peak` splits the peak into those kinds. `transient` (a callable: bytes) adds what a pass holds outside autograd
+while it runs (a ring's K/V blocks and gradient blocks in flight, bench/cp_memory.py): `peak_all` is the peak of
+the kept bytes and those together, sampled at every save and at every `sample()` (call it where the transient
+buffers grow), `at_peak_all` its split (kind "transient" added); `peak` stays the kept bytes' own. `RingBuffers`
+is such a source: the ring attention's K/V and gradient blocks, counted from their allocation until nothing
+holds them. `PeakRSS` is the process's side: its resident memory's high-water
 mark over a stretch of code (Linux), which also sees what no autograd node keeps (transient buffers).
 """
 import contextlib
 import re
+import weakref
 
 import torch
 from deepspeed.runtime.activation_checkpointing.checkpointing import CheckpointFunction
@@ -29,13 +35,14 @@ from megatron_ds.model.linear import WeightGradStore
 
 class SavedMemory:
 
-    def __init__(self, exclude=(), cache=None):
+    def __init__(self, exclude=(), cache=None, transient=None):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self.cache = cache
+        self.cache, self.transient = cache, transient
         self.live = {}  # storage pointer -> [keepers, bytes, kind]
         self.now = self.peak = 0
         self.by_kind = {"kv": 0, "mask": 0, "other": 0}
         self.at_peak = dict(self.by_kind)
+        self.peak_all, self.at_peak_all = 0, dict(self.by_kind, transient=0)
 
     def _kind(self, ptr):
         if self.cache is not None:
@@ -52,6 +59,16 @@ class SavedMemory:
         kv = self._kv_bytes()
         if self.now + kv > self.peak:
             self.peak, self.at_peak = self.now + kv, dict(self.by_kind, kv=kv)
+        self._sample_all(kv)
+
+    def _sample_all(self, kv):
+        extra = self.transient() if self.transient is not None else 0
+        if self.now + kv + extra > self.peak_all:
+            self.peak_all, self.at_peak_all = self.now + kv + extra, dict(self.by_kind, kv=kv, transient=extra)
+
+    def sample(self):
+        """Note the kept bytes with the transient ones as they are now (for `peak_all`)."""
+        self._sample_all(self._kv_bytes())
 
     def pack(self, tensor):
         ptr = tensor.untyped_storage().data_ptr()
@@ -84,6 +101,8 @@ class SavedMemory:
     def reset_peak(self):
         self.peak = self.now
         self.at_peak = dict(self.by_kind)
+        self.peak_all, self.at_peak_all = 0, dict(self.by_kind, transient=0)
+        self.sample()
 
     @contextlib.contextmanager
     def recording(self):
@@ -138,6 +157,56 @@ class _Kept:
 
     def __del__(self):
         self.meter.release(self.ptr)
+
+
+class RingBuffers:
+    """The ring attention's blocks alive in this process (model/context_parallel/ring.py): each stacked K/V block,
+    each receive buffer and each gradient block, from its allocation until its last holder (the ring's variables,
+    a communication work that sent or received it, a view) lets go; `now` and `peak` their bytes. Seen through
+    the torch that ring.py calls (`installed`): every 5-dimensional tensor its torch.stack, zeros and empty_like
+    make is a block ((K, V) x batch x heads x positions x head size; its other tensors have 3 or 4). `meter`
+    (a SavedMemory): sampled at each allocation, so its peak_all is the kept and ring bytes' joint peak."""
+
+    MAKERS = ("stack", "zeros", "empty_like")
+
+    def __init__(self, meter=None):
+        self.meter, self.live = meter, {}  # id(tensor) -> (bytes, weak reference)
+        self.now = self.peak = 0
+
+    def track(self, t):
+        key = id(t)
+
+        def gone(_):
+            self.now -= self.live.pop(key)[0]
+        self.live[key] = (t.untyped_storage().nbytes(), weakref.ref(t, gone))  # the reference lives while t does
+        self.now += self.live[key][0]
+        self.peak = max(self.peak, self.now)
+        if self.meter is not None:
+            self.meter.sample()
+
+    @contextlib.contextmanager
+    def installed(self, ring):
+        """ring.py (the module) calls a torch that tracks its blocks while inside."""
+        real = ring.torch
+        buffers = self
+
+        class Torch:
+            def __getattr__(self, name):
+                value = getattr(real, name)
+                if name not in RingBuffers.MAKERS:
+                    return value
+
+                def made(*args, **kwargs):
+                    t = value(*args, **kwargs)
+                    if t.dim() == 5:
+                        buffers.track(t)
+                    return t
+                return made
+        ring.torch = Torch()
+        try:
+            yield self
+        finally:
+            ring.torch = real
 
 
 def _status_kb(field):

@@ -1,29 +1,35 @@
-"""bench.cp_memory: the simulator's prediction it prints beside the measurement (pure arithmetic), and the bench at
-toy size, whose saved-tensor peaks are deterministic (bytes, not timings) and so can be held to the simulator."""
+"""bench.cp_memory: the simulator's prediction it prints beside the measurement (pure arithmetic), the report's
+ratios and verdicts on recorded numbers, and one tiny launch (Seq1F1B at PP 2 x CP 2: kept activations, the K/V
+cache and the ring's blocks at once), whose byte counts are deterministic and so can be held to the simulator."""
 import argparse
 
 import pytest
 
 from bench import cp_memory
 
-TOY = ["--seq-length", "256", "--num-layers", "2", "--gas", "4"]
+MB = cp_memory.MB
+
+
+def _args(seq=1024, layers=2, gas=4):
+    return argparse.Namespace(vocab_size=512, hidden_size=128, num_layers=layers, num_attention_heads=4, kv_heads=2,
+                              ffn_hidden_size=352, seq_length=seq, gas=gas, splits=2, method="even")
 
 
 def _config(cp, seq=1024):
-    args = argparse.Namespace(vocab_size=512, hidden_size=128, num_layers=2, num_attention_heads=4, kv_heads=2,
-                              ffn_hidden_size=352, seq_length=seq)
-    return cp_memory.model_config(args, cp)
+    return cp_memory.model_config(_args(seq), cp)
 
 
 def test_predicted_cp2_holds_half_of_cp1_plus_the_rings_blocks():
     from megatron_ds.schedules.context_parallel import ContextRun
     one, two = (cp_memory.predicted(_config(cp), 1024, cp, 2, 4) for cp in (1, 2))
-    # every kept activation and the logits are per token: half at CP 2; the ring's two K/V blocks (and their fp32
-    # gradients while B runs) come on top, one layer's at a time
+    # every kept activation and the logits are per token: half at CP 2; the ring's blocks (a K/V block and three
+    # fp32 gradient blocks while B runs at CP 2) come on top, one layer's at a time
     in_flight = ContextRun(_config(2), 1024, 2, "p2p", dtype_bytes=4).layer()[0].in_flight[1]
     assert 0 < in_flight and two == pytest.approx(one / 2 + in_flight, rel=1e-9)
     kept = cp_memory.predicted(_config(2), 1024, 2, 2, 4, in_flight=False)  # what a saved-tensor count can see
     assert kept == pytest.approx(one / 2, rel=1e-9)
+    block = 1024 // 2 * 2 * 64 * 4  # a rank's 512 tokens of K and V (2 heads of 32), fp32
+    assert cp_memory.simulated_ring(_config(2), 1024, 2) == in_flight == 4 * block
 
 
 def test_predicted_seq1f1b_follows_the_segments_held():
@@ -34,14 +40,38 @@ def test_predicted_seq1f1b_follows_the_segments_held():
     assert 5 / 16 < seg / one < 0.40
 
 
+def _recorded(kept, ring, with_ring, sim_kept, sim_ring, sim):
+    """One run's measure() entry from MB figures (two stages, the first the peak)."""
+    stage = dict(saved=kept * MB, kv=0.0, rss_growth=0.0, lengths=[])
+    return dict(k=1, stages=[stage, dict(stage, saved=kept * MB / 2)], peak=kept * MB, ring=ring * MB,
+                with_ring=with_ring * MB, kept=sim_kept * MB, ring_sim=sim_ring * MB, predicted=sim * MB)
+
+
+def test_report_computes_each_goal_from_recorded_numbers():
+    results = {("1f1b", 1): _recorded(200.0, 0.0, 200.0, 190.0, 0.0, 190.0),
+               ("1f1b", 2): _recorded(105.0, 8.0, 108.0, 100.0, 8.0, 110.0),
+               ("seq1f1b", 2): dict(_recorded(62.0, 8.0, 64.0, 60.0, 8.0, 71.5), k=4)}
+    rows, goals = cp_memory.report(4, results)
+    assert [row[5] for row in rows] == ["1.000", "0.525", "0.310"]  # kept peak over 1F1B at CP 1's
+    assert [row[7] for row in rows] == ["+5.3%", "+5.0%", "+3.3%"] and [row[11] for row in rows] == \
+        ["+5.3%", "-1.8%", "-10.5%"]
+    assert "1f1b CP2 / CP1 = 0.525 (<= 0.55: met)" in goals
+    assert "seq1f1b k=4 CP2 / 1f1b CP1 = 0.310 (<= 0.3: NOT met; rank 0's theory (4-1+4)/(4x4)/2 = 0.219)" in goals
+    assert goals.endswith("off by at most 5.3% kept, 10.5% with the ring (within 10%: met, NOT met)")
+
+
 @pytest.mark.timeout(600)
-def test_cp_memory_bench_at_toy_size_matches_the_simulator():
-    results, text = cp_memory.main(TOY)
-    assert set(results) == {("1f1b", 1), ("1f1b", 2), ("seq1f1b", 2)}
-    for key in (("1f1b", 1), ("1f1b", 2)):  # measured 1.2 % and 2.1 % off at this size
-        assert results[key]["peak"] == pytest.approx(results[key]["predicted"], rel=0.05), key
-    assert results[("1f1b", 1)]["kept"] == results[("1f1b", 1)]["predicted"]  # nothing in flight at CP 1
-    ratio = results[("1f1b", 2)]["peak"] / results[("1f1b", 1)]["peak"]
-    assert 0.5 <= ratio <= 0.55  # half the tokens per rank, and the ring's blocks
-    assert results[("seq1f1b", 2)]["stages"][0]["lengths"] == [64, 64, 64, 64]
-    assert "goals: 1f1b CP2 / CP1 = " in text and text.count("\n| ") == 3  # a row a run
+def test_one_tiny_launch_counts_what_the_simulator_counts():
+    args = _args(seq=128, gas=2)
+    pipeline = {"schedule": "seq1f1b", "seq_splits": 2, "seq_split_method": "even"}
+    stages = cp_memory.run(args, 2, 2, pipeline, fresh=False)
+    assert [s["stage"] for s in stages] == [0, 1] and stages[0]["lengths"] == [64, 64]
+    shape = (_config(2, 128), 128, 2, 2, 2, 2, [64, 64])
+    kept, ring = cp_memory.predicted(*shape, in_flight=False), cp_memory.simulated_ring(*shape[:3], 2, [64, 64])
+    peak = max(s["saved"] for s in stages)
+    assert peak == pytest.approx(kept, rel=0.05)  # the layers' saved tensors, the logits and the K/V cache
+    # the ring's blocks at their longest (the last segment: the whole local cache), a K/V block and three fp32
+    # gradient blocks, byte for byte
+    assert max(s["ring"] for s in stages) == ring == 128 // 2 * 2 * 64 * 4 * 4
+    assert all(s["kv"] > 0 for s in stages)  # each stage's K/V cache counted
+    assert all(s["saved"] <= s["with_ring"] <= s["saved"] + s["ring"] for s in stages)

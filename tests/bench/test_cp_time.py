@@ -3,6 +3,7 @@ the bench at toy size: the ring's waits and blocks are counted where they happen
 machine prove nothing, so the run is held to counts and finiteness only."""
 import argparse
 import math
+import statistics
 
 import pytest
 
@@ -29,11 +30,21 @@ def test_simulated_step_adds_the_rings_exposed_transfer():
     assert fast["step"] == pytest.approx(1.0, abs=1e-6)  # nothing to wait for: the compute alone
 
 
+def test_group_step_is_the_slowest_ranks_against_the_largest_simulated():
+    # a quiet run's numbers: rank 0 computes 2.090 s, rank 1 1.965 s, and rank 1 waits for rank 0 in the ring, so
+    # both step in ~2.17 s; held to rank 1's own makespan (2.016) it looked 7.6 % off, the group is 2.6 % off
+    group = cp_time.group_step([2.167, 2.169], [2.115, 2.016])
+    assert group["rank"] == 0 and group["simulated"] == 2.115 and group["measured"] == 2.169
+    assert group["off"] == pytest.approx(2.169 / 2.115 - 1) and group["line"].endswith("+2.6% (goal within 5%: met)")
+    slow = cp_time.group_step([2.4, 2.4], [2.0, 2.2])  # the largest makespan is rank 1's, 9.1 % under the step
+    assert slow["rank"] == 1 and slow["line"].endswith("+9.1% (goal within 5%: NOT met)")
+
+
 @pytest.mark.timeout(600)
 def test_cp_time_bench_at_toy_size_counts_the_rings_waits():
     gas, layers, its = 2, 2, 2
-    ranks, sims, text = cp_time.main(["--seq-length", "256", "--gas", str(gas), "--num-layers", str(layers),
-                                      "--iterations", str(its)])
+    ranks, sims, group, text = cp_time.main(["--seq-length", "256", "--gas", str(gas), "--num-layers", str(layers),
+                                             "--iterations", str(its)])
     for res, sim in zip(ranks, sims):
         # the last step's waits: a K/V block each way per layer and micro-batch, a gradient block per ring step
         assert res["waits"] == {"kv_wait": gas * layers * 2 * (cp_time.CP - 1), "grad_wait": gas * layers * cp_time.CP}
@@ -41,4 +52,7 @@ def test_cp_time_bench_at_toy_size_counts_the_rings_waits():
         for rings in res["rings"].values():
             assert all(r["block_f"] > 0 and r["block_b"] > 0 for r in rings)  # blocks were attended, both ways
         assert all(math.isfinite(sim[k]) and sim[k] > 0 for k in ("bandwidth", "flops", "step"))
+    assert group["simulated"] == max(sim["step"] for sim in sims)
+    assert group["measured"] == max(statistics.median(res["times"]["overlapped"]) for res in ranks)
+    assert group["line"] in text
     assert text.count("\n| ") == 5  # two rows, the second table's header and two rows

@@ -39,7 +39,9 @@ def test_memory_at_two_ranks_is_half_plus_the_named_kv_terms():
         two = layer_bytes(SHAPE, 64, 2, comm, 2)
         assert (two.kept, two.comm, two.cache) == (one.kept / 2, kept, 0)
     p2p = layer_bytes(SHAPE, 64, 2, "p2p", 2)  # two K/V blocks of 32 tokens in flight; backward three fp32 grads
-    assert p2p.in_flight == (2 * 32 * token, 2 * 32 * token + 3 * 32 * token * 2)
+    assert p2p.in_flight == (2 * 32 * token, 32 * token + 3 * 32 * token * 2)  # and one K/V block at C = 2
+    four = layer_bytes(SHAPE, 64, 4, "p2p", 2)  # beside two K/V blocks of 16 tokens at C > 2
+    assert four.in_flight == (2 * 16 * token, 2 * 16 * token + 3 * 16 * token * 2)
     assert layer_bytes(SHAPE, 64, 2, "allgather", 2).in_flight == (0, 2 * 64 * token)
     # Seq1F1B: the K/V cache, 2 x K/V width per held token: local for p2p, gathered whole for allgather
     seg = layer_bytes(SHAPE, 32, 2, "p2p", 2, start=32, segmented=True)

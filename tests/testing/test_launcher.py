@@ -133,3 +133,23 @@ def test_ranks_see_the_callers_environment_folder_and_output_of_each_launch(star
         assert run_ranks(2, _report, word) == [(word, str(folder), "0"), (word, str(folder), "1")]
         out, err = capfd.readouterr()
         assert out.count("out:" + word) == 2 and err.count("err:" + word) == 2, (out, err)
+
+
+def _started_with():
+    """This process's environment as its interpreter started (the kernel's copy of exec's), and as it is now."""
+    with open("/proc/self/environ", "rb") as f:
+        at_start = dict(entry.decode().split("=", 1) for entry in f.read().split(b"\0") if b"=" in entry)
+    return at_start.get("LAUNCHER_STARTUP"), os.environ.get("LAUNCHER_STARTUP"), os.environ.get("LAUNCHER_ENV")
+
+
+def test_startup_env_is_in_each_ranks_environment_from_its_start(started_server, monkeypatch):
+    """A variable read once at a process's start (glibc's MALLOC_MMAP_THRESHOLD_) reaches a spawned rank's exec,
+    where a rank forked from the fork server only gets it set afterwards; the caller's environment is left as
+    it was."""
+    from megatron_ds.testing.launcher import run_ranks
+    monkeypatch.delenv("LAUNCHER_STARTUP", raising=False)
+    spawned = run_ranks(2, _started_with, startup_env={"LAUNCHER_STARTUP": 65536}, env={"LAUNCHER_ENV": "e"})
+    assert spawned == [("65536", "65536", "e")] * 2
+    assert "LAUNCHER_STARTUP" not in os.environ
+    forked = run_ranks(2, _started_with, env={"LAUNCHER_STARTUP": "65536"})  # too late for a start-up reader
+    assert forked == [(None, "65536", None)] * 2

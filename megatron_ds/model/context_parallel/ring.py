@@ -18,7 +18,8 @@ A rank's keys may be more than its chunks of one sequence: under Seq1F1B they ar
 of every segment so far (`key_spans`: the same on every rank, as every rank holds the same number of positions).
 Cost per layer: C - 1 sends of the local K/V forward; C - 1 of them and C of their gradients (fp32) backward; no
 rank ever holds more than two blocks of K/V, nor more than three of their gradients (the one attended into, the
-one in flight out, the one arriving).
+one in flight out, the one arriving; at C = 2 the step with three holds one K/V block): a block sent is let go
+of once its wait returns (a finished work still holds its tensors), a gradient block received once it is added.
 """
 import math
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ class _Ring(torch.autograd.Function):
                 out[:, :, qs], lse[:, :, qs] = merge(out[:, :, qs], lse[:, :, qs], o, l)
             if step < size - 1:
                 _wait(works)
-                kv = incoming
+                kv, works = incoming, None  # a finished work still holds the block it sent: let go of it now
         y = out.to(q.dtype)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, y, lse)
@@ -152,10 +153,11 @@ class _Ring(torch.autograd.Function):
             if arriving is not None:
                 _wait(arriving[1])
                 dkv += arriving[0]
+                arriving = None  # the sum is in dkv and the block sent has left: both freed before the next arrives
             arriving = (*_exchange(dkv, plan, _GRAD_TAG), dkv)  # on to the next holder; after the last step, the owner
             if step < size - 1:
                 _wait(works)
-                kv = incoming
+                kv, works = incoming, None
         _wait(arriving[1])  # the own K/V's sum, home after C sends: the one transfer no block compute hides
         dkv = arriving[0]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
