@@ -110,11 +110,15 @@ def test_the_end_of_a_run_saves_a_transformers_folder(runs):
      "--rope-scaling-type describes our GPT's layers"),
     (["--hf-model", "HF", "--context-parallel-size", "2"], "--context-parallel-size describes our GPT's layers"),
     ([], "missing required flags --num-layers, --hidden-size, --num-attention-heads"),  # no --hf-model: the GPT's
+    (["--hf-model", "HF", "--reset-position-ids", "--reset-attention-mask", "--deepspeed", "--deepspeed_config",
+      "auto.json"], '--hf-model with "schedule": "auto" and packed documents'),
 ])
 def test_bad_hf_model_input_exits_2(tmp_path, flags, message):
     (tmp_path / "HF").mkdir()
     (tmp_path / "HF" / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64}))
+    (tmp_path / "auto.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "pipeline": {
+        "schedule": "auto", "memory_budget": 4}}))
     for ext in (".bin", ".idx"):
         (tmp_path / f"corpus{ext}").write_bytes(b"")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--seq-length", "16",

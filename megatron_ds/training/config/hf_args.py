@@ -5,8 +5,9 @@ The folder's config.json gives the model's sizes (read here, torch-free, so a ba
 --num-layers, --hidden-size, --num-attention-heads and --ffn-hidden-size are taken from it, and one given that
 disagrees is refused; the tokenizer is the folder's (PretrainedFromHF) unless --tokenizer-name-or-path names
 another. The flags that describe our GPT's own layers, and the pipeline features not run for such a model yet
-(vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint, Seq1F1B's segments with packed
-documents), are refused; so is
+(vocabulary parallelism, tensor parallelism, the universal checkpoint, Seq1F1B's segments with packed documents,
+and so "auto" with packed documents, whose candidates and probe cut the sequence into segments; "auto_recompute",
+whose knob is our GPT's recompute), are refused; so is
 one of --reset-position-ids and --reset-attention-mask without the other (the layers find documents where the
 position ids restart: pipe/hf/attention.py).
 """
@@ -80,8 +81,10 @@ def check_hf_pipeline(args):
     settings = args.pipeline_settings
     documents = args.reset_position_ids or args.reset_attention_mask
     refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
-               ('"schedule": "auto"', settings.auto),
                ("Seq1F1B's segments and packed documents", settings.seq_splits > 1 and documents),
+               ('"schedule": "auto" and packed documents ("auto" weighs and probes Seq1F1B\'s segments)',
+                settings.auto and documents),
+               ('"auto_recompute" (it weighs our GPT\'s recompute settings)', settings.auto_recompute),
                ("vocabulary parallelism", settings.vocab_parallel),
                ("--universal-checkpoint", args.universal_checkpoint)]
     for what, on in refused:

@@ -4,8 +4,10 @@ and the weights after 3 AdamW steps within 1e-5 (fp32, dropout 0), by the model'
 (tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; Qwen3, Mistral (a sliding
 window that bites), Gemma 3 (sliding layers with their own rotary, capped logits), Phi-3, OLMo 2 and Mixtral
 (MoE) under 1f1b or zbv, and Seq1F1B in 2 segments (LLaMA, its B/W split; Mistral, a window across segments), at
-PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents. One
-launch per layout.
+PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents. "auto"
+(LLaMA, at PP 2 and PP 2 x DP 2): it times the cut's own layers on its start-up schedule and probe, decides (rank 0
+logs the choice), swaps or rebuilds through a checkpoint, and still equals the one-process model. One launch per
+layout.
 Each run ends in save_pretrained, whose folder transformers loads with the same weights."""
 import functools
 
@@ -17,6 +19,8 @@ from tests.hf_harness import assert_matches, build, rank_runs, reference_run
 GAS = 4
 SPLIT = {"zbv", "dualpipev"}
 SEQ1F1B = {"schedule": "seq1f1b", "seq_splits": 2, "split_backward": True}
+# every candidate fits at pp 2, m 4; iterations 0 and 1 timed (1: the probe), the third on the choice
+AUTO = {"schedule": "auto", "memory_budget": 4, "timers_start_iter": 0, "timers_end_iter": 2}
 LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documents)]
     "pp2": (2, 2, [("llama", {"schedule": s}, 0, False) for s in ("1f1b", "zbv", "bitpipe", "dualpipev")] + [
         ("llama", {"schedule": "zbv"}, 0, True), ("qwen3", {"schedule": "zbv"}, 0, False),
@@ -26,8 +30,9 @@ LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documen
         # Seq1F1B, 2 segments: earlier segments' K/V in the engine's cache, B/W split; a window across segments
         ("llama", SEQ1F1B, 0, False), ("mistral", {**SEQ1F1B, "seq_split_method": "even"}, 0, False),
         # DeepSpeed's activation checkpoints over the decoder layers (not the embedding: its integer inputs)
-        ("llama", {"schedule": "zbv", "activation_checkpoint_interval": 1}, 0, True)]),
-    "pp2xdp2": (4, 2, [("llama", {"schedule": "zbv"}, 1, False), ("llama", {"schedule": "1f1b"}, 0, True)]),
+        ("llama", {"schedule": "zbv", "activation_checkpoint_interval": 1}, 0, True), ("llama", AUTO, 1, False)]),
+    "pp2xdp2": (4, 2, [("llama", {"schedule": "zbv"}, 1, False), ("llama", {"schedule": "1f1b"}, 0, True),
+                       ("llama", AUTO, 1, False)]),
 }
 
 
@@ -54,6 +59,9 @@ def test_hf_models_train_as_on_one_process(launched):
             assert_matches(results, ref)
         except AssertionError as exc:
             raise AssertionError(f"{layout} {family} {pipeline} zero={zero} packed={packed}: {exc}") from None
+        if pipeline["schedule"] == "auto":
+            check_auto(results)
+            continue
         segmented = pipeline["schedule"] == "seq1f1b"
         assert {r["engine"] for r in results} == {"HFScheduleEngine" if segmented else "ForeignScheduleEngine"}
         assert {r["segments"] for r in results} == ({(8, 8)} if segmented else {None})  # balanced: 8, 8 too
@@ -62,6 +70,15 @@ def test_hf_models_train_as_on_one_process(launched):
         split = (pipeline["schedule"] in SPLIT or pipeline.get("split_backward")) and \
             "activation_checkpoint_interval" not in pipeline  # a reentrant checkpoint's backward runs whole in B
         assert (sum(r["in_w"] for r in results) > 0) == bool(split), (family, pipeline)
+
+
+def check_auto(results):
+    """Every rank took the same decision after the window (its measured costs: the cut's embedding, decoder
+    layers and head + loss); rank 0's log names it."""
+    assert {r["engine"] for r in results} == {"HFScheduleEngine"}
+    assert len({r["auto"][:2] for r in results}) == 1, [r["auto"][:2] for r in results]
+    label, _, log = results[0]["auto"]
+    assert f"auto schedule: {label} (simulated makespan" in log and "head + loss F/B/W=" in log, log
 
 
 def test_the_trained_weights_load_in_transformers(launched):
