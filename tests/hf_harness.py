@@ -35,6 +35,9 @@ def config(name):
         return T.Phi3Config(**SIZES, resid_pdrop=0.0, embd_pdrop=0.0)
     if name == "olmo2":
         return T.Olmo2Config(**SIZES)
+    if name == "gpt2":  # learned positions (wpe) added in their own layer, Conv1D projections, tied
+        return T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
     if name == "mixtral":
         return T.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
     raise KeyError(name)

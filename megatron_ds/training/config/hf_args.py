@@ -32,8 +32,14 @@ def add_hf_args(parser):
                         "its sizes and tokenizer come from the folder; the end of the run saves it (SAVE/hf_iter_N)")
 
 
+# the keys of families that name their sizes otherwise (GPT-2 and its kin: transformers' attribute_map)
+ALIASES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+           "intermediate_size": "n_inner", "max_position_embeddings": "n_positions"}
+
+
 def hf_config(folder):
-    """The folder's config.json as a dict; ArgumentsError naming the folder and why."""
+    """The folder's config.json as a dict (GPT-2's n_layer, n_embd, ... under their usual names too);
+    ArgumentsError naming the folder and why."""
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise ArgumentsError(f"--hf-model {folder}: no such folder")
@@ -41,6 +47,9 @@ def hf_config(folder):
         config = read_json(path, f"--hf-model {folder}: config.json")
     except UnreadableFile as exc:
         raise ArgumentsError(str(exc)) from None
+    if isinstance(config, dict):
+        config = {**{key: config[alias] for key, alias in ALIASES.items() if key not in config and alias in config},
+                  **config}
     if not isinstance(config, dict) or not all(isinstance(config.get(key), int) for _, key in SIZES[:3]):
         raise ArgumentsError(f"--hf-model {folder}: config.json does not give num_hidden_layers, hidden_size and "
                              "num_attention_heads (not a transformers model's config)")

@@ -9,10 +9,10 @@ from megatron_ds.errors import UserError
 from megatron_ds.pipe.hf import CutError, load
 from megatron_ds.pipe.hf import attention as attn
 from megatron_ds.pipe.hf.cut import Parts, check_cut, sequential
-from megatron_ds.pipe.hf.layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm
+from megatron_ds.pipe.hf.layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm, HFPositions
 from tests.hf_harness import SIZES, build, config
 
-FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "mixtral"]
+FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "mixtral", "gpt2"]
 
 
 def _other(name):
@@ -34,8 +34,9 @@ def test_the_cut_gives_the_models_logits(family):
     parts = Parts(model)
     layers = parts.layer_list()
     assert isinstance(layers[0], (HFEmbedding, type(layers[-1]))) and isinstance(layers[-2], HFNorm)
-    assert [type(x) for x in layers[1:-2]] == [HFTransformerLayer] * 4
-    assert parts.tied == (family in ("llama", "gemma3", "gemma2")) and isinstance(layers[-1], HFHead) != parts.tied
+    # GPT-2: its learned positions and embedding dropout in a layer after the (tied) token embedding
+    assert [type(x) for x in layers[1:-2]] == [HFPositions] * (family == "gpt2") + [HFTransformerLayer] * 4
+    assert parts.tied == (family in ("llama", "gemma3", "gemma2", "gpt2")) and isinstance(layers[-1], HFHead) != parts.tied
     ids = torch.randint(0, 64, (2, 14))
     positions = torch.tensor([list(range(9)) + list(range(5)), list(range(3)) + list(range(11))])
     model.eval()

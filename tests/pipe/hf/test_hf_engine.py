@@ -1,7 +1,8 @@
 """A transformers causal LM cut by megatron_ds.pipe.hf and run by megatron_ds.initialize equals the same
 transformers model trained on one process (tests/hf_harness.py): every step's loss, the first step's gradients
 and the weights after 3 AdamW steps within 1e-5 (fp32, dropout 0), by the model's own parameter names. LLaMA
-(tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; Qwen3, Mistral (a sliding
+(tied embeddings) under 1f1b, zbv, bitpipe and dualpipev and with packed documents; GPT-2 (learned positions,
+Conv1D, tied) under zbv with packed documents; Qwen3, Mistral (a sliding
 window that bites), Gemma 3 (sliding layers with their own rotary, capped logits), Phi-3, OLMo 2 and Mixtral
 (MoE) under 1f1b or zbv, and Seq1F1B in 2 segments (LLaMA, its B/W split; Mistral, a window across segments), at
 PP 2, and zbv under DeepSpeed's activation checkpointing; PP 2 x DP 2 with ZeRO-1 and with packed documents. "auto"
@@ -26,7 +27,7 @@ LAYOUTS = {  # world, pp, [(family, pipeline section, ZeRO stage, packed documen
         ("llama", {"schedule": "zbv"}, 0, True), ("qwen3", {"schedule": "zbv"}, 0, False),
         ("mistral", {"schedule": "1f1b"}, 0, True), ("gemma3", {"schedule": "zbv"}, 0, True),
         ("phi3", {"schedule": "1f1b"}, 0, False), ("olmo2", {"schedule": "zbv"}, 0, False),
-        ("mixtral", {"schedule": "zbv"}, 0, False),
+        ("mixtral", {"schedule": "zbv"}, 0, False), ("gpt2", {"schedule": "zbv"}, 0, True),
         # Seq1F1B, 2 segments: earlier segments' K/V in the engine's cache, B/W split; a window across segments
         ("llama", SEQ1F1B, 0, False), ("mistral", {**SEQ1F1B, "seq_split_method": "even"}, 0, False),
         # DeepSpeed's activation checkpoints over the decoder layers (not the embedding: its integer inputs)
