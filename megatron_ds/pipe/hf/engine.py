@@ -46,10 +46,12 @@ def layer_shape(config):
     """The decoder layer's sizes as Seq1F1B's balanced cut weighs them (schedules/flops.layer_shape's fields)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return types.SimpleNamespace(hidden_size=config.hidden_size, ffn_hidden_size=getattr(config, "intermediate_size", None),
-                                 num_attention_heads=heads,
+    # a config naming intermediate_size has a gated MLP (LLaMA's kin); GPT-2's names n_inner (None: 4 h), ungated
+    gated = getattr(config, "intermediate_size", None) is not None
+    ffn = config.intermediate_size if gated else (getattr(config, "n_inner", None) or 4 * config.hidden_size)
+    return types.SimpleNamespace(hidden_size=config.hidden_size, ffn_hidden_size=ffn, num_attention_heads=heads,
                                  num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-                                 swiglu=True, kv_channels=head_dim if head_dim * heads != config.hidden_size else None)
+                                 swiglu=gated, kv_channels=head_dim if head_dim * heads != config.hidden_size else None)
 
 
 def plan_sizes(config, seq_length):

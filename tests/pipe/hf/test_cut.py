@@ -146,3 +146,14 @@ def test_a_seq1f1b_segments_mask():
     assert windowed.tolist()[0] == [False, False, True, True, True, False, False]
     with pytest.raises(attn.AttentionError, match="packed documents .* with Seq1F1B's segments"):
         attn.segment_mask(torch.tensor([[4, 0, 1]]), 4, 3, 7)  # a document starting inside the segment
+
+
+@pytest.mark.parametrize("family,ffn,gated", [("llama", 64, True), ("gpt2", 128, False), ("qwen3", 64, True)])
+def test_plan_sizes_read_the_models_config(family, ffn, gated):
+    """What "auto" and Seq1F1B's balanced cut weigh: layers, sizes, vocabulary and the sequence from the config;
+    a gated MLP where the config names intermediate_size, GPT-2's 4 h ungated one (n_inner None)."""
+    from megatron_ds.pipe.hf.engine import plan_sizes
+    sizes = plan_sizes(config(family), 16)
+    assert (sizes.num_layers, sizes.hidden_size, sizes.vocab_size, sizes.max_position_embeddings) == (4, 32, 64, 16)
+    assert (sizes.ffn_hidden_size, sizes.swiglu) == (ffn, gated)
+    assert sizes.num_key_value_heads == (4 if family == "gpt2" else 2)  # GPT-2: one K/V head per query head
