@@ -4,6 +4,9 @@ documents: positions restart, the label across a document's end ignored), the si
 transformers model itself, sequential gradient accumulation, AdamW) and the per-rank side that trains the same
 steps through pipe.hf.pipeline_module + megatron_ds.initialize. Weights and gradients are keyed by the
 transformers model's own parameter names."""
+import contextlib
+import io
+
 import torch
 
 MBS, SEQ, VOCAB, STEPS, LR = 2, 16, 64, 3, 1e-2
@@ -32,6 +35,9 @@ def config(name):
         return T.Phi3Config(**SIZES, resid_pdrop=0.0, embd_pdrop=0.0)
     if name == "olmo2":
         return T.Olmo2Config(**SIZES)
+    if name == "gpt2":  # learned positions (wpe) added in their own layer, Conv1D projections, tied
+        return T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
     if name == "mixtral":
         return T.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
     raise KeyError(name)
@@ -123,6 +129,7 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None, cp=1):
     from megatron_ds.pipe.plan.config import pipeline_settings
     from megatron_ds.pipe.hf import PARTITION, hf_names, pipeline_module, save_pretrained
     from megatron_ds.pipe.hf.engine import build_engine
+    from megatron_ds.training.auto_schedule import switch_engine
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo")
     out = []
@@ -132,10 +139,13 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None, cp=1):
         section = {"partition_method": PARTITION, **{k: v for k, v in pipeline.items() if k != "cp_comm_type"}}
         config = ds_config(gas, dp, section, zero)
         RecordingAdamW.first = None
-        if pipeline.get("seq_splits", 1) > 1 or cp > 1:  # pipe.hf's own engine (megatron_ds.initialize has neither)
-            engine = build_engine(model, config, pipeline_settings(config), pp, dp,
-                                  lambda module: optimizer(module.parameters(), zero == 0), seq_length=SEQ, cp=cp,
-                                  comm_type=pipeline.get("cp_comm_type", "p2p"))[0]
+        reports, chose = [], None
+        if pipeline.get("seq_splits", 1) > 1 or pipeline["schedule"] == "auto" or cp > 1:  # pipe.hf's own engine
+            def build_from(cfg):  # Seq1F1B, CP, "auto" (and what it chose: training/auto_schedule.switch_engine)
+                return build_engine(model, cfg, pipeline_settings(cfg), pp, dp,
+                                    lambda module: optimizer(module.parameters(), zero == 0), seq_length=SEQ, cp=cp,
+                                    comm_type=pipeline.get("cp_comm_type", "p2p"), on_auto_decision=reports.append)[0]
+            engine = build_from(config)
         else:
             user = pipeline_module(model, num_stages=pp)
             engine = megatron_ds.initialize(model=user, optimizer=optimizer(user.parameters(), zero == 0),
@@ -144,14 +154,19 @@ def rank_runs(pp, gas, cases, steps=STEPS, save_dir=None, cp=1):
         losses = []
         for step in range(steps):
             data = iter([micro_batch(step, dp_rank * gas + j, packed) for j in range(gas)])
-            losses.append(float(engine.train_batch(data)))
+            with contextlib.redirect_stdout(io.StringIO()) as log:  # rank 0 logs "auto"'s decision
+                losses.append(float(engine.train_batch(data)))
+            if reports and chose is None:
+                chose = (reports[0].decision["choice"]["label"], reports[0].rebuild, log.getvalue())
+                if reports[0].rebuild:  # placed otherwise: rebuilt through a checkpoint, the same model
+                    engine = switch_engine(engine, reports[0].decision, build_from)
         names = hf_names(engine.module, model)
         params = dict(engine.module.named_parameters())
         grads = ({names[n]: RecordingAdamW.first[p] for n, p in params.items() if p in RecordingAdamW.first}
                  if zero == 0 else None)
         if save_dir is not None:
             save_pretrained(engine, model, f"{save_dir}/{i}")
-        out.append(dict(losses=losses, grads=grads, engine=type(engine).__name__, in_w=engine.weights_in_w,
+        out.append(dict(losses=losses, grads=grads, engine=type(engine).__name__, in_w=engine.weights_in_w, auto=chose,
                         segments=getattr(engine, "plan", None) and engine.plan.segment_lengths,
                         weights={names[n]: p.detach().clone() for n, p in params.items()}))
     return out

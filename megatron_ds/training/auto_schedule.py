@@ -44,7 +44,7 @@ from .config.moe_args import moe_flags
 from .config.pipeline import with_choice
 from .faults import timeouts
 from .initialize import get_rng_state, set_rng_state
-from .model_setup import model_config, setup_model_and_optimizer
+from .model_setup import model_config, setup_hf_model, setup_model_and_optimizer
 
 NAME = "auto_schedule.json"
 FORMAT = 1
@@ -262,14 +262,17 @@ def switch_engine(engine, decision: dict, build, save_dir=None):
     return new
 
 
-def rebuild(args, engine, decision: dict):
+def rebuild(args, engine, decision: dict, hf_model=None):
     """switch_engine for the pretraining loop: (the run's settings under the choice, the new engine, its lr
-    schedule), for the loop's Trainer to take."""
+    schedule), for the loop's Trainer to take; `hf_model`: --hf-model's transformers model, cut again."""
     built = {}
 
     def build(ds_config):
         built["args"] = with_choice(args, ds_config, decision)
-        new, built["lr_scheduler"] = setup_model_and_optimizer(built["args"])
+        if hf_model is not None:
+            new, built["lr_scheduler"], _ = setup_hf_model(built["args"], model=hf_model)
+        else:
+            new, built["lr_scheduler"] = setup_model_and_optimizer(built["args"])
         return new
 
     engine = switch_engine(engine, decision, build, args.save)

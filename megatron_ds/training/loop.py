@@ -99,6 +99,7 @@ class Trainer:
         self.start_time = time.time()
         self.nan_guard = NanGuard(args, engine, lambda: self.iteration + 1)
         self.auto = None  # "schedule": "auto": its decision for the checkpoints (training/auto_schedule.py)
+        self.hf_model = None  # --hf-model's transformers model ("auto"'s rebuild cuts it again)
         self.signals = exit_signal.Listener(args.exit_signal_handler)
         self.compile_logged = False  # compiled layers: the compile time is logged once, after the first steps
         self.first_iteration, self.after_first = None, [0.0, 0]  # its wall time (s); the later ones' sum, count
@@ -248,7 +249,8 @@ class Trainer:
         report = self.auto.take(self.iteration, self.tb)
         if not report.rebuild:
             return
-        self.args, self.engine, self.lr_scheduler = auto_schedule.rebuild(self.args, self.engine, report.decision)
+        self.args, self.engine, self.lr_scheduler = auto_schedule.rebuild(self.args, self.engine, report.decision,
+                                                                          self.hf_model)
         self.nan_guard = NanGuard(self.args, self.engine, lambda: self.iteration + 1)
         self.current_gbs = None  # the new engine takes the batch size of the ramp-up again
 
@@ -360,7 +362,7 @@ def pretrain(args):
     args, auto = auto_schedule.prepare(args)  # a resumed "auto" run builds the schedule its checkpoint chose
     hf_model = None
     if args.hf_model:
-        engine, lr_scheduler, hf_model = setup_hf_model(args)
+        engine, lr_scheduler, hf_model = setup_hf_model(args, on_auto_decision=auto.report if auto else None)
         check_hf_vocabulary(tokenizer, hf_model, args)
     else:
         engine, lr_scheduler = setup_model_and_optimizer(args, on_auto_decision=auto.report if auto else None)
@@ -378,7 +380,7 @@ def pretrain(args):
     if args.load:
         print_rank_0(f"    load-checkpoint time: {time.time() - loading:.2f} s")
     trainer = Trainer(args, engine, lr_scheduler, state, train_ds, valid_ds, test_ds, codecarbon)
-    trainer.auto = auto
+    trainer.auto, trainer.hf_model = auto, hf_model
     if state["rng_state"] is not None:
         set_rng_state(state["rng_state"])  # last: nothing built after this draws from the global RNGs
     dist.barrier()
@@ -388,7 +390,7 @@ def pretrain(args):
         trainer.maybe_save(last=True)
         trainer.saves.wait(f"before {exit_reason or 'the end of training'}")
         if hf_model is not None and args.save:
-            save_hf_model(engine, hf_model, args.save, trainer.iteration)
+            save_hf_model(trainer.engine, hf_model, args.save, trainer.iteration)  # "auto" may have rebuilt it
         if exit_reason:
             print_rank_0(exit_reason)
         else:

@@ -53,20 +53,25 @@ def lr_schedule(optimizer, args):
                        override_lr_scheduler=args.override_lr_scheduler)
 
 
-def setup_hf_model(args):
-    """(engine, lr schedule, the transformers model) of --hf-model's folder (pipe/hf/engine.py)."""
+def setup_hf_model(args, on_auto_decision=None, model=None):
+    """(engine, lr schedule, the transformers model) of --hf-model's folder (pipe/hf/engine.py); `model`: that
+    model already loaded ("auto"'s rebuild: the same weights object), `on_auto_decision` as below."""
     from megatron_ds.pipe.hf.engine import build_engine  # lazy: transformers, only for --hf-model runs
     print_rank_0(f"> building the Hugging Face model of {args.hf_model} ...")
-    engine, model = build_engine(args.hf_model, args.ds_config, args.pipeline_settings,
+    settings = args.pipeline_settings
+    engine, model = build_engine(args.hf_model if model is None else model, args.ds_config, settings,
                                  args.pipeline_model_parallel_size, args.data_parallel_size,
                                  lambda module: build_optimizer(module, args),
                                  lambda optimizer: lr_schedule(optimizer, args),
                                  activation_checkpoint_interval=args.activation_checkpoint_interval,
                                  seq_length=args.seq_length, cp=args.context_parallel_size,
-                                 comm_type=args.cp_comm_type)
+                                 comm_type=args.cp_comm_type, on_auto_decision=on_auto_decision,
+                                 planned=(args.pipeline_plan, args.auto_plan) if settings.auto else None)
+    starts = f" (memory_budget {args.auto_plan.budget_text}; starts on {args.pipeline_plan.settings.schedule})" \
+        if settings.auto else ""
     layout = getattr(engine.module, "context_layout", None)
     cp = f"; each sequence over {layout.size} context-parallel ranks ({args.cp_comm_type})" if layout else ""
-    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {args.pipeline_settings.schedule}; "
+    print_rank_0(f"> pipeline engine: {type(engine).__name__}, schedule {settings.schedule}{starts}; "
                  f"{type(model).__name__} from {args.hf_model}{cp}")
     return engine, engine.lr_scheduler, model
 

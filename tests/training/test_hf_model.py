@@ -125,6 +125,8 @@ def test_the_end_of_a_run_saves_a_transformers_folder(runs):
     (["--hf-model", "HF", "--rope-scaling-type", "linear", "--rope-scaling-factor", "2"],
      "--rope-scaling-type describes our GPT's layers"),
     ([], "missing required flags --num-layers, --hidden-size, --num-attention-heads"),  # no --hf-model: the GPT's
+    (["--hf-model", "HF", "--reset-position-ids", "--reset-attention-mask", "--deepspeed", "--deepspeed_config",
+      "auto.json"], '--hf-model with "schedule": "auto" and packed documents'),
 ])
 def test_bad_hf_model_input_exits_2(tmp_path, flags, message):
     _refused(tmp_path, flags, message)
@@ -138,6 +140,7 @@ def test_bad_hf_model_input_exits_2(tmp_path, flags, message):
      "its attention caps the scores (attn_logit_softcapping)"),
     ({"num_key_value_heads": 1}, ["--deepspeed", "--deepspeed_config", "pipe.json", "--cp-comm-type", "a2a"],
      "--cp-comm-type a2a shares the attention heads out over the context-parallel ranks"),
+    ({}, ["--deepspeed", "--deepspeed_config", "auto.json"], '"schedule": "auto" and --context-parallel-size > 1'),
 ])
 def test_what_context_parallelism_cannot_run_exits_2(tmp_path, config, flags, message):
     """--hf-model with --context-parallel-size 2 (2 ranks): refused at parse time where the run could not be
@@ -152,6 +155,8 @@ def _refused(tmp_path, flags, message, config=None, **env):
     (tmp_path / "HF" / "config.json").write_text(json.dumps(
         {"num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
          **(config or {})}))
+    (tmp_path / "auto.json").write_text(json.dumps({"zero_optimization": {"stage": 1}, "pipeline": {
+        "schedule": "auto", "memory_budget": 4}}))
     for ext in (".bin", ".idx"):
         (tmp_path / f"corpus{ext}").write_bytes(b"")
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *flags, "--seq-length", "16",

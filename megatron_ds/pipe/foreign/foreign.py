@@ -27,11 +27,12 @@ from ..plan.plan import PipelinePlan, micro_batches_per_step, too_few_layers
 DEEPSPEED_METHODS = "DeepSpeed's partition methods (\"parameters\", \"uniform\", \"type:REGEX\")"
 
 
-def check_settings(settings, ds_config, segments=False):
+def check_settings(settings, ds_config, segments=False, auto=False):
     """The "pipeline" settings a user's own layers cannot run, refused with what a layer would need; `segments`:
-    its layers take Seq1F1B's segments (pipe/hf/: the K/V cache in their attention)."""
+    its layers take Seq1F1B's segments (pipe/hf/: the K/V cache in their attention); `auto`: its sizes are known
+    (pipe/hf/: the model's config), so "auto" can weigh its candidates."""
     where = 'ds_config "pipeline"'
-    if settings.auto:
+    if settings.auto and not auto:
         raise ConfigError(f'{where}."schedule" = "auto" with your own PipelineModule: "auto" builds its candidates '
                           "from the GPT's sizes (layers, hidden size, sequence, vocabulary), which a PipelineModule's "
                           "layers do not state; name a schedule")

@@ -4,8 +4,9 @@ modules, tied embeddings as one TiedLayerSpec at both ends.
 
 The parts are found from the model's own structure, not from a table of families: the base model
 (`model.base_model`), its one ModuleList of config.num_hidden_layers decoder layers, its input embedding
-(get_input_embeddings), its rotary module, its one remaining module with parameters (the final norm), and the
-output layer (get_output_embeddings). What the cut cannot place is refused with one line naming it. Since a
+(get_input_embeddings), its rotary module or its learned position table (an nn.Embedding beside the token
+embedding, GPT-2's wpe, added to it with the base model's embedding dropout: HFPositions), its one remaining
+module with parameters (the final norm), and the output layer (get_output_embeddings). What the cut cannot place is refused with one line naming it. Since a
 family's forward may compute more than these parts say (a scale, an offset), the cut is checked before it is
 handed out: the layers run one after the other must give the model's own logits on a probe of two packed
 documents, else it is refused too.
@@ -16,7 +17,7 @@ from deepspeed.pipe import PipelineModule, TiedLayerSpec
 from megatron_ds.errors import UserError
 
 from . import attention
-from .layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm, causal_lm_loss, tied_head
+from .layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm, HFPositions, causal_lm_loss, tied_head
 
 # the decoder layers balanced over the stages, embedding first, head last; the shipped ds_configs' "type:transformer"
 # (the GPT's layers) matches them too
@@ -72,12 +73,20 @@ class Parts:
         if len(rotary) > 1:
             raise CutError(f"{name}: its base model holds {len(rotary)} rotary modules {rotary}; the cut knows one")
         self.rotary = rest.pop(rotary[0]) if rotary else None
+        tables = [k for k, m in rest.items() if isinstance(m, torch.nn.Embedding)]
+        if len(tables) > 1:
+            raise CutError(f"{name}: its base model holds {len(tables)} embeddings besides the token embedding "
+                           f"{tables}; the cut knows one, a learned position table")
+        self.positions = rest.pop(tables[0]) if tables else None
+        drops = [k for k, m in rest.items() if isinstance(m, torch.nn.Dropout)]
+        self.dropout = rest.pop(drops[0]) if len(drops) == 1 else None  # the embedding's (GPT-2's drop)
         norms = [k for k, m in rest.items() if any(True for _ in m.parameters())]
         if len(norms) != 1:
             raise CutError(f"{name}: its base model holds {len(norms)} modules with weights besides the embedding "
                            f"and the decoder layers ({norms}); the cut places exactly one there, the final norm")
         self.norm_name, self.norm = norms[0], rest[norms[0]]
-        placed = {id(p) for m in (self.embed, self.layers, self.norm, self.lm_head) for p in m.parameters()}
+        parts = (self.embed, self.layers, self.norm, self.lm_head) + ((self.positions,) if self.positions else ())
+        placed = {id(p) for m in parts for p in m.parameters()}
         left = [k for k, p in model.named_parameters() if id(p) not in placed]
         if left:
             raise CutError(f"{name}: parameters outside the embedding, decoder layers, final norm and output layer: "
@@ -102,7 +111,8 @@ class Parts:
                     TiedLayerSpec("embed", HFEmbedding, self.embed, self.lm_head, self.softcap, forward_fn=tied_head))
         else:
             ends = (HFEmbedding(self.embed), HFHead(self.lm_head, self.softcap))
-        return [ends[0], *decoders, HFNorm(self.norm), ends[1]]
+        extra = [HFPositions(self.positions, self.dropout)] if self.positions or self.dropout else []
+        return [ends[0], *extra, *decoders, HFNorm(self.norm), ends[1]]
 
 
 def sequential(layers):

@@ -14,6 +14,12 @@ for our GPT (pipe/parallel/context_parallel.py); each op's token ids, position i
 chunks of them (the position ids travel with the hidden states, so every decoder layer's rotary rotates its tokens
 by theirs), and the attention runs over the CP group, which the engine opens around each op with the documents.
 Every stage reads the micro-batches then (the documents are the whole sequence's).
+
+"auto": the plan and its AutoPlan are made from the model's config (plan_sizes: its layer count, sizes and
+vocabulary, as make_plan reads a GPTConfig), the run starts on auto's start-up schedule and the engine times the
+cut's own layers (the embedding, decoder layers, final norm and head as they run) in its window, as for the GPT
+(pipe/auto.py); a choice placed otherwise is a rebuild through a checkpoint by the engine's owner
+(training/auto_schedule.switch_engine), with the same transformers model.
 """
 import contextlib
 import dataclasses
@@ -31,6 +37,7 @@ from ..foreign.foreign import check_settings, chunked, plan_for
 from ..foreign.foreign_engine import ForeignScheduleEngine
 from ..parallel.context_parallel import deepspeed_batch, ensure_context_parallel, local_inputs
 from ..plan.config import ConfigError
+from ..plan.plan import make_plan
 from ..plan.segments import context_shards, segment_lengths
 from . import attention
 from .cut import PARTITION, CutError, load, pipeline_module
@@ -96,54 +103,69 @@ def layer_shape(config):
     """The decoder layer's sizes as Seq1F1B's balanced cut weighs them (schedules/flops.layer_shape's fields)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return types.SimpleNamespace(hidden_size=config.hidden_size, ffn_hidden_size=getattr(config, "intermediate_size", None),
-                                 num_attention_heads=heads,
+    # a config naming intermediate_size has a gated MLP (LLaMA's kin); GPT-2's names n_inner (None: 4 h), ungated
+    gated = getattr(config, "intermediate_size", None) is not None
+    ffn = config.intermediate_size if gated else (getattr(config, "n_inner", None) or 4 * config.hidden_size)
+    return types.SimpleNamespace(hidden_size=config.hidden_size, ffn_hidden_size=ffn, num_attention_heads=heads,
                                  num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-                                 swiglu=True, kv_channels=head_dim if head_dim * heads != config.hidden_size else None)
+                                 swiglu=gated, kv_channels=head_dim if head_dim * heads != config.hidden_size else None)
+
+
+def plan_sizes(config, seq_length):
+    """The model's sizes as make_plan reads a GPTConfig's (layers, hidden, FFN, heads, vocabulary, sequence):
+    what "auto"'s budget, candidates and Seq1F1B cuts are made of."""
+    shape = layer_shape(config)
+    shape.num_layers, shape.vocab_size, shape.max_position_embeddings = (config.num_hidden_layers,
+                                                                         config.vocab_size, seq_length)
+    return shape
 
 
 def build_engine(source, ds_config, settings, pp, dp, make_optimizer, make_lr_scheduler=None,
-                 activation_checkpoint_interval=0, seq_length=None, cp=1, comm_type="p2p"):
+                 activation_checkpoint_interval=0, seq_length=None, cp=1, comm_type="p2p", planned=None,
+                 on_auto_decision=None):
     """(engine, the transformers model it trains): `make_optimizer(module)`, `make_lr_scheduler(optimizer)`;
     `seq_length`: the tokens of a micro-batch's sequence, which Seq1F1B's segments cut; `cp`, `comm_type`:
-    context parallelism (--context-parallel-size, --cp-comm-type; `dp` the data-parallel size without it)."""
+    context parallelism (--context-parallel-size, --cp-comm-type; `dp` the data-parallel size without it). Under
+    "auto": `planned`, the (PipelinePlan, AutoPlan) the run made at parse time (None: made here from the model's
+    config), and `on_auto_decision`, the owner's hook for the decision (pipe/auto.AutoDecision)."""
     model = load(source)
     problem = context_problem(model.config, cp, comm_type, seq_length)
     if problem:
         raise CutError(f"{type(model).__name__}: {problem}")
-    if cp > 1 and settings.stock:
-        raise ConfigError(f"--context-parallel-size {cp} with a Hugging Face model under DeepSpeed's own engine (no "
-                          '"pipeline.schedule"): name a schedule ("1f1b" is its order on our engine)')
+    if cp > 1 and (settings.stock or settings.auto):
+        raise ConfigError(f"--context-parallel-size {cp} with a Hugging Face model under "
+                          + ('"auto"' if settings.auto else 'DeepSpeed\'s own engine (no "pipeline.schedule")')
+                          + ': name a schedule ("1f1b" is its order on our engine)')
     method = (ds_config.get("pipeline") or {}).get("partition_method", PARTITION)
-    segmented = settings.seq_splits > 1
+    segmented = settings.seq_splits > 1 or settings.auto  # "auto" probes and may choose Seq1F1B's segments
     topology = PipeDataParallelTopology(num_pp=pp, num_dp=dp * cp)  # the data axis: DP x CP, CP inner
     module = pipeline_module(model, topology=topology,
                              partition_method=method, activation_checkpoint_interval=activation_checkpoint_interval,
                              dynamic_shape=segmented)  # segments of other lengths: each message says its shape
-    engine_class = None
+    engine_class, auto_plan = None, None
     if not settings.stock:
-        check_settings(settings, ds_config, segments=True)
-        segments = None
-        if segmented:
-            if seq_length is None:
-                raise ValueError("Seq1F1B's segments need the sequence length")
-            shape = layer_shape(model.config)
-            segments = (seq_length, shape.hidden_size, tuple(segment_lengths(settings, shape, seq_length)))
-        plan = plan_for(module, deepspeed_batch(ds_config, cp), settings, segments)
-        if segmented or cp > 1:  # every stage's attention needs the micro-batch's documents
-            if cp > 1 and seq_length is None:
-                raise ValueError("context parallelism needs the sequence length")
-            shards = context_shards(cp, 1, False, seq_length, segments and list(segments[2]))
-            plan = dataclasses.replace(plan, documents=True, context_shards=shards)
+        check_settings(settings, ds_config, segments=True, auto=True)
+        if seq_length is None and (segmented or cp > 1):
+            raise ValueError("Seq1F1B's segments, \"auto\" and context parallelism need the sequence length")
+        if settings.auto:
+            plan, auto_plan = planned or make_plan(plan_sizes(model.config, seq_length), ds_config, pp, dp,
+                                                   seq_length, settings)
+        else:
+            segments = None
+            if segmented:
+                shape = layer_shape(model.config)
+                segments = (seq_length, shape.hidden_size, tuple(segment_lengths(settings, shape, seq_length)))
+            plan = plan_for(module, deepspeed_batch(ds_config, cp), settings, segments)
+            if segmented or cp > 1:  # every stage's attention needs the micro-batch's documents
+                shards = context_shards(cp, 1, False, seq_length, segments and list(segments[2]))
+                plan = dataclasses.replace(plan, documents=True, context_shards=shards)
         module = chunked(module, plan, method)
         module.context_layout = ensure_context_parallel(types.SimpleNamespace(context_parallel_size=cp), topology)
         module.context_parallel_size, module.cp_comm_type = cp, comm_type  # the engine opens the CP group
         engine_class = HFScheduleEngine
     optimizer = make_optimizer(module)
     lr_scheduler = make_lr_scheduler(optimizer) if make_lr_scheduler else None
+    extra = {"engine_class": engine_class, "auto_plan": auto_plan, "on_auto_decision": on_auto_decision}
     engine = initialize_engine(module, ds_config, optimizer, lr_scheduler, settings=settings,
-                               **({"engine_class": engine_class} if engine_class else {}))
+                               **(extra if engine_class else {}))
     return engine, model
-
-
-

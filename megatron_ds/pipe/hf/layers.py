@@ -15,8 +15,8 @@ import torch.nn.functional as F
 def _inputs(inputs):
     """(input_ids, position_ids) of a micro-batch's inputs: the token ids alone (positions 0..s-1 in every row)
     or the pair (positions restarting at 0 start a new packed document)."""
-    if torch.is_tensor(inputs):
-        return inputs, torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+    if torch.is_tensor(inputs):  # contiguous: DeepSpeed's own engine sends them to the next stage as they are
+        return inputs, torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1).contiguous()
     input_ids, position_ids = inputs
     return input_ids, position_ids
 
@@ -36,6 +36,22 @@ class HFEmbedding(torch.nn.Module):
     def forward(self, inputs):
         input_ids, position_ids = _inputs(inputs)
         return self.embed_tokens(input_ids), position_ids
+
+
+class HFPositions(torch.nn.Module):
+    """A learned position table's rows at the position ids added to the token embedding, then the base model's
+    embedding dropout (GPT-2's wpe and drop); a layer of its own, so that the tied token embedding stays the
+    only module both ends hold."""
+
+    def __init__(self, positions=None, dropout=None):
+        super().__init__()
+        self.positions, self.dropout = positions, dropout
+
+    def forward(self, inputs):
+        hidden, position_ids = inputs
+        if self.positions is not None:
+            hidden = hidden + self.positions(position_ids)
+        return (hidden if self.dropout is None else self.dropout(hidden)), position_ids
 
 
 class HFTransformerLayer(torch.nn.Module):

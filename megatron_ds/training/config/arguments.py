@@ -256,8 +256,8 @@ def validate_args(args):
     args.universal_checkpoint = apply_universal(args, args.ds_config, _err)
     (args.async_save, args.keep_last_checkpoints, args.keep_every,
      args.save_write_probe_mib) = apply_save_args(args, args.ds_config, _err)
+    check_hf_pipeline(args)  # before the plan: what a Hugging Face model cannot run, said first
     check_schedule_shape(args)
-    check_hf_pipeline(args)
     check_document_args(args)
     check_sequence_parallel_ds_config(args)
     check_observability_args(args)

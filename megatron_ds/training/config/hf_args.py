@@ -5,7 +5,9 @@ The folder's config.json gives the model's sizes (read here, torch-free, so a ba
 --num-layers, --hidden-size, --num-attention-heads and --ffn-hidden-size are taken from it, and one given that
 disagrees is refused; the tokenizer is the folder's (PretrainedFromHF) unless --tokenizer-name-or-path names
 another. The flags that describe our GPT's own layers, and the pipeline features not run for such a model yet
-(vocabulary parallelism, "auto", tensor parallelism, the universal checkpoint), are refused; so is
+(vocabulary parallelism, tensor parallelism, the universal checkpoint, "auto" with packed documents or context
+parallelism, whose candidates and probe cut the sequence into segments; "auto_recompute", whose knob is our GPT's
+recompute), are refused; so is
 one of --reset-position-ids and --reset-attention-mask without the other (the layers find documents where the
 position ids restart: pipe/hf/attention.py). --context-parallel-size runs (pipe/hf/engine.py) under a named
 schedule, for a model whose attention has no sliding window shorter than --seq-length and no capped scores (the
@@ -31,8 +33,14 @@ def add_hf_args(parser):
                         "its sizes and tokenizer come from the folder; the end of the run saves it (SAVE/hf_iter_N)")
 
 
+# the keys of families that name their sizes otherwise (GPT-2 and its kin: transformers' attribute_map)
+ALIASES = {"num_hidden_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+           "intermediate_size": "n_inner", "max_position_embeddings": "n_positions"}
+
+
 def hf_config(folder):
-    """The folder's config.json as a dict; ArgumentsError naming the folder and why."""
+    """The folder's config.json as a dict (GPT-2's n_layer, n_embd, ... under their usual names too);
+    ArgumentsError naming the folder and why."""
     path = os.path.join(folder, "config.json")
     if not os.path.isdir(folder):
         raise ArgumentsError(f"--hf-model {folder}: no such folder")
@@ -40,6 +48,9 @@ def hf_config(folder):
         config = read_json(path, f"--hf-model {folder}: config.json")
     except UnreadableFile as exc:
         raise ArgumentsError(str(exc)) from None
+    if isinstance(config, dict):
+        config = {**{key: config[alias] for key, alias in ALIASES.items() if key not in config and alias in config},
+                  **config}
     if not isinstance(config, dict) or not all(isinstance(config.get(key), int) for _, key in SIZES[:3]):
         raise ArgumentsError(f"--hf-model {folder}: config.json does not give num_hidden_layers, hidden_size and "
                              "num_attention_heads (not a transformers model's config)")
@@ -77,8 +88,12 @@ def check_hf_pipeline(args):
     if args.hf_model is None:
         return
     settings = args.pipeline_settings
+    documents = args.reset_position_ids or args.reset_attention_mask
     refused = [("--tensor-model-parallel-size > 1", args.tensor_model_parallel_size > 1),
-               ('"schedule": "auto"', settings.auto),
+               ('"schedule": "auto" and packed documents ("auto" weighs and probes Seq1F1B\'s segments)',
+                settings.auto and documents),
+               ('"schedule": "auto" and --context-parallel-size > 1', settings.auto and args.context_parallel_size > 1),
+               ('"auto_recompute" (it weighs our GPT\'s recompute settings)', settings.auto_recompute),
                ("vocabulary parallelism", settings.vocab_parallel),
                ("--universal-checkpoint", args.universal_checkpoint)]
     for what, on in refused:

@@ -9,10 +9,10 @@ from megatron_ds.errors import UserError
 from megatron_ds.pipe.hf import CutError, load
 from megatron_ds.pipe.hf import attention as attn
 from megatron_ds.pipe.hf.cut import Parts, check_cut, sequential
-from megatron_ds.pipe.hf.layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm
+from megatron_ds.pipe.hf.layers import HFTransformerLayer, HFEmbedding, HFHead, HFNorm, HFPositions
 from tests.hf_harness import SIZES, build, config
 
-FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "mixtral"]
+FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "olmo2", "mixtral", "gpt2"]
 
 
 def _other(name):
@@ -34,8 +34,9 @@ def test_the_cut_gives_the_models_logits(family):
     parts = Parts(model)
     layers = parts.layer_list()
     assert isinstance(layers[0], (HFEmbedding, type(layers[-1]))) and isinstance(layers[-2], HFNorm)
-    assert [type(x) for x in layers[1:-2]] == [HFTransformerLayer] * 4
-    assert parts.tied == (family in ("llama", "gemma3", "gemma2")) and isinstance(layers[-1], HFHead) != parts.tied
+    # GPT-2: its learned positions and embedding dropout in a layer after the (tied) token embedding
+    assert [type(x) for x in layers[1:-2]] == [HFPositions] * (family == "gpt2") + [HFTransformerLayer] * 4
+    assert parts.tied == (family in ("llama", "gemma3", "gemma2", "gpt2")) and isinstance(layers[-1], HFHead) != parts.tied
     ids = torch.randint(0, 64, (2, 14))
     positions = torch.tensor([list(range(9)) + list(range(5)), list(range(3)) + list(range(11))])
     model.eval()
@@ -189,3 +190,14 @@ def test_what_context_parallelism_runs_is_not_refused():
     assert context_problem(T.MistralConfig(**SIZES, sliding_window=16), 2, "p2p", 16) == ""
     capped = T.Gemma2Config(**SIZES, head_dim=8, sliding_window=16)
     assert "capped attention scores" in context_problem(capped, 2, "p2p", 16)
+
+
+@pytest.mark.parametrize("family,ffn,gated", [("llama", 64, True), ("gpt2", 128, False), ("qwen3", 64, True)])
+def test_plan_sizes_read_the_models_config(family, ffn, gated):
+    """What "auto" and Seq1F1B's balanced cut weigh: layers, sizes, vocabulary and the sequence from the config;
+    a gated MLP where the config names intermediate_size, GPT-2's 4 h ungated one (n_inner None)."""
+    from megatron_ds.pipe.hf.engine import plan_sizes
+    sizes = plan_sizes(config(family), 16)
+    assert (sizes.num_layers, sizes.hidden_size, sizes.vocab_size, sizes.max_position_embeddings) == (4, 32, 64, 16)
+    assert (sizes.ffn_hidden_size, sizes.swiglu) == (ffn, gated)
+    assert sizes.num_key_value_heads == (4 if family == "gpt2" else 2)  # GPT-2: one K/V head per query head
