@@ -8,19 +8,18 @@ fsynced, out of room recorded, not raised), takes its manifest entry (size, CRC-
 folder. The writer holds no collective and names nothing: saves.py commits the step at an iteration boundary
 once every rank's job is done. The host copies are let go when the job ends.
 
-Fault injection: MEGATRON_DS_KILL_DURING_SAVE=ITER:RANK kills rank RANK (SIGKILL) in the middle of its
-background write of iteration ITER, after its first file. For tests, MEGATRON_DS_TEST_SAVE_DELAY_S=SECONDS
+Fault injection (kill_points.py): MEGATRON_DS_KILL_DURING_SAVE=ITER:RANK[:MOMENT] kills rank RANK (SIGKILL)
+before its background write of iteration ITER (copied), after its first file (writing, the default) or after
+its last (written). For tests, MEGATRON_DS_TEST_SAVE_DELAY_S=SECONDS
 holds every background write back that long before its first file (a slow disk: training goes on meanwhile).
 """
 import os
-import signal
 import threading
 import time
 
-from . import engine as checkpoint_engine
+from . import engine as checkpoint_engine, kill_points
 from .manifest import entry
 
-KILL_ENV = "MEGATRON_DS_KILL_DURING_SAVE"
 DELAY_ENV = "MEGATRON_DS_TEST_SAVE_DELAY_S"
 
 
@@ -61,14 +60,6 @@ def tensor_bytes(obj):
     return 0
 
 
-def _kill_point(iteration, rank):
-    spec = os.environ.get(KILL_ENV, "")
-    if ":" not in spec:
-        return False
-    it, r = spec.split(":", 1)
-    return it.strip() == str(iteration) and r.strip() == str(rank)
-
-
 def _fsync_dir(path):
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -101,20 +92,22 @@ class Job:
 
     def run(self):
         try:
+            kill_points.maybe_kill("copied", self.iteration, self.rank)
             if self.probe_fn is not None:
                 self.probe = self.probe_fn()
             time.sleep(float(os.environ.get(DELAY_ENV) or 0))
             start = time.perf_counter()
             for n, (path, state) in enumerate(self.files):
                 _, size = checkpoint_engine.write_file(state, path, self.zipfile)
-                if n == 0 and _kill_point(self.iteration, self.rank):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if n == 0:
+                    kill_points.maybe_kill("writing", self.iteration, self.rank)
                 if size:
                     self.bytes += size
                     rel = os.path.relpath(path, self.step_dir)
                     if not rel.startswith(".."):
                         self.entries[rel] = entry(path)
             _fsync_dir(self.step_dir)
+            kill_points.maybe_kill("written", self.iteration, self.rank)
             self.seconds = time.perf_counter() - start
         except BaseException as e:  # noqa: BLE001 - handed to the training thread, which raises it
             self.error = e

@@ -86,3 +86,29 @@ def test_host_copy_is_a_copy():
     assert torch.equal(copy["opt"]["moments"][1][0], torch.arange(6, dtype=torch.float32) * 2)
     assert type(copy["opt"]) is collections.OrderedDict and copy["opt"]["step"] == 3 and copy["name"] == "x"
     assert tensor_bytes(copy) == (4 + 6 + 6) * 4
+
+
+def test_prune_finishes_a_deletion_a_kill_cut_short(tmp_path, capsys):
+    for step in (2, 4, 6):
+        os.makedirs(tmp_path / f"global_step{step}")
+        (tmp_path / f"global_step{step}" / "manifest.json").write_text("{}")
+    os.makedirs(tmp_path / ".deleting-global_step0")  # what a prune killed half-way leaves
+    (tmp_path / ".deleting-global_step0" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    assert committed_steps(str(tmp_path)) == [2, 4, 6]  # a hidden folder is never a step
+    assert prune(str(tmp_path), 6, keep_last=2) == [2]
+    assert sorted(d for d in os.listdir(tmp_path) if "step" in d) == ["global_step4", "global_step6"]
+    assert "finished deleting the checkpoints of iterations 0 (an earlier run stopped" in capsys.readouterr().out
+
+
+def test_kill_point_specs(monkeypatch):
+    from megatron_ds.training.checkpoint import kill_points
+    assert kill_points.parse("4:1") == (4, "1", "writing")  # the two-field form: in the middle of the writes
+    assert kill_points.parse("8:*:agreed") == (8, "*", "agreed")
+    for bad in ("4", "4:x", "4:1:later", "a:1:copied"):
+        with pytest.raises(ValueError, match="MEGATRON_DS_KILL_DURING_SAVE"):
+            kill_points.parse(bad)
+    monkeypatch.setenv(kill_points.ENV, "8:*:written")
+    assert kill_points.due("written", 8, 0) and kill_points.due("written", 8, 3)
+    assert not kill_points.due("written", 6, 0) and not kill_points.due("agreed", 8, 0)
+    monkeypatch.setenv(kill_points.ENV, "4:1")
+    assert kill_points.due("writing", 4, 1) and not kill_points.due("writing", 4, 0)
