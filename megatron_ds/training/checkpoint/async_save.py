@@ -3,9 +3,10 @@
 The copy (`host_copy`) is taken inside DeepSpeed's save through engine.Collector: every tensor of every state
 DeepSpeed would write (layer files, model states with our client state, ZeRO shards) cloned to host memory,
 into pinned memory on CUDA (copies issued without blocking, then one synchronize before training goes on). Then
-`Job.run`, on a thread of its own, writes each file as the synchronous save does (disk_full.write_torch:
-fsynced, out of room recorded, not raised), takes its manifest entry (size, CRC-32) and fsyncs the step
-folder. The writer holds no collective and names nothing: saves.py commits the step at an iteration boundary
+`Job.run`, on a thread of its own, writes each file in torch.save's format through zip_writer.py (the GIL
+held little: the training thread of the same process runs meanwhile) and disk_full.write_torch (fsynced, out
+of room recorded, not raised), takes its manifest entry (size, the CRC-32 taken while writing) and fsyncs the
+step folder. The writer holds no collective and names nothing: saves.py commits the step at an iteration boundary
 once every rank's job is done. The host copies are let go when the job ends.
 
 Fault injection (kill_points.py): MEGATRON_DS_KILL_DURING_SAVE=ITER:RANK[:MOMENT] kills rank RANK (SIGKILL)
@@ -98,14 +99,14 @@ class Job:
             time.sleep(float(os.environ.get(DELAY_ENV) or 0))
             start = time.perf_counter()
             for n, (path, state) in enumerate(self.files):
-                _, size = checkpoint_engine.write_file(state, path, self.zipfile)
+                _, size, crc = checkpoint_engine.write_background(state, path, self.zipfile)
                 if n == 0:
                     kill_points.maybe_kill("writing", self.iteration, self.rank)
                 if size:
                     self.bytes += size
                     rel = os.path.relpath(path, self.step_dir)
                     if not rel.startswith(".."):
-                        self.entries[rel] = entry(path)
+                        self.entries[rel] = entry(path) if crc is None else {"size": size, "crc32": f"{crc:08x}"}
             _fsync_dir(self.step_dir)
             kill_points.maybe_kill("written", self.iteration, self.rank)
             self.seconds = time.perf_counter() - start

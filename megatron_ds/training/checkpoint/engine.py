@@ -17,7 +17,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from ..faults import disk_full
 
-from . import safe_load
+from . import safe_load, zip_writer
 
 # (path, seconds, bytes) of each file this rank's synchronous save wrote; the saver empties it per save
 written = []
@@ -29,6 +29,22 @@ def write_file(state_dict, path, zipfile_serialization):
     disk_full.write_torch(state_dict, path, _use_new_zipfile_serialization=zipfile_serialization)
     size = os.path.getsize(path) if os.path.exists(path) else 0
     return time.perf_counter() - start, size
+
+
+def write_background(state_dict, path, zipfile_serialization):
+    """The background writer's write_file: torch.save's format through zip_writer (the GIL held little), its
+    CRC-32 taken while writing. Returns (seconds, bytes, crc32 or None), bytes 0 when it ran out of room."""
+    if not zipfile_serialization:  # the legacy format: torch's own writer
+        return (*write_file(state_dict, path, zipfile_serialization), None)
+    start, files = time.perf_counter(), []
+
+    def save(obj, raw):
+        files.append(zip_writer.CrcFile(raw))
+        zip_writer.save(obj, files[-1])
+
+    disk_full.write_torch(state_dict, path, save=save)
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return time.perf_counter() - start, size, files[-1].crc if size and files else None
 
 
 class MegatronDSCheckpointEngine(TorchCheckpointEngine):
