@@ -15,6 +15,9 @@ folder beside the reference: after the host copy (copied) at 4, resumed from 2 a
 of --keep-last-checkpoints 1 deleting step 4 (deleting) once 6 was committed, resumed from 6 and killed after the
 writes (written) and after the agreement (agreed) of 8, then resumed from 6 to the end: each start loads the
 last committed step and every logged loss is the reference's; the end's weights and Adam state too.
+Across a layout change: a run at PP2 x DP2 saving in the background at 3, and its resume from there at PP4
+(the ZeRO-1 state re-cut by name, relayout.py): iterations 4..8 equal the uninterrupted run's (rel 1e-5: the
+DP all-reduce's order differs) and the fp32 masters and Adam's moments and step come back exactly.
 SIGUSR1 to one rank under --exit-signal-handler while a background save is in flight: both ranks wait for it,
 save the iteration they agree on, and exit 0.
 Two torchrun agents on this machine as two nodes (--nnodes 2, c10d rendezvous, one rank each): saved in the
@@ -219,6 +222,36 @@ def test_a_kill_at_each_moment_of_a_background_save_resumes_from_the_last_commit
     first = int(loaded) + 1 if loaded else 1
     assert run["losses"] and min(run["losses"]) == first, run["losses"]
     assert run["losses"] == {i: ref["losses"][i] for i in run["losses"]}
+
+
+@pytest.mark.timeout(1800)  # two launches of 4 ranks
+def test_a_background_save_at_pp2_dp2_resumes_at_pp4(tmp_path):
+    from tests.training.checkpoint.test_universal_checkpoint import CAPTURE, assert_same_tensors, captured
+    from tests.training.test_resume import launch
+    write_corpus(str(tmp_path / "corpus"))
+    # untied: each parameter on one stage, as the capture's comparison wants
+    hard = ("--num-layers", "4", "--train-iters", str(ITERS), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--untie-embeddings-and-output-weights")
+    ckpt = str(tmp_path / "ckpt")
+    capture = lambda name: ("--capture-dir", str(tmp_path / "capture" / name))  # noqa: E731
+    full, out = launch(tmp_path, "pp2_dp2", "--async-save", "--save", ckpt, "--save-interval", "3",
+                       "--exit-interval", str(ITERS), *capture("pp2_dp2"), nproc=4, hard=hard, entry=CAPTURE)
+    assert "(in the background)" in out and fi.latest(str(tmp_path)) == f"global_step{ITERS}"
+    with open(os.path.join(ckpt, "latest"), "w") as f:  # resume from the background save of iteration 3
+        f.write("global_step3")
+    resumed, out = launch(tmp_path, "pp4", "--load", ckpt, "--pipeline-model-parallel-size", "4",
+                          *capture("pp4"), nproc=4, hard=hard, entry=CAPTURE)
+    assert "re-cut parameter by parameter" in out and "at iteration 3" in out, out[-3000:]
+    assert [r["iteration"] for r in full] == list(range(1, ITERS + 1))
+    assert [r["iteration"] for r in resumed] == list(range(4, ITERS + 1))
+    worst = max(abs(r["loss"] - f["loss"]) / abs(f["loss"]) for r, f in zip(resumed, full[3:]))
+    assert worst < 1e-5, (resumed, full[3:])
+    assert [r["lr"] for r in resumed] == pytest.approx([r["lr"] for r in full[3:]], rel=1e-12)
+    runs = {"tmp": tmp_path}
+    saved, saved_steps, _ = captured(runs, "pp2_dp2", "save3")
+    loaded, steps, iterations = captured(runs, "pp4", "load")
+    assert saved_steps == steps == {3} and iterations == {3}
+    assert_same_tensors(loaded, saved, ("fp32", "exp_avg", "exp_avg_sq", "module"), "pp4")
 
 
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",
