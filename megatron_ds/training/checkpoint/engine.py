@@ -58,7 +58,7 @@ class MegatronDSCheckpointEngine(TorchCheckpointEngine):
 
 class Collector(CheckpointEngine):
     """DeepSpeed's checkpoint engine API, for one save under --async-save: `save` copies the state to host
-    memory (`copy`: async_save.host_copy) and keeps it with its path; nothing is written. DeepSpeed's own
+    memory (`copy(state, path)`: async_save.HostBuffers.copy) and keeps it with its path; nothing is written. DeepSpeed's own
     clone before a save is skipped (preserves_storage_sharing): the host copy is one already."""
 
     def __init__(self, like, copy):
@@ -71,7 +71,7 @@ class Collector(CheckpointEngine):
         pass
 
     def save(self, state_dict, path):
-        self.files.append((path, self.copy(state_dict)))
+        self.files.append((path, self.copy(state_dict, path)))
 
     def load(self, path, map_location=None):
         raise RuntimeError("the async-save collector writes nothing and loads nothing")
