@@ -12,6 +12,13 @@ from megatron_ds.training.checkpoint import engine, zip_writer
 from megatron_ds.training.faults import disk_full
 
 
+def test_crc32_combine_is_zlibs():
+    data = os.urandom(3000) + bytes(5000)
+    for cut in (0, 1, 17, 2999, 8000):
+        a, b = data[:cut], data[cut:]
+        assert zip_writer.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(data)
+
+
 def _state():
     g = torch.Generator().manual_seed(0)
     base = torch.randn(5, 7, generator=g)
@@ -31,7 +38,9 @@ def _offsets(data):
     return out
 
 
-def test_the_records_are_torch_saves(tmp_path):
+@pytest.mark.parametrize("big", [1 << 20, 1])  # 1: every record's data read once, its CRC-32 combined
+def test_the_records_are_torch_saves(tmp_path, monkeypatch, big):
+    monkeypatch.setattr(zip_writer, "BIG", big)
     state = _state()
     theirs = io.BytesIO()
     torch.save(state, theirs)
