@@ -21,6 +21,12 @@ file (each iteration's train_batch time) and its save line:
 
     python -m bench.async_save                       # GPT-2 small shape (124M), PP 2 and PP 1, ~20 minutes on 2 cores
     python -m bench.async_save --num-layers 2 --hidden-size 64 --iterations 6 --save-at 3   # a toy, seconds
+    python -m bench.async_save --writer-mb 480        # the writers alone, in one process, no launch
+
+--writer-mb: torch.save (plus the manifest's read of the file, as the background writer did before) against
+zip_writer (the writer now), each on a thread of one process while its main thread runs small matmuls as a
+training thread would, alternated --rounds times (at least 3): the median write time, the share of its
+alone rate the training thread kept meanwhile, and the training time lost = (1 - share) x write time.
 """
 from __future__ import annotations
 
@@ -103,6 +109,56 @@ def table(rows, params, pp):
     return "\n".join(lines)
 
 
+def lost(seconds, kept):
+    """Training time a write cost: the write's duration times the share of the training rate it took."""
+    return (1.0 - kept) * seconds
+
+
+def writer_cost(mb, rounds, path):
+    """{writer: (median write s, median share of the training rate kept)} (see --writer-mb)."""
+    import threading
+    import time
+
+    import torch
+
+    from megatron_ds.training.checkpoint import engine
+    from megatron_ds.training.checkpoint.manifest import entry
+    from megatron_ds.training.faults import disk_full
+    state = {"t": [torch.randn(1 << 20) for _ in range(max(1, mb * 10 ** 6 // (4 << 20)))]}
+    writers = {"torch.save": lambda: (disk_full.write_torch(state, path), entry(path)),
+               "zip_writer": lambda: engine.write_background(state, path, True)}
+    a = torch.randn(128, 128)
+
+    def train(alive):
+        n, start = 0, time.perf_counter()
+        while alive():
+            a @ a
+            n += 1
+        return n / (time.perf_counter() - start), time.perf_counter() - start
+
+    end = time.perf_counter() + 2
+    alone = train(lambda: time.perf_counter() < end)[0]
+    found = {name: [] for name in writers}
+    for _ in range(max(3, rounds)):
+        for name, write in writers.items():
+            thread = threading.Thread(target=write)
+            thread.start()
+            rate, seconds = train(thread.is_alive)
+            thread.join()
+            found[name].append((seconds, rate / alone))
+            os.remove(path)
+    return {name: (statistics.median(s for s, _ in rows), statistics.median(k for _, k in rows))
+            for name, rows in found.items()}
+
+
+def writer_table(costs, mb):
+    lines = [f"{mb} MB written on a thread beside a training thread (medians)",
+             f"{'writer':11} {'write s':>8} {'kept':>6} {'lost s':>7}"]
+    for name, (seconds, kept) in costs.items():
+        lines.append(f"{name:11} {seconds:8.2f} {kept:6.2f} {lost(seconds, kept):7.2f}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pp", type=int, nargs="+", default=[2, 1], help="pipeline sizes (layouts), one table each")
@@ -115,7 +171,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1, help="launches of each mode, in alternating order")
     p.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
     p.add_argument("--workdir", default=None, help="default: a temporary folder, removed after")
+    p.add_argument("--writer-mb", type=int, default=0, help="measure the writers alone on this many MB, no launch")
     args = p.parse_args(argv)
+    if args.writer_mb:
+        with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
+            costs = writer_cost(args.writer_mb, args.rounds, os.path.join(workdir, "state.pt"))
+        print(writer_table(costs, args.writer_mb))
+        return costs
     if not 2 <= args.save_at < args.iterations - 1:
         p.error("--save-at must leave an iteration before it (after the first) and two after it")
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:

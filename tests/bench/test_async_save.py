@@ -30,3 +30,12 @@ def test_a_run_without_the_probe_has_no_ratio():
     r = async_save.measure({1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0, 6: 1.0, 7: 1.0}, save, 5, None)
     assert r["probe"] is None and r["after"] == 0.0
     assert async_save.table({"async": r}, 1e8, 1).splitlines()[-1].split()[-2:] == ["-", "-"]
+
+
+def test_the_writers_alone(tmp_path):
+    assert async_save.lost(2.0, 0.75) == 0.5  # a 2 s write that kept 3/4 of the training rate cost 0.5 s
+    costs = async_save.writer_cost(8, 1, str(tmp_path / "state.pt"))
+    assert sorted(costs) == ["torch.save", "zip_writer"]
+    assert all(seconds > 0 and 0 < kept for seconds, kept in costs.values()), costs
+    out = async_save.writer_table(costs, 8).splitlines()
+    assert out[0].startswith("8 MB written") and [line.split()[0] for line in out[2:]] == ["torch.save", "zip_writer"]
