@@ -5,7 +5,7 @@ DeepSpeed would write (layer files, model states with our client state, ZeRO sha
 into pinned memory on CUDA (copies issued without blocking, then one synchronize before training goes on),
 into buffers allocated at the first background save and reused by the later ones. Then
 `Job.run`, on a thread of its own, writes each file in torch.save's format through zip_writer.py (the GIL
-held little: the training thread of the same process runs meanwhile) and disk_full.write_torch (fsynced, out
+held little, each storage read once) and disk_full.write_torch (fsynced, out
 of room recorded, not raised), takes its manifest entry (size, the CRC-32 taken while writing) and fsyncs the
 step folder. The writer holds no collective and names nothing: saves.py commits the step at an iteration boundary
 once every rank's job is done. The host buffers are free for the next save when the job ends.

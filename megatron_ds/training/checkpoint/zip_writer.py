@@ -1,14 +1,14 @@
 """torch.save's file format, written so that the background writer holds the GIL little.
 
 torch.save's zip writer (PyTorchFileWriter) computes each record's CRC-32 and hands the bytes to a Python file
-object chunk by chunk, holding the GIL throughout: a writer thread then stalls the training thread of its own
-process for most of the write. Here torch's own pickling (serialization._save: the same data.pkl, the same
-records in the same order, the storages' bytes as they are) feeds Python's zipfile instead, whose CRC-32
-(zlib) and writes release the GIL on large buffers; each storage goes out as one write straight from the host
-buffer. The records are stored uncompressed with their data aligned to torch's storage alignment (64 bytes, a
-padding extra field as torch writes), so torch.load (mmap too), DeepSpeed and the universal converter read the
-file as one torch.save wrote. The file's own CRC-32 and size are taken while writing (`CrcFile`), so the
-manifest entry needs no second read.
+object chunk by chunk, holding the GIL throughout, and the manifest then read the file again for its CRC-32.
+Here torch's own pickling (serialization._save: the same data.pkl, the same records in the same order, the
+storages' bytes as they are) feeds Python's zipfile instead, whose CRC-32 (zlib) and writes release the GIL
+on large buffers; each storage goes out as one write straight from the host buffer. The records are stored
+uncompressed with their data aligned to torch's storage alignment (64 bytes, a padding extra field as torch
+writes), so torch.load (mmap too), DeepSpeed and the universal converter read the file as one torch.save
+wrote. The file's own CRC-32 and size are taken while writing (`CrcFile`, a large record's CRC-32 combined
+from zipfile's), so the manifest entry needs no second read.
 """
 import io
 import pickle
