@@ -99,3 +99,18 @@ def test_any_name_length_and_size_stays_aligned(n):
     assert all(off % 64 == 0 for off in _offsets(out.getvalue()).values())
     got = torch.load(io.BytesIO(out.getvalue()), weights_only=True)
     assert torch.equal(got["x" * n], torch.ones(n, dtype=torch.uint8)) and torch.equal(got["y"], torch.zeros(n + 1))
+
+
+def test_zip64_records_stay_aligned_and_load(monkeypatch):
+    """Records past zip's 4 GiB limit carry zip64 fields (20 more header bytes): shown with the limit lowered."""
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 1000)
+    state = {"big": torch.arange(600, dtype=torch.float32), "small": torch.ones(3)}
+    out = io.BytesIO()
+    f = zip_writer.CrcFile(out)
+    zip_writer.save(state, f)
+    data = out.getvalue()
+    assert any(i.file_size > 1000 and i.extra for i in zipfile.ZipFile(io.BytesIO(data)).infolist())
+    assert all(off % 64 == 0 for off in _offsets(data).values())
+    assert f.crc == zlib.crc32(data)
+    got = torch.load(io.BytesIO(data), weights_only=True)
+    assert torch.equal(got["big"], state["big"]) and torch.equal(got["small"], state["small"])
