@@ -17,7 +17,7 @@ from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchChe
 
 from ..faults import disk_full
 
-from . import safe_load
+from . import safe_load, zip_writer
 
 # (path, seconds, bytes) of each file this rank's synchronous save wrote; the saver empties it per save
 written = []
@@ -31,6 +31,22 @@ def write_file(state_dict, path, zipfile_serialization):
     return time.perf_counter() - start, size
 
 
+def write_background(state_dict, path, zipfile_serialization):
+    """The background writer's write_file: torch.save's format through zip_writer (the GIL held little), its
+    CRC-32 taken while writing. Returns (seconds, bytes, crc32 or None), bytes 0 when it ran out of room."""
+    if not zipfile_serialization:  # the legacy format: torch's own writer
+        return (*write_file(state_dict, path, zipfile_serialization), None)
+    start, files = time.perf_counter(), []
+
+    def save(obj, raw):
+        files.append(zip_writer.CrcFile(raw))
+        zip_writer.save(obj, files[-1])
+
+    disk_full.write_torch(state_dict, path, save=save)
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    return time.perf_counter() - start, size, files[-1].crc if size and files else None
+
+
 class MegatronDSCheckpointEngine(TorchCheckpointEngine):
 
     def save(self, state_dict, path):
@@ -42,7 +58,7 @@ class MegatronDSCheckpointEngine(TorchCheckpointEngine):
 
 class Collector(CheckpointEngine):
     """DeepSpeed's checkpoint engine API, for one save under --async-save: `save` copies the state to host
-    memory (`copy`: async_save.host_copy) and keeps it with its path; nothing is written. DeepSpeed's own
+    memory (`copy(state, path)`: async_save.HostBuffers.copy) and keeps it with its path; nothing is written. DeepSpeed's own
     clone before a save is skipped (preserves_storage_sharing): the host copy is one already."""
 
     def __init__(self, like, copy):
@@ -55,7 +71,7 @@ class Collector(CheckpointEngine):
         pass
 
     def save(self, state_dict, path):
-        self.files.append((path, self.copy(state_dict)))
+        self.files.append((path, self.copy(state_dict, path)))
 
     def load(self, path, map_location=None):
         raise RuntimeError("the async-save collector writes nothing and loads nothing")

@@ -49,7 +49,7 @@ from megatron_ds.pipe.vocab.vocab_checkpoint import universal_names
 from megatron_ds.pipe.deepspeed.zero_internals import ZeroInternals
 
 from ..errors import CheckpointError
-from . import engine as checkpoint_engine, recovery_script, safe_load
+from . import engine as checkpoint_engine, kill_points, recovery_script, safe_load
 from ..faults import disk_full
 from ..initialize import get_rng_state
 from .manifest import verify_manifest, write_manifest
@@ -156,6 +156,7 @@ def commit_step(args, iteration, known=None):
     step_dir = os.path.join(args.save, tag)
     if _stopped_by_disk(args, step_dir):  # every rank's files are on disk before `latest` names them
         return False
+    kill_points.maybe_kill("agreed", iteration, dist.get_rank())
     disk_full.guarded(lambda: write_manifest(step_dir, known), os.path.join(step_dir, "manifest.json"))
     if dist.get_rank() == 0 and not disk_full.failed():
         disk_full.write_text(os.path.join(args.save, "latest"), tag)

@@ -1,8 +1,9 @@
 """The run's saves, synchronous or in the background (--async-save), each committed only when whole.
 
 Synchronous: save_load.save_checkpoint writes and commits in the saving iteration. In the background: the
-saving iteration stops only for save_load.write_step with a Collector (the host copies), then a thread of
-each rank writes the files (async_save.Job). At most one save is in flight. The step is committed at an
+saving iteration stops only for save_load.write_step with a Collector (the host copies, into buffers reused
+from one save to the next: async_save.HostBuffers), then a thread of each rank writes the files
+(async_save.Job). At most one save is in flight. The step is committed at an
 iteration boundary on the training thread: `poll` (every boundary while a save is in flight) asks every
 rank whether its writer is done (one all-reduce), and once all are, every rank commits together
 (save_load.commit_step: the disk-full agreement, the manifest from the writers' entries, `latest` by rank 0).
@@ -17,7 +18,7 @@ import time
 from megatron_ds.data.dist_utils import print_rank_0
 
 from . import engine as checkpoint_engine, retention, save_stats
-from .async_save import Job, host_copy
+from .async_save import HostBuffers, Job
 from .save_load import commit_step, save_checkpoint, write_step
 
 
@@ -50,6 +51,7 @@ class Saves:
     def __init__(self, args, tb=None, loaded_tag=None):
         self.args, self.tb = args, tb
         self.pending = None  # (iteration, Job, blocking seconds)
+        self.buffers = None  # the host copies' memory, kept from one background save to the next
         self.probed, self.probe_mbs = False, None  # the plain sequential write's MB/s, once measured
         self.refused = None  # the last iteration whose commit found no room (--keep-training-on-disk-full)
         same = args.load and args.save and os.path.realpath(args.load) == os.path.realpath(args.save)
@@ -79,13 +81,21 @@ class Saves:
                                              self.probe_mbs)
             self._report(iteration, blocking, _gather(record), committed, background=False)
             return committed
-        start, pin = time.perf_counter(), _on_cuda()
-        collector = checkpoint_engine.Collector(checkpoint_engine.install(engine), lambda s: host_copy(s, pin))
-        step_dir = write_step(engine, self.args, iteration, consumed_train, consumed_valid, extra_files, collector)
+        start = time.perf_counter()
+        if self.buffers is None:
+            self.buffers = HostBuffers(pin=_on_cuda())
+        pin = self.buffers.pin
+        collector = checkpoint_engine.Collector(checkpoint_engine.install(engine), self.buffers.copier())
+        try:
+            step_dir = write_step(engine, self.args, iteration, consumed_train, consumed_valid, extra_files,
+                                  collector)
+        except BaseException:
+            self.buffers.release()  # no writer will
+            raise
         if pin:  # the copies are whole before the next step's kernels (on any stream) may change a state
             import torch
             torch.cuda.synchronize()
-        job = Job(iteration, step_dir, collector, rank, probe=probe).start()
+        job = Job(iteration, step_dir, collector, rank, probe=probe, buffers=self.buffers).start()
         self.pending = (iteration, job, time.perf_counter() - start)
         return None
 

@@ -135,16 +135,19 @@ def failed():
     return bool(_state["failures"])
 
 
-def write_torch(state_dict, path, **save_kwargs):
-    """torch.save into `path`; out of room: recorded, the partial file removed, no exception.
-    After a failure this rank writes nothing more of the save (the disk is full)."""
+def write_torch(state_dict, path, save=None, **save_kwargs):
+    """torch.save into `path` (or `save(state_dict, file)`, a writer of the same format); out of room: recorded,
+    the partial file removed, no exception. After a failure this rank writes nothing more of the save (the disk
+    is full)."""
     import torch
     if failed():
         return
+    if save is None:
+        save = lambda obj, out: torch.save(obj, out, **save_kwargs)  # noqa: E731
     f = None
     try:
         with open_for_write(path, "wb") as f:
-            torch.save(state_dict, f, **save_kwargs)
+            save(state_dict, f)
             f.flush()
             os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:
@@ -152,7 +155,7 @@ def write_torch(state_dict, path, **save_kwargs):
         if not is_out_of_room(cause):
             raise
         counter = _Counter()
-        torch.save(state_dict, counter, **save_kwargs)
+        save(state_dict, counter)
         _record(path, counter.size, cause)
 
 

@@ -10,6 +10,14 @@ One chain of launches is shared:
 4. resumed from there in the background to the end (--exit-interval at the last iteration: the exit waits for
    the save in flight), --keep-last-checkpoints 2: every loss equals the reference's bit for bit, and so do
    the weights and the optimizer state saved at iteration 8.
+The moments of a save, each a SIGKILL of every rank (MEGATRON_DS_KILL_DURING_SAVE=ITER:*:MOMENT), chained in one
+folder beside the reference: after the host copy (copied) at 4, resumed from 2 and killed by rank 0 in the middle
+of --keep-last-checkpoints 1 deleting step 4 (deleting) once 6 was committed, resumed from 6 and killed after the
+writes (written) and after the agreement (agreed) of 8, then resumed from 6 to the end: each start loads the
+last committed step and every logged loss is the reference's; the end's weights and Adam state too.
+Across a layout change: a run at PP2 x DP2 saving in the background at 3, and its resume from there at PP4
+(the ZeRO-1 state re-cut by name, relayout.py): iterations 4..8 equal the uninterrupted run's (rel 1e-5: the
+DP all-reduce's order differs) and the fp32 masters and Adam's moments and step come back exactly.
 SIGUSR1 to one rank under --exit-signal-handler while a background save is in flight: both ranks wait for it,
 save the iteration they agree on, and exit 0.
 Two torchrun agents on this machine as two nodes (--nnodes 2, c10d rendezvous, one rank each): saved in the
@@ -157,6 +165,93 @@ def test_background_saves_commit_whole_steps_and_resume_bit_exact(chain):
     for tag in ("checkpoint/blocking-time", "checkpoint/write-time", "checkpoint/write-MBps/rank0",
                 "checkpoint/write-MBps/rank1", "checkpoint/write-over-sequential/rank0"):
         assert [e.step for e in acc.Scalars(tag)] == [6, 8], tag
+
+
+@pytest.fixture(scope="module")
+def moments(chain, tmp_path_factory):
+    wd = str(tmp_path_factory.mktemp("save_moments"))
+    write_corpus(os.path.join(wd, "corpus"))
+    runs = {}
+    for name, kill, extra in (("copied", "4:*:copied", ()), ("deleting", "4:0:deleting", ("--keep-last-checkpoints", "1")),
+                              ("written", "8:*:written", ()), ("agreed", "8:*:agreed", ()),
+                              ("end", None, ("--keep-last-checkpoints", "1"))):
+        env = {"MEGATRON_DS_KILL_DURING_SAVE": kill} if kill else None
+        runs[name] = _run(wd, name, "--async-save", *extra, env=env)
+        runs[name]["hidden"] = sorted(d for d in os.listdir(os.path.join(wd, "ckpt")) if d.startswith("."))
+        runs[name]["manifests"] = {d: os.path.isfile(os.path.join(wd, "ckpt", d, "manifest.json"))
+                                   for d in runs[name]["steps"]}
+    yield chain[0], wd, chain[3]["ref"], runs
+    shutil.rmtree(wd, ignore_errors=True)
+
+
+LOADED = re.compile(r"successfully loaded checkpoint from \S+ at iteration (\d+)")
+# each run: the step it loaded (None: a fresh start), `latest` after it, the step folders then and which have a
+# manifest, the hidden folders left
+EXPECTED = {
+    "copied": (None, "global_step2", {"global_step2": True, "global_step4": False}, []),
+    "deleting": ("2", "global_step6", {"global_step2": True, "global_step6": True}, [".deleting-global_step4"]),
+    "written": ("6", "global_step6", {"global_step2": True, "global_step6": True, "global_step8": False},
+                [".deleting-global_step4"]),
+    "agreed": ("6", "global_step6", {"global_step2": True, "global_step6": True, "global_step8": False},
+               [".deleting-global_step4"]),
+    "end": ("6", "global_step8", {"global_step6": True, "global_step8": True}, []),
+}
+
+
+@pytest.mark.timeout(2400)  # the chain's four launches and five more
+@pytest.mark.parametrize("moment", list(EXPECTED))
+def test_a_kill_at_each_moment_of_a_background_save_resumes_from_the_last_committed_step(moments, moment):
+    ref_dir, wd, ref, runs = moments
+    run, (loaded, latest, manifests, hidden) = runs[moment], EXPECTED[moment]
+    out = run["output"]
+    if moment == "end":
+        assert run["exit_codes"] == {0: 0, 1: 0}, out[-3000:]
+        assert "finished deleting the checkpoints of iterations 4 (an earlier run stopped while deleting them)" in out
+        assert "deleted checkpoints of iterations 2 (--keep-last-checkpoints 1)" in out  # 6 was loaded: kept
+        ref_states = _saved_states(os.path.join(ref_dir, "ckpt", "global_step8"))
+        got_states = _saved_states(os.path.join(wd, "ckpt", "global_step8"))
+        assert len(ref_states) == 8 and sorted(ref_states) == sorted(got_states)
+        for name in ref_states:
+            _tensors_equal(ref_states[name], got_states[name], name)
+    elif moment == "deleting":  # rank 0 died in the deletion, rank 1 at its next transfer from rank 0
+        assert run["exit_codes"][0] == -9 and run["exit_codes"][1] != 0, out[-3000:]
+    else:
+        assert run["exit_codes"] == {0: -9, 1: -9}, out[-3000:]
+    assert [m for m in LOADED.findall(out)] == ([loaded] if loaded else []), out[-3000:]
+    assert run["latest"] == latest and run["manifests"] == manifests and run["hidden"] == hidden
+    first = int(loaded) + 1 if loaded else 1
+    assert run["losses"] and min(run["losses"]) == first, run["losses"]
+    assert run["losses"] == {i: ref["losses"][i] for i in run["losses"]}
+
+
+@pytest.mark.timeout(1800)  # two launches of 4 ranks
+def test_a_background_save_at_pp2_dp2_resumes_at_pp4(tmp_path):
+    from tests.training.checkpoint.test_universal_checkpoint import CAPTURE, assert_same_tensors, captured
+    from tests.training.test_resume import launch
+    write_corpus(str(tmp_path / "corpus"))
+    # untied: each parameter on one stage, as the capture's comparison wants
+    hard = ("--num-layers", "4", "--train-iters", str(ITERS), "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--untie-embeddings-and-output-weights")
+    ckpt = str(tmp_path / "ckpt")
+    capture = lambda name: ("--capture-dir", str(tmp_path / "capture" / name))  # noqa: E731
+    full, out = launch(tmp_path, "pp2_dp2", "--async-save", "--save", ckpt, "--save-interval", "3",
+                       "--exit-interval", str(ITERS), *capture("pp2_dp2"), nproc=4, hard=hard, entry=CAPTURE)
+    assert "(in the background)" in out and fi.latest(str(tmp_path)) == f"global_step{ITERS}"
+    with open(os.path.join(ckpt, "latest"), "w") as f:  # resume from the background save of iteration 3
+        f.write("global_step3")
+    resumed, out = launch(tmp_path, "pp4", "--load", ckpt, "--pipeline-model-parallel-size", "4",
+                          *capture("pp4"), nproc=4, hard=hard, entry=CAPTURE)
+    assert "re-cut parameter by parameter" in out and "at iteration 3" in out, out[-3000:]
+    assert [r["iteration"] for r in full] == list(range(1, ITERS + 1))
+    assert [r["iteration"] for r in resumed] == list(range(4, ITERS + 1))
+    worst = max(abs(r["loss"] - f["loss"]) / abs(f["loss"]) for r, f in zip(resumed, full[3:]))
+    assert worst < 1e-5, (resumed, full[3:])
+    assert [r["lr"] for r in resumed] == pytest.approx([r["lr"] for r in full[3:]], rel=1e-12)
+    runs = {"tmp": tmp_path}
+    saved, saved_steps, _ = captured(runs, "pp2_dp2", "save3")
+    loaded, steps, iterations = captured(runs, "pp4", "load")
+    assert saved_steps == steps == {3} and iterations == {3}
+    assert_same_tensors(loaded, saved, ("fp32", "exp_avg", "exp_avg_sq", "module"), "pp4")
 
 
 MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-router-score-function", "sigmoid",

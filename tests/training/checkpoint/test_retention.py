@@ -86,3 +86,81 @@ def test_host_copy_is_a_copy():
     assert torch.equal(copy["opt"]["moments"][1][0], torch.arange(6, dtype=torch.float32) * 2)
     assert type(copy["opt"]) is collections.OrderedDict and copy["opt"]["step"] == 3 and copy["name"] == "x"
     assert tensor_bytes(copy) == (4 + 6 + 6) * 4
+
+
+def test_prune_finishes_a_deletion_a_kill_cut_short(tmp_path, capsys):
+    for step in (2, 4, 6):
+        os.makedirs(tmp_path / f"global_step{step}")
+        (tmp_path / f"global_step{step}" / "manifest.json").write_text("{}")
+    os.makedirs(tmp_path / ".deleting-global_step0")  # what a prune killed half-way leaves
+    (tmp_path / ".deleting-global_step0" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    assert committed_steps(str(tmp_path)) == [2, 4, 6]  # a hidden folder is never a step
+    assert prune(str(tmp_path), 6, keep_last=2) == [2]
+    assert sorted(d for d in os.listdir(tmp_path) if "step" in d) == ["global_step4", "global_step6"]
+    assert "finished deleting the checkpoints of iterations 0 (an earlier run stopped" in capsys.readouterr().out
+
+
+def test_kill_point_specs(monkeypatch):
+    from megatron_ds.training.checkpoint import kill_points
+    assert kill_points.parse("4:1") == (4, "1", "writing")  # the two-field form: in the middle of the writes
+    assert kill_points.parse("8:*:agreed") == (8, "*", "agreed")
+    for bad in ("4", "4:x", "4:1:later", "a:1:copied"):
+        with pytest.raises(ValueError, match="MEGATRON_DS_KILL_DURING_SAVE"):
+            kill_points.parse(bad)
+    monkeypatch.setenv(kill_points.ENV, "8:*:written")
+    assert kill_points.due("written", 8, 0) and kill_points.due("written", 8, 3)
+    assert not kill_points.due("written", 6, 0) and not kill_points.due("agreed", 8, 0)
+    monkeypatch.setenv(kill_points.ENV, "4:1")
+    assert kill_points.due("writing", 4, 1) and not kill_points.due("writing", 4, 0)
+
+
+def test_ten_saves_keep_the_last_two_and_the_marked(tmp_path):
+    """--keep-last-checkpoints 2 --keep-every 4 over 10 saves, one every 2 iterations, pruned after each commit as
+    saves.py does: exactly the last two and the multiples of 4 remain, and each step is gone once two newer ones
+    are committed."""
+    for n, step in enumerate(range(2, 22, 2), 1):
+        os.makedirs(tmp_path / f"global_step{step}")
+        (tmp_path / f"global_step{step}" / "mp_rank_00_model_states.pt").write_bytes(b"x" * step)
+        (tmp_path / f"global_step{step}" / "manifest.json").write_text("{}")
+        prune(str(tmp_path), step, keep_last=2, keep_every=4)
+        left = committed_steps(str(tmp_path))
+        assert left == sorted({s for s in range(2, step + 1, 2) if s % 4 == 0} | {step - 2, step} - {0}), (n, left)
+    assert n == 10 and committed_steps(str(tmp_path)) == [4, 8, 12, 16, 18, 20]
+    assert sorted(d for d in os.listdir(tmp_path) if "step" in d) == \
+        sorted(f"global_step{s}" for s in (4, 8, 12, 16, 18, 20))  # nothing else left behind
+
+
+def test_host_buffers_are_reused_from_one_save_to_the_next(tmp_path):
+    import torch
+
+    from megatron_ds.training.checkpoint import engine, zip_writer
+    from megatron_ds.training.checkpoint.async_save import HostBuffers
+    live = torch.arange(12, dtype=torch.float32)
+    state = lambda: {"module": {"w": live[2:], "t": live.view(-1, 4).t()},  # noqa: E731 - a view, a transpose
+                     "optimizer": {"exp_avg": live * 2, "step": 3}, "n": torch.tensor(5)}
+    buffers = HostBuffers()
+    first = buffers.copier()(state(), str(tmp_path / "global_step2" / "mp_rank_00_model_states.pt"))
+    ptrs = [first["module"]["w"].data_ptr(), first["module"]["t"].data_ptr(), first["optimizer"]["exp_avg"].data_ptr()]
+    assert buffers.allocated == 4 and first["module"]["t"].stride() == (1, 4)  # strides as a clone keeps them
+    with pytest.raises(RuntimeError, match="still writing"):
+        buffers.copier()  # the first save's writer has not released them
+    buffers.release()
+    live.add_(100.0)  # training moved on
+    second = buffers.copier()(state(), str(tmp_path / "global_step4" / "mp_rank_00_model_states.pt"))
+    assert buffers.allocated == 4  # no new buffer: the same storage
+    assert [second["module"]["w"].data_ptr(), second["module"]["t"].data_ptr(),
+            second["optimizer"]["exp_avg"].data_ptr()] == ptrs
+    # its file equals a synchronous save's of the live state (DeepSpeed clones each tensor before it), record
+    # for record
+    from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+    path = str(tmp_path / "ours.pt")
+    engine.write_background(second, path, True)
+    sync = str(tmp_path / "sync.pt")
+    engine.write_file(clone_tensors_for_torch_save(state()), sync, True)
+    ours, theirs = zip_writer.records_of(path), zip_writer.records_of(sync)
+    assert {k: v for k, v in ours.items() if "serialization_id" not in k} == \
+        {k: v for k, v in theirs.items() if "serialization_id" not in k}
+    buffers.release()
+    live = torch.arange(16, dtype=torch.float32)  # another shape: a new buffer for those that changed
+    buffers.copier()(state(), str(tmp_path / "global_step6" / "mp_rank_00_model_states.pt"))
+    assert buffers.allocated == 4 + 3

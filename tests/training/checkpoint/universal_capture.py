@@ -1,5 +1,5 @@
 """pretrain_gpt.py for the universal checkpoint tests, which also writes what the ZeRO optimizer holds, whole
-and by parameter name, when a checkpoint is saved (before DeepSpeed writes it) and right after one is loaded:
+and by parameter name, when a checkpoint is saved (before DeepSpeed writes it, or copies it for --async-save) and right after one is loaded:
 the fp32 master weights and Adam's moments (gathered over the data- and tensor-parallel ranks), the module's
 own (bf16 or fp32) weights, and Adam's step counters. So a test compares a resumed run's optimizer with the
 saved one under another layout, exactly.
@@ -67,9 +67,9 @@ def write(engine, args, label, iteration):
 def main():
     from megatron_ds.training.checkpoint import save_load
     from megatron_ds.training import loop
-    save, load = save_load.save_checkpoint, save_load.load_checkpoint
+    save, load = save_load.write_step, save_load.load_checkpoint
 
-    def capturing_save(engine, args, iteration, *rest, **kwargs):
+    def capturing_save(engine, args, iteration, *rest, **kwargs):  # both paths: synchronous and --async-save
         write(engine, args, f"save{iteration}", iteration)
         return save(engine, args, iteration, *rest, **kwargs)
 
@@ -78,7 +78,7 @@ def main():
         write(engine, args, "load", state["iteration"])
         return state
 
-    save_load.save_checkpoint, save_load.load_checkpoint = capturing_save, capturing_load
+    save_load.write_step, save_load.load_checkpoint = capturing_save, capturing_load
     return loop.entry_point(sys.argv[1:])
 
 
