@@ -64,6 +64,7 @@ def _resetting_checkpoint_buffers(handler):
 
 
 class ForeignScheduleEngine(ScheduleEngine):
+    whole_batches = False  # under CP: each micro-batch cut to this rank's tokens once, when loaded
     _INSTRUCTION_MAP = {**ds.instruction_map(ScheduleEngine),
                         ins.ForwardOp: _resetting_checkpoint_buffers(ds.instruction_map(ScheduleEngine)[ins.ForwardOp])}
 
@@ -105,16 +106,22 @@ class ForeignScheduleEngine(ScheduleEngine):
         # reentrant activation checkpointing needs the first stage's inputs to ask for gradients (DeepSpeed's rule)
         needs_grad = self.module.training and ds.reentrant_activation_checkpointing(self)
         inputs, labels = batch
-        if self.context is not None:  # this rank's tokens of every tensor (foreign_context.py)
+        if self._cut_when_loaded:  # this rank's tokens of every tensor (foreign_context.py)
             inputs, labels = local_batch(self.context, self.module.loss_fn, inputs, labels)
         return on_device(inputs, self.device, needs_grad), labels_on_device(labels, self.device)
 
     def _inputs(self, mb, seq):
         return self._batches[mb][0]
 
+    @property
+    def _cut_when_loaded(self):
+        """Under CP a user's module is handed its rank's tokens of each micro-batch once (no segments under CP);
+        pipe.hf's engine keeps the whole and cuts per op (whole_batches)."""
+        return self.context is not None and not self.whole_batches
+
     def _labels(self, mb, seq):
-        if self.context is not None:
-            return self._batches[mb][1]  # cut when loaded (no segments under CP)
+        if self._cut_when_loaded:
+            return self._batches[mb][1]
         return super()._labels(mb, seq)
 
     def _stage_loss(self, out, mb, seq):

@@ -46,6 +46,7 @@ from .cut import PARTITION, CutError, load, pipeline_module
 class HFScheduleEngine(ForeignScheduleEngine):
     """ForeignScheduleEngine whose F ops take Seq1F1B's segments and context-parallel chunks of the (token ids,
     position ids), and whose ops run with the micro-batch's documents and the CP group open."""
+    whole_batches = True  # the documents are found from a micro-batch's whole position ids
 
     def _inputs(self, mb, seq):
         inputs = self._batches[mb][0]
