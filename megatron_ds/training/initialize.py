@@ -28,9 +28,30 @@ from .errors import ArgumentsError
 
 
 def free_port():
+    """A free local TCP port for a rendezvous, drawn below the kernel's ephemeral range: a port the kernel hands
+    out for bind(0) is one it may hand out again, as the local end of any connection (gloo opens many), between
+    this check and rank 0's bind; one below the range is taken only by another explicit bind."""
+    low = ephemeral_ports()[0]
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 32):  # not the seeded global random
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ephemeral_ports():
+    """(first, last) of the ports the kernel gives connections' local ends (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            first, last = map(int, fh.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def _first_slurm_host(env):

@@ -8,9 +8,21 @@ import sys
 import pytest
 
 from megatron_ds.testing.launcher import child_env
-from megatron_ds.training.initialize import cpu_threads, free_port, local_world_size, set_launcher_env, usable_cores
+from megatron_ds.training.initialize import (cpu_threads, ephemeral_ports, free_port, local_world_size, set_launcher_env,
+                                             usable_cores)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_free_port_is_bindable_and_below_the_ephemeral_range():
+    """No connection's local end can take it between the check and rank 0's bind (a launch that failed so)."""
+    import socket
+    first, last = ephemeral_ports()
+    assert 1024 <= first <= last
+    ports = {free_port() for _ in range(8)}
+    assert all(p < first for p in ports) and len(ports) > 1, ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
 
 
 def test_srun_variables():
