@@ -153,7 +153,8 @@ class Split:
             in_b |= moved
         self.b_params = [in_graph[n] for n in in_b]
         self.w_params = [in_graph[n] for g in self.groups for n in g.params]
-        self._params, self._graph = in_graph, graph
+        self._params = in_graph
+        self.batches = _batches(self.groups, graph) if self.groups else []  # the groups of each autograd call of W
 
     def _must_run_in_b(self, graph, run_in_b):
         """The parameters whose W would run a custom Function's node a second time: one on their frontier, or
@@ -198,7 +199,7 @@ class Split:
             return None
         edges = {node: (get_gradient_edge(r), g) for node, r, g in zip(map(_node, self.roots), self.roots, self.grads)}
         calls = []
-        for batch in _batches(self.groups, self._graph):
+        for batch in self.batches:
             calls.append(([(node, captured.get(node)) for g in batch for node in g.frontier],
                           [edges[n] for g in batch for n in g.roots],
                           [self._params[n] for g in batch for n in g.params]))
