@@ -99,8 +99,9 @@ class _Graph:
 
 class _Group:
     """Parameters whose W starts from the same nodes: the frontier nodes they share, and the outputs B did not
-    need that lead to them. One autograd call each (as torch's param groups): a call that aimed at every
-    parameter at once would also run the nodes between two groups' frontiers."""
+    need that lead to them. Groups share an autograd call only where neither reaches the other's parameters
+    (`_batches`): a call that aimed at every parameter at once would also run the nodes between two groups'
+    frontiers."""
 
     def __init__(self, params, frontier, roots):
         self.params, self.frontier, self.roots = params, frontier, roots
@@ -153,11 +154,14 @@ class Split:
         self.b_params = [in_graph[n] for n in in_b]
         self.w_params = [in_graph[n] for g in self.groups for n in g.params]
         self._params = in_graph
+        self.batches = _batches(self.groups, graph) if self.groups else []  # the groups of each autograd call of W
 
     def _must_run_in_b(self, graph, run_in_b):
         """The parameters whose W would run a custom Function's node a second time: one on their frontier, or
         one B ran that W would pass on its way from the frontier to them."""
         moved = set()
+        if not any(_custom(n) for n in run_in_b):  # no node W could run twice: skip a walk of the graph a group
+            return moved
         for group in self.groups:
             passing = graph.below(group.frontier, graph.above(group.params) & run_in_b)
             custom = [n for n in passing if _custom(n)]
@@ -194,9 +198,59 @@ class Split:
         if not self.groups:
             return None
         edges = {node: (get_gradient_edge(r), g) for node, r, g in zip(map(_node, self.roots), self.roots, self.grads)}
-        calls = [([(node, captured.get(node)) for node in g.frontier], [edges[n] for n in g.roots],
-                  [self._params[n] for n in g.params]) for g in self.groups]
+        calls = []
+        for batch in self.batches:
+            calls.append(([(node, captured.get(node)) for g in batch for node in g.frontier],
+                          [edges[n] for g in batch for n in g.roots],
+                          [self._params[n] for g in batch for n in g.params]))
         return functools.partial(_backward_weight, calls)
+
+
+def _below_masks(graph, bits):
+    """{node: the bits (of `bits`: {node: int}) of the nodes its backward reaches, its own included}: one walk of the
+    graph in post-order."""
+    masks, stack = {}, [(n, False) for n in graph.nodes]
+    while stack:
+        node, children_done = stack.pop()
+        if node in masks:
+            continue
+        children = [c for c, _ in node.next_functions if c is not None]
+        if children_done:
+            mask = bits.get(node, 0)
+            for child in children:
+                mask |= masks[child]
+            masks[node] = mask
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if c not in masks)
+    return masks
+
+
+def _batches(groups, graph):
+    """The groups in as few autograd calls as the math allows: two groups share a call only where neither one's
+    starting nodes (frontier, outputs) reach the other's parameters. Such a call runs what their separate calls run,
+    each node on the same gradients (no node is on both's way), so the gradients are the same to the bit; one
+    reaching the other would run the nodes between them (the inputs' backward) a second time."""
+    bits = {}
+    for i, group in enumerate(groups):
+        for node in group.params:
+            bits[node] = bits.get(node, 0) | 1 << i
+    masks = _below_masks(graph, bits)
+    batches = []  # [groups, their bits, the bits their starts reach]
+    for i, group in enumerate(groups):
+        reach = 0
+        for node in group.frontier | group.roots:
+            reach |= masks[node]
+        reach &= ~(1 << i)
+        for batch in batches:
+            if not (reach & batch[1] or batch[2] & 1 << i):
+                batch[0].append(group)
+                batch[1] |= 1 << i
+                batch[2] |= reach
+                break
+        else:
+            batches.append([[group], 1 << i, reach])
+    return [b[0] for b in batches]
 
 
 def _capture(captured, node, grad_outputs):
@@ -209,8 +263,8 @@ def _replay(saved, grad_outputs):
 
 
 def _backward_weight(calls):
-    """W: each group's parameters' gradients from the gradients B left at their frontier (and at the outputs
-    B did not need), accumulated as autograd accumulates them."""
+    """W: each batch of groups' parameters' gradients from the gradients B left at their frontier (and at the
+    outputs B did not need), accumulated as autograd accumulates them."""
     for i, (frontier, outside, params) in enumerate(calls):
         edges, grads, handles = [], [], []
         for node, saved in frontier:
@@ -225,7 +279,7 @@ def _backward_weight(calls):
             edges.append(edge)
             grads.append(grad)
         try:
-            last = i == len(calls) - 1  # a node between two groups' frontiers may run in both
+            last = i == len(calls) - 1  # a node between two batches' frontiers may run in both
             dws = (torch.autograd.grad(edges, params, grads, retain_graph=not last, allow_unused=True) if edges
                    else [None] * len(params))
         finally:

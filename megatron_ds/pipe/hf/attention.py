@@ -167,26 +167,34 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
         key, value = segment.extend(_slot(module), key, value)
         mask = segment_mask(kwargs.get("position_ids"), segment.offset, query.shape[2], key.shape[2], window,
                             query.device)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     if mask is None and segment is None:
         mask = mask_from_positions(kwargs.get("position_ids"), query.shape[2], window)
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
-    if softcap is None:
+    if softcap is None:  # K/V stay grouped (enable_gqa): no copy of them for each query head of a group
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout,
-                                             is_causal=mask is None and query.shape[2] > 1, scale=scale)
-    else:  # the scores are capped before the mask and softmax (Gemma 2's attention)
-        scores = torch.tanh(query @ key.transpose(2, 3) * scale / softcap) * softcap
-        if mask is None:
-            n = query.shape[2]
-            mask = torch.full((n, n), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
-        probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = F.dropout(probs, p=dropout, training=dropout > 0) @ value
+                                             is_causal=mask is None and query.shape[2] > 1, scale=scale,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+    else:
+        out = _capped(query, key, value, mask, dropout, scale, softcap)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _capped(query, key, value, mask, dropout, scale, softcap):
+    """Attention whose scores are capped before the mask and softmax (Gemma 2's). A K/V head's group of query heads
+    is one more batch dimension of the products, against the head broadcast: no copy of K/V per query head."""
+    b, heads, n, d = query.shape
+    kv = key.shape[1]
+    grouped = query.view(b, kv, heads // kv, n, d)
+    scores = (grouped @ key.unsqueeze(2).transpose(3, 4)).view(b, heads, n, key.shape[2])
+    scores = torch.tanh(scores * scale / softcap) * softcap
+    if mask is None:
+        mask = torch.full((n, n), float("-inf"), dtype=query.dtype, device=query.device).triu(1)
+    probs = torch.softmax(scores + mask, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return (probs.view(b, kv, heads // kv, n, -1) @ value.unsqueeze(2)).view(b, heads, n, d)
 
 
 def register():

@@ -172,3 +172,44 @@ def test_split_backward_equals_fused(name, first_stage):
         assert whole == {"Scale"} and in_w == {"0.weight", "0.bias", "2.weight", "2.bias"}
     elif name == "reentrant_checkpoint":  # it refuses a partial backward: the whole one runs in B
         assert whole == {"CheckpointFunction"} and in_w == set()
+
+
+class Branches(torch.nn.Module):
+    """A scale, then three parallel linears of its output (as attention's query, key and value are), joined and
+    projected: five weight groups, of which the three branches reach none of the others' parameters."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(n, n) for _ in range(4))
+
+    def forward(self, x):
+        h = x * self.scale
+        return self.o(torch.tanh(self.q(h)) * self.k(h) + self.v(h))
+
+
+@pytest.mark.parametrize("first_stage", [False, True], ids=["middle", "first"])
+def test_w_calls_autograd_once_for_groups_that_do_not_reach_each_other(first_stage, monkeypatch):
+    torch.manual_seed(0)
+    model = Branches(8)
+    twin = copy.deepcopy(model)
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(10 + i)).requires_grad_(not first_stage)
+          for i in range(2)]
+    ref_leaves = fused(model, xs)
+    calls = []
+    grad = torch.autograd.grad
+
+    def counted(outputs, inputs, *args, **kwargs):
+        calls.append(len(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+    monkeypatch.setattr(torch.autograd, "grad", counted)
+    leaves, _, in_w, _ = split(twin, xs, first_stage)
+    # per micro-batch, in the parameters' order: the scale; q, k and v together (weights and biases); o (its
+    # frontier reaches all the others': apart); one call a group would be 5
+    assert in_w == {n for n, _ in model.named_parameters()}
+    assert calls == ([1, 6, 2] if not first_stage else [9]) * 2
+    if not first_stage:
+        for a, b in zip(leaves, ref_leaves):
+            assert torch.equal(a.grad, b.grad)
+    for (n, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        assert torch.equal(p.grad, q.grad), n
