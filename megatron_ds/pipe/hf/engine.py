@@ -35,7 +35,7 @@ from megatron_ds.model.documents import opened
 from ..build import initialize_engine
 from ..foreign.foreign import check_settings, chunked, plan_for
 from ..foreign.foreign_engine import ForeignScheduleEngine
-from ..parallel.context_parallel import deepspeed_batch, ensure_context_parallel, local_inputs
+from ..parallel.context_parallel import ensure_context_parallel, local_inputs
 from ..plan.config import ConfigError
 from ..plan.plan import make_plan
 from ..plan.segments import context_shards, segment_lengths
@@ -156,7 +156,7 @@ def build_engine(source, ds_config, settings, pp, dp, make_optimizer, make_lr_sc
             if segmented:
                 shape = layer_shape(model.config)
                 segments = (seq_length, shape.hidden_size, tuple(segment_lengths(settings, shape, seq_length)))
-            plan = plan_for(module, deepspeed_batch(ds_config, cp), settings, segments)
+            plan = plan_for(module, ds_config, settings, segments, cp=cp)
             if segmented or cp > 1:  # every stage's attention needs the micro-batch's documents
                 shards = context_shards(cp, 1, False, seq_length, segments and list(segments[2]))
                 plan = dataclasses.replace(plan, documents=True, context_shards=shards)
