@@ -37,6 +37,12 @@ LLAMA = dict(normalization="rmsnorm", swiglu=True, position_embedding_type="rope
              untie_embeddings_and_output_weights=True, add_bias_linear=False, layernorm_epsilon=1e-6)
 
 
+def model_text(args) -> str:
+    """The model of `args` as the benches' headers name it."""
+    return (f"LLaMA-style: hidden {args.hidden_size}, {args.num_attention_heads} heads ({args.kv_heads} K/V), ffn "
+            f"{args.ffn_hidden_size}, {args.num_layers} layers, vocab {args.vocab_size}")
+
+
 def model_config(args, cp: int):
     from megatron_ds.model import GPTConfig
     return GPTConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
@@ -193,10 +199,8 @@ def main(argv=None):
     add_output_args(parser)
     args = parser.parse_args(argv)
     machine = Machine()
-    header = (f"PP {' and '.join(map(str, args.pp))}, m={args.gas}, mbs 1, seq {args.seq_length}, LLaMA-style: "
-              f"hidden {args.hidden_size}, {args.num_attention_heads} heads ({args.kv_heads} K/V), ffn "
-              f"{args.ffn_hidden_size}, {args.num_layers} layers, vocab {args.vocab_size}; fp32 on CPU (gloo), p2p "
-              f"ring; {machine.at_start()}\n\n")
+    header = (f"PP {' and '.join(map(str, args.pp))}, m={args.gas}, mbs 1, seq {args.seq_length}, {model_text(args)}; "
+              f"fp32 on CPU (gloo), p2p ring; {machine.at_start()}\n\n")
     print(header, end="", flush=True)
     results, rows, goals = {}, [], []
     for pp in args.pp:

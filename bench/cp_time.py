@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from bench.cp_memory import model_config
+from bench.cp_memory import model_config, model_text
 from bench.harness import Machine, add_output_args, alternated, emit, table
 from bench.options import add_model_args
 from megatron_ds.testing.launcher import run_ranks
@@ -195,9 +195,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     machine = Machine()
     header = (f"CP {CP} x PP 1 (2 gloo ranks, 1 thread each), 1f1b, m={args.gas}, mbs 1, seq {args.seq_length}, "
-              f"LLaMA-style: hidden {args.hidden_size}, {args.num_attention_heads} heads ({args.kv_heads} K/V), "
-              f"ffn {args.ffn_hidden_size}, {args.num_layers} layers, vocab {args.vocab_size}; fp32, p2p ring; "
-              f"{args.iterations} steps each mode after one warm-up; {machine.at_start()}\n\n")
+              f"{model_text(args)}; fp32, p2p ring; {args.iterations} steps each mode after one warm-up; "
+              f"{machine.at_start()}\n\n")
     print(header, end="", flush=True)
     ranks = launch(args)
     config = model_config(args, CP)
