@@ -45,6 +45,14 @@ hidden. Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unspl
 H100 and one H200 (393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way,
 two thirds of NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
 network's, e.g. 50 GB/s for 400 Gb/s InfiniBand).
+
+Ranks that compute at different speeds (`coupled_ring`, which the CPU bench feeds measured block times): each rank
+steps through the ring with its own compute per ring step, and a step's transfers (what ring_times' steps carry)
+leave once both ends of a link have posted (gloo's send waits for the peer's receive; rank r receives from r - 1
+and sends to r + 1), so a step ends at the later of its block's end and its neighbours' latest post plus the
+transfer. A rank thus waits for a slower neighbour's post (`lag`) as well as for bytes (`exposed`); it may run one
+step ahead of its neighbours, so the ring costs the sum of each step's slowest block where one rank is the slower
+at every step, less where the slower one alternates. With every rank alike it is ring_times to the last bit.
 """
 from __future__ import annotations
 
@@ -196,6 +204,61 @@ def ring_times(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: 
     left_b = sum(max(0.0, t - step_b) for t in under_b)
     exposed = ((cp - 1) * max(0.0, block - step_f), left_b + grad)
     return Ring(compute, transfer, exposed, (min(1.0, step_f / block), 1.0 - left_b / sum(under_b)))
+
+
+@dataclass(frozen=True)
+class CoupledRing:
+    """Every rank's pass through one layer's ring (forward or backward), in seconds: when each leaves it (`ends`),
+    and of each one's time in it besides its own block compute what it waited for bytes after its block and its
+    neighbours' posts (`exposed`) and what it waited for a neighbour to post (`lag`: the neighbour's lag behind it);
+    `transfer`: the seconds its links carried in each direction (what `exposed` is a part of)."""
+    ends: tuple
+    exposed: tuple
+    lag: tuple
+    transfer: float
+
+    @property
+    def hidden(self) -> tuple:
+        """Each rank's share of the transfer hidden (1 with nothing to send)."""
+        return tuple(1.0 - e / self.transfer if self.transfer else 1.0 for e in self.exposed)
+
+
+def coupled_ring(computes, kv: float, grad: float = 0.0, backward: bool = False, starts=None) -> CoupledRing:
+    """One layer's ring attention stepped through (module docstring): `computes[r][t]` rank r's compute in ring step
+    t (C ranks, C steps each), `kv` and `grad` the seconds a K/V block and a gradient block take on a link,
+    `starts[r]` when rank r enters the ring (default 0 for all)."""
+    size = len(computes)
+    if any(len(steps) != size for steps in computes):
+        raise ScheduleError(f"coupled_ring: each of the {size} ranks needs {size} ring steps' compute, got "
+                            f"{[len(steps) for steps in computes]}")
+    now = list(starts) if starts is not None else [0.0] * size
+    if len(now) != size:
+        raise ScheduleError(f"coupled_ring: {len(now)} start times for {size} ranks")
+    exposed, lag = [0.0] * size, [0.0] * size
+    if size == 1:
+        return CoupledRing((now[0] + computes[0][0],), (0.0,), (0.0,), 0.0)
+    # what each step's exchange carries on a link (None: the step posts nothing), then backward's last gradient block
+    carried = ([kv] + [kv + grad] * (size - 2) + [grad, grad]) if backward else [kv] * (size - 1) + [None]
+
+    def exchange(t, done):
+        # a transfer starts once both of its ends have posted (gloo's send waits for the peer's receive): rank r
+        # receives from r - 1 and sends to r + 1, and its wait returns when both have arrived
+        posted = [max(now[r - 1], now[r], now[(r + 1) % size]) for r in range(size)]
+        ends = [max(done[r], posted[r] + carried[t]) for r in range(size)]
+        for r in range(size):
+            exposed[r] += ends[r] - max(done[r], posted[r])
+            lag[r] += max(0.0, posted[r] - done[r])
+        return ends
+
+    for t in range(size):
+        done = [now[r] + computes[r][t] for r in range(size)]
+        # a step's transfers start with it (ring_times' accounting): forward the next K/V block, backward also the
+        # previous step's gradient block, which ring.py posts after that step's compute
+        now = exchange(t, done) if carried[t] is not None else done
+    if backward:  # the own block's gradient sum goes home after the last step's compute
+        now = exchange(size, now)
+    transfer = (size - 1) * kv + (size * grad if backward else 0.0)
+    return CoupledRing(tuple(now), tuple(exposed), tuple(lag), transfer)
 
 
 @dataclass(frozen=True)
