@@ -16,6 +16,7 @@ flash on a GPU, and the ring's blocks on any device), plus what the communicatio
   gradients whole twice (sent and received) while it runs;
 - a2a (Ulysses): q, k, v and the core's output in the head layout (the whole sequence, heads / C: as large as
   the local ones), kept beside the local ones.
+- a2a+p2p: a2a's head layout kept (as large alike), and while a layer attends the ring's blocks of a ring of P.
 Under Seq1F1B each segment's keys and values also go into the micro-batch's K/V cache (model/kv_cache.py), whose
 buffers hold the positions in flight, so the cache of earlier segments is 2 x K/V width bytes per held token:
 per local token for p2p and a2a (its cache holds the local chunks, or every position at heads / C), per whole
@@ -43,7 +44,7 @@ previous step's gradient block travels: the first step carries the next K/V bloc
 a gradient block, the last a gradient block only, and the last step's own gradient block (home to its owner)
 follows its compute, unhidden. `step_hidden` is the share of what travels under the steps that they hide (forward
 one step's min(1, compute / transfer)). allgather and a2a communicate before and after the attention: nothing
-hidden. Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
+hidden; a2a+p2p is counted so too (an upper bound: its ring part hides as p2p's at P would). Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
 H100 and one H200 (393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way,
 two thirds of NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
 network's, e.g. 50 GB/s for 400 Gb/s InfiniBand).
