@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .moe_config import MoEConfig, hf_moe_family, moe_problem, with_ffn_default
-from .parallel_layout import check_model_split
+from .parallel_layout import check_model_split, hierarchical_problem
 from .rope_scaling import RopeScaling, rope_scaling_problem
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
-CP_COMM_TYPES = ("p2p", "allgather", "a2a")
+CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 
 
 @dataclass
@@ -53,9 +53,11 @@ class GPTConfig:
     tensor_model_parallel_size: int = 1  # the layers split heads, MLP columns and vocabulary over this many ranks
     sequence_parallel: bool = False  # and, outside attention and MLP, the sequence
     # context parallelism: each sequence split over this many ranks (model/context_parallel/), attention
-    # exchanging keys and values by "p2p" (a ring), "allgather" or "a2a" (heads <-> sequence, Ulysses)
+    # exchanging keys and values by "p2p" (a ring), "allgather", "a2a" (heads <-> sequence, Ulysses) or "a2a+p2p"
+    # (hierarchical: a2a within groups of A consecutive CP ranks, a ring over the P groups; sizes (A, P))
     context_parallel_size: int = 1
     cp_comm_type: str = "p2p"
+    hierarchical_context_parallel_sizes: Optional[tuple] = None
     loss_chunk_size: int = 0  # > 0: the pipeline's LM head and loss run this many tokens at a time (chunked_loss.py)
     liger_kernel: bool = False  # the LM head and loss as Liger-Kernel's fused linear cross-entropy (CUDA)
     moe: Optional[MoEConfig] = None  # experts in place of the MLP of the layers moe.layer_freq picks
@@ -90,6 +92,8 @@ class GPTConfig:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = RopeScaling.from_dict(self.rope_scaling)
+        if isinstance(self.hierarchical_context_parallel_sizes, list):  # as a saved config's JSON holds it
+            self.hierarchical_context_parallel_sizes = tuple(self.hierarchical_context_parallel_sizes)
         if self.kv_channels is not None and self.kv_channels * self.num_attention_heads == self.hidden_size:
             self.kv_channels = None
         if not self.num_key_value_heads:
@@ -210,6 +214,13 @@ def config_problem(c) -> str:
         return (f"--cp-comm-type a2a shares the attention heads out over the context-parallel ranks: the "
                 f"{kv} K/V heads{f' / TP {tp}' if tp > 1 else ''} must be divisible by --context-parallel-size "
                 f"({cp}); use --cp-comm-type p2p or allgather")
+    sizes = getattr(c, "hierarchical_context_parallel_sizes", None)
+    if hierarchical_problem(cp, cp_comm, sizes):
+        return hierarchical_problem(cp, cp_comm, sizes)
+    if cp > 1 and cp_comm == "a2a+p2p" and (kv // tp) % sizes[0]:
+        return (f"--cp-comm-type a2a+p2p shares the attention heads out over the first of "
+                f"--hierarchical-context-parallel-sizes: the {kv} K/V heads{f' / TP {tp}' if tp > 1 else ''} must be "
+                f"divisible by {sizes[0]}")
     if getattr(c, "moe", None) is not None:
         return moe_problem(c.moe, c.num_layers, c.tensor_model_parallel_size)
     return ""

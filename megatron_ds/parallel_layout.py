@@ -60,6 +60,31 @@ def layout_problem(length: int, cp: int, what: str = "--seq-length", tensor_para
     return ""
 
 
+def hierarchical_problem(cp: int, comm: str, sizes) -> str:
+    """Why --hierarchical-context-parallel-sizes `sizes` (A, P: the all-to-all over A consecutive CP ranks, the
+    ring over P groups of them) cannot go with --context-parallel-size `cp` and --cp-comm-type `comm` ('' when
+    they can; None sizes: not given). The one home of the rule: the flags, the ds_config and GPTConfig ask here."""
+    if comm != "a2a+p2p":
+        return ("" if sizes is None else f"--hierarchical-context-parallel-sizes is --cp-comm-type a2a+p2p's: "
+                f"--cp-comm-type is {comm}")
+    if sizes is None and cp == 1:
+        return ""  # nothing to split: the comm type goes unused, as the others' do at CP 1
+    if sizes is None:
+        return ("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all over A "
+                f"consecutive ranks, the ring over P groups, A x P = --context-parallel-size {cp})")
+    if (not isinstance(sizes, (list, tuple)) or len(sizes) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)):
+        return f"--hierarchical-context-parallel-sizes takes two whole numbers A P, got {sizes!r}"
+    a, p = sizes
+    if a * p != cp:
+        return (f"--hierarchical-context-parallel-sizes {a} {p}: their product {a * p} must equal "
+                f"--context-parallel-size {cp}")
+    if a < 2 or p < 2:
+        return (f"--hierarchical-context-parallel-sizes {a} {p}: each must be at least 2 (A = 1 is --cp-comm-type "
+                "p2p, P = 1 is a2a)")
+    return ""
+
+
 def check_parallel_layout(*, world_size, tensor_parallel, pipeline_parallel, num_attention_heads,
                           ffn_hidden_size, padded_vocab_size, num_key_value_heads=None,
                           sequence_parallel=False, context_parallel=1):

@@ -49,6 +49,8 @@ def _flag(actions, name, value):
         return [action.option_strings[0]] if value else []
     if isinstance(action, argparse._StoreFalseAction):
         return [] if value else [action.option_strings[0]]
+    if isinstance(value, (tuple, list)) and action.nargs is not None:  # --hierarchical-context-parallel-sizes A P
+        return [action.option_strings[0], *map(str, value)]
     return [action.option_strings[0], str(value)]
 
 

@@ -14,8 +14,8 @@ query heads and their K/V heads (c_attn column-parallel by sections, c_proj row-
 
 With context parallelism (context_parallel_group(config) not None) a rank holds its chunks of the sequence (or
 of the open Seq1F1B segment): RoPE rotates q and k by their global positions (or the documents' restarted ones
-there), and attention runs over the CP group by --cp-comm-type (context_parallel/attend.py); everything else of
-the layer acts per token and is unchanged.
+there), and attention runs over the CP group by --cp-comm-type (context_parallel/attend.py; a2a+p2p over its
+inner and outer groups); everything else of the layer acts per token and is unchanged.
 """
 import contextlib
 import functools
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megatron_ds.gpt_config import GPTConfig
-from .context_parallel import ContextLayout, context_parallel_group, context_parallel_registered
+from .context_parallel import ContextLayout, context_parallel_group, context_parallel_levels, context_parallel_registered
 from .context_parallel.a2a import heads_problem
 from .context_parallel.attend import context_parallel_attention, prefix_attention
 from .documents import Documents, documents_attention, documents_rope_tables, rope_tables_of_positions
@@ -85,16 +85,20 @@ class CausalSelfAttention(nn.Module):
     def _init_context_parallel(self, config):
         self._cp_group = context_parallel_group(config)
         self.cp_layout = ContextLayout.of(self._cp_group)
-        cp = self.cp_layout.size
-        if self.cp_comm_type == "a2a":  # GPTConfig checks it too; a layer built otherwise must not attend wrongly
-            problem = heads_problem(self.num_kv_heads, cp)
+        self.cp_levels = None
+        if self.cp_comm_type == "a2a+p2p":  # the all-to-all's inner group and the ring's outer one
+            self.cp_levels = context_parallel_levels(config.hierarchical_context_parallel_sizes)
+        if self.cp_comm_type in ("a2a", "a2a+p2p"):  # GPTConfig checks it too; a layer built otherwise must not
+            # attend wrongly
+            heads_group = self.cp_layout if self.cp_levels is None else ContextLayout.of(self.cp_levels[0])
+            problem = heads_problem(self.num_kv_heads, heads_group.size, inner=self.cp_levels is not None)
             if problem:
                 raise ValueError(problem)
-            per_rank = self.num_heads // cp  # the head group this rank attends after the all-to-all
-            first = self.head_start + self.cp_layout.rank * per_rank
+            per_rank = self.num_heads // heads_group.size  # the head group this rank attends after the all-to-all
+            first = self.head_start + heads_group.rank * per_rank
             self.bias_heads = slice(first, first + per_rank)
         self.cp_slopes = None
-        if self.position_embedding_type == "alibi" and self.cp_comm_type == "p2p":
+        if self.position_embedding_type == "alibi" and self.cp_comm_type in ("p2p", "a2a+p2p"):
             self.cp_slopes = torch.tensor(alibi_slopes(self.total_heads), dtype=torch.float32)[self.bias_heads]
 
     def forward(self, x):
@@ -136,12 +140,13 @@ class CausalSelfAttention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # p2p draws its dropout masks' seed here, each tensor-parallel rank's heads their own (allgather and a2a
         # fork the tracker around their SDPA calls, _attend: never twice at once, which would replay its state)
-        p2p_fork = self.group is not None and dropout and self.cp_comm_type == "p2p"
+        p2p_fork = self.group is not None and dropout and self.cp_comm_type in ("p2p", "a2a+p2p")
         rng = get_rng_tracker().fork() if p2p_fork else contextlib.nullcontext()
         with rng:
             return context_parallel_attention(q, k, v, self.cp_group, self.cp_comm_type,
                                               segment.spans if segment is not None else ((0, length),), core, extend,
-                                              recomputed if self.recompute_core else None, slopes, dropout)
+                                              recomputed if self.recompute_core else None, slopes, dropout,
+                                              levels=self.cp_levels)
 
     def _attend(self, q, k, v, mask):
         dropout = self.attention_dropout if self.training else 0.0

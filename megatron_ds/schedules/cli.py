@@ -130,6 +130,8 @@ def _context_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=None, metavar="C",
                    help="the largest CP size set beside CP=1 (powers of two between them too)")
     g.add_argument("--cp-comm-type", choices=COMM_TYPES, default="p2p", help="the attention's communication")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "P"),
+                   help="a2a+p2p's all-to-all over A ranks and ring over P (smaller CP sizes: A where it divides them)")
     g.add_argument("--num-layers", type=int, default=None)
     g.add_argument("--hidden-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int, default=None)
@@ -162,10 +164,12 @@ def _context_compare(args) -> None:
                                dtype_bytes=args.activation_bytes, flops=args.device_tflops * 1e12,
                                bandwidth=args.cp_bandwidth * 1e9, logits=not args.no_logits)
     kv = args.num_key_value_heads or args.num_attention_heads
+    levels = args.hierarchical_context_parallel_sizes
+    hierarchy = f" (A {levels[0]} x P {levels[1]})" if levels and args.cp_comm_type == "a2a+p2p" else ""
     title = (f"context parallelism: seq {args.seq_length}, micro-batch {args.micro_batch_size}, p={args.pp} "
              f"m={args.micro_batches}; L={args.num_layers} h={args.hidden_size} heads {args.num_attention_heads}/{kv} "
              f"ffn {args.ffn_hidden_size or 4 * args.hidden_size}{' SwiGLU' if args.swiglu else ''} "
-             f"V={args.vocab_size or 50304}{' (no logits held)' if args.no_logits else ''}; {args.cp_comm_type} at "
+             f"V={args.vocab_size or 50304}{' (no logits held)' if args.no_logits else ''}; {args.cp_comm_type}{hierarchy} at "
              f"{args.cp_bandwidth:g} GB/s, {args.device_tflops:g} TFLOP/s, {args.activation_bytes}-byte activations")
     print(format_context_table(sizes, rows, title))
 

@@ -16,6 +16,7 @@ flash on a GPU, and the ring's blocks on any device), plus what the communicatio
   gradients whole twice (sent and received) while it runs;
 - a2a (Ulysses): q, k, v and the core's output in the head layout (the whole sequence, heads / C: as large as
   the local ones), kept beside the local ones.
+- a2a+p2p: a2a's head layout kept (as large alike), and while a layer attends the ring's blocks of a ring of P.
 Under Seq1F1B each segment's keys and values also go into the micro-batch's K/V cache (model/kv_cache.py), whose
 buffers hold the positions in flight, so the cache of earlier segments is 2 x K/V width bytes per held token:
 per local token for p2p and a2a (its cache holds the local chunks, or every position at heads / C), per whole
@@ -31,7 +32,9 @@ Messages per layer (`messages`, bytes one rank sends; every rank sends alike): p
 backward C - 1 K/V blocks and C gradient blocks in fp32 (each block's gradient sum returns to its owner);
 allgather forward one all-gather of K/V, backward one all-to-all of their gradients (each sends its (C - 1) / C);
 a2a four all-to-alls each way (q, k, v, output; the output's gradient and q's, k's, v's), (C - 1) / C of a
-local tensor each.
+local tensor each; a2a+p2p (hierarchical, `hierarchy`: the all-to-all over A ranks, the ring over P = C / A) the
+a2a's four each way at (A - 1) / A, then the ring's messages over P ranks, each block a rank's K/V cache at
+heads / A for its P-layout positions (as many bytes as p2p's at C).
 
 What the block compute hides (`ring_times`): a ring step's transfers at `bandwidth` run while the rank attends
 one block pair (its attention / C, every step alike under the layout) at `flops`, so a step hides min(1, compute /
@@ -41,7 +44,7 @@ previous step's gradient block travels: the first step carries the next K/V bloc
 a gradient block, the last a gradient block only, and the last step's own gradient block (home to its owner)
 follows its compute, unhidden. `step_hidden` is the share of what travels under the steps that they hide (forward
 one step's min(1, compute / transfer)). allgather and a2a communicate before and after the attention: nothing
-hidden. Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
+hidden; a2a+p2p is counted so too (an upper bound: its ring part hides as p2p's at P would). Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
 H100 and one H200 (393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way,
 two thirds of NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
 network's, e.g. 50 GB/s for 400 Gb/s InfiniBand).
@@ -69,14 +72,28 @@ from .recompute import LayerMemory, layer_memory
 from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
 from .simulate import SimResult, simulate
 
-COMM_TYPES = ("p2p", "allgather", "a2a")
+COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 DEVICE_FLOPS = 400e12  # bf16 FLOP/s one GPU reaches (module docstring)
 BANDWIDTH = 300e9      # bytes/s one way between two CP ranks (module docstring)
 GRAD_BYTES = 4         # the ring's K/V gradients travel in fp32 (model/context_parallel/ring.py)
 
 
-def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int | None = None) -> str:
-    """Why `seq` tokens (cut into segments of `lengths`) cannot run at CP `cp` under `comm` ('' when they can)."""
+def hierarchy(config, cp: int) -> tuple[int, int]:
+    """a2a+p2p's (A, P) at CP `cp`: A the first of `config`'s hierarchical_context_parallel_sizes (--hierarchical-
+    context-parallel-sizes), or where it does not divide `cp` (a compare table's smaller CP sizes) their greatest
+    common divisor; P = cp / A."""
+    sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
+    if not sizes:
+        raise ScheduleError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all "
+                            "over A ranks, the ring over P groups)")
+    a = math.gcd(sizes[0], cp)
+    return a, cp // a
+
+
+def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int | None = None,
+               sizes: tuple | None = None) -> str:
+    """Why `seq` tokens (cut into segments of `lengths`) cannot run at CP `cp` under `comm` ('' when they can);
+    `sizes`: a2a+p2p's hierarchy (A, P) at `cp`."""
     if not isinstance(cp, int) or cp < 1:
         return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
     if comm not in COMM_TYPES:
@@ -91,6 +108,11 @@ def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int
     if cp > 1 and comm == "a2a" and kv_heads and kv_heads % cp:
         return (f"--cp-comm-type a2a shares the heads out over the context-parallel ranks: the {kv_heads} K/V heads "
                 f"must be divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p or allgather")
+    if cp > 1 and comm == "a2a+p2p" and sizes is None:
+        return "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P"
+    if cp > 1 and comm == "a2a+p2p" and kv_heads and kv_heads % sizes[0]:
+        return (f"--cp-comm-type a2a+p2p shares the heads out over the first of --hierarchical-context-parallel-sizes: "
+                f"the {kv_heads} K/V heads must be divisible by {sizes[0]}")
     return ""
 
 
@@ -154,16 +176,32 @@ def messages(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: in
         return Messages()
     q, kv = widths(config)
     token = 2 * kv * batch * dtype_bytes  # one token's keys and values
-    if comm == "p2p":
-        block = (start + n) // cp * token  # the local K/V cache: every segment so far
-        grad = block * GRAD_BYTES / dtype_bytes
-        return Messages((Message("K/V block", cp - 1, block),),
-                        (Message("K/V block", cp - 1, block), Message("dK/dV block (fp32)", cp, grad)))
+    block = (start + n) // cp * token  # the local K/V cache: every segment so far (a2a+p2p: 1 / P at heads / A)
     local = n // cp * batch * dtype_bytes
+    if comm == "p2p":
+        return _ring_messages(block, cp, dtype_bytes)
     if comm == "allgather":
         return Messages((Message("all-gather K/V", 1, (cp - 1) * local * 2 * kv),),
                         (Message("all-to-all dK/dV", 1, (cp - 1) * local * 2 * kv),))
-    share = (cp - 1) / cp * local
+    if comm == "a2a":
+        return _a2a_messages(q, kv, local, cp)
+    if comm == "a2a+p2p":
+        a, p = hierarchy(config, cp)
+        a2a, ring = _a2a_messages(q, kv, local, a), _ring_messages(block, p, dtype_bytes)
+        return Messages(a2a.forward + ring.forward, a2a.backward + ring.backward)
+    raise ScheduleError(f"--cp-comm-type {comm!r}: choose one of {', '.join(COMM_TYPES)}")
+
+
+def _ring_messages(block: float, ranks: int, dtype_bytes: int) -> Messages:
+    """A ring of `ranks`: ranks - 1 K/V blocks forward; backward ranks - 1 of them and `ranks` fp32 gradients."""
+    grad = block * GRAD_BYTES / dtype_bytes
+    return Messages((Message("K/V block", ranks - 1, block),),
+                    (Message("K/V block", ranks - 1, block), Message("dK/dV block (fp32)", ranks, grad)))
+
+
+def _a2a_messages(q: int, kv: int, local: float, ranks: int) -> Messages:
+    """Ulysses over `ranks`: four all-to-alls each way, (ranks - 1) / ranks of a local tensor each."""
+    share = (ranks - 1) / ranks * local
     return Messages(tuple(Message(f"all-to-all {w}", 1, share * width) for w, width in (("q", q), ("k", kv), ("v", kv),
                                                                                        ("output", q))),
                     tuple(Message(f"all-to-all d{w}", 1, share * width) for w, width in (("output", q), ("q", q),
@@ -286,13 +324,14 @@ def layer_bytes(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes:
     q, kv = widths(config)
     token = 2 * kv * batch * dtype_bytes
     gathered = cp > 1 and comm == "allgather"
-    kept_comm = n * token if gathered else (2 * q + 2 * kv) * local * batch * dtype_bytes if cp > 1 and comm == "a2a" \
-        else 0.0
+    heads_layout = cp > 1 and comm in ("a2a", "a2a+p2p")  # a2a+p2p: the head layout's tensors, as large alike
+    kept_comm = n * token if gathered else (2 * q + 2 * kv) * local * batch * dtype_bytes if heads_layout else 0.0
     cache = local * token if segmented and not gathered else 0.0
-    if cp > 1 and comm == "p2p":
-        block = (start + n) // cp * token
+    if cp > 1 and comm in ("p2p", "a2a+p2p"):
+        block = (start + n) // cp * token  # a2a+p2p: 1 / P of the positions at heads / A, as many bytes
+        ring = hierarchy(config, cp)[1] if comm == "a2a+p2p" else cp
         # forward 2 K/V blocks; backward 3 gradient blocks beside 2 K/V blocks (C = 2: beside 1, the last step's)
-        in_flight = (2 * block, (2 if cp > 2 else 1) * block + 3 * block * GRAD_BYTES / dtype_bytes)
+        in_flight = (2 * block, (2 if ring > 2 else 1) * block + 3 * block * GRAD_BYTES / dtype_bytes)
     else:
         in_flight = (0.0, 2.0 * n * token if gathered else 0.0)
     return LayerBytes(own.kept, kept_comm, cache, own.for_w, in_flight)
@@ -326,7 +365,9 @@ class ContextRun:
 
     def problem(self, lengths=None) -> str:
         shape = layer_shape(self.config)
-        return cp_problem(self.seq, self.cp, self.comm, lengths, shape["kv_heads"] or shape["heads"])
+        sizes = hierarchy(self.config, self.cp) if self.comm == "a2a+p2p" and self.cp > 1 and \
+            getattr(self.config, "hierarchical_context_parallel_sizes", None) else None
+        return cp_problem(self.seq, self.cp, self.comm, lengths, shape["kv_heads"] or shape["heads"], sizes)
 
     def check(self, lengths=None) -> None:
         problem = self.problem(lengths)

@@ -63,6 +63,28 @@ def test_message_bytes_per_comm_type():
     assert messages(SHAPE, 64, 1, "p2p").forward_bytes == 0
 
 
+def test_a2a_p2p_sends_the_a2a_over_a_and_the_ring_over_p():
+    token, local = 2 * 32 * 2, 16 * 2  # C = 4: 16 tokens a rank (bytes per width unit: 16 x 2)
+    tree = SimpleNamespace(**vars(SHAPE), hierarchical_context_parallel_sizes=(2, 2))
+    msgs = messages(tree, 64, 4, "a2a+p2p")
+    # the a2a over A = 2: half of q, k, v, output (64 + 32 + 32 + 64 wide); the ring over P = 2: one block of the
+    # rank's K/V (32 positions at 1 of the 2 K/V heads = 16 tokens' bytes) forward, it and 2 fp32 gradients back
+    assert [m.what for m in msgs.forward] == ["all-to-all q", "all-to-all k", "all-to-all v", "all-to-all output",
+                                              "K/V block"]
+    assert msgs.forward_bytes == 0.5 * local * 192 + 16 * token
+    assert msgs.backward_bytes == 0.5 * local * 192 + 16 * token + 2 * 16 * token * 2
+    assert messages(tree, 32, 4, "a2a+p2p", start=32).forward[-1].size == 16 * token  # the cache [0, 64) / 4
+    # the compare table's CP 2 with A = 2: the a2a alone (a ring of one sends nothing)
+    assert messages(tree, 64, 2, "a2a+p2p").forward_bytes == messages(SHAPE, 64, 2, "a2a").forward_bytes
+    bytes_ = layer_bytes(tree, 64, 4, "a2a+p2p", 2)  # a2a's head layout kept, the ring's blocks in flight at P = 2
+    assert bytes_.comm == layer_bytes(SHAPE, 64, 4, "a2a", 2).comm
+    assert bytes_.in_flight == \
+        (2 * 16 * 2 * token, 16 * 2 * token + 3 * 16 * 2 * token * 2)
+    assert cp_problem(64, 4, "a2a+p2p", kv_heads=2, sizes=(2, 2)) == ""
+    assert "needs --hierarchical-context-parallel-sizes" in cp_problem(64, 4, "a2a+p2p", kv_heads=2)
+    assert "the 2 K/V heads must be divisible by 4" in cp_problem(64, 8, "a2a+p2p", kv_heads=2, sizes=(4, 2))
+
+
 def test_the_ring_hides_what_a_block_pairs_attention_covers():
     att = rank_attention_flops(SHAPE, 64, 4, 0)
     lin = linear_flops_per_token(64, 128, 4, 2, True) * 16
@@ -160,6 +182,17 @@ def test_compare_at_one_cp_size_beside_one(capsys):
     assert "allgather at 300 GB/s" in out and [line.split()[0] for line in out.splitlines()[3:5]] == ["1", "3"]
 
 
+def test_compare_takes_a2a_p2p_with_its_sizes(capsys):
+    assert main([*ARGS, "--seq-length", "4096", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                 "--hierarchical-context-parallel-sizes", "2", "2", *SHAPE_ARGS]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "a2a+p2p (A 2 x P 2) at 300 GB/s" in out[0]
+    tree = SimpleNamespace(**vars(CLI_SHAPE), hierarchical_context_parallel_sizes=(2, 2))
+    run = ContextRun(tree, 4096, 4, "a2a+p2p")
+    sizes = {int(line.split()[0]): line.split() for line in out[3:6]}
+    assert sizes[4][3] == f"{run.messages().forward_bytes / 2 ** 20:.1f}/{run.messages().backward_bytes / 2 ** 20:.1f}"
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--seq-length", "4100", "--context-parallel-size", "4", *SHAPE_ARGS],
      "error: --seq-length (4100) must be divisible by 2 x --context-parallel-size (8): the sequence is cut into "
@@ -167,6 +200,12 @@ def test_compare_at_one_cp_size_beside_one(capsys):
     (["--seq-length", "4096", "--context-parallel-size", "4", "--cp-comm-type", "a2a", *SHAPE_ARGS],
      "error: --cp-comm-type a2a shares the heads out over the context-parallel ranks: the 2 K/V heads must be "
      "divisible by --context-parallel-size (4); use --cp-comm-type p2p or allgather\n"),
+    (["--seq-length", "4096", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", *SHAPE_ARGS],
+     "error: --cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P\n"),
+    (["--seq-length", "4096", "--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "4", "2", *SHAPE_ARGS],
+     "error: --cp-comm-type a2a+p2p shares the heads out over the first of --hierarchical-context-parallel-sizes: "
+     "the 2 K/V heads must be divisible by 4\n"),
     (["--seq-length", "4096", "--context-parallel-size", "2"],
      "error: the context-parallel table needs the model's shape and sequence: give --num-layers, --hidden-size, "
      "--num-attention-heads\n"),

@@ -149,6 +149,13 @@ def test_what_context_parallelism_cannot_run_exits_2(tmp_path, config, flags, me
     _refused(tmp_path, ["--hf-model", "HF", "--context-parallel-size", "2", *flags], message, config, WORLD_SIZE="2")
 
 
+def test_hierarchical_context_parallelism_is_refused_for_a_hf_model(tmp_path):
+    (tmp_path / "pipe.json").write_text(json.dumps({"pipeline": {"schedule": "1f1b"}}))
+    _refused(tmp_path, ["--hf-model", "HF", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                        "--hierarchical-context-parallel-sizes", "2", "2", "--deepspeed", "--deepspeed_config",
+                        "pipe.json"], "--hf-model with --cp-comm-type a2a+p2p: not run yet", WORLD_SIZE="4")
+
+
 def _refused(tmp_path, flags, message, config=None, **env):
     """pretrain_gpt.py with `flags` on a folder whose config.json holds `config` too exits 2 with one line."""
     (tmp_path / "HF").mkdir()

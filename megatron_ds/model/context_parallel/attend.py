@@ -12,6 +12,12 @@ lk = start + lq (causal, within the open documents): allgather and a2a reduce to
 (ALiBi, dropout). p2p attends by blocks (blocks.py) with the documents' ids, the ALiBi slopes and the attention
 dropout (with its masks' seed, or None to draw one) it is given.
 `recompute(fn, *tensors)`: selective recompute's checkpoint of the core (None: kept for backward).
+
+a2a+p2p (Megatron-core's hierarchical CP, `levels` the inner and outer groups, by default the registered ones):
+the all-to-all over the inner group's A ranks leaves each rank its head group's tokens of the A ranks, which are
+the two chunks its outer rank holds of the layout over P ranks (a2a.py); the ring over the outer group then is p2p
+at CP P on them, its K/V cache holding 1 / P of the positions at heads / A (`share` P), and a second all-to-all
+brings the output back. Each head group draws its own dropout masks (the seed offset by its inner rank).
 """
 import torch
 import torch.nn.functional as F
@@ -21,10 +27,11 @@ from ..documents import Documents, causal_arguments, documents_attention
 from ..kv_cache import queries_reversed
 from .a2a import heads_to_sequence, sequence_to_heads
 from .allgather import gather_sequence
+from .groups import context_parallel_levels
 from .layout import ContextLayout
 from .ring import chunk_spans, ring_attention
 
-COMM_TYPES = ("p2p", "allgather", "a2a")
+COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 
 
 def _sdpa(q, k, v, mask):
@@ -57,21 +64,13 @@ def _run(recompute, fn, *tensors):
 
 @outside_graph  # a compiled layer runs its communication eagerly, between its graphs
 def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_attention, extend=None,
-                               recompute=None, slopes=None, dropout=0.0, seed=None):
+                               recompute=None, slopes=None, dropout=0.0, seed=None, levels=None):
     """This rank's attention output (b, heads, lq, d), in its local order, of its queries q (b, heads, lq, d) and
     keys/values k, v (b, kv heads, lq, d), RoPE already applied at their global positions."""
     layout = ContextLayout.of(group)
     start, stop = segments[-1]
     if comm_type == "p2p":
-        if extend is not None:
-            k, v = extend(k, v, layout.size)
-        documents = Documents.current() if Documents.masking else None
-        query_spans = chunk_spans(layout, stop - start, start)
-        key_spans = [[span for a, b in segments for span in chunk_spans(layout, b - a, a, r)]
-                     for r in range(layout.size)]
-        def ring(q, k, v):  # recomputed, it draws its dropout seed again from the restored RNG state
-            return ring_attention(q, k, v, group, query_spans, key_spans, documents, slopes, dropout=dropout, seed=seed)
-        return _run(recompute, ring, q, k, v)
+        return _p2p(q, k, v, group, segments, extend, recompute, slopes, dropout, seed)
     if comm_type == "allgather":
         if extend is None:  # recomputed, the gather runs again in backward: the layer keeps its own K/V only
             return _run(recompute, lambda q, k, v: _chunks(layout, q, *_gathered(k, v, group), start, core),
@@ -83,7 +82,32 @@ def context_parallel_attention(q, k, v, group, comm_type, segments, core=prefix_
         if extend is not None:
             k, v = extend(k, v, 1)
         return heads_to_sequence(_run(recompute, lambda q, k, v: core(q, k, v, start), q, k, v), group)
+    if comm_type == "a2a+p2p":
+        inner, outer = levels if levels is not None else context_parallel_levels()
+        q, k, v = (sequence_to_heads(t, inner, outer_layout=True) for t in (q, k, v))
+        head_group = ContextLayout.of(inner).rank
+        if dropout and seed is None:  # drawn here, not in the ring: the offset applies to it
+            seed = int(torch.randint(0, 2 ** 62, (1,), device=q.device).item())
+        seed = None if seed is None else (seed + head_group) % 2 ** 62
+        y = _p2p(q, k, v, outer, segments, extend, recompute, slopes, dropout, seed)
+        return heads_to_sequence(y, inner, outer_layout=True)
     raise ValueError(f"--cp-comm-type {comm_type!r}: choose one of {', '.join(COMM_TYPES)}")
+
+
+def _p2p(q, k, v, group, segments, extend, recompute, slopes, dropout, seed):
+    """The ring over `group`, whose ranks hold the layout's chunks of the open segment (and cache theirs of the
+    earlier ones)."""
+    layout = ContextLayout.of(group)
+    start, stop = segments[-1]
+    if extend is not None:
+        k, v = extend(k, v, layout.size)
+    documents = Documents.current() if Documents.masking else None
+    query_spans = chunk_spans(layout, stop - start, start)
+    key_spans = [[span for a, b in segments for span in chunk_spans(layout, b - a, a, r)]
+                 for r in range(layout.size)]
+    def ring(q, k, v):  # recomputed, it draws its dropout seed again from the restored RNG state
+        return ring_attention(q, k, v, group, query_spans, key_spans, documents, slopes, dropout=dropout, seed=seed)
+    return _run(recompute, ring, q, k, v)
 
 
 def _gathered(k, v, group):

@@ -47,6 +47,9 @@ def context_settings(ds_config: dict) -> tuple[int, str | None]:
         raise ConfigError(f'ds_config "{SECTION}.context_parallel_size" = {size!r}: a whole number of ranks, 1 or more')
     if comm is not None and comm not in CP_COMM_TYPES:
         raise ConfigError(f'ds_config "{SECTION}.cp_comm_type" = {comm!r}: one of {", ".join(CP_COMM_TYPES)}')
+    if comm == "a2a+p2p" and size > 1:  # its inner and outer groups are made for our GPT's flags alone
+        raise ConfigError(f'ds_config "{SECTION}.cp_comm_type" = "a2a+p2p" with your own PipelineModule: not run '
+                          "yet; use p2p, allgather or a2a")
     return size, comm
 
 

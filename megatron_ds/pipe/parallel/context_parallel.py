@@ -2,7 +2,9 @@
 
 Ranks: the topology's "data" axis is DP x CP with the CP ranks inner (Megatron's tp-cp-dp-pp order: global rank =
 tp + TP x (cp + CP x (dp + DP x pp))); a CP group is CP consecutive data-axis ranks of one (stage, replica, tensor
-rank). DeepSpeed's gradient all-reduce and ZeRO-1 partitions go over the whole axis, as MoE's expert-parallel
+rank). Under --cp-comm-type a2a+p2p each CP group is cut into its two levels too (`levels`: Megatron-core's
+order, the all-to-all over A consecutive CP ranks, the ring over the ranks at one position of those groups).
+DeepSpeed's gradient all-reduce and ZeRO-1 partitions go over the whole axis, as MoE's expert-parallel
 groups are drawn from it (pipe/moe/moe.py); the samples a rank reads are its replica's, data-axis rank // CP (training/loop.py).
 
 Data and loss: every CP rank reads its replica's whole micro-batch (the packed documents are built of the whole
@@ -36,17 +38,30 @@ def ensure_context_parallel(config, topology) -> ContextLayout | None:
     if any(len(lane) % cp for lane in lanes):
         raise ValueError(f"--context-parallel-size {cp} must divide the topology's data axis "
                          f"({len(lanes[0])} ranks = data-parallel x context-parallel)")
-    key = (tuple(map(tuple, lanes)), cp)
+    sizes = getattr(config, "hierarchical_context_parallel_sizes", None) \
+        if getattr(config, "cp_comm_type", "p2p") == "a2a+p2p" else None
+    key = (tuple(map(tuple, lanes)), cp, sizes)
     if key not in _GROUPS:
         me = dist.get_rank()
         for lane in lanes:
             for start in range(0, len(lane), cp):
                 ranks = lane[start:start + cp]
                 group = dist.new_group(ranks=ranks)
-                if me in ranks:
-                    _GROUPS[key] = group
-    set_context_parallel_group(_GROUPS[key], cp)
-    return ContextLayout.of(_GROUPS[key])
+                subgroups = [(sub, dist.new_group(ranks=sub)) for sub in levels(ranks, sizes)]
+                if me in ranks:  # its inner group, then its outer one
+                    _GROUPS[key] = group, tuple(g for sub, g in subgroups if me in sub)
+    group, inner_outer = _GROUPS[key]
+    set_context_parallel_group(group, cp, inner_outer or None, sizes)
+    return ContextLayout.of(group)
+
+
+def levels(ranks, sizes) -> list[list[int]]:
+    """a2a+p2p's inner groups (A consecutive ranks of the CP group `ranks`), then its outer ones (the ranks at one
+    position of their inner groups), as Megatron-core makes its hierarchical CP groups; [] without `sizes`."""
+    if sizes is None:
+        return []
+    a = sizes[0]
+    return [ranks[i:i + a] for i in range(0, len(ranks), a)] + [ranks[i::a] for i in range(a)]
 
 
 def context_parallel_size(module) -> int:

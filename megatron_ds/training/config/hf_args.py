@@ -93,6 +93,7 @@ def check_hf_pipeline(args):
                ('"schedule": "auto" and packed documents ("auto" weighs and probes Seq1F1B\'s segments)',
                 settings.auto and documents),
                ('"schedule": "auto" and --context-parallel-size > 1', settings.auto and args.context_parallel_size > 1),
+               ("--cp-comm-type a2a+p2p", args.cp_comm_type == "a2a+p2p" and args.context_parallel_size > 1),
                ('"auto_recompute" (it weighs our GPT\'s recompute settings)', settings.auto_recompute),
                ("vocabulary parallelism", settings.vocab_parallel),
                ("--universal-checkpoint", args.universal_checkpoint)]

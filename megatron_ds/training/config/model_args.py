@@ -110,7 +110,8 @@ def run_gpt_config(args):
         return dataclasses.replace(gpt_config_from_args(args), vocab_size=args.pad_vocab_size_to,
                                    tensor_model_parallel_size=args.tensor_model_parallel_size,
                                    sequence_parallel=args.sequence_parallel, moe=moe_config_from_args(args),
-                                   context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type)
+                                   context_parallel_size=args.context_parallel_size, cp_comm_type=args.cp_comm_type,
+                                   hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes)
     except ValueError as exc:  # GPTConfig's own rules (and ParallelConfigError: the split over TP ranks)
         raise ArgumentsError(str(exc)) from None
 

@@ -7,14 +7,15 @@ data axis holds the CP ranks inner (Megatron's tp-cp-dp-pp order): data-axis ran
 rank d % CP of data-parallel replica d // CP, and gradients and ZeRO-1 shards go over the whole axis.
 
 The context-parallel flags may sit in the ds_config's "context_parallel" section too, keyed by the flags'
-names with underscores ({"context_parallel": {"context_parallel_size": 2, "cp_comm_type": "p2p"}}, as the
-"moe" section carries the MoE flags); given twice they must agree.
+names with underscores ({"context_parallel": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p",
+"hierarchical_context_parallel_sizes": [2, 2]}}, as the "moe" section carries the MoE flags); given twice they
+must agree.
 
 The layout and the model split are checked at parse time (no torch, no process group),
 so a bad combination is one line and exit code 2 before anything starts.
 """
 from megatron_ds.gpt_config import CP_COMM_TYPES
-from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
+from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout, hierarchical_problem
 from megatron_ds.pipe.plan.config import ConfigError, sequence_parallel_ds_config
 from megatron_ds.pipe.plan.segments import context_shards, sequence_shards
 
@@ -33,12 +34,16 @@ def add_parallel_args(parser):
                    help="split each sequence over this many ranks, attention exchanging keys and values "
                         "(Megatron-core's context parallelism; default 1)")
     g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=None,
-                   help="how attention exchanges them: p2p (a ring), allgather, a2a (heads <-> sequence; "
-                        "default p2p)")
+                   help="how attention exchanges them: p2p (a ring), allgather, a2a (heads <-> sequence), "
+                        "a2a+p2p (a2a within groups of A ranks, a ring over the P groups; default p2p)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "P"),
+                   help="--cp-comm-type a2a+p2p's levels: the all-to-all over A consecutive context-parallel "
+                        "ranks, the ring over P of those groups (A x P = --context-parallel-size; Megatron-core's)")
 
 
 CP_SECTION = "context_parallel"  # ds_config {"context_parallel": {<a CP flag's dest>: value}}
 _CP_DEFAULTS = {"context_parallel_size": 1, "cp_comm_type": "p2p"}
+HIERARCHICAL = "hierarchical_context_parallel_sizes"  # the section's key as the flag's dest (default None)
 
 
 def merge_context_parallel(args, ds_config: dict):
@@ -50,10 +55,11 @@ def merge_context_parallel(args, ds_config: dict):
         section = {}
     if not isinstance(section, dict):
         raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} must be an object, got {section!r}')
-    unknown = sorted(set(section) - set(_CP_DEFAULTS))
+    unknown = sorted(set(section) - set(_CP_DEFAULTS) - {HIERARCHICAL})
     if unknown:
         raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} has unknown key{"s" if len(unknown) > 1 else ""} '
-                             f'{", ".join(map(repr, unknown))}: its keys are {" and ".join(_CP_DEFAULTS)}')
+                             f'{", ".join(map(repr, unknown))}: its keys are {", ".join(_CP_DEFAULTS)} and '
+                             f'{HIERARCHICAL}')
     merged = {}
     for dest, default in _CP_DEFAULTS.items():
         flag, value, given = "--" + dest.replace("_", "-"), section.get(dest), getattr(args, dest)
@@ -66,6 +72,27 @@ def merge_context_parallel(args, ds_config: dict):
                                  "give one of them, or make them equal")
         merged[dest] = next(v for v in (given, value, default) if v is not None)
     args.context_parallel_size, args.cp_comm_type = merged["context_parallel_size"], merged["cp_comm_type"]
+    args.hierarchical_context_parallel_sizes = hierarchical_sizes(args, section, src)
+
+
+def hierarchical_sizes(args, section: dict, src: str):
+    """(A, P) of --hierarchical-context-parallel-sizes and the section's "hierarchical_context_parallel_sizes"
+    (given twice they must agree), checked against the merged size and comm type; None when neither gives them.
+    Torch-free and on its own, so that one check of the section can take it."""
+    given, value = getattr(args, HIERARCHICAL, None), section.get(HIERARCHICAL)
+    if value is not None and not (isinstance(value, list) and len(value) == 2
+                                  and all(isinstance(n, int) and not isinstance(n, bool) for n in value)):
+        raise ArgumentsError(f'ds_config "{CP_SECTION}.{HIERARCHICAL}" = {value!r} in {src}: two whole numbers '
+                             "[A, P], as --hierarchical-context-parallel-sizes A P")
+    if given is not None and value is not None and list(given) != value:
+        raise ArgumentsError(f'--hierarchical-context-parallel-sizes {" ".join(map(str, given))} disagrees with '
+                             f'ds_config "{CP_SECTION}.{HIERARCHICAL}" = {value} in {src}; give one of them, or '
+                             "make them equal")
+    sizes = next((tuple(v) for v in (given, value) if v is not None), None)
+    problem = hierarchical_problem(args.context_parallel_size, args.cp_comm_type, sizes)
+    if problem:
+        raise ArgumentsError(problem)
+    return sizes
 
 
 def check_parallel_args(args):

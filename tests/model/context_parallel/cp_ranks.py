@@ -23,10 +23,12 @@ from megatron_ds.model.documents import Documents
 from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 from megatron_ds.model.tensor_parallel import initialize_model_parallel
 from megatron_ds.model.tensor_parallel.comm import CommCounter
+from megatron_ds.pipe.parallel.context_parallel import levels
 
 B, D = 2, 8
 EOD = 0
 COMM_TYPES = ("p2p", "allgather", "a2a")
+HIERARCHY = (2, 2)  # a2a+p2p at CP 4: the all-to-all over ranks {0, 1} and {2, 3}, the ring over {0, 2} and {1, 3}
 
 
 def length(world):
@@ -188,6 +190,8 @@ def layer_config(family, cp, comm, **kw):
     shape = dict(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=256,
                  seed=3)
     shape.update(LAYERS[family])
+    if comm == "a2a+p2p" and cp > 1:
+        kw["hierarchical_context_parallel_sizes"] = HIERARCHY
     return GPTConfig(context_parallel_size=cp, cp_comm_type=comm, **shape, **kw)
 
 
@@ -292,6 +296,46 @@ def segmented_layers_case(group, comm, k, checkpoint, packed, defer, selective=F
         dist.all_reduce(grad, group=group)
         out["d" + name] = _diff(grad, ref_p.grad)
     return out, kv_shapes
+
+
+def hierarchical_cases(group):
+    """--cp-comm-type a2a+p2p at CP 4 = 2 x 2 (its groups made as pipe/parallel/context_parallel.py makes them):
+    attention alone (MHA and GQA, causal and packed documents, whole and as 2 and 4 Seq1F1B segments), the layer
+    (LLaMA, BLOOM's ALiBi, 8 heads over 4 K/V; selective recompute, documents), two layers as Seq1F1B segments, the
+    K/V each rank caches, bf16, selective recompute's dropout, and the refusal of K/V heads that do not divide by A.
+    Keys start with "a2a+p2p"."""
+    ranks = list(range(dist.get_world_size()))
+    subgroups = [(sub, dist.new_group(ranks=sub)) for sub in levels(ranks, HIERARCHY)]
+    mine = tuple(g for sub, g in subgroups if dist.get_rank() in sub)
+    set_context_parallel_group(group, len(ranks), mine, HIERARCHY)
+    comm, results = "a2a+p2p", {}
+    try:
+        for name, heads, kv_heads in (("mha", 4, 4), ("gqa", 8, 4)):
+            for packed in (False, True):
+                for k in (1, 2, 4):
+                    results[(comm, "attention", name, packed, k)] = attention_case(group, comm, heads, kv_heads,
+                                                                                  packed, k)
+        for family in LAYERS:
+            for recompute in (False, True):
+                for packed in (False, True):
+                    results[(comm, "layer", family, recompute, packed)] = layer_case(group, comm, family, recompute,
+                                                                                    packed)
+        for k in (2, 4):
+            for variant in ((False, False, False), (True, False, False), (False, True, True),
+                            (False, True, False, True)):
+                results[(comm, "segmented", k, *variant)], results[("kv", comm, k)] = \
+                    segmented_layers_case(group, comm, k, *variant)
+        results[("bf16", comm)] = attention_case(group, comm, 8, 4, True, 2, torch.bfloat16)
+        results[("recompute dropout", comm)], results[("dropout effect", comm)] = recompute_dropout_case(group, comm)
+        try:
+            context_parallel_attention(*(torch.zeros(1, 3, 4, D) for _ in range(3)), group, comm, ((0, 16),))
+            results["a2a+p2p refusal"] = ""
+        except ValueError as e:
+            results["a2a+p2p refusal"] = str(e)
+    finally:
+        set_context_parallel_group(group, len(ranks))
+    results["comm"] = dict(COUNTS)
+    return results
 
 
 def tensor_and_context_parallel_cases():
@@ -432,5 +476,6 @@ def run_all(world):
         # same call out of the graph (outside_graph), and compiling costs seconds
         results[("compiled", "p2p")], results["graph breaks"] = compiled_layers_case(group, "p2p")
     if world == 4:
+        results.update(hierarchical_cases(group))
         results.update(tensor_and_context_parallel_cases())
     return results

@@ -13,7 +13,8 @@ weight gradients summed over the CP ranks); two LLaMA-style TransformerLayers ru
 at CP 1, with the K/V each rank caches (p2p: 1/C of the positions; a2a: 1/C of the heads); and TP 2 x CP 2 with and
 without sequence parallelism; p2p's attention dropout against full attention under the same blocks' masks, and
 selective recompute drawing the same dropout masks for every comm type; the messages each comm type sends per
-layer; compiled layers. One launch per CP size serves every case (cp_ranks.run_all)."""
+layer; compiled layers; and --cp-comm-type a2a+p2p at CP 4 = 2 x 2 (the all-to-all within pairs of ranks, the ring over
+the pairs) on the same cases. One launch per CP size serves every case (cp_ranks.run_all)."""
 import pytest
 
 from megatron_ds.testing.launcher import launches_by_world
@@ -139,3 +140,44 @@ def test_compiled_layers_call_cp_attention_out_of_their_graphs(results):
     for cases in results(2):
         breaks, seconds = cases["graph breaks"]
         assert breaks == {} and seconds > 0
+
+
+def test_hierarchical_a2a_p2p_equals_full_attention(results):
+    # CP 4 = 2 x 2, per rank: attention alone (MHA, GQA) x (causal, documents) x (whole, 2 and 4 segments) x
+    # (out, dq, dk, dv); the layer: 3 families x (recompute or not) x (documents or not) x (out, dx, >= 1 weight);
+    # two layers as 2 and 4 Seq1F1B segments x 4 variants x (out, dx, >= 1 weight)
+    assert _check(results, 4, "a2a+p2p") >= 4 * (2 * 2 * 3 * 4 + 3 * 2 * 2 * 3 + 2 * 4 * 3)
+    for rank, cases in enumerate(results(4)):
+        assert sum(case[:2] == ("a2a+p2p", "attention") for case in cases if isinstance(case, tuple)) == 12
+        for what, (diff, scale) in cases[("bf16", "a2a+p2p")].items():
+            assert diff <= 2e-2 * max(1.0, scale), (rank, what, diff, scale)
+        for what, (diff, scale) in cases[("recompute dropout", "a2a+p2p")].items():
+            assert diff == 0.0 and scale > 1e-3, (rank, what)
+        assert cases[("dropout effect", "a2a+p2p")] > 0.05
+
+
+def test_hierarchical_a2a_p2p_caches_its_head_group_of_its_outer_chunks(results):
+    s, kv_heads, head_dim = 64, 4, 4  # K/V heads / A, positions / P
+    for cases in results(4):
+        for k in (2, 4):
+            assert cases[("kv", "a2a+p2p", k)] == [(2, 2, kv_heads // 2, s // 2, head_dim)]
+
+
+def test_hierarchical_a2a_p2p_communicates_an_a2a_over_a_and_a_ring_over_p(results):
+    """The a2a's four all-to-alls each way over the inner 2 ranks (the local q, k, v and output), and the ring of
+    P = 2 over K/V blocks the size of a rank's own K/V (2 x the positions at 1/2 of the heads): P - 1 sends forward,
+    P - 1 and P gradient sends backward."""
+    local = 16
+    for family, kv_heads in (("llama", 2), ("bloom", 4)):
+        kv_bytes, q_bytes = 2 * 2 * kv_heads * local * 8 * 4, 2 * 4 * local * 8 * 4
+        a2a = (4, 2 * q_bytes + kv_bytes)
+        for cases in results(4):
+            assert cases["comm"][("a2a+p2p", family)] == ({"cp_all_to_all": a2a, "cp_send": (1, kv_bytes)},
+                                                          {"cp_all_to_all": a2a, "cp_send": (3, 3 * kv_bytes)})
+
+
+def test_hierarchical_a2a_p2p_refuses_kv_heads_that_do_not_divide_by_a_in_one_line(results):
+    for cases in results(4):
+        message = cases["a2a+p2p refusal"]
+        assert "do not divide by 2" in message and "hierarchical-context-parallel-sizes" in message
+        assert "\n" not in message

@@ -7,6 +7,7 @@ import torch
 
 from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.foreign.foreign import check_settings
+from megatron_ds.pipe.foreign.foreign_context import context_settings
 from megatron_ds.pipe.foreign import learned_p2p
 from megatron_ds.pipe.foreign.learned_p2p import LearnedP2P, Shapes, decode, encode, gradient_spec, spec_of
 from megatron_ds.pipe.plan.messages import MessagePlan
@@ -113,3 +114,9 @@ def test_a_module_of_fewer_layers_than_stages_is_told_the_way_out():
     assert str(err.value) == ("schedule 'zbv' needs at least one layer per virtual stage: your PipelineModule's 2 "
                               "layers < 4 virtual stages (2 per rank x pipeline size 2); choose a schedule of one "
                               "virtual stage per rank (1f1b, zb-h1, zb-h2) or a pipeline size of at most 1")
+
+
+def test_hierarchical_context_parallelism_is_refused_for_a_user_module_in_one_line():
+    with pytest.raises(ConfigError) as err:
+        context_settings({"context_parallel": {"context_parallel_size": 4, "cp_comm_type": "a2a+p2p"}})
+    assert "\"a2a+p2p\" with your own PipelineModule: not run yet" in str(err.value) and "\n" not in str(err.value)

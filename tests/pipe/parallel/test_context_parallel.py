@@ -6,7 +6,8 @@ the steps, the eval loss and the global gradient norm, with clipping active so t
 One 4-rank launch: CP 2 x PP 2 under 1f1b, zbv, seq1f1b k=2 with the B/W split, interleaved, zb-h1, bitpipe,
 dualpipev, seq1f1b k=4 (balanced), packed documents (all three document flags), allgather and a2a, DeepSpeed's own
 engine (also CP 2 x DP 2), mixtures of experts (EP 2 over the CP pair), TP 2 x CP 2 with and without sequence
-parallelism, CP 4, vocabulary parallelism, and "auto" (its own choice; forced to zbv, a rebuild through a
+parallelism, CP 4 (also a2a+p2p at 2 x 2 under 1f1b, and Seq1F1B k=2 with packed documents), vocabulary
+parallelism, and "auto" (its own choice; forced to zbv, a rebuild through a
 checkpoint). One 8-rank launch: CP 2 x PP 2 x DP 2. Each rank reads its replica's whole micro-batch; the engine
 cuts each op's tokens, position ids and labels to the rank's two chunks (pipe/parallel/context_parallel.py), a message
 between stages holds (b, s / CP, h), and DeepSpeed's gradient mean and ZeRO-1 run over the data axis (DP x CP)."""
@@ -50,6 +51,9 @@ CASES = [({"schedule": "1f1b"}, CP2_PP2), ({"schedule": "zbv"}, CP2_PP2), (SEQ1F
          ({"schedule": "1f1b", "overlap": True}, dict(CP2_PP2, moe="softmax", ep=2)),
          # CP 4: one group of the four ranks, each holding chunks r and 7 - r
          ({"schedule": "1f1b"}, dict(CP2_PP2, pp=1, cp=4)), (SEQ1F1B, dict(CP2_PP2, pp=1, cp=4, comm="allgather")),
+         # CP 4 = 2 x 2 by a2a+p2p: the all-to-all within the pairs {0, 1}, {2, 3}, the ring over {0, 2}, {1, 3}
+         ({"schedule": "1f1b"}, dict(CP2_PP2, pp=1, cp=4, comm="a2a+p2p")),
+         (SEQ1F1B, dict(CP2_PP2, pp=1, cp=4, comm="a2a+p2p", packed=True)),
          # vocabulary parallelism: each CP rank's pipeline runs the slices' passes on its tokens
          ({"schedule": "1f1b", "vocab_parallel": True}, CP2_PP2),
          ({**SEQ1F1B, "vocab_parallel": True}, dict(CP2_PP2, packed=True))]
@@ -91,7 +95,8 @@ def cp_engine_run(pipeline, layout):
     pp, cp = layout["pp"], layout["cp"]
     config = tiny_config(LAYERS, SEQ, **_model(layout, layout["ep"]), context_parallel_size=cp,
                          cp_comm_type=layout["comm"], tensor_model_parallel_size=layout["tp"],
-                         sequence_parallel=layout["sp"])
+                         sequence_parallel=layout["sp"],
+                         hierarchical_context_parallel_sizes=(2, cp // 2) if layout["comm"] == "a2a+p2p" else None)
     dp = dist.get_world_size() // (pp * cp * layout["tp"])
     cfg = ds_config(pp, dp, GAS, clip=CLIP, pipeline=pipeline, lr=LR)  # train_batch_size counts samples
     module = build_pipeline_module(config, cfg, pp, (pipeline or {}).get("activation_checkpoint_interval", 0))

@@ -138,9 +138,10 @@ def test_every_derived_value_is_computed_once_by_parse_args(tmp_path):
                  "--pipeline-model-parallel-size", "2")
     missing = [name for name in DERIVED if getattr(args, name, None) is None]
     # None: neither was asked for; no named schedule: DeepSpeed's engine plans itself; no --kv-channels, no RoPE
-    # scaling, no retention; the GPT-2 tokenizer (--hf-model's folder would give the tokenizer's path)
+    # scaling, no retention; no a2a+p2p levels; the GPT-2 tokenizer (--hf-model's folder would give the tokenizer's path)
     assert missing == ["pipeline_plan", "auto_plan", "rampup_batch_size", "kv_channels", "rope_scaling",
-                       "kill_switch_path", "keep_last_checkpoints", "keep_every", "tokenizer_name_or_path"], missing
+                       "kill_switch_path", "keep_last_checkpoints", "keep_every", "hierarchical_context_parallel_sizes",
+                       "tokenizer_name_or_path"], missing
     assert (args.max_position_embeddings, args.save_interval, args.train_samples) == (16, 10, 40)
     assert args.loss_curve == "tb/loss_curve.png" and (args.lr_decay_steps, args.lr_warmup_steps) == (40, 0)
 

@@ -63,6 +63,46 @@ def test_a_section_that_disagrees_or_is_wrong_is_one_line(tmp_path, extra, ds, n
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_hierarchical_sizes_reach_the_model_from_the_flags_or_the_section(tmp_path):
+    args = parse("--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                 "2", "2", ds=ONE_F_ONE_B, tmp_path=tmp_path)
+    assert (args.cp_comm_type, args.hierarchical_context_parallel_sizes, args.data_parallel_size) == ("a2a+p2p", (2, 2),
+                                                                                                      2)
+    assert args.gpt_config.hierarchical_context_parallel_sizes == (2, 2)
+    section = {"context_parallel_size": 8, "cp_comm_type": "a2a+p2p", "hierarchical_context_parallel_sizes": [2, 4]}
+    args = parse(ds={**ONE_F_ONE_B, "context_parallel": section}, tmp_path=tmp_path)
+    assert (args.context_parallel_size, args.gpt_config.hierarchical_context_parallel_sizes) == (8, (2, 4))
+    assert parse(world=1).hierarchical_context_parallel_sizes is None
+
+
+@pytest.mark.parametrize("extra, section, needle", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4"],
+     {}, "--hierarchical-context-parallel-sizes 2 4: their product 8 must equal --context-parallel-size 4"),
+    (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "2"], {},
+     "--hierarchical-context-parallel-sizes is --cp-comm-type a2a+p2p's: --cp-comm-type is p2p"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], {},
+     "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1", "4"],
+     {}, "each must be at least 2 (A = 1 is --cp-comm-type p2p, P = 1 is a2a)"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1"],
+     {}, "each must be at least 2"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
+     {"hierarchical_context_parallel_sizes": [4, 1]}, "--hierarchical-context-parallel-sizes 2 2 disagrees with ds_config"),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], {"hierarchical_context_parallel_sizes": 4},
+     '"context_parallel.hierarchical_context_parallel_sizes" = 4 in'),
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1",
+      "--num-attention-heads", "8", "--num-key-value-heads", "2"], {}, "each must be at least 2"),
+    (["--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "2",
+      "--num-attention-heads", "8", "--num-key-value-heads", "2"], {},
+     "the 2 K/V heads must be divisible by 4"),
+])
+def test_hierarchical_sizes_that_cannot_run_are_one_line(tmp_path, extra, section, needle):
+    ds = {**ONE_F_ONE_B, "context_parallel": section} if section else ONE_F_ONE_B
+    with pytest.raises(ArgumentsError) as err:
+        parse(*extra, ds=ds, tmp_path=tmp_path)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("extra, world, needle", [
     (["--context-parallel-size", "3"], 8, "--context-parallel-size 3 x --pipeline-model-parallel-size 1 = 3 must "
                                           "divide the world size 8 (the data-parallel size is world / (TP x CP x PP))"),
