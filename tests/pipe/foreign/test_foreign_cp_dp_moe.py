@@ -5,10 +5,11 @@ micro-batches (replica = engine.grid.get_data_parallel_rank() // CP), trains as 
 
 - a LLaMA-style dense module under zbv (two virtual stages on the one pipeline rank) with gpt_loss and a quarter of
   the labels ignored (exact only when each rank's loss divides by the micro-batch's count / CP);
-- the same with MoE layers (8 experts, top-2, a shared expert, aux loss and z-loss) under 1f1b, the experts shared
-  out over the CP pair (EP 2: the groups made before the module is built, expert_parallel_groups), the optimizer an
-  AdamW over the user's two groups that initialize splits for ZeRO's expert groups. The router's losses enter the
-  gradients as in the reference (a reference without them is the control).
+- a module of MoE layers (tests/pipe/moe's softmax model: 8 experts, top-2, a shared expert, aux loss and z-loss)
+  under 1f1b, the experts shared out over the CP pair (EP 2: the groups made before the module is built,
+  expert_parallel_groups), the optimizer an AdamW over the user's two groups that initialize splits for ZeRO's
+  expert groups (and, one step, the ds_config's optimizer over model_parameters=net.parameters()). The router's
+  losses enter the gradients as in the reference (a reference without them is the control).
 
 Every step's loss, the eval loss and every weight after 3 AdamW steps within 1e-5 (fp32); the EP group check
 refuses groups made for another topology, one line on every rank."""
