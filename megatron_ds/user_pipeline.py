@@ -7,7 +7,8 @@ own engine included. Under the ds_config's "context_parallel" section the sequen
 (pipe/foreign/foreign_context.py). The module is built again for the chunks, so what was bound to its parameters is
 bound again to the new ones by parameter name: `model_parameters` (parameters or param groups), an optimizer
 object (rebuilt with its defaults and each param group's settings); an lr scheduler object, bound to the old
-optimizer, cannot be, so a scheduler comes as a callable or from the ds_config.
+optimizer, cannot be, so a scheduler comes as a callable or from the ds_config. Expert-parallel parameters of
+MoE layers go to param groups of their own, as DeepSpeed's ZeRO asks (pipe/foreign/foreign_moe.py).
 """
 import copy
 import inspect
@@ -25,6 +26,7 @@ from megatron_ds.pipe.plan.config import ConfigError, pipeline_settings
 from megatron_ds.pipe.foreign.foreign import check_parameters, check_settings, chunked, partition_method, plan_for
 from megatron_ds.pipe.foreign.foreign_context import check_layers, check_run, context_settings
 from megatron_ds.pipe.foreign.foreign_engine import ForeignScheduleEngine
+from megatron_ds.pipe.foreign.foreign_moe import check_experts, expert_groups, has_experts, module_groups
 from megatron_ds.pipe.parallel.context_parallel import ensure_context_parallel
 
 
@@ -55,6 +57,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if cp > 1 else None
     module = chunked(model, plan, method, seed_layers=ds_config["pipeline"].get("seed_layers", False))
     check_layers(module, cp, cp_comm)
+    check_experts(module, model.topology())  # the EP groups the user made are the topology's
     module.context_layout = context  # the engine cuts each micro-batch to this rank's tokens (or None)
     optimizer, model_parameters = _rebound(model, module, optimizer, model_parameters, lr_scheduler)
     engine = initialize_engine(module, ds_config, optimizer, lr_scheduler, model_parameters, settings,
@@ -96,13 +99,15 @@ def _rebound(model, module, optimizer, model_parameters, lr_scheduler):
         given = list(model_parameters)
         grouped = any(isinstance(g, dict) for g in given)
         groups = _regrouped(given if grouped else [{"params": given}], names, module, "model_parameters")
-        model_parameters = groups if grouped else groups[0]["params"]
+        model_parameters = expert_groups(groups) if grouped or has_experts(module) else groups[0]["params"]
+    elif optimizer is None or callable(optimizer):
+        model_parameters = module_groups(module) if has_experts(module) else None  # DeepSpeed's default, split
     if isinstance(optimizer, torch.optim.Optimizer):
         if isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise ConfigError("lr_scheduler: an lr scheduler object is bound to the optimizer, which megatron_ds."
                               "initialize rebuilds over the schedule's chunks; pass lr_scheduler=lambda optimizer: "
                               '... or the ds_config\'s "scheduler"')
-        optimizer = _rebuilt(optimizer, _regrouped(optimizer.param_groups, names, module, "optimizer"))
+        optimizer = _rebuilt(optimizer, expert_groups(_regrouped(optimizer.param_groups, names, module, "optimizer")))
     return optimizer, model_parameters
 
 
