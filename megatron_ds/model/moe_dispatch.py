@@ -30,6 +30,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
+
+
+class ExpertGroupsMissing(UserError):
+    """A MoE layer built with expert parallelism before its process groups exist."""
+
 
 def group_name(expert_parallel_size: int) -> str:
     return f"ep_size_{expert_parallel_size}"
@@ -42,8 +48,10 @@ def expert_parallel_group(m):
     from deepspeed.utils import groups  # lazy: only an expert-parallel model needs DeepSpeed's group registry
     name = group_name(m.expert_model_parallel_size)
     if name not in groups._get_expert_parallel_group_dict():
-        raise RuntimeError(f"expert parallelism {m.expert_model_parallel_size}: its process groups are not made "
-                           "(pipe/moe/moe.ensure_expert_parallel, before the model is built)")
+        raise ExpertGroupsMissing(
+            f"expert parallelism {m.expert_model_parallel_size}: its process groups are not made; a MoE layer keeps "
+            "only its rank's experts when built, so make them first (your own PipelineModule: "
+            "megatron_ds.pipe.foreign.foreign_moe.expert_parallel_groups(config, num_stages) on every rank)")
     return groups._get_expert_parallel_group(name)
 
 

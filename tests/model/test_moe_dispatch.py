@@ -93,3 +93,16 @@ def test_an_issued_all_to_all_sleeps_only_what_the_other_side_left(monkeypatch):
     monkeypatch.setattr(InFlight, "meanwhile", None)
     moe_dispatch._all_to_all(out, x)
     assert issued == [True, False] and AddedLatency.slept > 0.045
+
+
+def test_a_moe_layer_built_before_its_expert_groups_is_one_user_line(monkeypatch):
+    """Expert parallelism asks DeepSpeed's registry for its group; none made: a UserError that names the call a
+    user's own PipelineModule makes first (not a traceback into the runtime's internals)."""
+    from types import SimpleNamespace
+    from deepspeed.utils import groups
+    from megatron_ds.errors import UserError
+    monkeypatch.setattr(groups, "_get_expert_parallel_group_dict", dict)  # no group made in this process
+    with pytest.raises(UserError, match=r"expert parallelism 2: its process groups are not made.*"
+                                        r"expert_parallel_groups\(config, num_stages\)") as err:
+        moe_dispatch.expert_parallel_group(SimpleNamespace(expert_model_parallel_size=2))
+    assert "\n" not in str(err.value)
