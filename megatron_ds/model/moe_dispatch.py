@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..errors import UserError
 
 
-class ExpertGroupsMissing(UserError):
+class ExpertGroupsError(UserError):
     """A MoE layer built with expert parallelism before its process groups exist."""
 
 
@@ -48,7 +48,7 @@ def expert_parallel_group(m):
     from deepspeed.utils import groups  # lazy: only an expert-parallel model needs DeepSpeed's group registry
     name = group_name(m.expert_model_parallel_size)
     if name not in groups._get_expert_parallel_group_dict():
-        raise ExpertGroupsMissing(
+        raise ExpertGroupsError(
             f"expert parallelism {m.expert_model_parallel_size}: its process groups are not made; a MoE layer keeps "
             "only its rank's experts when built, so make them first (your own PipelineModule: "
             "megatron_ds.pipe.foreign.foreign_moe.expert_parallel_groups(config, num_stages) on every rank)")

@@ -44,9 +44,10 @@ previous step's gradient block travels: the first step carries the next K/V bloc
 a gradient block, the last a gradient block only, and the last step's own gradient block (home to its owner)
 follows its compute, unhidden. `step_hidden` is the share of what travels under the steps that they hide (forward
 one step's min(1, compute / transfer)). allgather and a2a communicate before and after the attention: nothing
-hidden; a2a+p2p is counted so too (an upper bound: its ring part hides as p2p's at P would). Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one
-H100 and one H200 (393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way,
-two thirds of NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
+hidden; a2a+p2p's all-to-alls so too, its ring over P hiding as p2p's at P (a step: the attention / P).
+Defaults: `DEVICE_FLOPS` 400 TFLOP/s, the bf16 rate this project's unsplit step reaches on one H100 and one H200
+(393.9 and 398.9 TFLOP/s, docs/perf/gpu_h100.md, gpu_h200.md); `BANDWIDTH` 300 GB/s one way, two thirds of
+NVLink 4's 450 GB/s per direction (an assumption, not measured here; across nodes give the
 network's, e.g. 50 GB/s for 400 Gb/s InfiniBand).
 
 Ranks that compute at different speeds (`coupled_ring`, which the CPU bench feeds measured block times): each rank
@@ -78,14 +79,17 @@ BANDWIDTH = 300e9      # bytes/s one way between two CP ranks (module docstring)
 GRAD_BYTES = 4         # the ring's K/V gradients travel in fp32 (model/context_parallel/ring.py)
 
 
+NEEDS_SIZES = ("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all over A ranks, "
+               "the ring over P groups)")
+
+
 def hierarchy(config, cp: int) -> tuple[int, int]:
     """a2a+p2p's (A, P) at CP `cp`: A the first of `config`'s hierarchical_context_parallel_sizes (--hierarchical-
     context-parallel-sizes), or where it does not divide `cp` (a compare table's smaller CP sizes) their greatest
     common divisor; P = cp / A."""
     sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
     if not sizes:
-        raise ScheduleError("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all "
-                            "over A ranks, the ring over P groups)")
+        raise ScheduleError(NEEDS_SIZES)
     a = math.gcd(sizes[0], cp)
     return a, cp // a
 
@@ -109,7 +113,7 @@ def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int
         return (f"--cp-comm-type a2a shares the heads out over the context-parallel ranks: the {kv_heads} K/V heads "
                 f"must be divisible by --context-parallel-size ({cp}); use --cp-comm-type p2p or allgather")
     if cp > 1 and comm == "a2a+p2p" and sizes is None:
-        return "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P"
+        return NEEDS_SIZES
     if cp > 1 and comm == "a2a+p2p" and kv_heads and kv_heads % sizes[0]:
         return (f"--cp-comm-type a2a+p2p shares the heads out over the first of --hierarchical-context-parallel-sizes: "
                 f"the {kv_heads} K/V heads must be divisible by {sizes[0]}")
@@ -187,7 +191,7 @@ def messages(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: in
         return _a2a_messages(q, kv, local, cp)
     if comm == "a2a+p2p":
         a, p = hierarchy(config, cp)
-        a2a, ring = _a2a_messages(q, kv, local, a), _ring_messages(block, p, dtype_bytes)
+        a2a, ring = _a2a_messages(q, kv, local, a), _ring_messages(block, p, dtype_bytes) if p > 1 else Messages()
         return Messages(a2a.forward + ring.forward, a2a.backward + ring.backward)
     raise ScheduleError(f"--cp-comm-type {comm!r}: choose one of {', '.join(COMM_TYPES)}")
 
@@ -232,15 +236,21 @@ def ring_times(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: 
     compute = ((lin + att) / flops, (lin + 2 * att) / flops, lin / flops)
     msgs = messages(config, n, cp, comm, batch, dtype_bytes, start)
     transfer = (msgs.forward_bytes / bandwidth, msgs.backward_bytes / bandwidth)
-    if comm != "p2p" or cp == 1:
+    ranks = cp if comm == "p2p" else hierarchy(config, cp)[1] if comm == "a2a+p2p" else 1
+    if ranks == 1:  # no ring: every collective waited for where it is issued
         return Ring(compute, transfer, transfer)
-    block, grad = (m.size / bandwidth for m in msgs.backward)
-    step_f, step_b = att / cp / flops, 2 * att / cp / flops
+    # the ring's messages come last (messages()); a2a+p2p's all-to-alls before them are waited for where issued,
+    # its ring over P hides as p2p's at P
+    ring_f, ring_b = Messages(msgs.forward[-1:], msgs.backward[-2:]).forward_bytes, msgs.backward[-2:]
+    collective = ((msgs.forward_bytes - ring_f) / bandwidth,
+                  (msgs.backward_bytes - sum(m.count * m.size for m in ring_b)) / bandwidth)
+    block, grad = (m.size / bandwidth for m in ring_b)
+    step_f, step_b = att / ranks / flops, 2 * att / ranks / flops
     # backward's steps carry: the first the next K/V block, the middle ones that and the previous step's gradient
     # block, the last that gradient block only; the last step's own gradient block follows its compute
-    under_b = [block] + [block + grad] * (cp - 2) + [grad]
+    under_b = [block] + [block + grad] * (ranks - 2) + [grad]
     left_b = sum(max(0.0, t - step_b) for t in under_b)
-    exposed = ((cp - 1) * max(0.0, block - step_f), left_b + grad)
+    exposed = (collective[0] + (ranks - 1) * max(0.0, block - step_f), collective[1] + left_b + grad)
     return Ring(compute, transfer, exposed, (min(1.0, step_f / block), 1.0 - left_b / sum(under_b)))
 
 

@@ -85,6 +85,25 @@ def test_a2a_p2p_sends_the_a2a_over_a_and_the_ring_over_p():
     assert "the 2 K/V heads must be divisible by 4" in cp_problem(64, 8, "a2a+p2p", kv_heads=2, sizes=(4, 2))
 
 
+def test_a2a_p2p_waits_for_its_all_to_alls_and_hides_its_ring_over_p():
+    tree = SimpleNamespace(**vars(SHAPE), hierarchical_context_parallel_sizes=(2, 2))
+    msgs, bw = messages(tree, 64, 4, "a2a+p2p"), 1e6
+    a2a = (sum(m.size for m in msgs.forward[:4]) / bw, sum(m.size for m in msgs.backward[:4]) / bw)
+    block, grad = msgs.backward[-2].size / bw, msgs.backward[-1].size / bw
+    # attention far slower than the link: the ring's steps hide all but backward's last gradient block home
+    slow = ring_times(tree, 64, 4, "a2a+p2p", bandwidth=bw, flops=1.0)
+    assert slow.exposed == pytest.approx((a2a[0], a2a[1] + grad), rel=1e-12)
+    assert slow.transfer == pytest.approx((a2a[0] + block, a2a[1] + block + 2 * grad), rel=1e-12)
+    # attention free: every byte waited for, as allgather's and a2a's are
+    fast = ring_times(tree, 64, 4, "a2a+p2p", bandwidth=bw, flops=1e30)
+    assert fast.exposed == pytest.approx(fast.transfer, rel=1e-12)
+    # between: a ring step of P = 2 attends half the rank's attention (not a quarter, as p2p's at C = 4 would)
+    att = rank_attention_flops(tree, 64, 4, 0)
+    flops = att / 2 / (block / 2)  # a forward step's compute = half a block's transfer
+    mid = ring_times(tree, 64, 4, "a2a+p2p", bandwidth=bw, flops=flops)
+    assert mid.exposed[0] == pytest.approx(a2a[0] + block / 2, rel=1e-12)
+
+
 def test_the_ring_hides_what_a_block_pairs_attention_covers():
     att = rank_attention_flops(SHAPE, 64, 4, 0)
     lin = linear_flops_per_token(64, 128, 4, 2, True) * 16
@@ -201,7 +220,8 @@ def test_compare_takes_a2a_p2p_with_its_sizes(capsys):
      "error: --cp-comm-type a2a shares the heads out over the context-parallel ranks: the 2 K/V heads must be "
      "divisible by --context-parallel-size (4); use --cp-comm-type p2p or allgather\n"),
     (["--seq-length", "4096", "--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", *SHAPE_ARGS],
-     "error: --cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P\n"),
+     "error: --cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P (the all-to-all over A ranks, "
+     "the ring over P groups)\n"),
     (["--seq-length", "4096", "--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p",
       "--hierarchical-context-parallel-sizes", "4", "2", *SHAPE_ARGS],
      "error: --cp-comm-type a2a+p2p shares the heads out over the first of --hierarchical-context-parallel-sizes: "
