@@ -52,6 +52,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megatron_ds.cp_section import COMM_TYPES
+
 from .auto import LOGIT_BYTES
 from .costs import ModelCosts, stage_layers
 from .flops import attention_flops, layer_shape, linear_flops_per_token, query_width, vocab_size
@@ -61,7 +63,6 @@ from .recompute import LayerMemory, layer_memory
 from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
 from .simulate import SimResult, simulate
 
-COMM_TYPES = ("p2p", "allgather", "a2a")
 DEVICE_FLOPS = 400e12  # bf16 FLOP/s one GPU reaches (module docstring)
 BANDWIDTH = 300e9      # bytes/s one way between two CP ranks (module docstring)
 GRAD_BYTES = 4         # the ring's K/V gradients travel in fp32 (model/context_parallel/ring.py)

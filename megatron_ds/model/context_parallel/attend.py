@@ -16,6 +16,8 @@ dropout (with its masks' seed, or None to draw one) it is given.
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.cp_section import COMM_TYPES
+
 from ..compile import outside_graph
 from ..documents import Documents, causal_arguments, documents_attention
 from ..kv_cache import queries_reversed
@@ -23,8 +25,6 @@ from .a2a import heads_to_sequence, sequence_to_heads
 from .allgather import gather_sequence
 from .layout import ContextLayout
 from .ring import chunk_spans, ring_attention
-
-COMM_TYPES = ("p2p", "allgather", "a2a")
 
 
 def _sdpa(q, k, v, mask):

@@ -13,7 +13,7 @@ names with underscores ({"context_parallel": {"context_parallel_size": 2, "cp_co
 The layout and the model split are checked at parse time (no torch, no process group),
 so a bad combination is one line and exit code 2 before anything starts.
 """
-from megatron_ds.gpt_config import CP_COMM_TYPES
+from megatron_ds.cp_section import COMM_TYPES, DEFAULTS, SECTION, section_of, section_problem
 from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout
 from megatron_ds.pipe.plan.config import ConfigError, sequence_parallel_ds_config
 from megatron_ds.pipe.plan.segments import context_shards, sequence_shards
@@ -32,40 +32,25 @@ def add_parallel_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=None,
                    help="split each sequence over this many ranks, attention exchanging keys and values "
                         "(Megatron-core's context parallelism; default 1)")
-    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=None,
+    g.add_argument("--cp-comm-type", choices=COMM_TYPES, default=None,
                    help="how attention exchanges them: p2p (a ring), allgather, a2a (heads <-> sequence; "
                         "default p2p)")
 
 
-CP_SECTION = "context_parallel"  # ds_config {"context_parallel": {<a CP flag's dest>: value}}
-_CP_DEFAULTS = {"context_parallel_size": 1, "cp_comm_type": "p2p"}
-
-
 def merge_context_parallel(args, ds_config: dict):
     """args.context_parallel_size and args.cp_comm_type from the flags and the ds_config's "context_parallel"
-    section (one may give what the other leaves out; given twice they must agree)."""
+    section (cp_section.py checks its shape; one may give what the other leaves out; given twice they must agree)."""
     src = args.deepspeed_config
-    section = ds_config.get(CP_SECTION)
-    if section is None:
-        section = {}
-    if not isinstance(section, dict):
-        raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} must be an object, got {section!r}')
-    unknown = sorted(set(section) - set(_CP_DEFAULTS))
-    if unknown:
-        raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} has unknown key{"s" if len(unknown) > 1 else ""} '
-                             f'{", ".join(map(repr, unknown))}: its keys are {" and ".join(_CP_DEFAULTS)}')
-    merged = {}
-    for dest, default in _CP_DEFAULTS.items():
+    problem = section_problem(ds_config)
+    if problem:
+        raise ArgumentsError(f"{src}: {problem}")
+    section = section_of(ds_config)
+    for dest, default in DEFAULTS.items():
         flag, value, given = "--" + dest.replace("_", "-"), section.get(dest), getattr(args, dest)
-        kind_ok = (isinstance(value, int) and not isinstance(value, bool)) if dest == "context_parallel_size" \
-            else value in CP_COMM_TYPES
-        if value is not None and not kind_ok:
-            raise ArgumentsError(f'ds_config "{CP_SECTION}.{dest}" = {value!r} in {src}: not a value {flag} takes')
         if given is not None and value is not None and given != value:
-            raise ArgumentsError(f'{flag} {given} disagrees with ds_config "{CP_SECTION}.{dest}" = {value} in {src}; '
+            raise ArgumentsError(f'{flag} {given} disagrees with ds_config "{SECTION}.{dest}" = {value} in {src}; '
                                  "give one of them, or make them equal")
-        merged[dest] = next(v for v in (given, value, default) if v is not None)
-    args.context_parallel_size, args.cp_comm_type = merged["context_parallel_size"], merged["cp_comm_type"]
+        setattr(args, dest, next(v for v in (given, value, default) if v is not None))
 
 
 def check_parallel_args(args):

@@ -1,0 +1,37 @@
+"""The ds_config's "context_parallel" section: its keys, the attention's comm types, and the one check of its shape
+(torch-free).
+
+Both readers of the section take it from here: the flags at parse time (training/config/parallel_args.py, which
+merges it with --context-parallel-size and --cp-comm-type) and megatron_ds.initialize for a user's own
+PipelineModule (pipe/foreign/foreign_context.py). Each raises its own UserError with the line `section_problem`
+gives, so a bad section reads alike on both paths; a key or a comm type is added here once (and the comm type's
+attention in model/context_parallel/attend.py).
+"""
+SECTION = "context_parallel"
+COMM_TYPES = ("p2p", "allgather", "a2a")  # --cp-comm-type's choices, and the section's
+# the section's keys (the flags' dests) and the value each takes when neither the flag nor the section gives it
+DEFAULTS = {"context_parallel_size": 1, "cp_comm_type": "p2p"}
+
+
+def section_of(ds_config: dict):
+    """The section as the ds_config gives it ({} when absent or null); check it with `section_problem` first."""
+    section = ds_config.get(SECTION)
+    return {} if section is None else section
+
+
+def section_problem(ds_config: dict) -> str:
+    """Why the ds_config's "context_parallel" section cannot work, in one line ('' when it can): an object of the
+    known keys, the size a whole number >= 1, the comm type one of COMM_TYPES."""
+    section = section_of(ds_config)
+    if not isinstance(section, dict):
+        return f'ds_config "{SECTION}" must be an object of {" and ".join(DEFAULTS)}, got {section!r}'
+    unknown = sorted(set(section) - set(DEFAULTS))
+    if unknown:
+        return (f'ds_config "{SECTION}" has unknown key{"s" if len(unknown) > 1 else ""} '
+                f'{", ".join(map(repr, unknown))}: its keys are {" and ".join(DEFAULTS)}')
+    size, comm = section.get("context_parallel_size"), section.get("cp_comm_type")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        return f'ds_config "{SECTION}.context_parallel_size" = {size!r}: a whole number of ranks, 1 or more'
+    if comm is not None and comm not in COMM_TYPES:
+        return f'ds_config "{SECTION}.cp_comm_type" = {comm!r}: one of {", ".join(COMM_TYPES)}'
+    return ""
