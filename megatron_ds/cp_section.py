@@ -13,6 +13,16 @@ COMM_TYPES = ("p2p", "allgather", "a2a")  # --cp-comm-type's choices, and the se
 DEFAULTS = {"context_parallel_size": 1, "cp_comm_type": "p2p"}
 
 
+def flags_problem(size, comm) -> str:
+    """Why --context-parallel-size `size` and --cp-comm-type `comm` cannot work, in one line ('' when they can):
+    the flags' values as GPTConfig and the schedules' cost model check them (argparse has checked given flags)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return f"--context-parallel-size must be a whole number >= 1, got {size!r}"
+    if comm not in COMM_TYPES:
+        return f"--cp-comm-type {comm!r}: choose one of {', '.join(COMM_TYPES)}"
+    return ""
+
+
 def section_of(ds_config: dict):
     """The section as the ds_config gives it ({} when absent or null); check it with `section_problem` first."""
     section = ds_config.get(SECTION)

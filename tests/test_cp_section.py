@@ -52,3 +52,22 @@ def test_no_section_is_one_rank_and_the_flags_or_the_ring(ds_config):
     merge_context_parallel(args, ds_config)
     assert (args.context_parallel_size, args.cp_comm_type) == (1, "allgather")
     assert context_settings(ds_config) == (1, None)
+
+
+@pytest.mark.parametrize("size, comm, line", [
+    (0, "p2p", "--context-parallel-size must be a whole number >= 1, got 0"),
+    (True, "p2p", "--context-parallel-size must be a whole number >= 1, got True"),
+    (2, "ring", "--cp-comm-type 'ring': choose one of p2p, allgather, a2a"),
+])
+def test_the_flags_values_are_one_line_for_the_model_and_the_cost_model(size, comm, line):
+    """GPTConfig's check and the schedules' cost model (cp_problem) refuse bad values with cp_section's line."""
+    import copy
+    from megatron_ds.gpt_config import GPTConfig, config_problem
+    from megatron_ds.schedules.context_parallel import cp_problem
+    config = GPTConfig(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, max_position_embeddings=32,
+                       context_parallel_size=2)
+    assert config_problem(config) == ""
+    bad = copy.copy(config)  # set after __post_init__, which would raise the line itself
+    bad.context_parallel_size, bad.cp_comm_type = size, comm
+    assert config_problem(bad) == line
+    assert cp_problem(32, size, comm) == line

@@ -52,7 +52,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from megatron_ds.cp_section import COMM_TYPES
+from megatron_ds.cp_section import flags_problem
 
 from .auto import LOGIT_BYTES
 from .costs import ModelCosts, stage_layers
@@ -70,10 +70,8 @@ GRAD_BYTES = 4         # the ring's K/V gradients travel in fp32 (model/context_
 
 def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int | None = None) -> str:
     """Why `seq` tokens (cut into segments of `lengths`) cannot run at CP `cp` under `comm` ('' when they can)."""
-    if not isinstance(cp, int) or cp < 1:
-        return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
-    if comm not in COMM_TYPES:
-        return f"--cp-comm-type {comm!r}: choose one of {', '.join(COMM_TYPES)}"
+    if flags_problem(cp, comm):
+        return flags_problem(cp, comm)
     if seq % (2 * cp):
         return (f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({2 * cp}): the sequence is "
                 f"cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r")
