@@ -13,13 +13,13 @@ too: they change what attention sees and what the loss scores (model/documents.p
 from dataclasses import dataclass
 from typing import Optional
 
+from .cp_section import flags_problem
 from .moe_config import MoEConfig, hf_moe_family, moe_problem, with_ffn_default
 from .parallel_layout import check_model_split, hierarchical_problem
 from .rope_scaling import RopeScaling, rope_scaling_problem
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "alibi")
-CP_COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 
 
 @dataclass
@@ -205,10 +205,8 @@ def config_problem(c) -> str:
         return f"the end-of-document token {eod} is not in the vocabulary of {c.vocab_size} ids"
     cp, cp_comm = getattr(c, "context_parallel_size", None), getattr(c, "cp_comm_type", None) or "p2p"
     cp = 1 if cp is None else cp  # flags read before their merge with the ds_config, or saved before CP existed
-    if not isinstance(cp, int) or cp < 1:
-        return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
-    if cp_comm not in CP_COMM_TYPES:
-        return f"--cp-comm-type {cp_comm!r}: choose one of {', '.join(CP_COMM_TYPES)}"
+    if flags_problem(cp, cp_comm):
+        return flags_problem(cp, cp_comm)
     tp = getattr(c, "tensor_model_parallel_size", None) or 1
     if cp > 1 and cp_comm == "a2a" and (kv // tp) % cp:
         return (f"--cp-comm-type a2a shares the attention heads out over the context-parallel ranks: the "

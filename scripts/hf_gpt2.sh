@@ -49,7 +49,7 @@ first, tail = rows[0]["loss"], rows[-max(1, len(rows) // 4):]
 last = sum(r["loss"] for r in tail) / len(tail)
 folder = f"{run}/checkpoints/hf_iter_{iters:07d}"
 model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
-tokenizer = AutoTokenizer.from_pretrained(f"{run}/model", local_files_only=True)  # the run's, unchanged
+tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)  # the run's, saved beside the weights
 print(f"lm loss: {first:.3f} at iteration 1 -> {last:.3f} (mean of the last {len(tail)} of {len(rows)})")
 prompt = tokenizer("The function", return_tensors="pt")
 out = model.generate(**prompt, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.eos_token_id)

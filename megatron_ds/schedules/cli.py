@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_ds.cp_section import COMM_TYPES
+
 from .catalog import CATALOG, build_schedule
 from .compare import compare_rows, context_rows, format_context_table, format_table
-from .context_parallel import BANDWIDTH, COMM_TYPES, DEVICE_FLOPS
+from .context_parallel import BANDWIDTH, DEVICE_FLOPS
 from .costs import ModelCosts, evaluate
 from .ir import ScheduleError
 from .render import ascii_timeline, plot_timeline, summary_table

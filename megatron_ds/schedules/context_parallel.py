@@ -64,6 +64,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from megatron_ds.cp_section import COMM_TYPES, flags_problem
+
 from .auto import LOGIT_BYTES
 from .costs import ModelCosts, stage_layers
 from .flops import attention_flops, layer_shape, linear_flops_per_token, query_width, vocab_size
@@ -73,7 +75,6 @@ from .recompute import LayerMemory, layer_memory
 from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
 from .simulate import SimResult, simulate
 
-COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 DEVICE_FLOPS = 400e12  # bf16 FLOP/s one GPU reaches (module docstring)
 BANDWIDTH = 300e9      # bytes/s one way between two CP ranks (module docstring)
 GRAD_BYTES = 4         # the ring's K/V gradients travel in fp32 (model/context_parallel/ring.py)
@@ -98,10 +99,8 @@ def cp_problem(seq: int, cp: int, comm: str = "p2p", lengths=None, kv_heads: int
                sizes: tuple | None = None) -> str:
     """Why `seq` tokens (cut into segments of `lengths`) cannot run at CP `cp` under `comm` ('' when they can);
     `sizes`: a2a+p2p's hierarchy (A, P) at `cp`."""
-    if not isinstance(cp, int) or cp < 1:
-        return f"--context-parallel-size must be a whole number >= 1, got {cp!r}"
-    if comm not in COMM_TYPES:
-        return f"--cp-comm-type {comm!r}: choose one of {', '.join(COMM_TYPES)}"
+    if flags_problem(cp, comm):
+        return flags_problem(cp, comm)
     if seq % (2 * cp):
         return (f"--seq-length ({seq}) must be divisible by 2 x --context-parallel-size ({2 * cp}): the sequence is "
                 f"cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r")

@@ -319,12 +319,13 @@ class Trainer:
         self.codecarbon.stop()
 
 
-def save_hf_model(engine, model, save_dir, iteration):
-    """--hf-model: the trained weights as a Hugging Face folder beside the checkpoints (SAVE/hf_iter_N)."""
+def save_hf_model(engine, model, save_dir, iteration, tokenizer_from):
+    """--hf-model: the trained weights as a Hugging Face folder beside the checkpoints (SAVE/hf_iter_N), with the
+    tokenizer of `tokenizer_from` (the folder the run's tokenizer was read from: by default --hf-model's)."""
     from megatron_ds.pipe.hf import save_pretrained  # lazy: transformers, only for --hf-model runs
     folder = os.path.join(save_dir, f"hf_iter_{iteration:07d}")
-    save_pretrained(engine, model, folder)
-    print_rank_0(f"Hugging Face model saved to {folder}")
+    said = save_pretrained(engine, model, folder, tokenizer_from)
+    print_rank_0(f"Hugging Face model saved to {folder} ({said})")
 
 
 def pretrain(args):
@@ -390,7 +391,8 @@ def pretrain(args):
         trainer.maybe_save(last=True)
         trainer.saves.wait(f"before {exit_reason or 'the end of training'}")
         if hf_model is not None and args.save:
-            save_hf_model(trainer.engine, hf_model, args.save, trainer.iteration)  # "auto" may have rebuilt it
+            save_hf_model(trainer.engine, hf_model, args.save, trainer.iteration,  # "auto" may have rebuilt it
+                          args.tokenizer_name_or_path)
         if exit_reason:
             print_rank_0(exit_reason)
         else:

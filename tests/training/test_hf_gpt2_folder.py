@@ -52,6 +52,13 @@ def test_the_saved_folder_loads_in_transformers(run):
     moved = {name: (mine[name] - p).abs().max().item() for name, p in first.named_parameters()}
     assert set(moved) == set(mine)
     assert min(moved.values()) > 0.0, moved  # every weight trained, the first stage's and the last's
+    saved = _ids(out / "checkpoints" / f"hf_iter_{ITERS:07d}")  # the input folder's tokenizer saved beside it
+    assert saved == _ids(out / "model") and len(saved) > 10, saved
+
+
+def _ids(folder):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)("The function f(x) returns naïve cafés, 3 of them")["input_ids"]
 
 
 def test_the_tools_tokenizer_is_gpt2s():

@@ -22,6 +22,8 @@ brings the output back. Each head group draws its own dropout masks (the seed of
 import torch
 import torch.nn.functional as F
 
+from megatron_ds.cp_section import COMM_TYPES
+
 from ..compile import outside_graph
 from ..documents import Documents, causal_arguments, documents_attention
 from ..kv_cache import queries_reversed
@@ -30,8 +32,6 @@ from .allgather import gather_sequence
 from .groups import context_parallel_levels
 from .layout import ContextLayout
 from .ring import chunk_spans, ring_attention
-
-COMM_TYPES = ("p2p", "allgather", "a2a", "a2a+p2p")
 
 
 def _sdpa(q, k, v, mask):

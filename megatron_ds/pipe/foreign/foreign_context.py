@@ -22,31 +22,21 @@ not split into 2 x C chunks. Every other layer must act per token (norms, MLPs, 
 import torch
 import torch.distributed as dist
 
-from megatron_ds.gpt_config import CP_COMM_TYPES
+from megatron_ds.cp_section import SECTION, section_of, section_problem
 from megatron_ds.model import gpt_loss
 from megatron_ds.model.attention import CausalSelfAttention
 from megatron_ds.model.context_parallel import layout_problem
 
 from ..plan.config import ConfigError
 
-SECTION = "context_parallel"
-KEYS = ("context_parallel_size", "cp_comm_type")
-
-
 def context_settings(ds_config: dict) -> tuple[int, str | None]:
-    """(C, the comm type the section names or None) of the ds_config's "context_parallel" section."""
-    section = ds_config.get(SECTION) or {}
-    if not isinstance(section, dict):
-        raise ConfigError(f'ds_config "{SECTION}" must be an object, got {section!r}')
-    unknown = sorted(set(section) - set(KEYS))
-    if unknown:
-        raise ConfigError(f'ds_config "{SECTION}" has unknown key(s) {", ".join(map(repr, unknown))}: its keys are '
-                          f'{" and ".join(KEYS)}')
+    """(C, the comm type the section names or None) of the ds_config's "context_parallel" section (its shape
+    checked as the flags' is: cp_section.py)."""
+    problem = section_problem(ds_config)
+    if problem:
+        raise ConfigError(problem)
+    section = section_of(ds_config)
     size, comm = section.get("context_parallel_size", 1), section.get("cp_comm_type")
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f'ds_config "{SECTION}.context_parallel_size" = {size!r}: a whole number of ranks, 1 or more')
-    if comm is not None and comm not in CP_COMM_TYPES:
-        raise ConfigError(f'ds_config "{SECTION}.cp_comm_type" = {comm!r}: one of {", ".join(CP_COMM_TYPES)}')
     if comm == "a2a+p2p" and size > 1:  # its inner and outer groups are made for our GPT's flags alone
         raise ConfigError(f'ds_config "{SECTION}.cp_comm_type" = "a2a+p2p" with your own PipelineModule: not run '
                           "yet; use p2p, allgather or a2a")

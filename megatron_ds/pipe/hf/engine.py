@@ -15,8 +15,8 @@ chunks of them (the position ids travel with the hidden states, so every decoder
 by theirs), and the attention runs over the CP group, which the engine opens around each op with the documents.
 Every stage reads the micro-batches then (the documents are the whole sequence's).
 
-"auto": the plan and its AutoPlan are made from the model's config (plan_sizes: its layer count, sizes and
-vocabulary, as make_plan reads a GPTConfig), the run starts on auto's start-up schedule and the engine times the
+"auto": the plan and its AutoPlan are made from the model (plan_sizes: its config's layer count, sizes and
+vocabulary, and whether its layers' MLP is gated, as make_plan reads a GPTConfig), the run starts on auto's start-up schedule and the engine times the
 cut's own layers (the embedding, decoder layers, final norm and head as they run) in its window, as for the GPT
 (pipe/auto.py); a choice placed otherwise is a rebuild through a checkpoint by the engine's owner
 (training/auto_schedule.switch_engine), with the same transformers model.
@@ -40,7 +40,7 @@ from ..plan.config import ConfigError
 from ..plan.plan import make_plan
 from ..plan.segments import context_shards, segment_lengths
 from . import attention
-from .cut import PARTITION, CutError, load, pipeline_module
+from .cut import PARTITION, CutError, Parts, load, pipeline_module
 
 
 class HFScheduleEngine(ForeignScheduleEngine):
@@ -100,22 +100,34 @@ def context_problem(config, cp, comm_type, seq_length):
     return ""
 
 
-def layer_shape(config):
+def layer_shape(model):
     """The decoder layer's sizes as Seq1F1B's balanced cut weighs them (schedules/flops.layer_shape's fields)."""
+    config = model.config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    # a config naming intermediate_size has a gated MLP (LLaMA's kin); GPT-2's names n_inner (None: 4 h), ungated
-    gated = getattr(config, "intermediate_size", None) is not None
-    ffn = config.intermediate_size if gated else (getattr(config, "n_inner", None) or 4 * config.hidden_size)
+    # GPT-2 names n_inner (None: 4 h)
+    ffn = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * config.hidden_size
     return types.SimpleNamespace(hidden_size=config.hidden_size, ffn_hidden_size=ffn, num_attention_heads=heads,
                                  num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-                                 swiglu=gated, kv_channels=head_dim if head_dim * heads != config.hidden_size else None)
+                                 swiglu=gated_mlp(model, ffn),
+                                 kv_channels=head_dim if head_dim * heads != config.hidden_size else None)
 
 
-def plan_sizes(config, seq_length):
+def gated_mlp(model, ffn):
+    """Whether the decoder layers' MLP is gated (SwiGLU's kin: three FFN-wide projections, not two), from the
+    first decoder layer's own weights: one named for a gate (LLaMA's gate_proj, Phi-3's fused gate_up_proj) `ffn`
+    or 2 x `ffn` wide. The config does not say it: GPT-NeoX names intermediate_size for an ungated GELU MLP, as
+    LLaMA does for its gated one; a router named gate (Mixtral's) is as wide as the experts are many."""
+    layer = Parts(model).layers[0]
+    return any(any("gate" in part for part in name.split(".")) and {ffn, 2 * ffn} & set(weight.shape)
+               for name, weight in layer.named_parameters())
+
+
+def plan_sizes(model, seq_length):
     """The model's sizes as make_plan reads a GPTConfig's (layers, hidden, FFN, heads, vocabulary, sequence):
     what "auto"'s budget, candidates and Seq1F1B cuts are made of."""
-    shape = layer_shape(config)
+    shape = layer_shape(model)
+    config = model.config
     shape.num_layers, shape.vocab_size, shape.max_position_embeddings = (config.num_hidden_layers,
                                                                          config.vocab_size, seq_length)
     return shape
@@ -149,12 +161,12 @@ def build_engine(source, ds_config, settings, pp, dp, make_optimizer, make_lr_sc
         if seq_length is None and (segmented or cp > 1):
             raise ValueError("Seq1F1B's segments, \"auto\" and context parallelism need the sequence length")
         if settings.auto:
-            plan, auto_plan = planned or make_plan(plan_sizes(model.config, seq_length), ds_config, pp, dp,
+            plan, auto_plan = planned or make_plan(plan_sizes(model, seq_length), ds_config, pp, dp,
                                                    seq_length, settings)
         else:
             segments = None
             if segmented:
-                shape = layer_shape(model.config)
+                shape = layer_shape(model)
                 segments = (seq_length, shape.hidden_size, tuple(segment_lengths(settings, shape, seq_length)))
             plan = plan_for(module, ds_config, settings, segments, cp=cp)
             if segmented or cp > 1:  # every stage's attention needs the micro-batch's documents

@@ -201,6 +201,11 @@ def read_saved_state(load_dir, tag):
     return safe_load.load(path)
 
 
+def saved_cp(saved):
+    """The context-parallel size a checkpoint was saved with, from its args (None: they record none)."""
+    return getattr(saved.get("args"), "context_parallel_size", None)
+
+
 def _check_model_shape(args, saved_args, load_dir, universal):
     """The same model; under --universal-checkpoint the vocabulary may be padded further (the padding
     follows the TP size), as DeepSpeed's loader adds zero rows."""
@@ -265,20 +270,35 @@ class LoadPlan:
 _SHOWN_ORDER = ("pp", "dp", "placement", "ep", "vocab_parallel", "tp")
 
 
-def _shown(layout: dict, other: dict = None) -> dict:
-    """A layout as the log shows it beside `other`: vocabulary parallelism as on, not its table of parameter names;
-    "ep" 1 written out where the other side has an expert-parallel size (pipeline_layout leaves 1 out)."""
+def _shown(layout: dict, other: dict = None) -> str:
+    """A layout as the log shows it beside `other` ("pp 2, dp 2 x cp 2, placement [[0, 1]], tp 1"): the data axis
+    (pipeline_layout's "dp", DP x CP) as DP and CP apart where "cp" gives the CP size, as one number saying so
+    where it does not (a checkpoint whose args record none); vocabulary parallelism as on, not its table of
+    parameter names; "ep" 1 written out where the other side has an expert-parallel size (pipeline_layout leaves
+    1 out)."""
     shown = {**layout, "vocab_parallel": True} if "vocab_parallel" in layout else dict(layout)
     if other is not None and "ep" in other:
         shown.setdefault("ep", 1)
-    return {**{k: shown[k] for k in _SHOWN_ORDER if k in shown}, **shown}
+    cp = shown.pop("cp", None)
+    if "dp" in shown:
+        axis = shown["dp"]
+        shown["dp"] = f"{axis // cp} x cp {cp}" if cp and axis and axis % cp == 0 else \
+            f"{axis} (DP x CP, the CP size not recorded)"
+    ordered = {**{k: shown[k] for k in _SHOWN_ORDER if k in shown}, **shown}
+    return ", ".join(f"{k} {v}" if k != "vocab_parallel" else "vocab_parallel on" for k, v in ordered.items())
+
+
+def _data_axis_alike(saved_layout: dict, layout: dict) -> bool:
+    """The same layout for ZeRO's shards: they are cut over the data axis (DP x CP) whatever its split."""
+    return {k: v for k, v in saved_layout.items() if k != "cp"} == {k: v for k, v in layout.items() if k != "cp"}
 
 
 def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, universal=False, checkpoint=None):
-    """`saved_layout`/`layout`: pipeline_layout's dict plus "tp"; `checkpoint` (the step folder) names
-    the conversion command in a refusal."""
+    """`saved_layout`/`layout`: pipeline_layout's dict plus "tp" and "cp" (the CP size; None or absent: not
+    recorded), which the reason shows; `checkpoint` (the step folder) names the conversion command in a refusal."""
     saved_tp, tp = saved_layout.get("tp", 1), layout.get("tp", 1)
     change = f"{_shown(saved_layout, layout)} -> {_shown(layout, saved_layout)}"
+    same = _data_axis_alike(saved_layout, layout)
     if universal:
         if zero_stage != 1:
             raise CheckpointError(f"--universal-checkpoint loads into ZeRO stage 1 (DeepSpeed's universal loader "
@@ -287,7 +307,7 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, univ
             else "everything"
         return LoadPlan(None if finetune or no_load_optim else "universal", not finetune,
                         f"universal checkpoint, layout {change}: {what}", universal=True,
-                        rng=saved_layout == layout)
+                        rng=same)
     if saved_tp != tp:
         raise CheckpointError(
             f"checkpoint {checkpoint} was saved with --tensor-model-parallel-size {saved_tp}, this run has {tp}: "
@@ -298,8 +318,10 @@ def plan_load(saved_layout, layout, *, finetune, no_load_optim, zero_stage, univ
         return LoadPlan(None, False, "--finetune: weights only, training starts at iteration 0")
     if no_load_optim:
         return LoadPlan(None, True, "--no-load-optim: weights, lr schedule and iteration; a fresh optimizer")
-    if saved_layout == layout:
-        return LoadPlan("deepspeed", True, "same pipeline layout: everything")
+    if same:
+        moved = saved_layout.get("cp") not in (None, layout.get("cp"))
+        return LoadPlan("deepspeed", True, "same pipeline layout" + (f" ({change}: the data axis DP x CP alike)"
+                                                                     if moved else "") + ": everything")
     if zero_stage != 1:
         raise CheckpointError(
             f"the checkpoint's pipeline layout {_shown(saved_layout, layout)} differs from this run's "
@@ -334,8 +356,9 @@ def load_checkpoint(engine, args):
     saved = read_saved_state(args.load, tag)
     _check_model_shape(args, saved.get("args"), args.load, universal)
     saved_tp = getattr(saved.get("args"), "tensor_model_parallel_size", 1)
-    plan = plan_load({**saved_layout(saved), "tp": saved_tp},
-                     {**pipeline_layout(engine), "tp": args.tensor_model_parallel_size},
+    plan = plan_load({**saved_layout(saved), "tp": saved_tp, "cp": saved_cp(saved)},
+                     {**pipeline_layout(engine), "tp": args.tensor_model_parallel_size,
+                      "cp": args.context_parallel_size},
                      finetune=args.finetune, no_load_optim=args.no_load_optim,
                      zero_stage=engine.zero_optimization_stage(), universal=universal,
                      checkpoint=os.path.join(args.load, tag))

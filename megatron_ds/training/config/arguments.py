@@ -17,6 +17,7 @@ import json
 import os
 import sys
 
+from megatron_ds.cp_section import SECTION as CP_SECTION
 from megatron_ds.data.tokenizer import gpt2_files
 from megatron_ds.files import UnreadableFile, read_json
 from megatron_ds.parallel_layout import ParallelConfigError, accumulation_steps, data_parallel_size, global_batch_size
@@ -39,7 +40,7 @@ from .model_args import add_model_args, check_liger, run_gpt_config, validate_mo
 from .moe_args import (DS_SECTION as MOE_SECTION, add_moe_args, check_expert_parallel_size, moe_ds_config,
                        validate_moe_args)
 from .observability import add_observability_args, check_observability_args
-from .parallel_args import (CP_SECTION, add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config,
+from .parallel_args import (add_parallel_args, check_parallel_args, check_sequence_parallel_ds_config,
                             merge_context_parallel)
 from .pipeline import check_schedule_shape
 from .rope_args import DS_SECTION as ROPE_SECTION, rope_ds_config

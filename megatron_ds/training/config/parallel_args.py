@@ -14,7 +14,7 @@ must agree.
 The layout and the model split are checked at parse time (no torch, no process group),
 so a bad combination is one line and exit code 2 before anything starts.
 """
-from megatron_ds.gpt_config import CP_COMM_TYPES
+from megatron_ds.cp_section import COMM_TYPES, DEFAULTS, HIERARCHICAL, SECTION, section_of, section_problem
 from megatron_ds.parallel_layout import ParallelConfigError, check_parallel_layout, hierarchical_problem
 from megatron_ds.pipe.plan.config import ConfigError, sequence_parallel_ds_config
 from megatron_ds.pipe.plan.segments import context_shards, sequence_shards
@@ -33,7 +33,7 @@ def add_parallel_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=None,
                    help="split each sequence over this many ranks, attention exchanging keys and values "
                         "(Megatron-core's context parallelism; default 1)")
-    g.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default=None,
+    g.add_argument("--cp-comm-type", choices=COMM_TYPES, default=None,
                    help="how attention exchanges them: p2p (a ring), allgather, a2a (heads <-> sequence), "
                         "a2a+p2p (a2a within groups of A ranks, a ring over the P groups; default p2p)")
     g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None, metavar=("A", "P"),
@@ -41,58 +41,27 @@ def add_parallel_args(parser):
                         "ranks, the ring over P of those groups (A x P = --context-parallel-size; Megatron-core's)")
 
 
-CP_SECTION = "context_parallel"  # ds_config {"context_parallel": {<a CP flag's dest>: value}}
-_CP_DEFAULTS = {"context_parallel_size": 1, "cp_comm_type": "p2p"}
-HIERARCHICAL = "hierarchical_context_parallel_sizes"  # the section's key as the flag's dest (default None)
-
-
 def merge_context_parallel(args, ds_config: dict):
-    """args.context_parallel_size and args.cp_comm_type from the flags and the ds_config's "context_parallel"
-    section (one may give what the other leaves out; given twice they must agree)."""
+    """args.context_parallel_size, args.cp_comm_type and args.hierarchical_context_parallel_sizes from the flags and the ds_config's "context_parallel"
+    section (cp_section.py checks its shape; one may give what the other leaves out; given twice they must agree)."""
     src = args.deepspeed_config
-    section = ds_config.get(CP_SECTION)
-    if section is None:
-        section = {}
-    if not isinstance(section, dict):
-        raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} must be an object, got {section!r}')
-    unknown = sorted(set(section) - set(_CP_DEFAULTS) - {HIERARCHICAL})
-    if unknown:
-        raise ArgumentsError(f'ds_config "{CP_SECTION}" in {src} has unknown key{"s" if len(unknown) > 1 else ""} '
-                             f'{", ".join(map(repr, unknown))}: its keys are {", ".join(_CP_DEFAULTS)} and '
-                             f'{HIERARCHICAL}')
-    merged = {}
-    for dest, default in _CP_DEFAULTS.items():
+    problem = section_problem(ds_config)
+    if problem:
+        raise ArgumentsError(f"{src}: {problem}")
+    section, merged = section_of(ds_config), {}
+    for dest, default in DEFAULTS.items():
         flag, value, given = "--" + dest.replace("_", "-"), section.get(dest), getattr(args, dest)
-        kind_ok = (isinstance(value, int) and not isinstance(value, bool)) if dest == "context_parallel_size" \
-            else value in CP_COMM_TYPES
-        if value is not None and not kind_ok:
-            raise ArgumentsError(f'ds_config "{CP_SECTION}.{dest}" = {value!r} in {src}: not a value {flag} takes')
         if given is not None and value is not None and given != value:
-            raise ArgumentsError(f'{flag} {given} disagrees with ds_config "{CP_SECTION}.{dest}" = {value} in {src}; '
+            shown = " ".join(map(str, given)) if isinstance(given, list) else given  # as typed: nargs=2's A P
+            raise ArgumentsError(f'{flag} {shown} disagrees with ds_config "{SECTION}.{dest}" = {value} in {src}; '
                                  "give one of them, or make them equal")
-        merged[dest] = next(v for v in (given, value, default) if v is not None)
+        merged[dest] = next((v for v in (given, value, default) if v is not None), None)
+    sizes = merged[HIERARCHICAL] and tuple(merged[HIERARCHICAL])
     args.context_parallel_size, args.cp_comm_type = merged["context_parallel_size"], merged["cp_comm_type"]
-    args.hierarchical_context_parallel_sizes = hierarchical_sizes(args, section, src)
-
-
-def hierarchical_sizes(args, section: dict, src: str):
-    """(A, P) of --hierarchical-context-parallel-sizes and the section's "hierarchical_context_parallel_sizes"
-    (given twice they must agree), checked against the merged size and comm type; None when neither gives them.
-    Torch-free and on its own, so that one check of the section can take it."""
-    given, value = getattr(args, HIERARCHICAL, None), section.get(HIERARCHICAL)
-    if value is not None and not (isinstance(value, list) and len(value) == 2
-                                  and all(isinstance(n, int) and not isinstance(n, bool) for n in value)):
-        raise ArgumentsError(f'ds_config "{CP_SECTION}.{HIERARCHICAL}" = {value!r} in {src}: two whole numbers '
-                             "[A, P], as --hierarchical-context-parallel-sizes A P")
-    if given is not None and value is not None and list(given) != value:
-        raise ArgumentsError(f'--hierarchical-context-parallel-sizes {" ".join(map(str, given))} disagrees with '
-                             f'ds_config "{CP_SECTION}.{HIERARCHICAL}" = {value} in {src}; give one of them, or '
-                             "make them equal")
-    sizes = next((tuple(v) for v in (given, value) if v is not None), None)
+    args.hierarchical_context_parallel_sizes = sizes
     problem = hierarchical_problem(args.context_parallel_size, args.cp_comm_type, sizes)
     if problem:
         raise ArgumentsError(problem)
-    return sizes
 
 
 def check_parallel_args(args):

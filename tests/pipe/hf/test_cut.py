@@ -192,12 +192,18 @@ def test_what_context_parallelism_runs_is_not_refused():
     assert "capped attention scores" in context_problem(capped, 2, "p2p", 16)
 
 
-@pytest.mark.parametrize("family,ffn,gated", [("llama", 64, True), ("gpt2", 128, False), ("qwen3", 64, True)])
+@pytest.mark.parametrize("family,ffn,gated", [("llama", 64, True), ("gpt2", 128, False), ("qwen3", 64, True),
+                                              ("phi3", 64, True), ("gpt_neox", 64, False), ("mixtral", 64, True)])
 def test_plan_sizes_read_the_models_config(family, ffn, gated):
     """What "auto" and Seq1F1B's balanced cut weigh: layers, sizes, vocabulary and the sequence from the config;
-    a gated MLP where the config names intermediate_size, GPT-2's 4 h ungated one (n_inner None)."""
+    a gated MLP where the layers hold a gate projection (LLaMA's gate_proj, Phi-3's fused gate_up_proj, Mixtral's
+    experts' beside its router), not where the config names intermediate_size for an ungated one (GPT-NeoX's
+    dense_h_to_4h) or n_inner (GPT-2's 4 h, n_inner None)."""
+    import transformers as T
     from megatron_ds.pipe.hf.engine import plan_sizes
-    sizes = plan_sizes(config(family), 16)
+    made = T.GPTNeoXConfig(**{k: v for k, v in SIZES.items() if k != "num_key_value_heads"}, hidden_dropout=0.0) \
+        if family == "gpt_neox" else config(family)
+    sizes = plan_sizes(load(made), 16)
     assert (sizes.num_layers, sizes.hidden_size, sizes.vocab_size, sizes.max_position_embeddings) == (4, 32, 64, 16)
     assert (sizes.ffn_hidden_size, sizes.swiglu) == (ffn, gated)
-    assert sizes.num_key_value_heads == (4 if family == "gpt2" else 2)  # GPT-2: one K/V head per query head
+    assert sizes.num_key_value_heads == (4 if family in ("gpt2", "gpt_neox") else 2)  # one K/V head per query head

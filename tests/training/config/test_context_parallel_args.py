@@ -53,9 +53,9 @@ def test_the_ds_config_section_gives_them_too(tmp_path):
 @pytest.mark.parametrize("extra, ds, needle", [
     (["--context-parallel-size", "2"], {"context_parallel": {"context_parallel_size": 4}},
      '--context-parallel-size 2 disagrees with ds_config "context_parallel.context_parallel_size" = 4'),
-    ([], {"context_parallel": {"size": 2}}, "ds_config \"context_parallel\" in"),
-    ([], {"context_parallel": {"cp_comm_type": "ring"}}, "'ring' in"),
-    ([], {"context_parallel": 2}, 'ds_config "context_parallel"'),
+    ([], {"context_parallel": {"size": 2}}, "ds_config \"context_parallel\" has unknown key 'size'"),
+    ([], {"context_parallel": {"cp_comm_type": "ring"}}, "\"context_parallel.cp_comm_type\" = 'ring': one of"),
+    ([], {"context_parallel": 2}, 'ds_config "context_parallel" must be an object'),
 ])
 def test_a_section_that_disagrees_or_is_wrong_is_one_line(tmp_path, extra, ds, needle):
     with pytest.raises(ArgumentsError) as err:
@@ -89,7 +89,7 @@ def test_hierarchical_sizes_reach_the_model_from_the_flags_or_the_section(tmp_pa
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
      {"hierarchical_context_parallel_sizes": [4, 1]}, "--hierarchical-context-parallel-sizes 2 2 disagrees with ds_config"),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], {"hierarchical_context_parallel_sizes": 4},
-     '"context_parallel.hierarchical_context_parallel_sizes" = 4 in'),
+     '"context_parallel.hierarchical_context_parallel_sizes" = 4: two whole numbers [A, P]'),
     (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "1",
       "--num-attention-heads", "8", "--num-key-value-heads", "2"], {}, "each must be at least 2"),
     (["--context-parallel-size", "8", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "4", "2",
