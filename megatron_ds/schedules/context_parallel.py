@@ -28,7 +28,10 @@ Under Seq1F1B each segment's keys and values also go into the micro-batch's K/V 
 buffers hold the positions in flight, so the cache of earlier segments is 2 x K/V width bytes per held token:
 per local token for p2p and a2a (its cache holds the local chunks, or every position at heads / C), per whole
 token for allgather (its cache holds the gathered segments, which are then what it keeps). The ring then
-passes the local cache, [0, stop) / C tokens of K/V, not the segment's own.
+passes the local cache, [0, stop) / C tokens of K/V, not the segment's own, and saves views of it: a segment's
+layer under p2p keeps neither c_attn's output nor the rotated k (RoPE: q is a tensor of its own). The buffers
+grow with each segment's F and shrink as each segment's backward opens, so segment j + 1's cache goes when
+segment j's B starts and segment 0's after its B (`ContextRun.cache_change`).
 
 FLOPs (flops.py's counts, a multiply-add 2): the linear layers at n / C tokens; attention under the layout
 (`rank_attention_flops`): rank r's chunks [a + r c, a + (r+1) c) and [a + (2C-1-r) c, ...) with c = n / 2C,
@@ -209,9 +212,9 @@ def ring_times(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes: 
 @dataclass(frozen=True)
 class LayerBytes:
     """One layer and micro-batch (segment) on one rank, bytes: kept from F to B (`kept`: the layer's own at
-    n / C tokens; `comm`: what the communication keeps; `cache`: Seq1F1B's K/V cache), what a split B leaves for
+    n / C tokens, a ring's segment's without c_attn's output and the rotated k, whose copies the cache holds; `comm`: what the communication keeps; `cache`: Seq1F1B's K/V cache), what a split B leaves for
     W, and what the attention holds while F and while B runs (`in_flight`). Where in the layer the attention
-    runs: `before_core`, what F has kept of the layer (and its communication) when its attention starts; in B,
+    runs: `before_core`, what F holds of the layer (and its communication) when its attention starts; in B,
     `after_core`, what is freed before the attention's backward starts, of which a split B keeps
     `after_core_w` for W."""
     kept: float
@@ -246,13 +249,19 @@ def layer_bytes(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes:
         in_flight = (2 * block, (2 if cp > 2 else 1) * block + 3 * block * GRAD_BYTES / dtype_bytes)
     else:
         in_flight = (0.0, 2.0 * n * token if gathered else 0.0)
-    # the fused core keeps its output and the softmax statistics, made by the attention; before it the layer has
-    # kept its first norm's input and statistics, c_attn's input and output, the rotated q and k (its part of
+    # the fused core keeps its output and the softmax statistics, made by the attention; before it the layer
+    # holds its first norm's input and statistics, c_attn's input and output, the rotated q and k (its part of
     # `kept` less what comes after the core); the gathered K/V, or q, k, v in the head layout, are there too
     out = q * local * batch * dtype_bytes
     comm_before = kept_comm if gathered else (q + 2 * kv) * local * batch * dtype_bytes if heads else 0.0
     before = own.kept - own.after_core - own.core - out + comm_before
-    return LayerBytes(own.kept, kept_comm, cache, own.for_w, in_flight, before, own.after_core, own.after_core_w)
+    # a segment's ring saves its k and v as views of the K/V cache (which holds copies of them) and a rotated q is
+    # a tensor of its own: nothing keeps c_attn's output or the rotated k past the layer's forward
+    rotated = getattr(config, "position_embedding_type", None) == "rope" and not getattr(config, "qk_layernorm", False)
+    uncached = (q + 3 * kv) * local * batch * dtype_bytes if segmented and cp > 1 and comm == "p2p" and rotated \
+        else 0.0
+    return LayerBytes(own.kept - uncached, kept_comm, cache, own.for_w, in_flight, before, own.after_core,
+                      own.after_core_w)
 
 
 def cp_layer_memory(config, seq: int, mbs: int, dtype_bytes: int, cp: int = 1, comm: str = "p2p") -> LayerMemory:
@@ -365,7 +374,7 @@ class ContextRun:
 
         def sizes(op: Op) -> tuple:
             chunk, mem = held[op.stage][op.seq]
-            return (chunk.kept + counts[op.stage] * mem.cache) / unit, chunk.for_w / unit
+            return (chunk.kept + counts[op.stage] * self.cache_change(held[op.stage], op)) / unit, chunk.for_w / unit
 
         attention = self.attention_bytes(schedule, lengths, recompute)
         seq_costs = self.seq_costs(lengths) if lengths else None
@@ -378,6 +387,13 @@ class ContextRun:
                        head_memory=costs.head_memory, act_size=sizes,
                        transient=lambda op: attention(op) / unit, seq_costs=seq_costs, **vocab, **kwargs)
         return res, res.peak_memory_max * unit
+
+    def layer_memory(self, start: int, n: int, segmented: bool) -> LayerMemory:
+        """recompute.LayerMemory of one layer for the tokens [start, start + n) (cp_layer_memory), its `kept`
+        layer_bytes' (a segment's K/V go to the cache, which is counted apart)."""
+        mem = self.layer(start, n, segmented)[0]
+        own = cp_layer_memory(self.config, n, self.batch, self.dtype_bytes, self.cp, self.comm)
+        return dataclasses.replace(own, kept=mem.kept + mem.comm)
 
     def lengths_of(self, schedule: Schedule) -> list[int] | None:
         """The segment lengths `schedule` runs (even ones where it names none), None without segments."""
@@ -394,6 +410,18 @@ class ContextRun:
         core = sum(r.compute[0] - r.compute[2] + r.exposed[0] for r in rings)
         return core / sum(r.compute[0] + r.exposed[0] for r in rings)
 
+    @staticmethod
+    def cache_change(segments: list, op: Op) -> float:
+        """Bytes of one layer's K/V cache that `op` allocates (F) or frees (B, BW) of its micro-batch
+        (model/kv_cache.py): F grows the buffers by its segment; B of segment j shrinks them to its stop as it
+        opens, freeing segment j + 1's, and segment 0's B frees its own after it."""
+        if op.kind is Kind.F:
+            return segments[op.seq][1].cache
+        if op.kind not in (Kind.B, Kind.BW):
+            return 0.0
+        later = segments[op.seq + 1][1].cache if op.seq + 1 < len(segments) else 0.0
+        return later + (segments[0][1].cache if op.seq == 0 else 0.0)
+
     def chunks(self, schedule: Schedule, lengths=None, recompute: Recompute | None = None) -> list[list[tuple]]:
         """Per stage of `schedule` and segment: (recompute.ChunkMemory in bytes of the stage's layers under
         `recompute`, the segment's LayerBytes); the K/V cache is kept beside the chunk's own (never recomputed).
@@ -403,7 +431,7 @@ class ContextRun:
         spans = self._spans(lengths or [self.seq])
         seg = len(spans) > 1
         mem = [self.layer(a, n, seg)[0] for a, n in spans]
-        own = [cp_layer_memory(self.config, n, self.batch, self.dtype_bytes, self.cp, self.comm) for _, n in spans]
+        own = [self.layer_memory(a, n, seg) for a, n in spans]
         return [[(own[j].stage(recompute, len(layers)), mem[j]) for j in range(len(spans))]
                 for layers in stage_layers(self.config.num_layers, schedule.stages)]
 
@@ -413,18 +441,19 @@ class ContextRun:
         kept (as `recompute` keeps them), the last layer's part before its core, every layer's K/V cache of the
         segment (opened with the op) and the forward's blocks; the last layer's attention is the largest. B and
         BW: the backward's blocks less what the op has freed when the last layer's attention backward starts
-        (its part after the core, less what a split B keeps for W; under BW the logits of the loss stage, which
-        the head's backward frees first); the first attention backward is the largest. Under recompute on top
-        of its rise (recompute.ChunkMemory), the recomputed forward's blocks counted too (an upper bound where
-        the rise is another group's). W and the vocabulary passes: nothing."""
+        (the next segment's K/V cache, which the op's opening lets go; the layer's part after the core, less what
+        a split B keeps for W; under BW the logits of the loss stage, which the head's backward frees first); the
+        first attention backward is the largest. Under recompute on top of its rise (recompute.ChunkMemory), the
+        recomputed forward's blocks counted too (an upper bound where the rise is another group's). W and the
+        vocabulary passes: nothing."""
         recompute = recompute or Recompute()
         lengths = lengths or self.lengths_of(schedule)
         again = bool(recompute.granularity)
         held = self.chunks(schedule, lengths, recompute)
         counts = [len(layers) for layers in stage_layers(self.config.num_layers, schedule.stages)]
         spans = self._spans(lengths or [self.seq])
-        earlier = [[cp_layer_memory(self.config, n, self.batch, self.dtype_bytes, self.cp, self.comm).stage(
-            recompute, max(0, count - 1)).kept for _, n in spans] for count in counts]
+        own = [self.layer_memory(a, n, len(spans) > 1) for a, n in spans]
+        earlier = [[m.stage(recompute, max(0, count - 1)).kept for m in own] for count in counts]
         share = token_shares(schedule)
         logits = self.logits_bytes()
 
@@ -436,8 +465,9 @@ class ContextRun:
             if op.kind is Kind.F:
                 return earlier[op.stage][op.seq] + count * mem.cache + mem.before_core + mem.in_flight[0]
             ring = max(mem.in_flight) if again else mem.in_flight[1]
+            opened = count * (held[op.stage][op.seq + 1][1].cache if op.seq + 1 < len(spans) else 0.0)
             if op.kind is Kind.B:
-                return chunk.rise_b + max(0.0, ring - (mem.after_core - mem.after_core_w))
+                return chunk.rise_b + max(0.0, ring - opened - (mem.after_core - mem.after_core_w))
             freed = logits * share[op.seq] if op.stage == schedule.loss_stage and not schedule.vocab_parallel else 0.0
-            return chunk.rise_bw + max(0.0, ring - mem.after_core - freed)
+            return chunk.rise_bw + max(0.0, ring - opened - mem.after_core - freed)
         return bytes_of
