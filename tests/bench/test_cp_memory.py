@@ -92,3 +92,26 @@ def test_one_tiny_launch_counts_what_the_simulator_counts():
     assert max(s["ring"] for s in stages) == ring == 128 // 2 * 2 * 64 * 4 * 4
     assert all(s["kv"] > 0 for s in stages)  # each stage's K/V cache counted
     assert all(s["saved"] <= s["with_ring"] <= s["saved"] + s["ring"] for s in stages)
+
+
+def test_replay_computes_the_simulators_columns_on_recorded_measurements(tmp_path, capsys):
+    import json
+
+    def stage(s, saved, lengths=()):
+        return dict(stage=s, saved=saved * MB, kv=0.0, ring=8 * MB, with_ring=saved * MB, rss_growth=0.0,
+                    lengths=list(lengths))
+    runs = {"1f1b/1": {"k": 1, "stages": [stage(0, 40.0), stage(1, 30.0)]},
+            "1f1b/2": {"k": 1, "stages": [stage(0, 21.0), stage(1, 16.0)]},
+            "seq1f1b/2": {"k": 4, "stages": [stage(0, 13.0, [256] * 4), stage(1, 12.0, [256] * 4)]}}
+    recorded = tmp_path / "measured.json"
+    recorded.write_text(json.dumps({"header": "HEADER\n\n", "end": "done in 1 s", "runs": {"2": runs}}))
+    argv = ["--pp", "2", "--seq-length", "1024", "--num-layers", "2", "--replay", str(recorded)]
+    results, text = cp_memory.main([*argv, "--record", str(tmp_path / "again.json")])
+    assert capsys.readouterr().out.startswith("HEADER\n\n") and text.endswith(f"done in 1 s (measurements replayed "
+                                                                              f"from {recorded})")
+    # the simulator's columns are this code's, for the recorded runs' shapes
+    shape = (_config(2), 1024, 2, 2, 4, 4, [256] * 4)
+    assert results[2][("seq1f1b", 2)]["predicted"] == cp_memory.predicted(*shape)
+    assert results[2][("1f1b", 1)]["kept"] == cp_memory.predicted(_config(1), 1024, 1, 2, 4, in_flight=False)
+    assert results[2][("1f1b", 2)]["peak"] == 21.0 * MB
+    assert json.loads((tmp_path / "again.json").read_text())["runs"] == {"2": runs}  # --record writes them back
