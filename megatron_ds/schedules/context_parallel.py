@@ -373,7 +373,7 @@ class ContextRun:
         counts = [len(layers) for layers in stage_layers(self.config.num_layers, schedule.stages)]
 
         def sizes(op: Op) -> tuple:
-            chunk, mem = held[op.stage][op.seq]
+            chunk = held[op.stage][op.seq][0]
             return (chunk.kept + counts[op.stage] * self.cache_change(held[op.stage], op)) / unit, chunk.for_w / unit
 
         attention = self.attention_bytes(schedule, lengths, recompute)
@@ -382,7 +382,8 @@ class ContextRun:
         f, b, w = costs.per_stage(schedule)
         if recompute is not None and recompute.granularity:  # each B pays again what its chunk recomputes
             layer_f = dataclasses.replace(costs, embed=(0.0,) * 3, head=(0.0,) * 3).per_stage(schedule)[0]
-            b = [x + lf * recomputed_share(recompute, n, self.core_share(lengths)) for x, lf, n in zip(b, layer_f, counts)]
+            core = self.core_share(lengths)
+            b = [x + lf * recomputed_share(recompute, n, core) for x, lf, n in zip(b, layer_f, counts)]
         res = simulate(schedule, f, b, w, op_overhead=costs.op_overhead,
                        head_memory=costs.head_memory, act_size=sizes,
                        transient=lambda op: attention(op) / unit, seq_costs=seq_costs, **vocab, **kwargs)
