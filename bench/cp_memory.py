@@ -14,14 +14,21 @@ Beside them what schedules/context_parallel.ContextRun.simulate predicts for the
 4 bytes a value, the busiest rank's peak), compared like with like: its kept activations (the layers' and the
 logits on the loss stage, nothing in flight) against the measured kept peak; one layer's ring blocks in flight
 (two K/V blocks and three fp32 gradient blocks; one K/V block at CP 2) against the measured ring peak; and its
-whole peak against the measured peak with the ring. Goals, each PP: CP 2 1F1B at most 0.55 of CP 1's, Seq1F1B at CP 2 at most 0.30 of
-1F1B at CP 1 on the peak rank (kept bytes), the simulator within 10 % of each.
+whole peak, where each op holds the blocks while a layer attends (ContextRun.attention_bytes: in F above the
+stage's earlier layers and the last layer's part before its core, in B above what the op has not yet freed),
+against the measured joint peak of kept and ring bytes. Goals, each PP: CP 2 1F1B at most 0.55 of CP 1's,
+Seq1F1B at CP 2 at most 0.30 of 1F1B at CP 1 on the peak rank (kept bytes), the simulator within 10 % of each.
+
+`--record FILE` writes the measurements (each run's per-stage numbers) as JSON; `--replay FILE` takes them from
+such a file instead of running (seconds, not half an hour): the simulator's columns are computed anew, the
+header and the run's end line are the recorded ones.
 
     python -m bench.cp_memory --seq-length 8192 --perf-file docs/perf/context_parallel_memory_cpu.md
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 
@@ -29,6 +36,7 @@ import torch
 
 from bench.harness import Machine, add_output_args, emit, table
 from bench.options import add_model_args
+from megatron_ds.files import read_json, write_atomic
 from megatron_ds.testing.launcher import run_ranks
 
 MB = 2 ** 20
@@ -107,8 +115,8 @@ def run(args, pp: int, cp: int, pipeline: dict, fresh: bool = True) -> list[dict
 
 def predicted(config, seq: int, cp: int, pp: int, m: int, k: int = 1, lengths=None, in_flight: bool = True) -> float:
     """The simulator's busiest rank's peak activation bytes (fp32) for this run (pure Python). `in_flight=False`:
-    without the ring's K/V blocks in flight while a layer attends, which are no saved tensors (the measurement
-    here counts saved tensors only; the RSS columns see them)."""
+    without the ring's K/V blocks in flight while a layer attends, which are no saved tensors (the measured kept
+    peak counts saved tensors only)."""
     import dataclasses
 
     from megatron_ds.schedules import build_schedule
@@ -137,15 +145,19 @@ RUNS = [("1f1b", 1, 1), ("1f1b", 2, 1), ("seq1f1b", 2, None)]  # (schedule, CP, 
 GOAL_CP2, GOAL_SEQ, GOAL_SIM = 0.55, 0.30, 0.10
 
 
-def measure(args, pp: int, fresh: bool = True) -> dict:
-    """{(schedule, CP): the run's stages (run()), measured peaks (kept, ring, with ring: the largest over the
-    stages) and the simulator's (predicted: whole, kept, ring)} at `pp` stages."""
+def measure(args, pp: int, fresh: bool = True, recorded: dict | None = None) -> dict:
+    """{(schedule, CP): the run's stages (run(), or `recorded`'s: {"schedule/CP": {"k", "stages"}} as `recorded_form`
+    writes them), measured peaks (kept, ring, with ring: the largest over the stages) and the simulator's
+    (predicted: whole, kept, ring)} at `pp` stages."""
     results = {}
     for name, cp, k in RUNS:
         k = args.splits if k is None else k
         pipeline = ({"schedule": "seq1f1b", "seq_splits": k, "seq_split_method": args.method} if k > 1
                     else {"schedule": name})
-        stages = run(args, pp, cp, pipeline, fresh)
+        if recorded is not None:
+            k, stages = recorded[f"{name}/{cp}"]["k"], recorded[f"{name}/{cp}"]["stages"]
+        else:
+            stages = run(args, pp, cp, pipeline, fresh)
         shape = (model_config(args, cp), args.seq_length, cp, pp, args.gas, k, stages[0]["lengths"])
         results[(name, cp)] = dict(
             k=k, stages=stages, peak=max(s["saved"] for s in stages), ring=max(s["ring"] for s in stages),
@@ -154,6 +166,11 @@ def measure(args, pp: int, fresh: bool = True) -> dict:
                                                                              stages[0]["lengths"]))
         print(f"  PP {pp} {name} k={k} CP {cp}: {results[(name, cp)]['peak'] / MB:.1f} MB peak", flush=True)
     return results
+
+
+def recorded_form(results: dict) -> dict:
+    """measure()'s results as JSON holds them: per "schedule/CP" the run's k and stages."""
+    return {f"{name}/{cp}": {"k": res["k"], "stages": res["stages"]} for (name, cp), res in results.items()}
 
 
 def report(pp: int, results: dict) -> tuple[list, str]:
@@ -196,22 +213,30 @@ def main(argv=None):
     parser.add_argument("--ffn-hidden-size", type=int, default=352)
     parser.add_argument("--splits", type=int, default=4, help="Seq1F1B's segments")
     parser.add_argument("--method", choices=["balanced", "even"], default="even")
+    parser.add_argument("--record", metavar="FILE", help="also write the measurements to FILE (JSON)")
+    parser.add_argument("--replay", metavar="FILE", help="take the measurements from FILE (--record's) instead of "
+                        "running; the simulator's columns computed anew")
     add_output_args(parser)
     args = parser.parse_args(argv)
     machine = Machine()
+    replayed = read_json(args.replay, "--replay") if args.replay else None
     header = (f"PP {' and '.join(map(str, args.pp))}, m={args.gas}, mbs 1, seq {args.seq_length}, {model_text(args)}; "
-              f"fp32 on CPU (gloo), p2p ring; {machine.at_start()}\n\n")
+              f"fp32 on CPU (gloo), p2p ring; {machine.at_start()}\n\n") if replayed is None else replayed["header"]
     print(header, end="", flush=True)
     results, rows, goals = {}, [], []
     for pp in args.pp:
-        results[pp] = measure(args, pp)
+        results[pp] = measure(args, pp, recorded=replayed["runs"][str(pp)] if replayed else None)
         more, line = report(pp, results[pp])
         rows += more
         goals.append(line)
+    end = machine.at_end() if replayed is None else replayed["end"]
+    if args.record:
+        write_atomic(args.record, json.dumps({"header": header, "end": end, "runs": {
+            str(pp): recorded_form(res) for pp, res in results.items()}}, indent=1))
     lines = table(["PP", "schedule", "CP", "kept MB per stage", "kept peak MB", "/ 1f1b CP1", "sim kept MB",
                    "kept vs sim", "ring MB meas / sim", "with ring MB", "sim MB", "with ring vs sim", "K/V cache MB",
                    "iter RSS MB"], "rlrrrrrrrrrrrr", rows)
-    lines += ["", *goals, "", machine.at_end()]
+    lines += ["", *goals, "", end + (f" (measurements replayed from {args.replay})" if replayed else "")]
     text = emit("\n".join(lines), args.perf_file, "bench.cp_memory", argv, printed_before=header)
     return results, text
 

@@ -17,11 +17,22 @@ flash on a GPU, and the ring's blocks on any device), plus what the communicatio
 - a2a (Ulysses): q, k, v and the core's output in the head layout (the whole sequence, heads / C: as large as
   the local ones), kept beside the local ones.
 - a2a+p2p: a2a's head layout kept (as large alike), and while a layer attends the ring's blocks of a ring of P.
+The buffers in flight live while a layer attends, which is inside the op, so an op's own memory then
+(`ContextRun.attention_bytes`, simulate's `transient`, above the level before the op) is where the layer stands
+(`before_core`, `after_core`): in F, the stage's earlier layers kept, the last layer's part before its core
+(its first norm, c_attn's input and output, the rotated q and k; allgather's gathered K/V, a2a's q, k, v in the
+head layout) and the forward's blocks; in B (BW) the backward's blocks less what the op has freed when its
+last layer's attention backward starts (that layer's part after the core, less what a split B keeps for W;
+under BW the loss stage's logits, which the head's backward frees first). The last layer's attention is F's
+largest moment and the first one backward B's; measured (bench/cp_memory.py) the blocks fit in that room.
 Under Seq1F1B each segment's keys and values also go into the micro-batch's K/V cache (model/kv_cache.py), whose
 buffers hold the positions in flight, so the cache of earlier segments is 2 x K/V width bytes per held token:
 per local token for p2p and a2a (its cache holds the local chunks, or every position at heads / C), per whole
 token for allgather (its cache holds the gathered segments, which are then what it keeps). The ring then
-passes the local cache, [0, stop) / C tokens of K/V, not the segment's own.
+passes the local cache, [0, stop) / C tokens of K/V, not the segment's own, and saves views of it: a segment's
+layer under p2p keeps neither c_attn's output nor the rotated k (RoPE: q is a tensor of its own). The buffers
+grow with each segment's F and shrink as each segment's backward opens, so segment j + 1's cache goes when
+segment j's B starts and segment 0's after its B (`ContextRun.cache_change`).
 
 FLOPs (flops.py's counts, a multiply-add 2): the linear layers at n / C tokens; attention under the layout
 (`rank_attention_flops`): rank r's chunks [a + r c, a + (r+1) c) and [a + (2C-1-r) c, ...) with c = n / 2C,
@@ -71,9 +82,9 @@ from .costs import ModelCosts, stage_layers
 from .flops import attention_flops, layer_shape, linear_flops_per_token, query_width, vocab_size
 from .ir import Op, Schedule, ScheduleError
 from .kinds import Kind
-from .recompute import LayerMemory, layer_memory
+from .recompute import LayerMemory, Recompute, layer_memory, recomputed_share
 from .seq_split import SEGMENT_MULTIPLE, balanced_segment_lengths, even_segment_lengths
-from .simulate import SimResult, simulate
+from .simulate import SimResult, _token_shares as token_shares, simulate
 
 DEVICE_FLOPS = 400e12  # bf16 FLOP/s one GPU reaches (module docstring)
 BANDWIDTH = 300e9      # bytes/s one way between two CP ranks (module docstring)
@@ -311,13 +322,19 @@ def coupled_ring(computes, kv: float, grad: float = 0.0, backward: bool = False,
 @dataclass(frozen=True)
 class LayerBytes:
     """One layer and micro-batch (segment) on one rank, bytes: kept from F to B (`kept`: the layer's own at
-    n / C tokens; `comm`: what the communication keeps; `cache`: Seq1F1B's K/V cache), what a split B leaves for
-    W, and what the attention holds while F and while B runs (`in_flight`)."""
+    n / C tokens, a ring's segment's without c_attn's output and the rotated k, whose copies the cache holds; `comm`: what the communication keeps; `cache`: Seq1F1B's K/V cache), what a split B leaves for
+    W, and what the attention holds while F and while B runs (`in_flight`). Where in the layer the attention
+    runs: `before_core`, what F holds of the layer (and its communication) when its attention starts; in B,
+    `after_core`, what is freed before the attention's backward starts, of which a split B keeps
+    `after_core_w` for W."""
     kept: float
     comm: float
     cache: float
     for_w: float
     in_flight: tuple
+    before_core: float = 0.0
+    after_core: float = 0.0
+    after_core_w: float = 0.0
 
     @property
     def held(self) -> float:
@@ -343,7 +360,19 @@ def layer_bytes(config, n: int, cp: int, comm: str, batch: int = 1, dtype_bytes:
         in_flight = (2 * block, (2 if ring > 2 else 1) * block + 3 * block * GRAD_BYTES / dtype_bytes)
     else:
         in_flight = (0.0, 2.0 * n * token if gathered else 0.0)
-    return LayerBytes(own.kept, kept_comm, cache, own.for_w, in_flight)
+    # the fused core keeps its output and the softmax statistics, made by the attention; before it the layer
+    # holds its first norm's input and statistics, c_attn's input and output, the rotated q and k (its part of
+    # `kept` less what comes after the core); the gathered K/V, or q, k, v in the head layout, are there too
+    out = q * local * batch * dtype_bytes
+    comm_before = kept_comm if gathered else (q + 2 * kv) * local * batch * dtype_bytes if heads_layout else 0.0
+    before = own.kept - own.after_core - own.core - out + comm_before
+    # a segment's ring saves its k and v as views of the K/V cache (which holds copies of them) and a rotated q is
+    # a tensor of its own: nothing keeps c_attn's output or the rotated k past the layer's forward
+    rotated = getattr(config, "position_embedding_type", None) == "rope" and not getattr(config, "qk_layernorm", False)
+    uncached = (q + 3 * kv) * local * batch * dtype_bytes if segmented and cp > 1 and comm == "p2p" and rotated \
+        else 0.0
+    return LayerBytes(own.kept - uncached, kept_comm, cache, own.for_w, in_flight, before, own.after_core,
+                      own.after_core_w)
 
 
 def cp_layer_memory(config, seq: int, mbs: int, dtype_bytes: int, cp: int = 1, comm: str = "p2p") -> LayerMemory:
@@ -446,31 +475,113 @@ class ContextRun:
         rings = [self.layer(a, n, True)[1] for a, n in self._spans(lengths)]
         return [sum(r.compute) + sum(r.exposed) for r in rings]
 
-    def simulate(self, schedule: Schedule, **kwargs) -> tuple[SimResult, float]:
-        """(the simulation of `schedule` at this CP, its busiest rank's peak activation memory in bytes: the
-        layers' kept activations, the logits on the loss stage, one layer's attention buffers in flight)."""
+    def simulate(self, schedule: Schedule, recompute: Recompute | None = None, **kwargs) -> tuple[SimResult, float]:
+        """(the simulation of `schedule` at this CP under `recompute` (None: nothing recomputed), its busiest rank's
+        peak activation memory in bytes: the layers' kept activations, the logits on the loss stage, and what an
+        op holds while a layer attends (`attention_bytes`))."""
+        lengths = self.lengths_of(schedule)
+        costs = self.model_costs(schedule.pp, lengths)
+        unit = self.unit_for(schedule.pp)
+        held = self.chunks(schedule, lengths, recompute)
+        counts = [len(layers) for layers in stage_layers(self.config.num_layers, schedule.stages)]
+
+        def sizes(op: Op) -> tuple:
+            chunk = held[op.stage][op.seq][0]
+            return (chunk.kept + counts[op.stage] * self.cache_change(held[op.stage], op)) / unit, chunk.for_w / unit
+
+        attention = self.attention_bytes(schedule, lengths, recompute)
+        seq_costs = self.seq_costs(lengths) if lengths else None
+        vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
+        f, b, w = costs.per_stage(schedule)
+        if recompute is not None and recompute.granularity:  # each B pays again what its chunk recomputes
+            layer_f = dataclasses.replace(costs, embed=(0.0,) * 3, head=(0.0,) * 3).per_stage(schedule)[0]
+            core = self.core_share(lengths)
+            b = [x + lf * recomputed_share(recompute, n, core) for x, lf, n in zip(b, layer_f, counts)]
+        res = simulate(schedule, f, b, w, op_overhead=costs.op_overhead,
+                       head_memory=costs.head_memory, act_size=sizes,
+                       transient=lambda op: attention(op) / unit, seq_costs=seq_costs, **vocab, **kwargs)
+        return res, res.peak_memory_max * unit
+
+    def layer_memory(self, start: int, n: int, segmented: bool) -> LayerMemory:
+        """recompute.LayerMemory of one layer for the tokens [start, start + n) (cp_layer_memory), its `kept`
+        layer_bytes' (a segment's K/V go to the cache, which is counted apart)."""
+        mem = self.layer(start, n, segmented)[0]
+        own = cp_layer_memory(self.config, n, self.batch, self.dtype_bytes, self.cp, self.comm)
+        return dataclasses.replace(own, kept=mem.kept + mem.comm)
+
+    def lengths_of(self, schedule: Schedule) -> list[int] | None:
+        """The segment lengths `schedule` runs (even ones where it names none), None without segments."""
         lengths = schedule.segment_lengths if schedule.seq_splits > 1 else None
         if schedule.seq_splits > 1 and not lengths:
             lengths = even_segment_lengths(self.seq, schedule.seq_splits, 2 * self.cp)
         self.check(lengths)
-        costs = self.model_costs(schedule.pp, lengths)
-        unit = self.unit_for(schedule.pp)
+        return list(lengths) if lengths else None
+
+    def core_share(self, lengths=None) -> float:
+        """The attention core's share of a layer's forward on a rank (compute and exposed forward communication):
+        what selective recompute runs again."""
+        rings = [self.layer(a, n, len(lengths or ()) > 1)[1] for a, n in self._spans(lengths or [self.seq])]
+        core = sum(r.compute[0] - r.compute[2] + r.exposed[0] for r in rings)
+        return core / sum(r.compute[0] + r.exposed[0] for r in rings)
+
+    @staticmethod
+    def cache_change(segments: list, op: Op) -> float:
+        """Bytes of one layer's K/V cache that `op` allocates (F) or frees (B, BW) of its micro-batch
+        (model/kv_cache.py): F grows the buffers by its segment; B of segment j shrinks them to its stop as it
+        opens, freeing segment j + 1's, and segment 0's B frees its own after it."""
+        if op.kind is Kind.F:
+            return segments[op.seq][1].cache
+        if op.kind not in (Kind.B, Kind.BW):
+            return 0.0
+        later = segments[op.seq + 1][1].cache if op.seq + 1 < len(segments) else 0.0
+        return later + (segments[0][1].cache if op.seq == 0 else 0.0)
+
+    def chunks(self, schedule: Schedule, lengths=None, recompute: Recompute | None = None) -> list[list[tuple]]:
+        """Per stage of `schedule` and segment: (recompute.ChunkMemory in bytes of the stage's layers under
+        `recompute`, the segment's LayerBytes); the K/V cache is kept beside the chunk's own (never recomputed).
+        `lengths`: the schedule's own (lengths_of) when not given."""
+        recompute = recompute or Recompute()
+        lengths = lengths or self.lengths_of(schedule)
         spans = self._spans(lengths or [self.seq])
         seg = len(spans) > 1
-        layers = [len(held) for held in stage_layers(self.config.num_layers, schedule.stages)]
         mem = [self.layer(a, n, seg)[0] for a, n in spans]
+        own = [self.layer_memory(a, n, seg) for a, n in spans]
+        return [[(own[j].stage(recompute, len(layers)), mem[j]) for j in range(len(spans))]
+                for layers in stage_layers(self.config.num_layers, schedule.stages)]
 
-        def sizes(op: Op) -> tuple:
-            scale = layers[op.stage] / unit
-            return mem[op.seq].held * scale, mem[op.seq].for_w * scale
+    def attention_bytes(self, schedule: Schedule, lengths=None, recompute: Recompute | None = None):
+        """simulate's `transient` in bytes (op -> bytes above the level before the op): what the op holds while
+        one of its layers attends, the attention's buffers in flight included. F: the stage's earlier layers
+        kept (as `recompute` keeps them), the last layer's part before its core, every layer's K/V cache of the
+        segment (opened with the op) and the forward's blocks; the last layer's attention is the largest. B and
+        BW: the backward's blocks less what the op has freed when the last layer's attention backward starts
+        (the next segment's K/V cache, which the op's opening lets go; the layer's part after the core, less what
+        a split B keeps for W; under BW the logits of the loss stage, which the head's backward frees first); the
+        first attention backward is the largest. Under recompute on top of its rise (recompute.ChunkMemory), the
+        recomputed forward's blocks counted too (an upper bound where the rise is another group's). W and the
+        vocabulary passes: nothing."""
+        recompute = recompute or Recompute()
+        lengths = lengths or self.lengths_of(schedule)
+        again = bool(recompute.granularity)
+        held = self.chunks(schedule, lengths, recompute)
+        counts = [len(layers) for layers in stage_layers(self.config.num_layers, schedule.stages)]
+        spans = self._spans(lengths or [self.seq])
+        own = [self.layer_memory(a, n, len(spans) > 1) for a, n in spans]
+        earlier = [[m.stage(recompute, max(0, count - 1)).kept for m in own] for count in counts]
+        share = token_shares(schedule)
+        logits = self.logits_bytes()
 
-        def transient(op: Op) -> float:  # one layer's attention buffers while the op runs (W and passes: none)
-            side = 0 if op.kind is Kind.F else 1 if op.kind in (Kind.B, Kind.BW) else None
-            return 0.0 if side is None else mem[op.seq].in_flight[side] / unit
-
-        seq_costs = self.seq_costs(lengths) if lengths else None
-        vocab = {"head": costs.head, "embed": costs.embed} if schedule.vocab_parallel else {}
-        res = simulate(schedule, *costs.per_stage(schedule), op_overhead=costs.op_overhead,
-                       head_memory=costs.head_memory, act_size=sizes, transient=transient, seq_costs=seq_costs,
-                       **vocab, **kwargs)
-        return res, res.peak_memory_max * unit
+        def bytes_of(op: Op) -> float:
+            count = counts[op.stage]
+            if not count or op.kind not in (Kind.F, Kind.B, Kind.BW):
+                return 0.0
+            chunk, mem = held[op.stage][op.seq]
+            if op.kind is Kind.F:
+                return earlier[op.stage][op.seq] + count * mem.cache + mem.before_core + mem.in_flight[0]
+            ring = max(mem.in_flight) if again else mem.in_flight[1]
+            opened = count * (held[op.stage][op.seq + 1][1].cache if op.seq + 1 < len(spans) else 0.0)
+            if op.kind is Kind.B:
+                return chunk.rise_b + max(0.0, ring - opened - (mem.after_core - mem.after_core_w))
+            freed = logits * share[op.seq] if op.stage == schedule.loss_stage and not schedule.vocab_parallel else 0.0
+            return chunk.rise_bw + max(0.0, ring - opened - mem.after_core - freed)
+        return bytes_of

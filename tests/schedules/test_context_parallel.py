@@ -129,14 +129,14 @@ def test_the_ring_hides_what_a_block_pairs_attention_covers():
 
 
 def test_the_simulation_at_two_ranks():
-    """1F1B p=2, m=4: rank 0 peaks in its first B, two micro-batches of its 2 layers held plus that layer's ring
-    buffers; the costs are the compute at S/2 plus what the ring leaves unhidden, charged to F and B."""
+    """1F1B p=2, m=4: rank 0 peaks in its first B, two micro-batches of its 2 layers held (the ring's buffers fit in
+    what the B frees before its first attention backward: test_cp_attention_memory); the costs are the compute at S/2 plus what the ring leaves unhidden, charged to F and B."""
     schedule = build_schedule("1f1b", 2, 4)
     runs = {cp: ContextRun(SHAPE, 64, cp, "p2p", logits=False, bandwidth=1e6) for cp in (1, 2)}
     (_, one), (_, two) = (runs[c].simulate(schedule) for c in (1, 2))
     held, _ = runs[2].layer()
-    assert one == 2 * 2 * runs[1].layer()[0].held and two == 2 * 2 * held.held + held.in_flight[1]
-    assert two == pytest.approx(one / 2 + held.in_flight[1])
+    assert one == 2 * 2 * runs[1].layer()[0].held and two == pytest.approx(2 * 2 * held.held, rel=1e-12)
+    assert two == pytest.approx(one / 2, rel=1e-12) and held.in_flight[1] > 0
     ring = runs[2].layer()[1]
     costs = runs[2].model_costs(2)
     assert (costs.tf, costs.tb, costs.context) == (2 * ring.compute[0], 2 * ring.compute[1],
@@ -190,7 +190,8 @@ def test_compare_prints_each_cp_size(capsys):
     one_f = [float(x) for x in rows[("1f1b", "")]]
     _, peak = run.simulate(build_schedule("1f1b", 2, 4))
     assert one_f[4] == round(peak / 2 ** 30, 2)
-    assert 0.5 < one_f[2] / one_f[0] < 0.55 and one_f[3] < one_f[1]  # half the memory, and a shorter step
+    # half the memory (the ring fits in what a B frees before it), and a shorter step
+    assert abs(one_f[2] - one_f[0] / 2) <= 0.01 and one_f[3] < one_f[1]
     assert ("seq1f1b", "k=2") in rows
 
 
