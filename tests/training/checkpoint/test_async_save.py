@@ -1,5 +1,6 @@
 """--async-save and --keep-last-checkpoints: real pretrain_gpt.py runs (2 gloo ranks, PP=2, zbv, dropout on),
-launched one process a rank (each rank's own exit code), through tools/fault_injection.py.
+launched one process a rank (each rank's own exit code), through tools/fault_injection.py; each rank is forked
+from the test launcher's fork server (its imports done once: Job(fork=True)), except the torchrun agents' workers.
 
 One chain of launches is shared:
 1. the reference: synchronous saves every 2 iterations, --keep-last-checkpoints 2 --keep-every 4;
@@ -55,7 +56,7 @@ LINE = re.compile(r"checkpoint at iteration (\d+): training stopped (\d+\.\d+) s
 
 def _run(workdir, name, *extra, env=None):
     job = fi.Job(workdir, fi.gpt_args(workdir, *ZBV, *extra, train_iters=ITERS, schedule="zbv"), nproc=2, name=name,
-                 launcher="direct", env=env)
+                 launcher="direct", env=env, fork=True)
     codes = job.wait(900)
     out = job.output()
     return {"exit_codes": codes, "losses": fi.logged_losses(out), "latest": fi.latest(workdir),
@@ -269,7 +270,7 @@ def test_moe_under_seq1f1b_resumes_bit_exact_from_a_background_save(tmp_path):
     def run(name, *extra):
         args = fi.gpt_args(wd, "--num-layers", "4", *MOE, *extra, "--deepspeed_config", str(config),
                            train_iters=ITERS)
-        job = fi.Job(wd, args, nproc=2, name=name, launcher="direct", env=SLOW)
+        job = fi.Job(wd, args, nproc=2, name=name, launcher="direct", env=SLOW, fork=True)
         codes, out = job.wait(900), job.output()
         assert codes == {0: 0, 1: 0}, out[-3000:]
         return fi.logged_losses(out), out
@@ -326,7 +327,7 @@ def test_a_signal_waits_for_the_save_in_flight(chain, tmp_path):
     wd = str(tmp_path)
     write_corpus(os.path.join(wd, "corpus"))
     job = fi.Job(wd, fi.gpt_args(wd, *ZBV, "--async-save", "--exit-signal-handler", train_iters=ITERS, schedule="zbv"),
-                 nproc=2, name="signal", launcher="srun", env=SLOW)
+                 nproc=2, name="signal", launcher="srun", env=SLOW, fork=True)
     try:
         if job.wait_for(lambda: "(in the background)" in job.output(), 600, poll=0.01):
             job.signal(1, signal.SIGUSR1)
