@@ -1,6 +1,7 @@
 """--async-save and --keep-last-checkpoints: real pretrain_gpt.py runs (2 gloo ranks, PP=2, zbv, dropout on),
 launched one process a rank (each rank's own exit code), through tools/fault_injection.py; each rank is forked
-from the test launcher's fork server (its imports done once: Job(fork=True)), except the torchrun agents' workers.
+from the test launcher's fork server (its imports done once: Job(fork=True), test_resume's "forked" srun-like
+launch), except the torchrun agents' workers.
 
 One chain of launches is shared:
 1. the reference: synchronous saves every 2 iterations, --keep-last-checkpoints 2 --keep-every 4;
@@ -236,12 +237,13 @@ def test_a_background_save_at_pp2_dp2_resumes_at_pp4(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     capture = lambda name: ("--capture-dir", str(tmp_path / "capture" / name))  # noqa: E731
     full, out = launch(tmp_path, "pp2_dp2", "--async-save", "--save", ckpt, "--save-interval", "3",
-                       "--exit-interval", str(ITERS), *capture("pp2_dp2"), nproc=4, hard=hard, entry=CAPTURE)
+                       "--exit-interval", str(ITERS), *capture("pp2_dp2"), nproc=4, hard=hard, entry=CAPTURE,
+                       launcher="forked")
     assert "(in the background)" in out and fi.latest(str(tmp_path)) == f"global_step{ITERS}"
     with open(os.path.join(ckpt, "latest"), "w") as f:  # resume from the background save of iteration 3
         f.write("global_step3")
     resumed, out = launch(tmp_path, "pp4", "--load", ckpt, "--pipeline-model-parallel-size", "4",
-                          *capture("pp4"), nproc=4, hard=hard, entry=CAPTURE)
+                          *capture("pp4"), nproc=4, hard=hard, entry=CAPTURE, launcher="forked")
     assert "re-cut parameter by parameter" in out and "at iteration 3" in out, out[-3000:]
     assert [r["iteration"] for r in full] == list(range(1, ITERS + 1))
     assert [r["iteration"] for r in resumed] == list(range(4, ITERS + 1))
