@@ -151,10 +151,16 @@ _PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_ds.pipe.build",
             "torch._inductor.compile_fx", "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2",
             "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.ops.op_builder.all_ops"]
 _server = []  # [the context], once started
+_server_lock = threading.Lock()  # launches from threads (side-by-side runs) start one server, PYTHONPATH restored
 
 
 def _context():
     """The fork server's context with the preload imported (started on first use), or spawn's under CUDA."""
+    with _server_lock:
+        return _started_context()
+
+
+def _started_context():
     if not _server:
         import torch
         if torch.cuda.is_available():
