@@ -24,6 +24,7 @@ import io
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -150,10 +151,16 @@ _PRELOAD = ["torch", "torch.distributed", "deepspeed", "megatron_ds.pipe.build",
             "torch._inductor.compile_fx", "deepspeed.runtime.pipe.engine", "deepspeed.runtime.zero.stage_1_and_2",
             "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.ops.op_builder.all_ops"]
 _server = []  # [the context], once started
+_server_lock = threading.Lock()  # launches from threads (side-by-side runs) start one server, PYTHONPATH restored
 
 
 def _context():
     """The fork server's context with the preload imported (started on first use), or spawn's under CUDA."""
+    with _server_lock:
+        return _started_context()
+
+
+def _started_context():
     if not _server:
         import torch
         if torch.cuda.is_available():
@@ -239,6 +246,62 @@ def run_ranks(world_size, fn, *args, timeout=300, env=None, startup_env=None, qu
         raise RuntimeError(f"ranks {missing} gave no result within {timeout}s "
                            f"(exit codes {[p.exitcode for p in procs]})")
     return [results[r] for r in range(world_size)]
+
+
+class ForkedScript:
+    """`python SCRIPT ARGV...` in a process forked from the fork server (torch, DeepSpeed and the package imported
+    once, _PRELOAD) instead of a fresh interpreter, with Popen's face (pid, poll, wait, returncode): its own
+    session (as Popen's start_new_session), exactly `env` as its environment, `cwd`, stdout and stderr appended
+    unbuffered to `log_path`, `sys.argv` and `sys.path[0]` as the interpreter would set them, and the script's
+    exit code (-N: killed by signal N). A fresh interpreter spends ~4 s of CPU importing before the script's
+    first line; a fork server's child starts from that state, as run_ranks' ranks do. Only what the script's
+    interpreter does before its first line (and imports reading the environment then) is not what a spawned
+    one does: a test of the command's start-up itself spawns it. Without a fork server (CUDA) it spawns."""
+
+    def __init__(self, script, argv, env, cwd, log_path):
+        ctx = _context()
+        if ctx.get_start_method() != "forkserver":
+            with open(log_path, "a") as log:
+                self._popen = subprocess.Popen([sys.executable, script, *argv], cwd=cwd, env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True)
+            self.pid = self._popen.pid
+            return
+        self._popen = None
+        self._proc = ctx.Process(target=_run_script, args=(script, list(argv), dict(env), cwd, log_path))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self):
+        return self._popen.returncode if self._popen else self._proc.exitcode
+
+    def poll(self):
+        return self._popen.poll() if self._popen else self._proc.exitcode
+
+    def wait(self, timeout=None):
+        if self._popen:
+            return self._popen.wait(timeout)
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.pid, timeout)
+        return self._proc.exitcode
+
+
+def _run_script(script, argv, env, cwd, log_path):
+    import runpy
+    os.setsid()
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):  # the server's objects, which its imports' logging handlers hold too
+        stream.reconfigure(line_buffering=True, write_through=True)  # a test reads the log of a run in progress
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
 
 
 def launches_by_world(fn, timeout=300):

@@ -10,13 +10,14 @@ srun sets them), the deepspeed launcher (--local_rank) and torchrun.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from megatron_ds.testing.corpus import write_corpus
-from megatron_ds.testing.launcher import child_env
+from megatron_ds.testing.launcher import ForkedScript, child_env
 from megatron_ds.training.initialize import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,22 +28,39 @@ def _gpt2_files():
     return default_gpt2_files()
 
 
-def _srun_like(nproc, cmd, env, cwd, timeout):
-    """What `srun --ntasks N python pretrain_gpt.py ...` gives each task: SLURM_* variables only."""
+def _srun_like(nproc, cmd, env, cwd, timeout, fork=False):
+    """What `srun --ntasks N python pretrain_gpt.py ...` gives each task: SLURM_* variables only. `fork`: each
+    task forked from the test launcher's fork server (ForkedScript: its imports done once), its output in a log."""
     env = {k: v for k, v in env.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(SLURM_NTASKS=str(nproc), SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [subprocess.Popen(cmd, cwd=cwd, env=dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(nproc)]
+    tasks = [dict(env, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)) for i in range(nproc)]
+    if fork:
+        logs = [os.path.join(cwd, f"task{i}_{env['MASTER_PORT']}.log") for i in range(nproc)]
+        for log in logs:
+            open(log, "w").close()
+        procs = [ForkedScript(cmd[1], cmd[2:], task, cwd, log) for task, log in zip(tasks, logs)]
+    else:
+        procs = [subprocess.Popen(cmd, cwd=cwd, env=task, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for task in tasks]
     outs, rc = [], 0
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
+            if fork:
+                p.wait(timeout)
+            else:
+                outs.append(p.communicate(timeout=timeout)[0])
             rc = rc or p.returncode
     finally:
         for p in procs:
-            if p.poll() is None:
+            if p.poll() is None and fork:
+                os.killpg(p.pid, signal.SIGKILL)  # the task's own session (ForkedScript's)
+            elif p.poll() is None:
                 p.kill()
+    if fork:
+        for log in logs:
+            with open(log, errors="replace") as f:
+                outs.append(f.read())
     return rc, "".join(outs)
 
 
@@ -68,8 +86,8 @@ def launch(tmp_path, name, *extra, launcher="torchrun", nproc=2, timeout=600, ds
               "--metrics-file", str(metrics), *extra]
     env = child_env(ROOT, OMP_NUM_THREADS="1")
     port = str(free_port())
-    if launcher == "srun":
-        rc, out = _srun_like(nproc, [sys.executable] + script, env, tmp_path, timeout)
+    if launcher in ("srun", "forked"):  # forked: srun's tasks, each forked from the fork server
+        rc, out = _srun_like(nproc, [sys.executable] + script, env, tmp_path, timeout, fork=launcher == "forked")
     else:
         prefix = {"torchrun": ["torch.distributed.run", "--nproc_per_node"],
                   "deepspeed": ["deepspeed.launcher.runner", "--num_gpus"]}[launcher]

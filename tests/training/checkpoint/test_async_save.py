@@ -1,5 +1,7 @@
 """--async-save and --keep-last-checkpoints: real pretrain_gpt.py runs (2 gloo ranks, PP=2, zbv, dropout on),
-launched one process a rank (each rank's own exit code), through tools/fault_injection.py.
+launched one process a rank (each rank's own exit code), through tools/fault_injection.py; each rank is forked
+from the test launcher's fork server (its imports done once: Job(fork=True), test_resume's "forked" srun-like
+launch), except the torchrun agents' workers.
 
 One chain of launches is shared:
 1. the reference: synchronous saves every 2 iterations, --keep-last-checkpoints 2 --keep-every 4;
@@ -55,7 +57,7 @@ LINE = re.compile(r"checkpoint at iteration (\d+): training stopped (\d+\.\d+) s
 
 def _run(workdir, name, *extra, env=None):
     job = fi.Job(workdir, fi.gpt_args(workdir, *ZBV, *extra, train_iters=ITERS, schedule="zbv"), nproc=2, name=name,
-                 launcher="direct", env=env)
+                 launcher="direct", env=env, fork=True)
     codes = job.wait(900)
     out = job.output()
     return {"exit_codes": codes, "losses": fi.logged_losses(out), "latest": fi.latest(workdir),
@@ -235,12 +237,13 @@ def test_a_background_save_at_pp2_dp2_resumes_at_pp4(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     capture = lambda name: ("--capture-dir", str(tmp_path / "capture" / name))  # noqa: E731
     full, out = launch(tmp_path, "pp2_dp2", "--async-save", "--save", ckpt, "--save-interval", "3",
-                       "--exit-interval", str(ITERS), *capture("pp2_dp2"), nproc=4, hard=hard, entry=CAPTURE)
+                       "--exit-interval", str(ITERS), *capture("pp2_dp2"), nproc=4, hard=hard, entry=CAPTURE,
+                       launcher="forked")
     assert "(in the background)" in out and fi.latest(str(tmp_path)) == f"global_step{ITERS}"
     with open(os.path.join(ckpt, "latest"), "w") as f:  # resume from the background save of iteration 3
         f.write("global_step3")
     resumed, out = launch(tmp_path, "pp4", "--load", ckpt, "--pipeline-model-parallel-size", "4",
-                          *capture("pp4"), nproc=4, hard=hard, entry=CAPTURE)
+                          *capture("pp4"), nproc=4, hard=hard, entry=CAPTURE, launcher="forked")
     assert "re-cut parameter by parameter" in out and "at iteration 3" in out, out[-3000:]
     assert [r["iteration"] for r in full] == list(range(1, ITERS + 1))
     assert [r["iteration"] for r in resumed] == list(range(4, ITERS + 1))
@@ -269,7 +272,7 @@ def test_moe_under_seq1f1b_resumes_bit_exact_from_a_background_save(tmp_path):
     def run(name, *extra):
         args = fi.gpt_args(wd, "--num-layers", "4", *MOE, *extra, "--deepspeed_config", str(config),
                            train_iters=ITERS)
-        job = fi.Job(wd, args, nproc=2, name=name, launcher="direct", env=SLOW)
+        job = fi.Job(wd, args, nproc=2, name=name, launcher="direct", env=SLOW, fork=True)
         codes, out = job.wait(900), job.output()
         assert codes == {0: 0, 1: 0}, out[-3000:]
         return fi.logged_losses(out), out
@@ -326,7 +329,7 @@ def test_a_signal_waits_for_the_save_in_flight(chain, tmp_path):
     wd = str(tmp_path)
     write_corpus(os.path.join(wd, "corpus"))
     job = fi.Job(wd, fi.gpt_args(wd, *ZBV, "--async-save", "--exit-signal-handler", train_iters=ITERS, schedule="zbv"),
-                 nproc=2, name="signal", launcher="srun", env=SLOW)
+                 nproc=2, name="signal", launcher="srun", env=SLOW, fork=True)
     try:
         if job.wait_for(lambda: "(in the background)" in job.output(), 600, poll=0.01):
             job.signal(1, signal.SIGUSR1)

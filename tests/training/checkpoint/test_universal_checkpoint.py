@@ -51,10 +51,11 @@ def _convert(step_dir):
 
 def _side_by_side(tmp, runs, model=LLAMA):
     """{name: launch(tmp, name, ...)} of runs {name: (args, nproc[, launch's keywords])}, all at once (the ranks
-    mostly wait)."""
+    mostly wait), each rank forked from the fork server (launch's "forked": these cases are layouts, not
+    launchers; ~4 s of CPU of imports less a rank)."""
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         futures = {name: pool.submit(launch, tmp, name, *run[0], nproc=run[1], hard=model, entry=CAPTURE,
-                                     **(run[2] if len(run) > 2 else {}))
+                                     **{"launcher": "forked", **(run[2] if len(run) > 2 else {})})
                    for name, run in runs.items()}
         return {name: f.result() for name, f in futures.items()}
 
