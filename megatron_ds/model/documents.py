@@ -102,7 +102,7 @@ class Documents:
         self.positions = positions
         self.starts = [row.nonzero().flatten().tolist() for row in starts.cpu()] if mask else None
         self._masks, self._groups = {}, {}  # memos per (rows, queries, keys): every layer of an op shares them
-        self._tables = {}  # a context-parallel rank's RoPE tables, a memo as the masks (rope_tables_at)
+        self._tables = {}  # the op's RoPE tables of its positions, a memo as the masks (its layers share them)
 
     def to(self, device):
         """Its tensors on `device` (in place: the host starts stay)."""
@@ -141,10 +141,14 @@ class Documents:
         """cos and sin (b, 1, n, head_dim) of the restarted positions of the tokens a context-parallel rank holds
         (context_parallel_rope_tables), made once per op: its tokens are not consecutive, and the documents hold
         the whole sequence."""
-        key = (head_dim, theta, layout, length, start, device, dtype, scaling)
+        return self.tables((head_dim, theta, layout, length, start, device, dtype, scaling),
+                           lambda: rope_tables_at(head_dim, theta, self.positions[:, layout.positions(
+                               length, start, device=device)], dtype, scaling))
+
+    def tables(self, key, make):
+        """The op's RoPE tables under `key`, make() the first time in the op."""
         if key not in self._tables:
-            positions = self.positions[:, layout.positions(length, start, device=device)]
-            self._tables[key] = rope_tables_at(head_dim, theta, positions, dtype, scaling)
+            self._tables[key] = make()
         return self._tables[key]
 
     def attend(self, q, k, v, start, reversed_queries, sdpa, bias=None, recompute=True):
@@ -255,11 +259,13 @@ def opened(documents):
 @outside_graph
 def documents_rope_tables(head_dim, theta, start, length, device, dtype, scaling=None):
     """cos and sin (b, 1, length, head_dim) of the open documents' positions [start, start + length), under RoPE
-    scaling `scaling` (positions.rope_tables)."""
+    scaling `scaling` (positions.rope_tables): made once per op and shared by its layers, as rope_tables are."""
     documents = Documents.current()
     if documents is None or documents.positions is None:
         return rope_tables(head_dim, theta, start, length, device, dtype, scaling)
-    return rope_tables_at(head_dim, theta, documents.rope_positions(start, length), dtype, scaling)
+    return documents.tables((head_dim, theta, start, length, device, dtype, scaling),
+                            lambda: rope_tables_at(head_dim, theta, documents.rope_positions(start, length), dtype,
+                                                   scaling))
 
 
 @outside_graph
