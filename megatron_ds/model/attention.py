@@ -28,7 +28,7 @@ from megatron_ds.gpt_config import GPTConfig
 from .context_parallel import ContextLayout, context_parallel_group, context_parallel_levels, context_parallel_registered
 from .context_parallel.a2a import heads_problem
 from .context_parallel.attend import context_parallel_attention, prefix_attention
-from .documents import Documents, documents_attention, documents_rope_tables, rope_tables_of_positions
+from .documents import Documents, context_parallel_rope_tables, documents_attention, documents_rope_tables
 from .kv_cache import KVSlot, SegmentKVCache, queries_reversed, segment_outputs, segment_queries
 from .norm import HeadNorm
 from .positions import alibi_bias, alibi_slopes, rope_tables, rotate
@@ -128,8 +128,8 @@ class CausalSelfAttention(nn.Module):
         length = q.shape[2] * self.cp_layout.size  # of the sequence, or of the open segment
         start = segment.offset if segment is not None else 0
         if self.position_embedding_type == "rope":
-            positions = self.cp_layout.positions(length, start, device=q.device)
-            q, k = rotate(q, k, *rope_tables_of_positions(self.head_dim, self.rope_theta, positions, q.dtype))
+            q, k = rotate(q, k, *context_parallel_rope_tables(self.head_dim, self.rope_theta, self.cp_layout, length,
+                                                              start, q.device, q.dtype, self.rope_scaling))
         extend = None
         if segment is not None:
             def extend(k, v, share):

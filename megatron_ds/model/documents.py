@@ -26,6 +26,7 @@ known without caching anything more.
 """
 import bisect
 import contextlib
+import functools
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -101,6 +102,7 @@ class Documents:
         self.positions = positions
         self.starts = [row.nonzero().flatten().tolist() for row in starts.cpu()] if mask else None
         self._masks, self._groups = {}, {}  # memos per (rows, queries, keys): every layer of an op shares them
+        self._tables = {}  # the op's RoPE tables of its positions, a memo as the masks (its layers share them)
 
     def to(self, device):
         """Its tensors on `device` (in place: the host starts stay)."""
@@ -130,14 +132,24 @@ class Documents:
         finally:
             Documents.make_current(previous)
             self._masks.clear()
+            self._tables.clear()
 
     def rope_positions(self, start, length):
         return self.positions[:, start:start + length]
 
-    def rope_positions_at(self, positions):
-        """The restarted positions (b, n) at the global positions `positions` (n,): a context-parallel rank's
-        tokens are not consecutive, and the documents hold the whole sequence."""
-        return self.positions[:, positions]
+    def rope_tables_at(self, head_dim, theta, layout, length, start, device, dtype, scaling=None):
+        """cos and sin (b, 1, n, head_dim) of the restarted positions of the tokens a context-parallel rank holds
+        (context_parallel_rope_tables), made once per op: its tokens are not consecutive, and the documents hold
+        the whole sequence."""
+        return self.tables((head_dim, theta, layout, length, start, device, dtype, scaling),
+                           lambda: rope_tables_at(head_dim, theta, self.positions[:, layout.positions(
+                               length, start, device=device)], dtype, scaling))
+
+    def tables(self, key, make):
+        """The op's RoPE tables under `key`, make() the first time in the op."""
+        if key not in self._tables:
+            self._tables[key] = make()
+        return self._tables[key]
 
     def attend(self, q, k, v, start, reversed_queries, sdpa, bias=None, recompute=True):
         """Attention of queries q (b, heads, lq, d) at positions [start, start + lq) (last first when
@@ -247,11 +259,13 @@ def opened(documents):
 @outside_graph
 def documents_rope_tables(head_dim, theta, start, length, device, dtype, scaling=None):
     """cos and sin (b, 1, length, head_dim) of the open documents' positions [start, start + length), under RoPE
-    scaling `scaling` (positions.rope_tables)."""
+    scaling `scaling` (positions.rope_tables): made once per op and shared by its layers, as rope_tables are."""
     documents = Documents.current()
     if documents is None or documents.positions is None:
         return rope_tables(head_dim, theta, start, length, device, dtype, scaling)
-    return rope_tables_at(head_dim, theta, documents.rope_positions(start, length), dtype, scaling)
+    return documents.tables((head_dim, theta, start, length, device, dtype, scaling),
+                            lambda: rope_tables_at(head_dim, theta, documents.rope_positions(start, length), dtype,
+                                                   scaling))
 
 
 @outside_graph
@@ -261,10 +275,19 @@ def documents_attention(q, k, v, start, reversed_queries, sdpa, bias=None, recom
 
 
 @outside_graph
-def rope_tables_of_positions(head_dim, theta, positions, dtype):
-    """cos and sin (b or 1, 1, n, head_dim) of the global positions `positions` (n,) of a context-parallel rank's
-    tokens: the open documents' restarted positions there when RoPE rotates by them, else the positions."""
+def context_parallel_rope_tables(head_dim, theta, layout, length, start, device, dtype, scaling=None):
+    """cos and sin (b or 1, 1, n, head_dim) of the global positions a context-parallel rank holds of the sequence
+    (or Seq1F1B segment) of `length` tokens from `start` (layout.positions, a ContextLayout's), under RoPE scaling
+    `scaling`: the open documents' restarted positions there when RoPE rotates by them, else the positions. Made
+    once per op and shared by its layers, as rope_tables are without CP (each layer's rotation keeps them: one
+    pair, not one a layer): memoed by the open documents, whose positions are their micro-batch's, else cached."""
     documents = Documents.current()
     if documents is not None and documents.positions is not None:
-        return rope_tables_at(head_dim, theta, documents.rope_positions_at(positions), dtype)
-    return rope_tables_at(head_dim, theta, positions.unsqueeze(0), dtype)
+        return documents.rope_tables_at(head_dim, theta, layout, length, start, device, dtype, scaling)
+    return _context_parallel_rope_tables(head_dim, theta, layout, length, start, device, dtype, scaling)
+
+
+@functools.lru_cache(maxsize=64)
+def _context_parallel_rope_tables(head_dim, theta, layout, length, start, device, dtype, scaling):
+    positions = layout.positions(length, start, device=device)
+    return rope_tables_at(head_dim, theta, positions.unsqueeze(0), dtype, scaling)

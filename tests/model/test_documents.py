@@ -273,3 +273,23 @@ def test_the_long_path_keeps_what_causal_attention_keeps():
 
     causal, masked = saved_bytes(None), saved_bytes(Documents(tokens, EOD))
     assert masked <= 1.01 * causal, (masked, causal)
+
+
+def test_layers_of_an_op_rotate_by_one_pair_of_restarted_positions_tables():
+    """RoPE by the documents' restarted positions: the op's layers share one pair of cos/sin tables (b, 1, s, head
+    size), as they share positions.rope_tables' without documents, and the op's end lets the documents' memo go."""
+    from megatron_ds.model.attention import CausalSelfAttention
+    from megatron_ds.model.positions import rope_tables_at
+    cfg = config("llama", **FLAGS)
+    layers = [CausalSelfAttention(cfg), CausalSelfAttention(cfg)]
+    tokens = packed_text()[:, :-1]
+    docs = Packing(cfg).documents(tokens, Packing(cfg).positions(tokens))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), docs.opened():
+        x = torch.randn(B, S, H, requires_grad=True)
+        for layer in layers:
+            x = layer(x)
+    tables = {t.untyped_storage().data_ptr(): t for t in saved if t.shape == (B, 1, S, cfg.head_dim)}
+    assert len(tables) == 2 and not docs._tables  # cos and sin of both layers; the memo gone with the op
+    want = rope_tables_at(cfg.head_dim, cfg.rope_theta, Packing(cfg).positions(tokens), torch.float32)
+    assert sorted(torch.equal(t, w) for t in tables.values() for w in want) == [False, False, True, True]

@@ -78,4 +78,7 @@ def heads_to_sequence(y, group, outer_layout=False):
     else:
         parts = torch.stack([ContextLayout(layout.size, r).shard(y, dim=2) for r in range(layout.size)])
     back = _AllToAll.apply(parts, group)  # back[j]: head group j of this rank's tokens
-    return torch.cat(list(back.unbind(0)), dim=1)
+    groups, b, heads, s, d = back.shape
+    # laid out (b, s, heads, d), as SDPA lays out its output: the layer's transpose back to tokens and the reshape
+    # for c_proj are views of it, not a second copy
+    return back.permute(1, 3, 0, 2, 4).reshape(b, s, groups * heads, d).transpose(1, 2)

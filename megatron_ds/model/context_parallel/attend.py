@@ -122,4 +122,5 @@ def _chunks(layout, q, k, v, start, core, recompute=None):
         first = start + chunk * half
         q_chunk, k_prefix, v_prefix = q[:, :, i * half:(i + 1) * half], k[:, :, :first + half], v[:, :, :first + half]
         outs.append(_run(recompute, lambda q, k, v, first=first: core(q, k, v, first), q_chunk, k_prefix, v_prefix))
-    return torch.cat(outs, dim=2)
+    # laid out (b, s, heads, d), as SDPA lays out its output: the layer's reshape for c_proj is a view of it
+    return torch.cat([out.transpose(1, 2) for out in outs], dim=1).transpose(1, 2)

@@ -5,7 +5,8 @@ send to r + 1 and the receive of r - t - 1's from r - 1 (one message: keys and v
 key chunk) pair is classified by global positions and the documents' starts (blocks.py): the blocks above the causal
 diagonal, or split from the queries by a document border, are skipped, those below attended without a mask, and the
 rest under a mask of positions (and documents). The blocks' outputs
-merge by their log-sum-exp in fp32 (online softmax). The layer keeps q, k, v, the output and the log-sum-exp.
+merge by their log-sum-exp in fp32 (online softmax). The layer keeps q, k, v, the output and the log-sum-exp; the
+output is (b, heads, s, d) over (b, s, heads, d) memory, so the output projection's input is the same storage.
 
 Backward is a ring too: the keys/values travel as in forward, and with them the gradients of a block's keys and
 values, to which each rank adds its queries' share before sending them on; after C steps they are back with their
@@ -108,7 +109,10 @@ class _Ring(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         heads, size, rank = q.shape[1], plan.layout.size, plan.layout.rank
         qf = q.float()
-        out = torch.zeros(qf.shape, dtype=torch.float32, device=q.device)
+        b, _, s, d = q.shape
+        # laid out (b, s, heads, d), as SDPA lays out its output: the layer's transpose back to tokens and the
+        # reshape for c_proj are views of it, and c_proj keeps the tensor this node keeps, not a copy of it
+        out = torch.zeros((b, s, heads, d), dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(qf.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack((k, v)).contiguous()
         for step in range(size):

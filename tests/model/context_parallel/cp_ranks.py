@@ -24,10 +24,12 @@ from megatron_ds.model.kv_cache import KVSlot, SegmentKVCache
 from megatron_ds.model.tensor_parallel import initialize_model_parallel
 from megatron_ds.model.tensor_parallel.comm import CommCounter
 from megatron_ds.pipe.parallel.context_parallel import levels
+from megatron_ds.rope_scaling import RopeScaling
 
 B, D = 2, 8
 EOD = 0
 COMM_TYPES = ("p2p", "allgather", "a2a")
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)  # its attention factor scales cos, sin
 HIERARCHY = (2, 2)  # a2a+p2p at CP 4: the all-to-all over ranks {0, 1} and {2, 3}, the ring over {0, 2} and {1, 3}
 
 
@@ -203,12 +205,14 @@ def restarted_positions(tokens):
     return positions - torch.where(starts, positions, 0).cummax(1).values
 
 
-def layer_case(group, comm, family, recompute, packed):
+def layer_case(group, comm, family, recompute, packed, scaling=None):
     """CausalSelfAttention at CP C against the same layer at CP 1 on the whole sequence: output, input gradient and
-    the weight gradients summed over the CP ranks."""
+    the weight gradients summed over the CP ranks. `scaling`: RoPE scaling's dict (rope_scaling.py), or None."""
     layout = ContextLayout.of(group)
     s = length(layout.size)
     extra = dict(recompute_granularity="selective") if recompute else {}
+    if scaling is not None:
+        extra["rope_scaling"] = RopeScaling.from_dict(scaling)
     if packed:
         extra.update(eod_token=EOD, reset_attention_mask=True, reset_position_ids=True)
     g = torch.Generator().manual_seed(5)
@@ -240,6 +244,37 @@ def layer_case(group, comm, family, recompute, packed):
         dist.all_reduce(grad, group=group)
         out["d" + name] = _diff(grad, ref_p.grad)
     return out
+
+
+def shared_storage_case(group, comm, packed):
+    """What two CP layers (one op's, RoPE, 8 query and 4 K/V heads) keep of their output projection's input and of
+    their RoPE tables, as storages: (how many saved tensors view each layer's c_proj input, the distinct storages
+    of the saved tables (b or 1, 1, local tokens, head size) of either layer, of both)."""
+    layout = ContextLayout.of(group)
+    s = length(layout.size)
+    extra = dict(eod_token=EOD, reset_attention_mask=True, reset_position_ids=True) if packed else {}
+    config = layer_config("llama8", layout.size, comm, **extra)
+    layers = [CausalSelfAttention(config), CausalSelfAttention(config)]
+    tokens = packed_tokens(s, 13) if packed else None
+    documents = Documents(tokens, EOD, restarted_positions(tokens)).opened() if packed else contextlib.nullcontext()
+    inputs, saved, layer_of = [], [], [0]
+
+    def keep(t):
+        saved.append((layer_of[0], t))
+        return t
+    for layer in layers:
+        layer.c_proj.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    x = torch.randn(B, s // layout.size, 32, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    with documents, torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        for i, layer in enumerate(layers):
+            layer_of[0] = i
+            x = layer(x)
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    keepers = [sum(ptr(t) == ptr(y) for _, t in saved) for y in inputs]
+    head = config.head_dim
+    tables = [{ptr(t) for i, t in saved if i == layer and t.dim() == 4 and t.shape[1:] == (1, s // layout.size, head)}
+              for layer in (0, 1)]
+    return keepers, [len(t) for t in tables], len(tables[0] | tables[1])
 
 
 def segmented_layers_case(group, comm, k, checkpoint, packed, defer, selective=False):
@@ -447,6 +482,11 @@ def run_all(world):
             for variant in ((False, False, False), (True, False, False), (False, True, True), (False, True, False, True)):
                 results[("segmented", comm, k, *variant)], results[("kv", comm, k)] = \
                     segmented_layers_case(group, comm, k, *variant)
+        for packed in (False, True):
+            if comm != "a2a" or world == 2:  # LLaMA's 2 K/V heads (above)
+                results[("layer", comm, "llama yarn", False, packed)] = layer_case(group, comm, "llama", False,
+                                                                                   packed, YARN)
+            results[("shared", comm, packed)] = shared_storage_case(group, comm, packed)
     try:
         context_parallel_attention(*(torch.zeros(1, world + 1, 2, D) for _ in range(3)), group, "a2a",
                                    ((0, 2 * world),))

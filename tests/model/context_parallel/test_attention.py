@@ -66,6 +66,28 @@ def test_layer_equals_the_layer_on_the_whole_sequence(results, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+def test_layer_under_yarn_rope_scaling_equals_the_layer_on_the_whole_sequence(results, world):
+    # CP rotates by the scaled frequencies and yarn's attention factor, as CP 1 does (p2p, allgather, a2a at CP 2;
+    # causal and within documents)
+    yarn = {case for cases in results(world) for case in cases if case[:1] == ("layer",) and case[2] == "llama yarn"}
+    assert len(yarn) == (3 if world == 2 else 2) * 2  # each also held to the tolerance by the test above
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_layers_keep_their_output_and_rope_tables_as_cp1_does(results, world):
+    for rank, cases in enumerate(results(world)):
+        for comm in ("p2p", "allgather", "a2a"):
+            for packed in (False, True):
+                keepers, per_layer, both = cases[("shared", comm, packed)]
+                # the ring keeps its output and c_proj its input: one storage (no copy for c_proj); allgather's
+                # and a2a's output is made after SDPA's (a cat, an all-to-all), which c_proj alone keeps
+                assert keepers == ([2, 2] if comm == "p2p" else [1, 1]), (world, rank, comm, packed)
+                # cos and sin of the rank's positions (the documents' restarted ones when packed): one pair for
+                # both layers of the op, as CP 1's cached tables
+                assert per_layer == [2, 2] and both == 2, (world, rank, comm, packed)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_a2a_refuses_kv_heads_that_do_not_divide_in_one_line(results, world):
     for cases in results(world):
         message = cases["a2a refusal"]
