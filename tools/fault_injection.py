@@ -23,7 +23,9 @@ own exit code is seen (torchrun would SIGTERM the rest after the first).
 |          | resume from each of those                                 | losses bit-equal to an uninterrupted run  |
 | unsafe   | checkpoint files, an index cache: pickles creating a file | payload never runs; exit 2 naming each    |
 
-The launching helpers are shared with tests/training/faults/test_faults.py.
+The launching helpers are shared with tests/training/faults/test_faults.py and test_out_of_room.py, whose
+cases pass `fork=True` where the launcher is not what they test: each rank forked from the test launcher's fork
+server (Job's `fork`) instead of a fresh interpreter; this tool spawns every rank.
 """
 import argparse
 import importlib.util
@@ -236,13 +238,14 @@ def worker_exit_codes(out):
 
 # --------------------------------------------------------------------------- scenarios
 
-def scenario_freeze(workdir, timeout_minutes=1.0, nproc=4, frozen=3):
+def scenario_freeze(workdir, timeout_minutes=1.0, nproc=4, frozen=3, fork=False):
     """SIGSTOP one rank mid-training; the others must exit on their own, naming what they waited on.
 
     Launched as srun does (one process a rank, nothing kills the others) to see every rank's own exit.
+    `fork`: the ranks forked from the fork server (Job's `fork`), as in every scenario that takes it.
     """
     job = Job(workdir, gpt_args(workdir, "--distributed-timeout-minutes", str(timeout_minutes), train_iters=400,
-                                save_interval=1000), nproc=nproc, name="freeze", launcher="direct")
+                                save_interval=1000), nproc=nproc, name="freeze", launcher="direct", fork=fork)
     others = [r for r in range(nproc) if r != frozen]
     exits = {}
     try:
@@ -267,21 +270,23 @@ def scenario_freeze(workdir, timeout_minutes=1.0, nproc=4, frozen=3):
                       f"rank {frozen}, codes {[codes.get(r) for r in others]}, {len(errors)} one-line errors"}
 
 
-def _train_then(workdir, name, train_iters=4, nproc=4):
-    """A short run that leaves a complete checkpoint at its last iteration."""
-    job = Job(workdir, gpt_args(workdir, train_iters=train_iters), nproc=nproc, name=name)
+def _train_then(workdir, name, train_iters=4, nproc=4, fork=False):
+    """A short run that leaves a complete checkpoint at its last iteration (under torchrun; `fork`: its ranks
+    forked, one a rank)."""
+    job = Job(workdir, gpt_args(workdir, train_iters=train_iters), nproc=nproc, name=name,
+              **({"launcher": "direct", "fork": True} if fork else {}))
     rc = job.wait(600)
-    if rc != 0:
+    if rc != ({r: 0 for r in range(nproc)} if fork else 0):
         raise RuntimeError(f"{name} failed (rc {rc}):\n{job.output()[-3000:]}")
     return os.path.join(workdir, "ckpt", latest(workdir))
 
 
-def resume_damaged(workdir, name, damages, nproc=4):
+def resume_damaged(workdir, name, damages, nproc=4, fork=False):
     """Save, damage files of the checkpoint, resume: every rank must stop with exit code 2, each file named once."""
-    _train_then(workdir, name + "-save", nproc=nproc)
+    _train_then(workdir, name + "-save", nproc=nproc, fork=fork)
     step_dir = os.path.join(workdir, "ckpt", latest(workdir))
     paths = [damage(step_dir) for damage in damages]
-    job = Job(workdir, gpt_args(workdir, train_iters=6), nproc=nproc, name=name, launcher="direct")
+    job = Job(workdir, gpt_args(workdir, train_iters=6), nproc=nproc, name=name, launcher="direct", fork=fork)
     codes = job.wait(600)
     out = job.output()
     errors = rank_errors(out)
@@ -313,15 +318,18 @@ def scenario_truncate(workdir):
     return resume_damaged(workdir, "truncate", [truncate_layer_file])
 
 
-def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, nproc=4):
-    """SIGKILL one rank right after the second save; torchrun restarts the job, which resumes from --load."""
+def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, nproc=4, fork=False):
+    """SIGKILL one rank right after the second save; torchrun restarts the job, which resumes from --load.
+    `fork`: the uninterrupted reference's ranks forked (the restarted job is torchrun's in any case)."""
     reference_dir = os.path.join(workdir, "reference")
     os.makedirs(reference_dir, exist_ok=True)
     os.symlink(os.path.join(workdir, "corpus.bin"), os.path.join(reference_dir, "corpus.bin"))
     os.symlink(os.path.join(workdir, "corpus.idx"), os.path.join(reference_dir, "corpus.idx"))
     reference = Job(reference_dir, gpt_args(reference_dir, train_iters=train_iters, save_interval=save_interval),
-                    nproc=nproc, name="uninterrupted")
+                    nproc=nproc, name="uninterrupted", **({"launcher": "direct", "fork": True} if fork else {}))
     ref_rc = reference.wait(900)
+    if fork:  # a direct launch's {rank: exit code}
+        ref_rc = 0 if set(ref_rc.values()) == {0} else ref_rc
     expected = logged_losses(reference.output())
     job = Job(workdir, gpt_args(workdir, train_iters=train_iters, save_interval=save_interval), nproc=nproc,
               max_restarts=1, name="restart")
@@ -343,11 +351,11 @@ def scenario_restart(workdir, train_iters=12, save_interval=2, kill_rank=1, npro
                       f"{sum(got.get(i) == v for i, v in expected.items())}/{train_iters} losses bit-equal"}
 
 
-def scenario_inf_grad(workdir, iterations=(2, 4, 5), limit=2, train_iters=7, nproc=4):
+def scenario_inf_grad(workdir, iterations=(2, 4, 5), limit=2, train_iters=7, nproc=4, fork=False):
     """An inf gradient at `iterations`: each is skipped and counted; `limit` of them in a row save and stop."""
     job = Job(workdir, gpt_args(workdir, "--inject-inf-grad-iterations", *map(str, iterations),
                                 "--exit-after-nan-iterations", str(limit), train_iters=train_iters,
-                                save_interval=1000, bf16=True), nproc=nproc, name="inf-grad", launcher="direct")
+                                save_interval=1000, bf16=True), nproc=nproc, name="inf-grad", launcher="direct", fork=fork)
     codes = job.wait(600)
     out = job.output()
     line = r"iteration\s+(\d+)/.*?number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)"
@@ -396,12 +404,12 @@ def step_dirs(workdir):
     return sorted(d for d in os.listdir(ckpt) if d.startswith("global_step")) if os.path.isdir(ckpt) else []
 
 
-def keep_training_run(workdir, train_iters=8, stages=ENOSPC_STAGES):
+def keep_training_run(workdir, train_iters=8, stages=ENOSPC_STAGES, fork=False):
     """Save every iteration, ENOSPC at each stage of a save in turn, --keep-training-on-disk-full: every failed
     save is reported and removed, training goes on; its losses are those of an uninterrupted run."""
     inject = [a for name, it in stages for a in ("--inject-enospc", str(it), name)]
     job = Job(workdir, gpt_args(workdir, "--keep-training-on-disk-full", *inject, train_iters=train_iters,
-                                save_interval=1), nproc=2, name="keep-training", launcher="direct")
+                                save_interval=1), nproc=2, name="keep-training", launcher="direct", fork=fork)
     codes = job.wait(900)
     out = job.output()
     warnings = [line for line in out.splitlines() if line.startswith("WARNING: checkpoint not saved")]
@@ -409,17 +417,18 @@ def keep_training_run(workdir, train_iters=8, stages=ENOSPC_STAGES):
             "latest": latest(workdir), "output": out}
 
 
-def enospc_stop_run(workdir, iteration=4, name="mp_rank_00_optim_states", train_iters=8, save_interval=2):
+def enospc_stop_run(workdir, iteration=4, name="mp_rank_00_optim_states", train_iters=8, save_interval=2,
+                    fork=False):
     """ENOSPC in `name` at the save of `iteration`, no flag: every rank stops, `latest` keeps the previous save."""
     job = Job(workdir, gpt_args(workdir, "--inject-enospc", str(iteration), name, train_iters=train_iters,
-                                save_interval=save_interval), nproc=2, name="enospc", launcher="direct")
+                                save_interval=save_interval), nproc=2, name="enospc", launcher="direct", fork=fork)
     return _stopped_run(job, workdir, f"saving checkpoint at iteration {iteration:7d}")
 
 
-def oom_run(workdir, rank=1, iteration=4, train_iters=8, save_interval=2):
+def oom_run(workdir, rank=1, iteration=4, train_iters=8, save_interval=2, fork=False):
     """Resume, and rank `rank`'s allocator fails in F of micro-batch 1 at `iteration`."""
     job = Job(workdir, gpt_args(workdir, "--inject-oom", str(rank), str(iteration), train_iters=train_iters,
-                                save_interval=save_interval), nproc=2, name="oom", launcher="direct")
+                                save_interval=save_interval), nproc=2, name="oom", launcher="direct", fork=fork)
     return _stopped_run(job, workdir, "out of memory")
 
 
@@ -436,11 +445,11 @@ def _stopped_run(job, workdir, marker):
             "steps": step_dirs(workdir), "losses": logged_losses(out), "output": out}
 
 
-def signal_run(workdir, rank=1, after=4, train_iters=8, sig=signal.SIGUSR1):
+def signal_run(workdir, rank=1, after=4, train_iters=8, sig=signal.SIGUSR1, fork=False):
     """srun-like launch with --exit-signal-handler; `sig` to rank `rank` once iteration `after` is logged:
     every rank saves the iteration they agree on and exits 0."""
     job = Job(workdir, gpt_args(workdir, "--exit-signal-handler", train_iters=train_iters, save_interval=1000),
-              nproc=2, name="signal", launcher="srun")
+              nproc=2, name="signal", launcher="srun", fork=fork)
     try:
         if job.wait_for(lambda: f"iteration {after:8d}/" in job.output(), 600, poll=0.01):
             job.signal(rank, sig)
@@ -454,8 +463,9 @@ def signal_run(workdir, rank=1, after=4, train_iters=8, sig=signal.SIGUSR1):
             "output": out}
 
 
-def resume_run(workdir, train_iters=8, launcher="direct"):
-    job = Job(workdir, gpt_args(workdir, train_iters=train_iters), nproc=2, name="resume", launcher=launcher)
+def resume_run(workdir, train_iters=8, launcher="direct", fork=False):
+    job = Job(workdir, gpt_args(workdir, train_iters=train_iters), nproc=2, name="resume", launcher=launcher,
+              fork=fork)
     codes = job.wait(900)
     out = job.output()
     found = re.findall(r"successfully loaded checkpoint from .* at iteration (\d+)", out)
@@ -463,15 +473,16 @@ def resume_run(workdir, train_iters=8, launcher="direct"):
             "output": out}
 
 
-def out_of_room_chain(workdir, train_iters=8):
+def out_of_room_chain(workdir, train_iters=8, fork=False):
     """The keep-training run (the reference losses), then in WORKDIR: ENOSPC stops a run at iteration 4
     (latest: global_step2), an OOM stops the resumed run at iteration 4 (latest still global_step2), SIGUSR1
-    saves a resumed run mid-way, and a last run resumes from there to the end."""
-    keep = keep_training_run(_sibling(workdir, "reference"), train_iters)
-    enospc = enospc_stop_run(workdir, train_iters=train_iters)
-    oom = oom_run(workdir, train_iters=train_iters)
-    sig = signal_run(workdir, train_iters=train_iters)
-    final = resume_run(workdir, train_iters)
+    saves a resumed run mid-way, and a last run resumes from there to the end. `fork`: every launch's ranks
+    forked (Job's `fork`)."""
+    keep = keep_training_run(_sibling(workdir, "reference"), train_iters, fork=fork)
+    enospc = enospc_stop_run(workdir, train_iters=train_iters, fork=fork)
+    oom = oom_run(workdir, train_iters=train_iters, fork=fork)
+    sig = signal_run(workdir, train_iters=train_iters, fork=fork)
+    final = resume_run(workdir, train_iters, fork=fork)
     ref = keep["losses"]
     resumed = {**{i: v for i, v in oom["losses"].items()}, **sig["losses"], **final["losses"]}
     return {"keep": keep, "enospc": enospc, "oom": oom, "signal": sig, "final": final,

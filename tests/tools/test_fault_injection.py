@@ -47,3 +47,52 @@ def test_the_folders_are_the_imported_packages():
     assert ours in here and theirs in here
     assert fi.worker_tracebacks(f'File "{ours}/training/loop.py", line 3\n{torch_frame}') == [
         f'File "{ours}/training/loop.py", line 3']
+
+
+class _Recorded:
+    """Job's stand-in: records how each launch was asked for and ends at once (every rank exit 0, no output)."""
+
+    launches = []
+
+    def __init__(self, workdir, args, nproc=4, max_restarts=0, name="job", launcher="torchrun", env=None, fork=False):
+        self.launches.append((name, launcher, fork))
+        self.direct = launcher in ("direct", "srun")
+        self.procs = [type("Done", (), {"poll": lambda self: 0})() for _ in range(nproc)]
+
+    def wait(self, timeout, ranks=None):
+        return {r: 0 for r in range(len(self.procs))} if self.direct else 0
+
+    def wait_for(self, predicate, timeout, poll=0.05):
+        return False
+
+    def output(self):
+        return ""
+
+    def kill(self):
+        pass
+
+
+def test_the_scenarios_spawn_unless_asked_to_fork_and_torchrun_stays_torchrun(tmp_path, monkeypatch):
+    """Each scenario the tests call, with and without `fork`: the tool's default spawns every rank as before; with
+    it every rank not torchrun's is forked, and the restart's torchrun job keeps its agent."""
+    monkeypatch.setattr(fi, "Job", _Recorded)
+
+    def launches(fork):
+        _Recorded.launches = []
+        workdir = tmp_path / str(fork)
+        (workdir / "ckpt").mkdir(parents=True)
+        (workdir / "ckpt" / "latest").write_text("global_step4")  # the damaged case's save
+        (workdir / "restart").mkdir()
+        fi.scenario_freeze(str(workdir), fork=fork)
+        fi.resume_damaged(str(workdir), "damaged", [], nproc=2, fork=fork)
+        fi.scenario_restart(str(workdir / "restart"), nproc=2, fork=fork)
+        fi.scenario_inf_grad(str(workdir), nproc=2, fork=fork)
+        fi.out_of_room_chain(str(workdir), fork=fork)
+        return _Recorded.launches
+
+    names = ["freeze", "damaged-save", "damaged", "uninterrupted", "restart", "inf-grad", "keep-training", "enospc",
+             "oom", "signal", "resume"]
+    assert launches(False) == list(zip(names, ["direct", "torchrun", "direct", "torchrun", "torchrun", "direct",
+                                               "direct", "direct", "direct", "srun", "direct"], [False] * 11))
+    assert launches(True) == list(zip(names, ["direct", "direct", "direct", "direct", "torchrun", "direct", "direct",
+                                              "direct", "direct", "srun", "direct"], [True] * 4 + [False] + [True] * 6))

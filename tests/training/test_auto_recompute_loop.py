@@ -26,7 +26,7 @@ def test_auto_recompute_trains_as_its_choice_by_hand(tmp_path):
     write_corpus(str(tmp_path / "corpus"))
     auto, out = launch(tmp_path, "auto", ds_config=config(tmp_path, "auto", {
         "schedule": "auto", "auto_recompute": True, "memory_budget": BUDGET, "timers_start_iter": 0,
-        "timers_end_iter": 2}), hard=NO_DROPOUT)
+        "timers_end_iter": 2}), hard=NO_DROPOUT, launcher="forked")
     start = next(l for l in out.splitlines() if "pipeline engine: ScheduleEngine, schedule auto" in l)
     assert "starts on seq1f1b; recompute full uniform 1 (auto_recompute" in start, start
     line = next(l for l in out.splitlines() if l.startswith("auto schedule: ") and "simulated makespan" in l)
@@ -40,7 +40,7 @@ def test_auto_recompute_trains_as_its_choice_by_hand(tmp_path):
         assert f"recompute {chosen.group(1)}" in rebuilt or chosen.group(1) == "none", rebuilt
     section = {"schedule": "zb-h1"} if label.startswith("zb-search") else section_of(label)
     by_hand, _ = launch(tmp_path, "by_hand", *FLAGS[chosen.group(1)], ds_config=config(tmp_path, "by_hand", section),
-                        hard=NO_DROPOUT)
+                        hard=NO_DROPOUT, launcher="forked")
     assert [r["iteration"] for r in auto] == [1, 2, 3, 4, 5]
     for a, b in zip(auto, by_hand):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (line, auto, by_hand)

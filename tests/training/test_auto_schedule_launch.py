@@ -32,14 +32,16 @@ def losses(records, after):
 
 def resume(tmp_path, name, step, pipeline):
     (tmp_path / "a" / "latest").write_text(f"global_step{step}")
-    return launch(tmp_path, name, "--load", str(tmp_path / "a"), ds_config=config(tmp_path, name, pipeline), hard=HARD)
+    return launch(tmp_path, name, "--load", str(tmp_path / "a"), ds_config=config(tmp_path, name, pipeline), hard=HARD,
+                  launcher="forked")
 
 
 def test_resume_builds_the_chosen_schedule(tmp_path):
     write_corpus(str(tmp_path / "corpus"))
     (tmp_path / "force.py").write_text(FORCE)
     a, out_a = launch(tmp_path, "a", "--save", str(tmp_path / "a"), "--save-interval", "2",
-                      ds_config=config(tmp_path, "a", AUTO), hard=HARD, entry=str(tmp_path / "force.py"))
+                      ds_config=config(tmp_path, "a", AUTO), hard=HARD, entry=str(tmp_path / "force.py"),
+                      launcher="forked")
     assert MEASURED.search(out_a) and "switched from zb-h1 to zbv" in out_a
     saved = json.loads((tmp_path / "a" / "global_step2" / "auto_schedule.json").read_text())
     assert saved["decided_at"] == 2 and saved["decision"]["choice"]["label"] == "zbv"

@@ -19,9 +19,11 @@ def config(tmp_path, name, pipeline):
 
 def test_auto_in_the_loop_keeps_the_losses(tmp_path):
     write_corpus(str(tmp_path / "corpus"))
-    fixed, _ = launch(tmp_path, "fixed", ds_config=config(tmp_path, "fixed", {"schedule": "1f1b"}), hard=NO_DROPOUT)
+    fixed, _ = launch(tmp_path, "fixed", ds_config=config(tmp_path, "fixed", {"schedule": "1f1b"}), hard=NO_DROPOUT,
+                      launcher="forked")
     auto, out = launch(tmp_path, "auto", ds_config=config(tmp_path, "auto", {
-        "schedule": "auto", "memory_budget": 2, "timers_start_iter": 0, "timers_end_iter": 2}), hard=NO_DROPOUT)
+        "schedule": "auto", "memory_budget": 2, "timers_start_iter": 0, "timers_end_iter": 2}), hard=NO_DROPOUT,
+        launcher="forked")
     line = next(l for l in out.splitlines() if l.startswith("auto schedule: "))
     assert "runner-up" in line and "peak memory" in line
     assert [r["iteration"] for r in auto] == [1, 2, 3, 4, 5]
@@ -32,7 +34,7 @@ def test_auto_in_the_loop_keeps_the_losses(tmp_path):
     # the passes, whose measured times are the head's, and the losses are still those of the fixed schedule
     vocab, out = launch(tmp_path, "vocab", ds_config=config(tmp_path, "vocab", {
         "schedule": "auto", "vocab_parallel": True, "memory_budget": 3, "timers_start_iter": 0,
-        "timers_end_iter": 2}), hard=NO_DROPOUT)
+        "timers_end_iter": 2}), hard=NO_DROPOUT, launcher="forked")
     line = next(l for l in out.splitlines() if l.startswith("auto schedule: "))
     assert " with vocabulary parallelism " in line and "vocabulary passes per slice EF/S/T/EW=" in line
     for a, b in zip(vocab, fixed):

@@ -20,8 +20,9 @@ def test_rampup_under_zbv_equals_deepspeeds_engine(tmp_path):
         zbv = dict(json.load(fh), pipeline={"schedule": "zbv"})
     (tmp_path / "zbv.json").write_text(json.dumps(zbv))
     no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0", "--num-layers", "4"]
-    stock, _ = launch(tmp_path, "stock", *no_dropout)
-    ours, out = launch(tmp_path, "zbv", *no_dropout, "--deepspeed_config", str(tmp_path / "zbv.json"))
+    stock, _ = launch(tmp_path, "stock", *no_dropout, launcher="forked")
+    ours, out = launch(tmp_path, "zbv", *no_dropout, "--deepspeed_config", str(tmp_path / "zbv.json"),
+                     launcher="forked")
     assert "pipeline engine: ScheduleEngine, schedule zbv" in out
     assert [r["global_batch_size"] for r in ours] == [r["global_batch_size"] for r in stock] == [2, 2, 2, 4, 4, 6, 8, 8]
     for a, b in zip(stock, ours):

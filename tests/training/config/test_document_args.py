@@ -98,7 +98,8 @@ def test_pretrain_trains_packed_documents(tmp_path):
               "pipeline": {"schedule": "seq1f1b", "seq_splits": 2}}
     (tmp_path / "ds.json").write_text(json.dumps(config))
     records, out = launch(tmp_path, "seq1f1b", *FLAGS, "--seq-length", "64", "--position-embedding-type", "rope",
-                          "--save", str(tmp_path / "save"), ds_config=tmp_path / "ds.json", hard=("--train-iters", "4"))
+                          "--save", str(tmp_path / "save"), ds_config=tmp_path / "ds.json", hard=("--train-iters", "4"),
+                          launcher="forked")
     assert ("packed documents ending at token 50256: positions restart, attention within documents, "
             "EOD predictions not scored") in out
     assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]

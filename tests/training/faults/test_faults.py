@@ -8,7 +8,10 @@
   losses equal an uninterrupted run's bit for bit;
 - an inf gradient in bf16: the step is skipped and counted (skipped and nan iterations in the log line),
   and --exit-after-nan-iterations stops the run with exit code 3 after saving.
-The smaller cases run on 2 ranks (PP=2) to keep CI short; the freeze case is the one 4-rank launch.
+The smaller cases run on 2 ranks (PP=2) to keep CI short; the freeze case is the one 4-rank launch. Every
+rank that is not torchrun's (and the restart case's uninterrupted reference) is forked from the test launcher's
+fork server (the scenarios' `fork`: ~4 s of CPU of imports a rank less): these cases test the ranks, not how they
+were started; torchrun's restart keeps its real agent.
 """
 import os
 import re
@@ -30,7 +33,7 @@ def workdir(tmp_path):
 
 @pytest.mark.timeout(600)  # one 4-rank launch: about 30 s of start-up, then the 1-minute timeout
 def test_frozen_rank_stops_every_other_rank(workdir):
-    result = fi.scenario_freeze(workdir, timeout_minutes=1.0)
+    result = fi.scenario_freeze(workdir, timeout_minutes=1.0, fork=True)
     out = result.get("output", "")
     assert sorted(result.get("exit_seconds", {})) == [0, 1, 2], result.get("detail")
     assert max(result["exit_seconds"].values()) < 120, result["exit_seconds"]
@@ -46,7 +49,8 @@ def test_frozen_rank_stops_every_other_rank(workdir):
 
 @pytest.mark.timeout(900)
 def test_damaged_checkpoint_stops_every_rank_naming_the_file(workdir):
-    result = fi.resume_damaged(workdir, "damaged", [fi.delete_zero_shard, fi.truncate_layer_file], nproc=2)
+    result = fi.resume_damaged(workdir, "damaged", [fi.delete_zero_shard, fi.truncate_layer_file], nproc=2,
+                               fork=True)
     out = result["output"]
     assert result["exit_codes"] == {0: 2, 1: 2}, (result["exit_codes"], out[-3000:])
     assert len(result["errors"]) == 1, out[-3000:]  # printed once, by rank 0
@@ -60,7 +64,7 @@ def test_damaged_checkpoint_stops_every_rank_naming_the_file(workdir):
 
 @pytest.mark.timeout(1200)  # two runs of 12 iterations, one of them started twice
 def test_torchrun_restart_resumes_bit_exact(workdir):
-    result = fi.scenario_restart(workdir, train_iters=8, save_interval=2, kill_rank=1, nproc=2)
+    result = fi.scenario_restart(workdir, train_iters=8, save_interval=2, kill_rank=1, nproc=2, fork=True)
     out = result.get("output", "")
     assert result["rc"] == 0, out[-4000:]
     assert result["resumed_at"] and int(result["resumed_at"][-1]) >= 4, result["resumed_at"]
@@ -72,7 +76,7 @@ def test_torchrun_restart_resumes_bit_exact(workdir):
 @pytest.mark.timeout(900)
 def test_inf_gradient_in_bf16_is_skipped_counted_and_stops_the_run(workdir):
     # inf at 2 (skipped, training goes on), then at 4 and 5: two in a row with --exit-after-nan-iterations 2
-    result = fi.scenario_inf_grad(workdir, iterations=(2, 4, 5), limit=2, train_iters=7, nproc=2)
+    result = fi.scenario_inf_grad(workdir, iterations=(2, 4, 5), limit=2, train_iters=7, nproc=2, fork=True)
     out = result["output"]
     assert result["nan"] == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1}, out[-3000:]
     assert result["skipped"] == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1}

@@ -16,6 +16,8 @@ One chain of launches is shared (each launch costs half a minute of start-up on 
 Then the chain's last checkpoint and index cache are replaced by pickles that would create a file, and
 resumed under torchrun (three checkpoint files at once), srun (the index cache) and the deepspeed launcher
 (the client state): the payload never runs, each run stops with exit code 2 naming every crafted file.
+The chain's ranks are forked from the test launcher's fork server (fault_injection's `fork`: ~4 s of CPU of imports
+a rank less): its cases are the ranks' handling of the faults, not the launcher; the refusals keep every launcher.
 """
 import os
 import re
@@ -33,7 +35,7 @@ ITERS = 8
 def chain(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("out_of_room"))
     write_corpus(os.path.join(workdir, "corpus"))
-    result = fi.out_of_room_chain(workdir, train_iters=ITERS)
+    result = fi.out_of_room_chain(workdir, train_iters=ITERS, fork=True)
     yield workdir, result
     shutil.rmtree(workdir, ignore_errors=True)
 
