@@ -252,7 +252,7 @@ class ForkedScript:
     """`python SCRIPT ARGV...` in a process forked from the fork server (torch, DeepSpeed and the package imported
     once, _PRELOAD) instead of a fresh interpreter, with Popen's face (pid, poll, wait, returncode): its own
     session (as Popen's start_new_session), exactly `env` as its environment, `cwd`, stdout and stderr appended
-    unbuffered to `log_path`, `sys.argv` and `sys.path[0]` as the interpreter would set them, and the script's
+    unbuffered to `log_path`, `sys.argv` as the interpreter would set it, and the script's
     exit code (-N: killed by signal N). A fresh interpreter spends ~4 s of CPU importing before the script's
     first line; a fork server's child starts from that state, as run_ranks' ranks do. Only what the script's
     interpreter does before its first line (and imports reading the environment then) is not what a spawned
@@ -299,8 +299,7 @@ def _run_script(script, argv, env, cwd, log_path):
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = [script, *argv]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    sys.argv = [script, *argv]  # sys.path stays the server's (the package importable): the scripts import no sibling
     runpy.run_path(script, run_name="__main__")
 
 

@@ -158,7 +158,7 @@ def test_startup_env_is_in_each_ranks_environment_from_its_start(started_server,
 PROBE = textwrap.dedent("""
     import json, os, sys, time
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": sorted(os.environ), "probe": os.environ["PROBE"],
-                      "path0": sys.path[0], "own_session": os.getsid(0) == os.getpid()}))
+                      "own_session": os.getsid(0) == os.getpid()}))
     print("started", file=sys.stderr)  # no flush: line-buffered, as PYTHONUNBUFFERED gives a spawned script
     if sys.argv[1] == "wait":
         time.sleep(600)
@@ -167,7 +167,7 @@ PROBE = textwrap.dedent("""
 
 
 def test_a_script_forked_from_the_server_starts_and_ends_as_a_spawned_one(started_server, tmp_path):
-    """ForkedScript (fault_injection's Job(fork=True)): the script's argv, sys.path[0], working folder, exactly
+    """ForkedScript (fault_injection's Job(fork=True)): the script's argv, working folder, exactly
     the given environment, its own session, its output in the log while it runs, its exit code; killed: -9."""
     import json
     from megatron_ds.testing.launcher import ForkedScript
@@ -177,7 +177,7 @@ def test_a_script_forked_from_the_server_starts_and_ends_as_a_spawned_one(starte
     assert done.wait(120) == 3 and done.poll() == 3 and done.returncode == 3
     lines = (tmp_path / "done.log").read_text().splitlines()
     assert json.loads(lines[0]) == {"argv": [str(script), "3"], "cwd": str(tmp_path), "env": ["PATH", "PROBE"],
-                                    "probe": "forked", "path0": str(tmp_path), "own_session": True}
+                                    "probe": "forked", "own_session": True}
     assert lines[1:] == ["started"]
     (tmp_path / "waiting.log").touch()  # as Job opens its log first
     waiting = ForkedScript(str(script), ["wait"], env, str(tmp_path), str(tmp_path / "waiting.log"))

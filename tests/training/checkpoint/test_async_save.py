@@ -217,8 +217,11 @@ def test_a_kill_at_each_moment_of_a_background_save_resumes_from_the_last_commit
             _tensors_equal(ref_states[name], got_states[name], name)
     elif moment == "deleting":  # rank 0 died in the deletion, rank 1 at its next transfer from rank 0
         assert run["exit_codes"][0] == -9 and run["exit_codes"][1] != 0, out[-3000:]
-    else:
-        assert run["exit_codes"] == {0: -9, 1: -9}, out[-3000:]
+    else:  # both ranks die at the moment, unless the first one's death reaches the other before its own
+        # writer thread does (its training thread's next collective fails: one line, exit 1)
+        codes = run["exit_codes"]
+        assert -9 in codes.values() and all(c == -9 or c == 1 for c in codes.values()), out[-3000:]
+        assert all(c == -9 for c in codes.values()) or "a peer is frozen or died" in out, out[-3000:]
     assert [m for m in LOADED.findall(out)] == ([loaded] if loaded else []), out[-3000:]
     assert run["latest"] == latest and run["manifests"] == manifests and run["hidden"] == hidden
     first = int(loaded) + 1 if loaded else 1
