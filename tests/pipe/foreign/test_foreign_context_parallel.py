@@ -67,18 +67,25 @@ def train(schedule, loss, batch):
     for m in engine.module.modules():
         if isinstance(m, Embedding):
             m.register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0][0].shape)))
-    make = {"plain": micro_batch, "masked": masked_batch}[batch]
-    replica = engine.grid.get_data_parallel_rank() // CP  # every CP rank of a replica reads its micro-batches
-
-    def batches(step):
-        return iter([make(step, replica * GAS + j, config.vocab_size, SEQ) for j in range(GAS)])
-    losses = [float(engine.train_batch(batches(step))) for step in range(STEPS)]
-    weights = whole_tensors(engine, config, {layer_key(engine.module, n): p.detach()
-                                             for n, p in engine.module.named_parameters()})
+    out = replica_run(engine, config, {"plain": micro_batch, "masked": masked_batch}[batch], GAS, STEPS)
     attention = [m.cp_layout.size for m in engine.module.modules() if isinstance(m, CausalSelfAttention)
                  and m.cp_group is not None]
+    return dict(out, tokens=sorted(set(seen)), attention=attention, engine=type(engine).__name__)
+
+
+def replica_run(engine, config, make, gas, steps):
+    """`steps` steps on this rank's replica's micro-batches (every CP rank of a replica reads the same ones), then
+    an eval: the losses, the eval loss, every weight whole, the replica."""
+    replica = engine.grid.get_data_parallel_rank() // config.context_parallel_size
+
+    def batches(step):
+        return iter([make(step, replica * gas + j, config.vocab_size, config.max_position_embeddings)
+                     for j in range(gas)])
+    losses = [float(engine.train_batch(batches(step))) for step in range(steps)]
+    weights = whole_tensors(engine, config, {layer_key(engine.module, n): p.detach()
+                                             for n, p in engine.module.named_parameters()})
     return dict(losses=losses, eval_loss=float(engine.eval_batch(batches(EVAL_STEP))), weights=weights,
-                tokens=sorted(set(seen)), attention=attention, engine=type(engine).__name__)
+                replica=replica)
 
 
 def refusal(make):

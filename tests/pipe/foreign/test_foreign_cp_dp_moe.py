@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from megatron_ds.testing.launcher import run_ranks
-from tests.gpt_harness import EVAL_STEP, layer_key, micro_batch, optimizer_for, reference_run, tiny_config, whole_tensors
+from tests.gpt_harness import micro_batch, optimizer_for, reference_run, tiny_config
 from tests.gpt_harness import ds_config as make_ds_config
-from tests.pipe.foreign.test_foreign_context_parallel import masked_batch, refusal, user_layers
+from tests.pipe.foreign.test_foreign_context_parallel import masked_batch, refusal, replica_run, user_layers
 from tests.pipe.moe.test_moe_engine import MODELS
 from tests.pipe.parallel.test_context_parallel import LLAMA, LR, SEQ
 
@@ -54,15 +54,8 @@ def train(name):
            "context_parallel": {"context_parallel_size": CP}}
     optimizer = user_optimizer(net.named_parameters()) if config.moe else optimizer_for(net.named_parameters(), LR)
     engine, *_ = megatron_ds.initialize(model=net, optimizer=optimizer, config=cfg)
-    replica = engine.grid.get_data_parallel_rank() // CP  # every CP rank of a replica reads its micro-batches
-
-    def batches(step):
-        return iter([make(step, replica * GAS + j, config.vocab_size, SEQ) for j in range(GAS)])
-    losses = [float(engine.train_batch(batches(step))) for step in range(STEPS)]
-    weights = whole_tensors(engine, config, {layer_key(engine.module, n): p.detach()
-                                             for n, p in engine.module.named_parameters()})
-    out = dict(losses=losses, eval_loss=float(engine.eval_batch(batches(EVAL_STEP))), weights=weights,
-               replica=replica, data_world=engine.dp_world_size, engine=[c.__name__ for c in type(engine).__mro__[:3]])
+    out = dict(replica_run(engine, config, make, GAS, STEPS), data_world=engine.dp_world_size,
+               engine=[c.__name__ for c in type(engine).__mro__[:3]])
     if config.moe:
         from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
         from megatron_ds.pipe.foreign.foreign_moe import check_experts
