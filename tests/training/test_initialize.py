@@ -103,7 +103,7 @@ def test_ranks_under_the_deepspeed_launcher_share_the_cores(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     threads = max(1, usable_cores() // 2)
-    found = sorted(re.findall(r"rank (\d) threads (\d+) OMP_NUM_THREADS (\S+)", out))
+    found = sorted(re.findall(r"rank (\d) threads (\d+) OMP_NUM_THREADS (\w+)", out))  # \w: another rank's line may follow
     assert found == [("0", str(threads), str(threads)), ("1", str(threads), str(threads))], out[-3000:]
     assert out.count("> CPU threads: 2 ranks on this machine") == 1, out[-3000:]
     assert out.count("deepspeed_shm_comm_op built successfully") <= 1, out[-3000:]  # DeepSpeed's, once: rank 0's

@@ -60,7 +60,7 @@ class PositionDocuments(Documents):
         self.ids = first.cumsum(dim=1, dtype=torch.int32) - 1
         self.positions = None  # the model's rotary rotates by the position ids themselves
         self.starts = [row.nonzero().flatten().tolist() for row in first.cpu()]
-        self._masks, self._groups = {}, {}
+        self._masks, self._groups, self._tables = {}, {}, {}  # Documents' memos, which its __init__ would make
 
     @classmethod
     def of(cls, position_ids):
